@@ -1,0 +1,3 @@
+from fedge.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Code shared by every runtime role: errors, tensor encoding, messages, typed config."""

@@ -1,0 +1,1 @@
+"""What runs beside the broker: the round engine, coordinator halves of methods, checkpoints."""

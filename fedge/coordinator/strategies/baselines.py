@@ -1,0 +1,107 @@
+"""Coordinator halves of the baselines: Local, FedAvg within a group, LG-FedAvg, FedProto."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fedge.common.archs import arch_by_name
+from fedge.common.rounds import EXTRACTOR_ARTIFACT, PROTOTYPES_ARTIFACT, DeviceInfo, group_artifact
+from fedge.coordinator.aggregate import GroupedMean, WeightedMean
+from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+
+EXTRACTOR_PREFIX = "extractor."
+
+
+def weight_spec(arch: str) -> UpdateSpec:
+    """Float state-dict entries of an architecture (BN counters are never sent)."""
+    return {
+        k: (shape, "float")
+        for k, shape in arch_by_name(arch).param_shapes().items()
+        if not k.endswith("num_batches_tracked")
+    }
+
+
+class LocalStrategy(Strategy):
+    """No aggregation: devices upload nothing but metrics."""
+
+    name = "local"
+
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
+        pass
+
+    def finish_round(self, rnd: int) -> dict[str, Arrays]:
+        return {}
+
+    def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
+        return {}
+
+
+class FedAvgStrategy(Strategy):
+    """Sample-weighted average of full weights within each architecture group."""
+
+    name = "fedavg"
+
+    def begin_round(self, rnd: int) -> None:
+        self.groups = GroupedMean()
+
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
+        self.groups.add(device.group, arrays, float(max(device.num_samples, 1)))
+
+    def finish_round(self, rnd: int) -> dict[str, Arrays]:
+        return {group_artifact(g): a for g, a in self.groups.results().items()}
+
+    def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
+        return weight_spec(device.arch)
+
+
+class LGFedAvgStrategy(FedAvgStrategy):
+    """The extractor averaged over all devices; everything else within the group."""
+
+    name = "lgfedavg"
+
+    def begin_round(self, rnd: int) -> None:
+        super().begin_round(rnd)
+        self.extractor = WeightedMean()
+
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
+        w = float(max(device.num_samples, 1))
+        shared = {k: v for k, v in arrays.items() if k.startswith(EXTRACTOR_PREFIX)}
+        rest = {k: v for k, v in arrays.items() if not k.startswith(EXTRACTOR_PREFIX)}
+        self.extractor.add(shared, w)
+        self.groups.add(device.group, rest, w)
+
+    def finish_round(self, rnd: int) -> dict[str, Arrays]:
+        out = super().finish_round(rnd)
+        if self.extractor:
+            out[EXTRACTOR_ARTIFACT] = self.extractor.result()
+        return out
+
+
+class FedProtoStrategy(Strategy):
+    """Count-weighted mean of per-class prototypes over all devices."""
+
+    name = "fedproto"
+
+    def begin_round(self, rnd: int) -> None:
+        self.sums: np.ndarray | None = None
+        self.counts = np.zeros(self.num_classes, dtype=np.int64)
+
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
+        protos = np.asarray(arrays["protos"], dtype=np.float64)
+        counts = np.asarray(arrays["counts"], dtype=np.int64)
+        if self.sums is None:
+            self.sums = np.zeros_like(protos)
+        self.sums += protos * counts[:, None]
+        self.counts += counts
+
+    def finish_round(self, rnd: int) -> dict[str, Arrays]:
+        if self.sums is None:
+            return {}
+        protos = self.sums / np.maximum(self.counts, 1)[:, None]
+        return {PROTOTYPES_ARTIFACT: {"protos": protos.astype(np.float32), "counts": self.counts.copy()}}
+
+    def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
+        p = device.feature_dim
+        return {"protos": ((self.num_classes, p), "float"), "counts": ((self.num_classes,), "int")}

@@ -1,0 +1,64 @@
+"""The coordinator half of a method."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+
+from fedge.common.rounds import DeviceInfo
+
+Arrays = dict[str, np.ndarray]
+# name -> (shape, dtype kind) where kind is "float" or "int"
+UpdateSpec = dict[str, tuple[tuple[int, ...], str]]
+
+
+class Strategy(ABC):
+    """Aggregates device updates into global artifacts, one round at a time.
+
+    The engine calls :meth:`begin_round`, then :meth:`accumulate` once per valid
+    update as it arrives (streaming: strategies keep running sums, not updates),
+    then :meth:`finish_round`, whose artifacts are published for the next round.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, config: dict[str, Any], *, num_classes: int, rounds: int) -> None:
+        self.config = config
+        self.num_classes = num_classes
+        self.rounds = rounds
+
+    def total_rounds(self) -> int:
+        """Training rounds (the final evaluation round comes after these)."""
+        return self.rounds
+
+    def phase(self, rnd: int) -> str:
+        """Phase name of training round ``rnd`` (1-based)."""
+        return "train"
+
+    def round_config(self, rnd: int) -> dict[str, Any]:
+        """Method-specific settings announced with round ``rnd``."""
+        return {}
+
+    def begin_round(self, rnd: int) -> None:  # noqa: B027
+        """Reset per-round accumulators."""
+
+    @abstractmethod
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
+        """Fold one validated update into the running aggregate."""
+
+    @abstractmethod
+    def finish_round(self, rnd: int) -> dict[str, Arrays]:
+        """Artifacts changed by this round (name -> arrays)."""
+
+    def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
+        """Exact tensor names/shapes this device must upload in ``rnd`` (None: unchecked)."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state beyond the published artifacts (for coordinator restarts)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027
+        """Restore :meth:`state_dict`."""

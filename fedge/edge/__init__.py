@@ -1,0 +1,1 @@
+"""What runs on a device: models, data, local training, method device halves, the agent."""

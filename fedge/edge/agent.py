@@ -1,0 +1,89 @@
+"""The device agent: follows round descriptors, runs its method's device half, uploads.
+
+The same class runs in-process (stepped by the simulator) and on a real device
+over MQTT (stepped by its own loop), so the bytes it counts are the wire bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from fedge.common.messages import Message
+from fedge.common.rounds import DeviceInfo, RoundInfo
+from fedge.common.transport import DeviceTransport
+from fedge.edge.methods.base import DeviceMethod
+from fedge.errors import PayloadError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Traffic:
+    """Bytes this device received and sent in one round (encoded sizes)."""
+
+    round: int
+    bytes_down: int
+    bytes_up: int
+
+
+class DeviceAgent:
+    """Runs one device: hello, then one :meth:`step` per announced round."""
+
+    def __init__(self, method: DeviceMethod, transport: DeviceTransport, device: DeviceInfo,
+                 *, fleet: str = "default", eval_every: int = 1) -> None:
+        self.method = method
+        self.transport = transport
+        self.device = device
+        self.fleet = fleet
+        self.eval_every = max(1, eval_every)
+        self.last_round = 0
+        self.traffic: list[Traffic] = []
+
+    def hello(self) -> None:
+        msg = Message("hello", self.device.device_id, 0, self.fleet, info={"device": self.device.to_dict()})
+        self.transport.send_hello(msg.to_bytes())
+
+    def step(self) -> bool:
+        """Handle the current round if it is new; returns whether a round was handled."""
+        raw = self.transport.current_round()
+        if raw is None:
+            return False
+        try:
+            announce = Message.from_bytes(raw)
+            info = RoundInfo.from_dict(announce.info["round"])
+        except (PayloadError, KeyError, TypeError) as exc:
+            log.warning("%s: ignored a bad round descriptor: %s", self.device.device_id, exc)
+            return False
+        if info.round <= self.last_round:
+            return False
+        self.handle_round(info, len(raw))
+        return True
+
+    def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:
+        down = descriptor_bytes
+        artifacts = {}
+        for name in self.method.needed_artifacts(info):
+            data = self.transport.fetch_global(name)
+            if data is None:
+                continue  # nothing aggregated yet (first round)
+            down += len(data)
+            artifacts[name] = Message.from_bytes(data).tensors
+        self.method.apply_global(info, artifacts)
+        metrics = {}
+        if info.is_final or (info.round - 1) % self.eval_every == 0:
+            metrics = self.method.evaluate()
+        if info.is_final:
+            arrays, extra = {}, {}
+        else:
+            arrays, extra = self.method.train_round(info)
+        update = Message(
+            "update", self.device.device_id, info.round, self.fleet, tensors=arrays,
+            info={"metrics": metrics, "bytes_down": down, "num_samples": self.device.num_samples, **extra},
+        )
+        data = update.to_bytes(self.device.upload_precision)
+        self.transport.send_update(data)
+        self.traffic.append(Traffic(info.round, down, len(data)))
+        self.last_round = info.round
+        log.debug("%s: round %d (%s) up %d B down %d B", self.device.device_id, info.round, info.phase,
+                  len(data), down)

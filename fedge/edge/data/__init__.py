@@ -1,0 +1,1 @@
+"""Datasets, the shared preprocessing and fleet partitioners."""

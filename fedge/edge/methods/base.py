@@ -1,0 +1,106 @@
+"""The device half of a method, and the context it runs in."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from fedge.common.rounds import RoundInfo
+from fedge.edge.data.datasets import Dataset
+from fedge.edge.models.zoo import FedgeNet
+from fedge.edge.training import TrainConfig, accuracy
+
+Arrays = dict[str, np.ndarray]
+
+
+@dataclass
+class DeviceContext:
+    """Everything a device method may use: its model, its data, its plan's settings."""
+
+    device_id: str
+    model: FedgeNet
+    train: Dataset
+    local_test: Dataset
+    train_cfg: TrainConfig
+    upload_precision: str = "fp32"
+    seed: int = 0
+    method_config: dict[str, Any] = field(default_factory=dict)
+    global_test: Dataset | None = None
+    profile: str = "custom"
+    plan: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.seed)
+        self.torch_gen = torch.Generator().manual_seed(self.seed)
+
+    @property
+    def num_classes(self) -> int:
+        return self.model.spec.num_classes
+
+
+class DeviceMethod(ABC):
+    """What one device does in each round of a method.
+
+    The agent calls, per round: :meth:`needed_artifacts`, :meth:`apply_global`
+    with the decoded artifacts, then (unless the round is final)
+    :meth:`train_round`, whose arrays are uploaded at the plan's precision.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, ctx: DeviceContext) -> None:
+        self.ctx = ctx
+        torch.manual_seed(ctx.seed)
+
+    def needed_artifacts(self, info: RoundInfo) -> list[str]:
+        """Global artifacts this device needs at the start of ``info``'s round."""
+        return []
+
+    def apply_global(self, info: RoundInfo, artifacts: dict[str, Arrays]) -> None:  # noqa: B027
+        """Load global state into the local model (default: nothing to load)."""
+
+    @abstractmethod
+    def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
+        """Train locally; return (arrays to upload, JSON-able info)."""
+
+    def evaluate(self) -> dict[str, float]:
+        """Accuracy of the current model on the global test set and the local test split."""
+        ctx = self.ctx
+        out = {"acc_local": accuracy(ctx.model, ctx.local_test.x, ctx.local_test.y)}
+        if ctx.global_test is not None:
+            out["acc_global"] = accuracy(ctx.model, ctx.global_test.x, ctx.global_test.y)
+        return out
+
+
+# -- state-dict <-> arrays ------------------------------------------------------------------
+
+def is_buffer_counter(name: str) -> bool:
+    """BatchNorm's ``num_batches_tracked`` is a counter, not a weight: never averaged or sent."""
+    return name.endswith("num_batches_tracked")
+
+
+def model_arrays(model: torch.nn.Module, prefixes: Iterable[str] | None = None,
+                 exclude: Iterable[str] = ()) -> Arrays:
+    """float32 copies of the state-dict entries under ``prefixes`` (all if None)."""
+    pre = tuple(prefixes) if prefixes is not None else None
+    exc = tuple(exclude)
+    return {
+        k: v.detach().cpu().numpy().astype(np.float32, copy=True)
+        for k, v in model.state_dict().items()
+        if not is_buffer_counter(k)
+        and (pre is None or k.startswith(pre))
+        and not (exc and k.startswith(exc))
+    }
+
+
+def load_arrays(model: torch.nn.Module, arrays: Arrays) -> None:
+    """Copy ``arrays`` into matching state-dict entries (shapes must agree)."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for k, v in arrays.items():
+            state[k].copy_(torch.from_numpy(np.asarray(v)).reshape(state[k].shape))

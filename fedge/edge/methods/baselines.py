@@ -1,0 +1,95 @@
+"""Device halves of the baselines: Local, FedAvg within a group, LG-FedAvg, FedProto."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedge.common.rounds import EXTRACTOR_ARTIFACT, PROTOTYPES_ARTIFACT, RoundInfo, group_artifact
+from fedge.edge.methods.base import Arrays, DeviceMethod, load_arrays, model_arrays
+from fedge.edge.models.zoo import EXTRACTOR
+from fedge.edge.training import class_feature_stats, train_epochs
+
+
+class LocalDevice(DeviceMethod):
+    """No federation: train on local data only; uploads nothing but the sample count."""
+
+    name = "local"
+
+    def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
+        loss = train_epochs(self.ctx.model, self.ctx.train.x, self.ctx.train.y, self.ctx.train_cfg, self.ctx.rng)
+        return {}, {"loss": loss}
+
+
+class FedAvgDevice(DeviceMethod):
+    """FedAvg within an architecture group: upload all weights, get the group average back."""
+
+    name = "fedavg"
+
+    def needed_artifacts(self, info: RoundInfo) -> list[str]:
+        return [group_artifact(self.ctx.model.spec.name)]
+
+    def apply_global(self, info: RoundInfo, artifacts: dict[str, Arrays]) -> None:
+        for arrays in artifacts.values():
+            load_arrays(self.ctx.model, arrays)
+
+    def upload(self) -> Arrays:
+        return model_arrays(self.ctx.model)
+
+    def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
+        loss = train_epochs(self.ctx.model, self.ctx.train.x, self.ctx.train.y, self.ctx.train_cfg, self.ctx.rng)
+        return self.upload(), {"loss": loss}
+
+
+class LGFedAvgDevice(FedAvgDevice):
+    """LG-FedAvg as fedge defines it: the common extractor is averaged over every device,
+    the rest of the network within the architecture group."""
+
+    name = "lgfedavg"
+
+    def needed_artifacts(self, info: RoundInfo) -> list[str]:
+        return [EXTRACTOR_ARTIFACT, *super().needed_artifacts(info)]
+
+
+class FedProtoDevice(DeviceMethod):
+    """FedProto (Tan et al., AAAI 2022): upload per-class feature means and counts; train with
+    cross-entropy plus ``lambda * ||g(x) - c_y||^2`` toward the global prototypes."""
+
+    name = "fedproto"
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.lam = float(ctx.method_config.get("lambda", 1.0))
+        self.global_protos: torch.Tensor | None = None  # (C, p)
+        self.proto_mask: torch.Tensor | None = None  # (C,) classes some device has seen
+
+    def needed_artifacts(self, info: RoundInfo) -> list[str]:
+        return [PROTOTYPES_ARTIFACT]
+
+    def apply_global(self, info: RoundInfo, artifacts: dict[str, Arrays]) -> None:
+        arrays = artifacts.get(PROTOTYPES_ARTIFACT)
+        if arrays:
+            self.global_protos = torch.from_numpy(arrays["protos"].astype(np.float32))
+            self.proto_mask = torch.from_numpy(arrays["counts"] > 0)
+
+    def _proto_loss(self, model: Any, xb: torch.Tensor, yb: torch.Tensor,
+                    logits: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        assert self.global_protos is not None and self.proto_mask is not None
+        keep = self.proto_mask[yb]
+        if not bool(keep.any()):
+            return feats.sum() * 0.0
+        target = self.global_protos[yb[keep]]
+        return self.lam * torch.nn.functional.mse_loss(feats[keep], target)
+
+    def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
+        ctx = self.ctx
+        extra = self._proto_loss if self.global_protos is not None else None
+        loss = train_epochs(ctx.model, ctx.train.x, ctx.train.y, ctx.train_cfg, ctx.rng, extra_loss=extra)
+        sums, _, counts = class_feature_stats(ctx.model, ctx.train.x, ctx.train.y, ctx.num_classes)
+        protos = sums / np.maximum(counts, 1)[:, None]
+        return {"protos": protos.astype(np.float32), "counts": counts}, {"loss": loss}
+
+
+__all__ = ["EXTRACTOR", "FedAvgDevice", "FedProtoDevice", "LGFedAvgDevice", "LocalDevice"]

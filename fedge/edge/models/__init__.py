@@ -1,0 +1,6 @@
+"""The heterogeneous model zoo and self-describing checkpoints."""
+
+from fedge.edge.models.checkpoint import load_checkpoint, register_builder, save_checkpoint
+from fedge.edge.models.zoo import FedgeNet, build_model
+
+__all__ = ["FedgeNet", "build_model", "load_checkpoint", "register_builder", "save_checkpoint"]

@@ -1,0 +1,82 @@
+"""Torch modules of the model zoo, built from :class:`fedge.common.archs.ArchSpec`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedge.common.archs import STEM_CHANNELS, ArchSpec, arch_by_name
+
+# Parameter-name prefixes, used by methods that share parts of the network.
+EXTRACTOR = "extractor."
+BODY = "body."
+EMBED = "embed."
+HEAD = "head."
+
+
+def _block(cin: int, cout: int, batchnorm: bool) -> list[nn.Module]:
+    layers: list[nn.Module] = [nn.Conv2d(cin, cout, 3, padding=1)]
+    if batchnorm:
+        layers.append(nn.BatchNorm2d(cout))
+    layers += [nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+    return layers
+
+
+class FedgeNet(nn.Module):
+    """``head ∘ embed ∘ body ∘ extractor`` (see :mod:`fedge.common.archs`)."""
+
+    def __init__(self, spec: ArchSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        # (B, 1, 32, 32) -> (B, 3, 16, 16); the stem always has BN, as published.
+        self.extractor = nn.Sequential(
+            nn.Conv2d(spec.in_channels, STEM_CHANNELS, 3, padding=1),
+            nn.BatchNorm2d(STEM_CHANNELS),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+        )
+        layers: list[nn.Module] = []
+        cin = STEM_CHANNELS
+        for cout in spec.channels:
+            layers += _block(cin, cout, spec.batchnorm)
+            cin = cout
+        layers.append(nn.Flatten())
+        self.body = nn.Sequential(*layers)  # (B, 3, 16, 16) -> (B, flat)
+        self.embed: nn.Module = (
+            nn.Linear(spec.flat_dim, spec.embed_dim) if spec.embed_dim is not None else nn.Identity()
+        )  # (B, flat) -> (B, p)
+        self.head = nn.Linear(spec.feature_dim, spec.num_classes)  # (B, p) -> (B, classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Embedding g(x) of shape (B, p)."""
+        return self.embed(self.body(self.extractor(x)))
+
+    def from_stem(self, z: torch.Tensor) -> torch.Tensor:
+        """Logits from extractor output (B, 3, 16, 16): used by feature-level methods."""
+        return self.head(self.embed(self.body(z)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+    def build_args(self) -> dict[str, Any]:
+        """Arguments that rebuild this module (stored in checkpoints)."""
+        return {"spec": self.spec.to_dict()}
+
+
+def build_fedgenet(spec: dict[str, Any]) -> FedgeNet:
+    return FedgeNet(ArchSpec.from_dict(spec))
+
+
+def build_model(arch: str | ArchSpec, *, embed_dim: int | None = None, seed: int | None = None,
+                num_classes: int | None = None) -> FedgeNet:
+    """Build a zoo network by name or spec; ``seed`` makes the initial weights reproducible."""
+    spec = arch if isinstance(arch, ArchSpec) else arch_by_name(arch, embed_dim=embed_dim)
+    if num_classes is not None and num_classes != spec.num_classes:
+        spec = ArchSpec(**{**spec.to_dict(), "channels": spec.channels, "num_classes": num_classes})
+    if seed is None:
+        return FedgeNet(spec)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return FedgeNet(spec)

@@ -1,0 +1,121 @@
+"""Local training and evaluation loops shared by every device method."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+# Extra loss term: (model, x, y, logits, features) -> scalar tensor.
+ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimizer settings of local training (from the device's plan, overridable per fleet)."""
+
+    lr: float = 0.1
+    batch_size: int = 64
+    local_epochs: int = 5
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+
+def make_optimizer(params: list[nn.Parameter] | list[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def batches(n: int, batch_size: int, rng: np.random.Generator, *, shuffle: bool = True):  # type: ignore[no-untyped-def]
+    """Index batches of one epoch."""
+    order = rng.permutation(n) if shuffle else np.arange(n)
+    for i in range(0, n, batch_size):
+        yield order[i : i + batch_size]
+
+
+def train_epochs(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    cfg: TrainConfig,
+    rng: np.random.Generator,
+    *,
+    epochs: int | None = None,
+    params: list[nn.Parameter] | None = None,
+    forward: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    extra_loss: ExtraLoss | None = None,
+) -> float:
+    """SGD with cross-entropy for ``epochs`` (default ``cfg.local_epochs``); returns the mean loss.
+
+    ``forward`` maps a batch to (logits, features); by default ``model.features``
+    then ``model.head``. ``params`` restricts which parameters are optimized.
+    """
+    model.train()
+    opt = make_optimizer(params if params is not None else list(model.parameters()), cfg)
+    fwd = forward or (lambda xb: _default_forward(model, xb))
+    xt = torch.from_numpy(np.ascontiguousarray(x))
+    yt = torch.from_numpy(np.ascontiguousarray(y))
+    total, count = 0.0, 0
+    for _ in range(cfg.local_epochs if epochs is None else epochs):
+        for idx in batches(len(y), cfg.batch_size, rng):
+            if len(idx) < 2 and _has_batchnorm(model):
+                continue  # BatchNorm cannot train on a batch of one
+            xb, yb = xt[idx], yt[idx]
+            logits, feats = fwd(xb)
+            loss = nn.functional.cross_entropy(logits, yb)
+            if extra_loss is not None:
+                loss = loss + extra_loss(model, xb, yb, logits, feats)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+            count += len(idx)
+    return total / max(count, 1)
+
+
+def _default_forward(model: nn.Module, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    feats = model.features(xb)  # type: ignore[operator]
+    return model.head(feats), feats  # type: ignore[operator]
+
+
+def _has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+@torch.no_grad()
+def predict(model: nn.Module, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:
+    """Predicted labels (N,)."""
+    model.eval()
+    out = []
+    for i in range(0, len(x), batch_size):
+        out.append(model(torch.from_numpy(np.ascontiguousarray(x[i : i + batch_size]))).argmax(1).numpy())
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
+    """Top-1 accuracy in [0, 1]; NaN for an empty set."""
+    if len(y) == 0:
+        return float("nan")
+    return float((predict(model, x) == y).mean())
+
+
+@torch.no_grad()
+def class_feature_stats(model: nn.Module, x: np.ndarray, y: np.ndarray, num_classes: int,
+                        batch_size: int = 512) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-class feature sums, squared sums and counts: (C, p), (C, p), (C,)."""
+    model.eval()
+    sums: np.ndarray | None = None
+    sq: np.ndarray | None = None
+    counts = np.bincount(y, minlength=num_classes).astype(np.int64)
+    for i in range(0, len(y), batch_size):
+        f = model.features(torch.from_numpy(np.ascontiguousarray(x[i : i + batch_size]))).double().numpy()  # type: ignore[operator]
+        if sums is None:
+            sums = np.zeros((num_classes, f.shape[1]))
+            sq = np.zeros((num_classes, f.shape[1]))
+        yb = y[i : i + batch_size]
+        np.add.at(sums, yb, f)
+        np.add.at(sq, yb, f * f)  # type: ignore[arg-type]
+    assert sums is not None and sq is not None
+    return sums, sq, counts
