@@ -23,6 +23,8 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
+    # True when devices exchange feature-space statistics, so every device needs the same p.
+    shares_features: ClassVar[bool] = False
 
     def __init__(self, config: dict[str, Any], *, num_classes: int, rounds: int) -> None:
         self.config = config

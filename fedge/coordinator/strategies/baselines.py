@@ -83,6 +83,7 @@ class FedProtoStrategy(Strategy):
     """Count-weighted mean of per-class prototypes over all devices."""
 
     name = "fedproto"
+    shares_features = True
 
     def begin_round(self, rnd: int) -> None:
         self.sums: np.ndarray | None = None

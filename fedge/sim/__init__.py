@@ -1,0 +1,1 @@
+"""The whole fleet on one machine: fleet configs, the simulator, reports."""

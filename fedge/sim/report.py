@@ -1,0 +1,167 @@
+"""Results of a run: ``results.json``, ``accuracy.png``, ``traffic.png`` and the final table.
+
+Accuracy index convention: ``acc_global[r]`` is the accuracy *after* round r
+(r = 0 is the initial model), measured by the device at the start of round r+1
+(or in the final round) and carried in its update, so the numbers are the same
+in-process and over MQTT.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from fedge.coordinator.engine import RoundReport
+from fedge.sim.simulate import SimResult
+
+
+def _nan_to_none(x: float | None) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def build_results(res: SimResult) -> dict[str, Any]:
+    """The JSON document of a run."""
+    reports: list[RoundReport] = res.reports
+    rounds = res.cfg.run.rounds
+    devices = []
+    for d in res.devices:
+        dev_id = d.info.device_id
+        acc_g: list[float | None] = [None] * (len(reports))
+        acc_l: list[float | None] = [None] * (len(reports))
+        up = [0] * len(reports)
+        down = [0] * len(reports)
+        for i, rep in enumerate(reports):
+            m = rep.metrics.get(dev_id, {})
+            acc_g[i] = _nan_to_none(m.get("acc_global"))
+            acc_l[i] = _nan_to_none(m.get("acc_local"))
+            up[i] = rep.bytes_up.get(dev_id, 0)
+            down[i] = rep.bytes_down.get(dev_id, 0)
+        seen = [a for a in acc_g if a is not None]
+        devices.append({
+            "id": dev_id,
+            "profile": d.info.profile,
+            "arch": d.info.arch,
+            "params": d.info.extra.get("params"),
+            "num_train": d.info.num_samples,
+            "num_local_test": len(d.method.ctx.local_test),
+            "upload_precision": d.info.upload_precision,
+            "plan": d.plan,
+            "acc_global": acc_g,
+            "acc_local": acc_l,
+            "final_acc_global": acc_g[-1] if acc_g else None,
+            "final_acc_local": acc_l[-1] if acc_l else None,
+            "best_acc_global": max(seen) if seen else None,
+            # Training rounds only (the final evaluation round uploads metrics only, but is counted).
+            "bytes_up": up,
+            "bytes_down": down,
+        })
+
+    def mean(key: str) -> float | None:
+        vals = [d[key] for d in devices if d[key] is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    return {
+        "name": res.cfg.run.name,
+        "method": res.cfg.run.method,
+        "dataset": res.cfg.run.dataset,
+        "rounds": rounds,
+        "seed": res.cfg.run.seed,
+        "config": res.cfg.source,
+        "seconds": res.seconds,
+        "seconds_per_round": sum(r.seconds for r in reports[:rounds]) / max(rounds, 1),
+        "summary": {
+            "mean_final_acc_global": mean("final_acc_global"),
+            "mean_best_acc_global": mean("best_acc_global"),
+            "mean_final_acc_local": mean("final_acc_local"),
+            "mean_bytes_up_per_round": sum(sum(d["bytes_up"][:rounds]) for d in devices) / max(1, len(devices) * rounds),
+            "mean_bytes_down_per_round": sum(sum(d["bytes_down"][:rounds]) for d in devices)
+            / max(1, len(devices) * rounds),
+        },
+        "rounds_log": [
+            {"round": r.round, "phase": r.phase, "seconds": r.seconds, "accepted": len(r.accepted),
+             "rejected": r.rejected}
+            for r in reports
+        ],
+        "devices": devices,
+    }
+
+
+def write_results(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Write results.json, accuracy.png and traffic.png into ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "accuracy.png", out / "traffic.png"]
+    paths[0].write_text(json.dumps(results, indent=1))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for d in results["devices"]:
+        pts = [(r, a) for r, a in enumerate(d["acc_global"]) if a is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker=".", label=f"{d['id']} ({d['arch']})")
+    ax.set_xlabel("round")
+    ax.set_ylabel("global test accuracy (%)")
+    ax.set_title(f"{results['method']} on {results['dataset']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ids = [d["id"] for d in results["devices"]]
+    ups = [sum(d["bytes_up"]) / 1024 for d in results["devices"]]
+    downs = [sum(d["bytes_down"]) / 1024 for d in results["devices"]]
+    xs = range(len(ids))
+    ax.bar([x - 0.2 for x in xs], ups, width=0.4, label="up")
+    ax.bar([x + 0.2 for x in xs], downs, width=0.4, label="down")
+    ax.set_xticks(list(xs), ids, rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel("KiB over the run (encoded)")
+    ax.set_title("traffic per device")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(paths[2], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The per-device summary table the CLI prints."""
+    header = ["device", "profile", "model", "params", "acc global %", "best %", "acc local %", "up", "down", "prec"]
+    rows = [header]
+    for d in results["devices"]:
+        rows.append([
+            d["id"], d["profile"], d["arch"], f"{d['params']:,}" if d["params"] else "-",
+            _pct(d["final_acc_global"]), _pct(d["best_acc_global"]), _pct(d["final_acc_local"]),
+            _fmt_bytes(sum(d["bytes_up"])), _fmt_bytes(sum(d["bytes_down"])), d["upload_precision"],
+        ])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    s = results["summary"]
+    lines.append("")
+    lines.append(
+        f"{results['method']} on {results['dataset']}, {results['rounds']} rounds, "
+        f"{results['seconds']:.1f} s: mean global accuracy {_pct(s['mean_final_acc_global'])} % "
+        f"(best {_pct(s['mean_best_acc_global'])} %), local {_pct(s['mean_final_acc_local'])} %"
+    )
+    return "\n".join(lines)
