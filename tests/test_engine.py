@@ -1,0 +1,114 @@
+"""The round engine with the in-process transport: aggregation, bytes, validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fleet_helpers import tiny_fleet, weights
+
+from fedge.common.messages import Message
+from fedge.common.rounds import EXTRACTOR_ARTIFACT, PROTOTYPES_ARTIFACT, group_artifact
+from fedge.edge.methods.base import model_arrays
+
+
+def _capture_uploads(fleet) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Wrap each agent's send_update to keep the decoded uploads."""
+    seen: list[dict] = []
+    for a in fleet.agents:
+        orig = a.transport.send_update
+
+        def send(data: bytes, orig=orig) -> None:  # type: ignore[no-untyped-def]
+            seen.append({"bytes": data, "msg": Message.from_bytes(data)})
+            orig(data)
+
+        a.transport.send_update = send  # type: ignore[method-assign]
+    return seen
+
+
+def test_fedavg_within_group_equals_hand_computed_average() -> None:
+    fleet = tiny_fleet("fedavg", ["tier-xs", "tier-xs", "tier-s"], rounds=1)
+    uploads = _capture_uploads(fleet)
+    fleet.engine.run_round(1)
+    by = {u["msg"].sender: u["msg"] for u in uploads}
+    n0, n1 = fleet.agents[0].device.num_samples, fleet.agents[1].device.num_samples
+    glob = fleet.engine.globals[group_artifact("tier-xs")]
+    for name, w0 in by["d0"].tensors.items():
+        expected = (n0 * w0.astype(np.float64) + n1 * by["d1"].tensors[name]) / (n0 + n1)
+        np.testing.assert_allclose(glob[name], expected, rtol=1e-6, atol=1e-7)
+    # the lone tier-s device's group average is its own weights
+    for name, w in by["d2"].tensors.items():
+        np.testing.assert_array_equal(fleet.engine.globals[group_artifact("tier-s")][name], w)
+    assert set(fleet.engine.globals) == {group_artifact("tier-xs"), group_artifact("tier-s")}
+    # after the next round's apply, both xs devices hold the group average
+    fleet.engine.run_round(2)  # final round (rounds=1): apply + evaluate only
+    a, b = weights(fleet, 0), weights(fleet, 1)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_lgfedavg_shares_extractor_across_groups() -> None:
+    fleet = tiny_fleet("lgfedavg", ["tier-xs", "tier-s"], rounds=1)
+    fleet.engine.run()
+    ext0 = model_arrays(fleet.agents[0].method.ctx.model, ["extractor."])
+    ext1 = model_arrays(fleet.agents[1].method.ctx.model, ["extractor."])
+    for k in ext0:
+        np.testing.assert_array_equal(ext0[k], ext1[k])
+    assert not any(k.startswith("extractor.") for k in fleet.engine.globals[group_artifact("tier-xs")])
+    assert set(fleet.engine.globals[EXTRACTOR_ARTIFACT]) == set(ext0)
+
+
+def test_fedproto_prototypes_are_count_weighted() -> None:
+    fleet = tiny_fleet("fedproto", ["tier-xs", "tier-s", "tier-xs"], rounds=1)
+    uploads = _capture_uploads(fleet)
+    fleet.engine.run_round(1)
+    msgs = [u["msg"] for u in uploads]
+    counts = sum(m.tensors["counts"] for m in msgs)
+    sums = sum(m.tensors["protos"].astype(np.float64) * m.tensors["counts"][:, None] for m in msgs)
+    glob = fleet.engine.globals[PROTOTYPES_ARTIFACT]
+    np.testing.assert_array_equal(glob["counts"], counts)
+    np.testing.assert_allclose(glob["protos"], sums / counts[:, None], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
+def test_bytes_counted_are_the_encoded_sizes(precision: str) -> None:
+    fleet = tiny_fleet("fedavg", ["tier-xs", "tier-xs"], rounds=1, precision=precision)
+    uploads = _capture_uploads(fleet)
+    reports = fleet.engine.run()
+    sent = {u["msg"].sender: len(u["bytes"]) for u in uploads if u["msg"].round == 1}
+    assert reports[0].bytes_up == sent
+    assert [t.bytes_up for t in fleet.agents[0].traffic] == [len(u["bytes"]) for u in uploads if u["msg"].sender == "d0"]
+    # downlink of round 2 = round descriptor + the group artifact, as published
+    down = len(fleet.bus.round_msg or b"") + len(fleet.bus.globals[group_artifact("tier-xs")])
+    assert fleet.agents[0].traffic[1].bytes_down == down
+    params = sum(w.size for w in weights(fleet, 0).values())
+    per_value = {"fp32": 4, "fp16": 2, "int8": 1}[precision]
+    assert params * per_value < sent["d0"] < params * per_value + 12_000  # payload + header/envelope
+
+
+def test_rejected_updates_are_counted_and_do_not_touch_the_aggregate() -> None:
+    fleet = tiny_fleet("fedproto", ["tier-xs", "tier-xs"], rounds=1)
+    bus = fleet.bus
+    good_pump = bus.pump
+    bad: list[bytes] = []
+
+    def pump() -> None:
+        assert good_pump is not None
+        good_pump()
+        real = [Message.from_bytes(b) for b in bus.updates]
+        d0 = next(m for m in real if m.sender == "d0")
+        nan = Message("update", "d0", 1, tensors={**d0.tensors, "protos": d0.tensors["protos"] * np.nan})
+        wrong = Message("update", "d1", 1, tensors={"protos": np.zeros((10, 3), np.float32),
+                                                    "counts": np.zeros(10, np.int64)})
+        stale = Message("update", "d1", 0, tensors=d0.tensors)
+        ghost = Message("update", "intruder", 1, tensors=d0.tensors)
+        bad.extend([nan.to_bytes(), wrong.to_bytes(), stale.to_bytes(), ghost.to_bytes(), b"garbage"])
+        # the bad ones arrive first; the replay of d0's real update arrives after the original
+        bus.updates.extendleft(reversed(bad))
+        bus.updates.append(next(b for b in list(bus.updates) if b not in bad and Message.from_bytes(b).sender == "d0"))
+
+    bus.pump = pump
+    report = fleet.engine.run_round(1)
+    assert report.rejected == {"nonfinite": 1, "shape": 1, "stale": 1, "unregistered": 1, "malformed": 1,
+                               "duplicate": 1}
+    assert sorted(report.accepted) == ["d0", "d1"]
+    assert np.all(np.isfinite(fleet.engine.globals[PROTOTYPES_ARTIFACT]["protos"]))
