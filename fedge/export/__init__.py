@@ -1,0 +1,1 @@
+"""ONNX export, per-profile quantization and verification."""
