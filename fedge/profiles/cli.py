@@ -1,0 +1,130 @@
+"""``fedge profile list | show | plan``: the built-in device profiles and what each one gets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+from fedge.common.archs import DEFAULT_EMBED_DIM
+from fedge.profiles.loader import list_profiles, load_profile
+from fedge.profiles.planner import DEFAULT_SAMPLES, plan
+from fedge.profiles.schema import Profile
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``fedge profile`` and its actions."""
+    p = sub.add_parser("profile", help="device profiles and their plans",
+                       description="List the built-in device profiles, show one, or plan what a device runs.")
+    p.set_defaults(func=lambda _args: _usage(p))
+    psub = p.add_subparsers(dest="profile_command", metavar="ACTION")
+
+    ls = psub.add_parser("list", help="the built-in profiles, one line each")
+    ls.set_defaults(func=_list)
+
+    show = psub.add_parser("show", help="every field of a profile")
+    show.add_argument("profile", metavar="NAME|PATH", help="a built-in profile name or a profile .toml file")
+    show.set_defaults(func=_show)
+
+    pl = psub.add_parser("plan", help="what the planner chooses for a profile, and why")
+    pl.add_argument("profile", metavar="NAME|PATH", help="a built-in profile name or a profile .toml file")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                    help=f"local training samples per round (default {DEFAULT_SAMPLES}, the GeFL protocol)")
+    pl.add_argument("--embed-dim", type=int, default=DEFAULT_EMBED_DIM,
+                    help=f"fleet-wide embedding size p (default {DEFAULT_EMBED_DIM})")
+    pl.set_defaults(func=_plan)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _table(rows: Sequence[Sequence[str]], *, right: Sequence[int] = ()) -> str:
+    """Align columns; the last column stays ragged so that long reasons do not pad every line."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    widths[-1] = len(rows[0][-1])
+    lines = []
+    for k, row in enumerate(rows):
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _ghz(x: float) -> str:
+    return f"{x:.1f}" if round(x, 1) == x else f"{x:g}"
+
+
+def _rate(kbps: float) -> str:
+    return f"{kbps:,.0f} kbit/s" if kbps < 1000 else f"{kbps / 1000:,.4g} Mbit/s"
+
+
+def _list(_args: argparse.Namespace) -> int:
+    rows = [["name", "cpu", "cores×GHz", "RAM", "uplink", "description"]]
+    for name in list_profiles():
+        p = load_profile(name)
+        hw = p.hardware
+        rows.append([p.name, hw.cpu, f"{hw.cores}×{_ghz(hw.clock_ghz)}", f"{hw.ram_mb:,} MB",
+                     _rate(p.network.uplink_kbps), p.description])
+    print(_table(rows, right=(3, 4)))
+    return 0
+
+
+def _show_lines(profile: Profile) -> list[str]:
+    hw, net, b = profile.hardware, profile.network, profile.budgets
+    fields = [
+        ("hardware", [
+            ("arch", hw.arch), ("cpu", hw.cpu), ("cores", str(hw.cores)), ("clock_ghz", f"{_ghz(hw.clock_ghz)} GHz"),
+            ("ram_mb", f"{hw.ram_mb:,} MiB"), ("int8_dot", "yes" if hw.int8_dot else "no"),
+            ("accelerators", ", ".join(hw.accelerators) or "none"),
+        ]),
+        ("network", [
+            ("uplink_kbps", f"{net.uplink_kbps:,g} kbit/s"), ("downlink_kbps", f"{net.downlink_kbps:,g} kbit/s"),
+            ("latency_ms", f"{net.latency_ms:g} ms"),
+        ]),
+        ("budgets", [
+            ("train_memory_mb", f"{b.train_memory_mb:g} MiB"), ("round_time_s", f"{b.round_time_s:g} s"),
+            ("inference_latency_ms", f"{b.inference_latency_ms:g} ms"),
+        ]),
+    ]
+    if profile.measured is not None:
+        m = profile.measured
+        fields.append(("measured", [(f"latency_ms {k}", f"{v:g} ms") for k, v in m.latency_ms.items()]
+                       + [(f"accuracy_drop {k}", f"{v:g} points") for k, v in m.accuracy_drop.items()]))
+    width = max(len(k) for _, kv in fields for k, _ in kv)
+    lines = [f"{profile.name}: {profile.description}"]
+    for section, kv in fields:
+        lines += ["", f"[{section}]"] + [f"  {k.ljust(width)}  {v}" for k, v in kv]
+    return lines
+
+
+def _show(args: argparse.Namespace) -> int:
+    print("\n".join(_show_lines(load_profile(args.profile))))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile)
+    p = plan(profile, embed_dim=args.embed_dim, samples=args.samples)
+    if args.json:
+        print(json.dumps(p.to_dict(), indent=2))
+        return 0
+    rows = [["choice", "value", "reason"]]
+    for key, label, value in (
+        ("model_tier", "model tier", p.arch),
+        ("batch_size", "batch size", str(p.batch_size)),
+        ("local_epochs", "local epochs", str(p.local_epochs)),
+        ("inference_quant", "inference quant", p.inference_quant),
+        ("upload_precision", "upload precision", p.upload_precision),
+        ("generator_tier", "generator tier", p.generator_tier),
+    ):
+        rows.append([label, value, p.reasons[key]])
+    print(f"plan for {profile.name}: {profile.description}")
+    print(f"model {p.arch} (p = {p.embed_dim}): {p.params:,} params, {p.macs:,} MACs per image; "
+          f"est. {p.train_memory_mb:.1f} MiB training memory, est. {p.round_time_s:.1f} s per round")
+    print()
+    print(_table(rows))
+    return 0

@@ -1,0 +1,340 @@
+"""The planner: a device profile in, a plan out — every choice with a one-line reason.
+
+The rules are deliberately simple so that a reason can explain them
+(``docs/profiles.md`` states them with their thresholds):
+
+* **model tier**: the largest tier of :data:`fedge.common.archs.TIERS` whose
+  training-memory estimate fits ``budgets.train_memory_mb`` at some batch size
+  (the batch halves from 64 down to 8 before the tier drops) *and* whose
+  estimated round time at 5 local epochs fits ``budgets.round_time_s``. If even
+  the smallest tier misses the round, local epochs drop (down to 1) instead.
+* **inference quantization**: from measured latencies when the profile has
+  them; otherwise from int8 dot-product support and accelerators.
+* **upload precision**: from uplink bandwidth thresholds.
+* **generator tier**: the largest generator whose training-memory estimate fits.
+
+Every input of the model-tier and generator choices is monotone (more memory,
+more cores × GHz, a longer round never shrink a feasible set), so a device that
+dominates another never gets a smaller model: a test checks it.
+
+No torch here: sizes come from :mod:`fedge.common.archs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from fedge.common.archs import DEFAULT_EMBED_DIM, TIERS, ArchSpec, tier_arch
+from fedge.errors import ProfileError
+from fedge.profiles.schema import INFERENCE_QUANTS, Profile
+
+MIB = 2**20
+
+# -- training memory -----------------------------------------------------------
+BYTES_PER_VALUE = 4  # fp32 training
+# weights + gradients + one optimizer buffer (SGD momentum). GeFL's target nets use
+# plain SGD (no buffer); counting one keeps the estimate valid with momentum.
+WEIGHT_COPIES = 3
+# Activations saved in the forward pass, plus their gradients during backward.
+ACTIVATION_COPIES = 2
+# Fixed cost of the first backward pass beyond the tensors above (autograd
+# engine, conv workspaces, allocator slack): the process RSS grows by ~20-25 MiB
+# even at batch 8 for every tier (torch 2.14, x86_64; see docs/profiles.md).
+WORKSPACE_MB = 24.0
+
+DEFAULT_BATCH = 64  # GeFL trains its target nets at batch 64
+MIN_BATCH = 8  # below this BatchNorm statistics get too noisy to be worth the bigger model
+
+# -- round time ----------------------------------------------------------------
+# Training costs ~3 forward passes (forward, input gradients, weight gradients).
+TRAIN_MACS_FACTOR = 3
+# Sustained multiply-accumulates per clock cycle per core that PyTorch reaches when
+# training these small CNNs. 0.25 is conservative for Cortex-A53/A57/A72 (2-4 fp32
+# FMA lanes per cycle, of which small convs use a fraction) and pessimistic for
+# A76 and x86 (one Zen 4 core measured ~6 MAC/cycle on tier-m at batch 64).
+EFFICIENCY_MAC_PER_CYCLE = 0.25
+DEFAULT_SAMPLES = 600  # GeFL: 10 % of (F)MNIST over 10 clients
+MAX_EPOCHS = 5  # GeFL: T_r = 5 local epochs on real data per round
+
+# -- inference and upload ------------------------------------------------------
+MAX_ACCURACY_DROP = 1.0  # percentage points a quantization level may lose against fp32
+UPLINK_FP32_KBPS = 10_000  # >= 10 Mbit/s: the full-precision update is cheap
+UPLINK_FP16_KBPS = 1_000  # 1-10 Mbit/s: halve it; below 1 Mbit/s: quarter it (int8)
+UPLOAD_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}
+
+
+# -- generators ----------------------------------------------------------------
+@dataclass(frozen=True)
+class GeneratorAllowance:
+    """What the largest generator of a tier needs (:mod:`fedge.edge.generators.spec` builds them)."""
+
+    params: int
+    activation_elems: int
+    """Activation elements kept for backward per sample (parameters excluded)."""
+    what: str
+
+
+# The largest generator of each tier over every kind (CVAE, DCGAN, VTC) and level
+# (1x32x32 images, 3x16x16 features), rounded up: parameters from the CVAE on images,
+# saved activations from the DCGAN on images (generator and discriminator). A test
+# recomputes both from fedge.edge.generators, so the allowance cannot fall behind.
+GENERATOR_ALLOWANCES: dict[str, GeneratorAllowance] = {
+    "tiny": GeneratorAllowance(360_000, 32_000, "1/8-width generators"),
+    "small": GeneratorAllowance(1_420_000, 64_000, "1/4-width generators"),
+    "paper": GeneratorAllowance(22_400_000, 240_000, "the published GeFL sizes (CVAE ~22 M params)"),
+}
+GENERATOR_COPIES = 4  # Adam: weights, gradients, first and second moments
+GENERATOR_BATCH = 64
+
+
+def train_memory_mb(spec: ArchSpec, batch_size: int) -> float:
+    """Estimated peak memory of training ``spec`` at ``batch_size``, MiB.
+
+    ``params × 4 B × 3`` (weights, gradients, optimizer buffer)
+    ``+ activation_elems × batch × 4 B × 2`` (saved activations and their gradients)
+    ``+`` :data:`WORKSPACE_MB`.
+    """
+    tensors = (spec.num_params() * BYTES_PER_VALUE * WEIGHT_COPIES
+               + spec.activation_elems() * batch_size * BYTES_PER_VALUE * ACTIVATION_COPIES)
+    return tensors / MIB + WORKSPACE_MB
+
+
+def generator_memory_mb(tier: str) -> float:
+    """Estimated peak memory of training generator tier ``tier`` (Adam, batch 64), MiB."""
+    g = GENERATOR_ALLOWANCES[tier]
+    tensors = (g.params * BYTES_PER_VALUE * GENERATOR_COPIES
+               + g.activation_elems * GENERATOR_BATCH * BYTES_PER_VALUE * ACTIVATION_COPIES)
+    return tensors / MIB + WORKSPACE_MB
+
+
+def round_time_s(spec: ArchSpec, cores_x_ghz: float, *, samples: int, epochs: int) -> float:
+    """Estimated seconds of local training: ``3 × MACs × samples × epochs / (cores × Hz × efficiency)``."""
+    return TRAIN_MACS_FACTOR * spec.macs() * samples * epochs / (cores_x_ghz * 1e9 * EFFICIENCY_MAC_PER_CYCLE)
+
+
+def fit_batch(spec: ArchSpec, budget_mb: float) -> int | None:
+    """Largest batch in 64, 32, 16, 8 whose memory estimate fits ``budget_mb`` (None: none fits)."""
+    batch = DEFAULT_BATCH
+    while batch >= MIN_BATCH:
+        if train_memory_mb(spec, batch) <= budget_mb:
+            return batch
+        batch //= 2
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a device runs, and why (``reasons`` has one line per choice)."""
+
+    profile: str
+    model_tier: str
+    arch: str
+    embed_dim: int
+    inference_quant: str
+    upload_precision: str
+    generator_tier: str
+    """A generator tier (:data:`GENERATOR_ALLOWANCES`), or ``"none"`` when no generator fits."""
+    batch_size: int
+    local_epochs: int
+    samples: int
+    params: int
+    macs: int
+    train_memory_mb: float
+    """Estimated peak training memory of the chosen model at the chosen batch, MiB."""
+    round_time_s: float
+    """Estimated local-training time of one round, s."""
+    reasons: Mapping[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["reasons"] = dict(self.reasons)
+        return d
+
+
+def _mb(x: float) -> str:
+    return f"{x:.1f} MiB"
+
+
+def _choose_tier(profile: Profile, specs: dict[str, ArchSpec], samples: int) -> tuple[str, int, int, dict[str, str]]:
+    """Model tier, batch size, local epochs and their reasons."""
+    budget_mb, budget_s = profile.budgets.train_memory_mb, profile.budgets.round_time_s
+    ghz = profile.hardware.ghz_total
+    by_size = sorted(TIERS, key=lambda t: specs[t].num_params())
+    # Batch that fits the memory budget, for the tiers where one does.
+    batch = {t: b for t in by_size if (b := fit_batch(specs[t], budget_mb)) is not None}
+    secs = {t: round_time_s(specs[t], ghz, samples=samples, epochs=MAX_EPOCHS) for t in by_size}
+    fits_memory = [t for t in by_size if t in batch]
+    if not fits_memory:
+        need = train_memory_mb(specs[by_size[0]], MIN_BATCH)
+        raise ProfileError(
+            f"profile {profile.name!r}: no model tier fits budgets.train_memory_mb = {budget_mb:g} "
+            f"(tier-{by_size[0]} at batch {MIN_BATCH} needs {_mb(need)})",
+            hint=f"raise budgets.train_memory_mb to at least {math.ceil(need)}",
+        )
+    feasible = [t for t in fits_memory if secs[t] <= budget_s]
+    epochs = MAX_EPOCHS
+    if feasible:
+        tier = feasible[-1]
+        bigger = by_size[by_size.index(tier) + 1:]
+        if not bigger:
+            why_not = f"tier-{tier} is the largest tier"
+        elif bigger[0] not in batch:
+            why_not = (f"tier-{bigger[0]} would need {_mb(train_memory_mb(specs[bigger[0]], MIN_BATCH))}"
+                       f" even at batch {MIN_BATCH}")
+        else:
+            why_not = f"tier-{bigger[0]} would need {secs[bigger[0]]:.1f} s"
+        tier_reason = (
+            f"largest tier that fits {profile.budgets.train_memory_mb:g} MiB of training memory "
+            f"(est. {_mb(train_memory_mb(specs[tier], batch[tier]))} at batch {batch[tier]}) and a "
+            f"{budget_s:g} s round (est. {secs[tier]:.1f} s for {samples} samples × {MAX_EPOCHS} epochs); {why_not}"
+        )
+        epochs_reason = f"GeFL's {MAX_EPOCHS} local epochs on real data (T_r) fit the round"
+    else:
+        # Even the smallest tier misses the round at 5 epochs: keep the smallest
+        # model and train fewer epochs rather than give up.
+        tier = fits_memory[0]
+        one = round_time_s(specs[tier], ghz, samples=samples, epochs=1)
+        epochs = min(MAX_EPOCHS, int(budget_s // one))
+        if epochs < 1:
+            raise ProfileError(
+                f"profile {profile.name!r}: even tier-{tier} needs {one:.1f} s for one epoch over {samples} samples, "
+                f"more than budgets.round_time_s = {budget_s:g}",
+                hint=f"raise budgets.round_time_s to at least {math.ceil(one * 10) / 10:g}, or train on fewer samples",
+            )
+        tier_reason = (f"smallest tier: no tier fits a {budget_s:g} s round at {MAX_EPOCHS} epochs "
+                       f"(tier-{tier} would need {secs[tier]:.1f} s)")
+        epochs_reason = (f"reduced from {MAX_EPOCHS} so tier-{tier} fits the {budget_s:g} s round "
+                         f"(est. {one * epochs:.1f} s for {samples} samples × {epochs} epochs)")
+    b = batch[tier]
+    if b == DEFAULT_BATCH:
+        batch_reason = (f"the default (GeFL's {DEFAULT_BATCH}): tier-{tier} needs "
+                        f"{_mb(train_memory_mb(specs[tier], b))} of {profile.budgets.train_memory_mb:g} MiB")
+    else:
+        batch_reason = (f"halved from {DEFAULT_BATCH} until tier-{tier} fit {profile.budgets.train_memory_mb:g} MiB "
+                        f"(batch {b * 2} would need {_mb(train_memory_mb(specs[tier], b * 2))}); "
+                        f"the batch shrinks (to {MIN_BATCH} at least) before the tier drops")
+    reasons = {"model_tier": tier_reason, "batch_size": batch_reason, "local_epochs": epochs_reason}
+    return tier, b, epochs, reasons
+
+
+def _heuristic_quant(profile: Profile, note: str) -> tuple[str, str]:
+    hw = profile.hardware
+    if hw.int8_dot:
+        return "int8-static", (f"{hw.cpu} has int8 dot-product instructions (ARMv8.2 dotprod / x86 VNNI), "
+                               f"so static int8 convolutions are expected to beat fp32{note}")
+    if hw.has_int8_accelerator():
+        return "int8-static", f"the int8 accelerator ({', '.join(hw.accelerators)}) runs static int8 models{note}"
+    if hw.has_fp16_accelerator():
+        return "fp16", (f"the {', '.join(hw.accelerators)} accelerator runs fp16 natively; no int8 dot product "
+                        f"on the CPU{note}")
+    return "fp32", (f"no int8 dot product (dotprod/VNNI) and no fp16 accelerator: int8 is not assumed faster "
+                    f"without dotprod/VNNI{note}")
+
+
+def _choose_quant(profile: Profile, tier: str) -> tuple[str, str]:
+    """Inference quantization and its reason."""
+    m = profile.measured
+    if m is None:
+        return _heuristic_quant(profile, "; add a [measured] table to decide from latencies")
+    lat = {q: ms for q in INFERENCE_QUANTS if (ms := m.latency(tier, q)) is not None}
+    if not lat:
+        return _heuristic_quant(profile, f"; [measured] has no tier-{tier} latencies")
+    fp32 = lat.get("fp32")
+    ok: list[tuple[float, int, str]] = []
+    rejected: list[str] = []
+    for q, ms in lat.items():
+        drop = 0.0 if q == "fp32" else m.accuracy_drop.get(q)
+        if q.startswith("int8"):
+            # int8 only where it is measured, both in speed and in accuracy.
+            if fp32 is None or ms >= fp32:
+                rejected.append(f"{q} not measured faster than fp32")
+                continue
+            if drop is None:
+                rejected.append(f"{q} has no measured accuracy drop")
+                continue
+        elif drop is None:
+            drop = 0.0  # fp16 keeps 10 mantissa bits: far below a point for these CNNs
+        if drop > MAX_ACCURACY_DROP:
+            rejected.append(f"{q} loses {drop:g} points")
+            continue
+        ok.append((ms, INFERENCE_QUANTS.index(q), q))
+    if not ok:
+        return "fp32", f"no measured level of tier-{tier} qualifies ({'; '.join(rejected)}): fp32 is safe"
+    ms, _, quant = min(ok)
+    budget = profile.budgets.inference_latency_ms
+    reason = (f"fastest measured level of tier-{tier} within {MAX_ACCURACY_DROP:g} accuracy point: {ms:g} ms"
+              + (f" vs {fp32:g} ms at fp32" if fp32 is not None and quant != "fp32" else "")
+              + (f" ({'; '.join(rejected)})" if rejected else "")
+              + (f"; meets the {budget:g} ms budget" if ms <= budget else f"; MISSES the {budget:g} ms budget"))
+    return quant, reason
+
+
+def _choose_upload(profile: Profile, params: int, tier: str) -> tuple[str, str]:
+    up = profile.network.uplink_kbps
+    if up >= UPLINK_FP32_KBPS:
+        prec, rule = "fp32", f"uplink {up:,.0f} kbit/s >= {UPLINK_FP32_KBPS:,} kbit/s"
+    elif up >= UPLINK_FP16_KBPS:
+        prec, rule = "fp16", f"uplink {up:,.0f} kbit/s is between {UPLINK_FP16_KBPS:,} and {UPLINK_FP32_KBPS:,} kbit/s"
+    else:
+        prec, rule = "int8", f"uplink {up:,.0f} kbit/s < {UPLINK_FP16_KBPS:,} kbit/s"
+    nbytes = params * UPLOAD_BYTES[prec]
+    secs = nbytes * 8 / (up * 1000)
+    return prec, f"{rule}: a full tier-{tier} update is {nbytes / 1000:,.0f} kB, {secs:.2f} s at {prec}"
+
+
+def _choose_generator(profile: Profile) -> tuple[str, str]:
+    budget = profile.budgets.train_memory_mb
+    need = {t: generator_memory_mb(t) for t in GENERATOR_ALLOWANCES}
+    fits = [t for t in GENERATOR_ALLOWANCES if need[t] <= budget]
+    if not fits:
+        first = next(iter(GENERATOR_ALLOWANCES))
+        return "none", (f"no generator fits {budget:g} MiB (tier {first!r} needs up to {_mb(need[first])}); "
+                        f"this device suits statistics-based methods (FedProto)")
+    tier = fits[-1]
+    names = list(GENERATOR_ALLOWANCES)
+    bigger = names[names.index(tier) + 1:]
+    why_not = f"; {bigger[0]!r} would need up to {_mb(need[bigger[0]])}" if bigger else ""
+    g = GENERATOR_ALLOWANCES[tier]
+    return tier, (f"largest generator tier that fits {budget:g} MiB: {g.what}, up to {g.params / 1e6:.2f} M params "
+                  f"and est. {_mb(need[tier])} to train (Adam, batch {GENERATOR_BATCH}){why_not}; "
+                  f"devices average generators within a tier")
+
+
+def plan(profile: Profile, *, embed_dim: int = DEFAULT_EMBED_DIM, samples: int = DEFAULT_SAMPLES) -> Plan:
+    """Turn a profile into a :class:`Plan`.
+
+    ``samples`` is the number of local training samples (GeFL: 600); it scales the
+    round-time estimate. Raises :class:`ProfileError` when no model fits the
+    memory budget, or when one epoch of the smallest model misses the round budget.
+    """
+    if samples < 1:
+        raise ProfileError(f"samples = {samples}: must be at least 1", hint="pass the device's local sample count")
+    specs = {t: tier_arch(t, embed_dim=embed_dim) for t in TIERS}
+    tier, batch, epochs, reasons = _choose_tier(profile, specs, samples)
+    spec = specs[tier]
+    quant, reasons["inference_quant"] = _choose_quant(profile, tier)
+    upload, reasons["upload_precision"] = _choose_upload(profile, spec.num_params(), tier)
+    generator, reasons["generator_tier"] = _choose_generator(profile)
+    return Plan(
+        profile=profile.name,
+        model_tier=tier,
+        arch=f"tier-{tier}",
+        embed_dim=embed_dim,
+        inference_quant=quant,
+        upload_precision=upload,
+        generator_tier=generator,
+        batch_size=batch,
+        local_epochs=epochs,
+        samples=samples,
+        params=spec.num_params(),
+        macs=spec.macs(),
+        train_memory_mb=train_memory_mb(spec, batch),
+        round_time_s=round_time_s(spec, profile.hardware.ghz_total, samples=samples, epochs=epochs),
+        reasons=MappingProxyType(reasons),
+    )
