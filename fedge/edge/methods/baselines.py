@@ -11,6 +11,7 @@ from fedge.common.rounds import EXTRACTOR_ARTIFACT, PROTOTYPES_ARTIFACT, RoundIn
 from fedge.edge.methods.base import Arrays, DeviceMethod, load_arrays, model_arrays
 from fedge.edge.models.zoo import EXTRACTOR
 from fedge.edge.training import class_feature_stats, train_epochs
+from fedge.errors import ConfigError
 
 
 class LocalDevice(DeviceMethod):
@@ -55,13 +56,20 @@ class LGFedAvgDevice(FedAvgDevice):
 
 class FedProtoDevice(DeviceMethod):
     """FedProto (Tan et al., AAAI 2022): upload per-class feature means and counts; train with
-    cross-entropy plus ``lambda * ||g(x) - c_y||^2`` toward the global prototypes."""
+    cross-entropy plus ``lambda * ||g(x) - c_y||^2`` toward the global prototypes.
+
+    ``[method] inference = "head"`` (default) classifies with the local head;
+    ``"prototype"`` with the nearest global prototype, as in the paper.
+    """
 
     name = "fedproto"
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self.lam = float(ctx.method_config.get("lambda", 1.0))
+        self.inference = str(ctx.method_config.get("inference", "head"))
+        if self.inference not in ("head", "prototype"):
+            raise ConfigError(f"fedproto inference must be 'head' or 'prototype', got {self.inference!r}")
         self.global_protos: torch.Tensor | None = None  # (C, p)
         self.proto_mask: torch.Tensor | None = None  # (C,) classes some device has seen
 
@@ -82,6 +90,26 @@ class FedProtoDevice(DeviceMethod):
             return feats.sum() * 0.0
         target = self.global_protos[yb[keep]]
         return self.lam * torch.nn.functional.mse_loss(feats[keep], target)
+
+    def evaluate(self) -> dict[str, float]:
+        if self.inference == "head" or self.global_protos is None:
+            return super().evaluate()
+        ctx = self.ctx
+        out = {"acc_local": self._proto_accuracy(ctx.local_test.x, ctx.local_test.y)}
+        if ctx.global_test is not None:
+            out["acc_global"] = self._proto_accuracy(ctx.global_test.x, ctx.global_test.y)
+        return out
+
+    @torch.no_grad()
+    def _proto_accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
+        assert self.global_protos is not None and self.proto_mask is not None
+        if len(y) == 0:
+            return float("nan")
+        self.ctx.model.eval()
+        feats = self.ctx.model.features(torch.from_numpy(x))  # (N, p)
+        dist = torch.cdist(feats, self.global_protos)  # (N, C)
+        dist[:, ~self.proto_mask] = float("inf")
+        return float((dist.argmin(1).numpy() == y).mean())
 
     def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
         ctx = self.ctx

@@ -1,0 +1,103 @@
+"""Baselines under the GeFL protocol on Fashion-MNIST (issue: foundation).
+
+K = 10 devices, IID 10 % of the training set (600 images each), CNN-1 ... CNN-10 with BN,
+SGD lr 0.1, batch 64, 5 local epochs, 50 rounds; for Local, FedAvg within an architecture
+group and LG-FedAvg. Metric (as GeFL): each model's best accuracy on the full 10k test set
+over the rounds, averaged over the ten models; mean ± std over seeds; seconds per round.
+
+    python benchmarks/baselines.py                  # the full protocol (resumes finished cells)
+    python benchmarks/baselines.py --rounds 2 --seeds 0   # a smoke run
+
+Each (method, seed) cell is saved as JSON under benchmarks/results/baselines/ as soon as it
+finishes, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section  # noqa: E402
+
+from fedge.sim.config import load_fleet  # noqa: E402
+from fedge.sim.report import build_results  # noqa: E402
+from fedge.sim.simulate import simulate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "examples" / "gefl-protocol-fedavg.toml"
+PUBLISHED = {"fedavg": 80.58, "lgfedavg": 80.61}
+LABELS = {"local": "Local", "fedavg": "FedAvg within group", "lgfedavg": "LG-FedAvg"}
+
+
+def run_cell(method: str, seed: int, rounds: int) -> dict[str, Any]:
+    cfg = load_fleet(CONFIG)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, method=method, seed=seed, rounds=rounds))
+    t0 = time.perf_counter()
+    res = build_results(simulate(cfg))
+    return {
+        "method": method, "seed": seed, "rounds": rounds,
+        "mean_best_acc": res["summary"]["mean_best_acc_global"],
+        "per_model_best": {d["arch"]: d["best_acc_global"] for d in res["devices"]},
+        "seconds_per_round": res["seconds_per_round"],
+        "bytes_up_per_device_round": res["summary"]["mean_bytes_up_per_round"],
+        "wall_seconds": time.perf_counter() - t0,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs="+", default=["local", "fedavg", "lgfedavg"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--force", action="store_true", help="recompute cells that already have results")
+    ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/results.md")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    tag = f"r{args.rounds}"
+    cells: dict[str, list[dict[str, Any]]] = {}
+    for method in args.methods:
+        for seed in args.seeds:
+            path = RESULTS / "baselines" / f"{method}-seed{seed}-{tag}.json"
+            print(f"[{time.strftime('%H:%M:%S')}] {method} seed {seed} ...", flush=True)
+            cells.setdefault(method, []).append(
+                cached_cell(path, lambda m=method, s=seed: run_cell(m, s, args.rounds), force=args.force))
+    rows, summary = [], {}
+    for method, cs in cells.items():
+        m, s = mean_std([100 * c["mean_best_acc"] for c in cs])
+        spr = mean_std([c["seconds_per_round"] for c in cs])[0]
+        pub = PUBLISHED.get(method)
+        summary[method] = {"mean": m, "std": s, "seconds_per_round": spr, "seeds": [c["seed"] for c in cs],
+                           "published": pub, "bytes_up_per_device_round": cs[0]["bytes_up_per_device_round"]}
+        rows.append([LABELS.get(method, method), f"{m:.2f} ± {s:.2f}", f"{pub:.2f}" if pub else "-",
+                     f"{m - pub:+.2f}" if pub else "-", f"{spr:.1f}",
+                     f"{cs[0]['bytes_up_per_device_round'] / 1024:.1f}", str(len(cs))])
+    header = ["method", "fedge (%)", "published (%)", "gap", "s/round", "KiB up/device/round", "seeds"]
+    print(text_table(header, rows))
+    out = RESULTS / f"baselines-{tag}.json"
+    out.write_text(__import__("json").dumps({"rounds": args.rounds, "summary": summary, "cells": cells}, indent=1))
+    print(f"wrote {out}")
+    if not args.no_docs:
+        cmd = "python benchmarks/baselines.py" + ("" if args.rounds == 50 else f" --rounds {args.rounds}")
+        write_docs_section("baselines", f"""
+## Baselines, GeFL protocol, Fashion-MNIST
+
+K = 10, IID 10 % of the training set (600 images per device), CNN-1 … CNN-10 with BN, SGD lr 0.1,
+batch 64, 5 local epochs, {args.rounds} rounds. Metric: mean over the ten models of each one's best
+accuracy on the 10k test set; mean ± std over seeds {args.seeds}.
+
+{markdown_table(header, rows)}
+
+Command: `{cmd}` (results: `benchmarks/results/baselines-{tag}.json`, cells in
+`benchmarks/results/baselines/`). Seconds per round were measured on a shared 2-core machine.
+""")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""Shared helpers of the benchmark scripts: resumable JSON cells, tables, docs sections."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DOCS_RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results.md"
+
+
+def cached_cell(path: Path, compute: Callable[[], dict[str, Any]], *, force: bool = False) -> dict[str, Any]:
+    """Return the JSON at ``path`` if present (resume after interruption), else compute and save it."""
+    if path.is_file() and not force:
+        return dict(json.loads(path.read_text()))
+    out = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.replace(path)
+    return out
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
+
+
+def write_docs_section(name: str, body: str, path: Path = DOCS_RESULTS) -> None:
+    """Replace the text between ``<!-- name:begin -->`` and ``<!-- name:end -->`` in docs/results.md."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = path.read_text() if path.is_file() else "# Benchmark results\n"
+    block = f"{begin}\n{body.strip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
