@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
 
-from fedge.common.transport import CoordinatorTransport, DeviceTransport
+from fedge.common.transport import CoordinatorTransport, DeviceTransport, Inbound
 
 
 class InMemoryBus:
@@ -34,16 +34,16 @@ class InMemoryCoordinatorTransport(CoordinatorTransport):
     def publish_global(self, artifact: str, data: bytes) -> None:
         self.bus.globals[artifact] = data
 
-    def hellos(self) -> list[bytes]:
-        out = list(self.bus.hellos)
+    def hellos(self) -> list[Inbound]:
+        out = [Inbound(h) for h in self.bus.hellos]
         self.bus.hellos.clear()
         return out
 
-    def collect(self, round: int, expected: Collection[str], deadline: float) -> Iterator[bytes]:
+    def collect(self, round: int, expected: Collection[str], deadline: float) -> Iterator[Inbound]:
         if self.bus.pump is not None:
             self.bus.pump()
         while self.bus.updates:
-            yield self.bus.updates.popleft()
+            yield Inbound(self.bus.updates.popleft())
 
 
 class InMemoryDeviceTransport(DeviceTransport):

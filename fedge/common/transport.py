@@ -9,8 +9,28 @@ what makes the in-process byte counts the real wire sizes.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """One message a coordinator transport received from a device.
+
+    ``origin`` is the device id the transport vouches for (over MQTT: the
+    ``devices/{id}/`` topic level, which the broker ACL ties to the device's
+    credentials), or None when the transport cannot tell (in-process). The engine
+    rejects an update whose envelope sender differs from its origin.
+    ``reject`` = (reason, message) marks a payload the transport itself refused
+    (a bad chunk checksum, an oversize transfer ...); the engine only counts it.
+    """
+
+    data: bytes
+    origin: str | None = None
+    received: float = 0.0  # unix seconds; 0 = unknown
+    reject: tuple[str, str] | None = None
 
 
 class CoordinatorTransport(ABC):
@@ -25,16 +45,26 @@ class CoordinatorTransport(ABC):
         """Publish (retained) global state ``artifact``."""
 
     @abstractmethod
-    def hellos(self) -> list[bytes]:
+    def hellos(self) -> list[Inbound]:
         """Hello messages received since the last call."""
 
     @abstractmethod
-    def collect(self, round: int, expected: Collection[str], deadline: float) -> Iterator[bytes]:
-        """Yield raw update messages until every id in ``expected`` has sent one for
-        ``round`` or ``deadline`` (unix seconds; 0 = wait for all) passes.
+    def collect(self, round: int, expected: Collection[str], deadline: float) -> Iterator[Inbound]:
+        """Yield received update messages until no id in ``expected`` is still awaited or
+        ``deadline`` (unix seconds; 0 = none) passes.
 
-        Implementations yield every message they receive; the engine validates them.
+        ``expected`` is live: the engine removes a device from it as soon as that
+        device's update was accepted, so the transport can stop when it is empty (or
+        when every id left in it is known to be offline). Implementations yield
+        every message they receive; the engine validates them.
         """
+
+    def offline(self) -> set[str]:
+        """Ids of devices known to be offline (e.g. by their last-will); default: none known."""
+        return set()
+
+    def wait_for_devices(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
+        """Block up to ``timeout_s`` for new hellos or status changes (default: return at once)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""
@@ -58,6 +88,14 @@ class DeviceTransport(ABC):
     @abstractmethod
     def send_update(self, data: bytes) -> None:
         """Upload this device's update for the current round."""
+
+    def wait_for_round(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until a new round descriptor may be available.
+
+        Returns whether something changed; the default (polling) just sleeps a little.
+        """
+        time.sleep(min(timeout_s, 0.05))
+        return True
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
-from collections import Counter
+import uuid
+from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,10 @@ from typing import Any
 from fedge.common.messages import Message
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
 from fedge.common.tensorcodec import Payload, decode, encode
-from fedge.common.transport import CoordinatorTransport
+from fedge.common.transport import CoordinatorTransport, Inbound
 from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.coordinator.validation import Rejected, check_arrays
-from fedge.errors import PayloadError
+from fedge.errors import PayloadError, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ class RoundReport:
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     info: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
+    missing: list[str] = field(default_factory=list)  # expected devices whose update did not arrive
+    deadline_s: float = 0.0  # the round's time budget (0: none, waited for every expected device)
 
 
 @dataclass
@@ -53,9 +57,23 @@ class EngineConfig:
 
     fleet: str = "default"
     method: str = "fedavg"
-    round_timeout_s: float = 0.0  # 0: wait for every registered device
+    round_timeout_s: float = 0.0  # budget for a round with an unknown device; 0: wait for every online device
     max_update_bytes: int = DEFAULT_MAX_UPDATE_BYTES
     global_precision: str = "fp32"
+    # Quorum: a round starts once max(min_devices, ceil(quorum_fraction * expected_devices))
+    # registered devices are online; waiting longer than quorum_timeout_s is an error.
+    min_devices: int = 0
+    quorum_fraction: float = 0.0
+    expected_devices: int = 0
+    quorum_timeout_s: float = 600.0
+    # Deadline from the slowest expected device: slack * its estimated round time (its measured
+    # latency in earlier rounds of the same phase, else the ``est_round_s`` of its hello),
+    # clamped to [min_round_s, max_round_s]. slack 0 disables it (round_timeout_s alone applies).
+    deadline_slack: float = 0.0
+    min_round_s: float = 5.0
+    max_round_s: float = 0.0  # 0: no upper bound
+    # Devices allowed to register (None: any device that says hello).
+    allowed_devices: frozenset[str] | None = None
 
 
 class RoundEngine:
@@ -70,6 +88,12 @@ class RoundEngine:
         self.globals: dict[str, Arrays] = {}
         self.reports: list[RoundReport] = []
         self.completed = 0
+        self.run_id = uuid.uuid4().hex  # lets devices tell a new run from a resumed one
+        self.global_rounds: dict[str, int] = {}  # artifact -> round that produced the published version
+        self.latency: dict[str, dict[str, float]] = {}  # phase -> device -> seconds announce→update
+        self._recent_ids: OrderedDict[str, None] = OrderedDict()  # accepted msg ids (replay guard)
+        self._last_missing: set[str] = set()
+        self._pending_rejects: Counter[str] = Counter()  # hellos refused between rounds
         self.state_dir = Path(state_dir) if state_dir else None
         if self.state_dir and (self.state_dir / "state.json").is_file():
             self._load_state()
@@ -78,58 +102,128 @@ class RoundEngine:
     def register_pending(self) -> list[str]:
         """Register devices from hellos received so far; returns the new ids."""
         new = []
-        for raw in self.transport.hellos():
+        for item in self.transport.hellos():
             try:
-                msg = Message.from_bytes(raw, max_bytes=1 << 20)
+                msg = Message.from_bytes(item.data, max_bytes=1 << 20)
                 if msg.kind != "hello":
-                    raise PayloadError(f"expected a hello, got {msg.kind}")
+                    raise Rejected("kind", f"expected a hello, got {msg.kind}")
                 dev = DeviceInfo.from_dict(msg.info["device"])
                 if dev.device_id != msg.sender:
-                    raise PayloadError(f"hello sender {msg.sender!r} != device id {dev.device_id!r}")
+                    raise Rejected("spoofed", f"hello sender {msg.sender!r} != device id {dev.device_id!r}")
+                if item.origin is not None and item.origin != msg.sender:
+                    raise Rejected("spoofed", f"hello on {item.origin}'s topic claims to be {msg.sender!r}")
+                allowed = self.config.allowed_devices
+                if allowed is not None and dev.device_id not in allowed:
+                    raise Rejected("unauthorized", f"{dev.device_id!r} is not a device of this fleet")
             except (PayloadError, KeyError, TypeError) as exc:
-                log.warning("ignored hello: %s", exc)
+                reason = exc.reason if isinstance(exc, Rejected) else "malformed"
+                self._pending_rejects[f"hello-{reason}"] += 1
+                log.warning("ignored hello: %s", getattr(exc, "message", exc))
                 continue
             if dev.device_id not in self.devices:
                 new.append(dev.device_id)
             self.devices[dev.device_id] = dev
         return new
 
+    def online_devices(self) -> set[str]:
+        """Registered devices not known to be offline."""
+        return set(self.devices) - self.transport.offline()
+
+    def quorum(self) -> int:
+        """Devices that must be online before a round starts."""
+        c = self.config
+        return max(c.min_devices, math.ceil(c.quorum_fraction * c.expected_devices))
+
+    def await_quorum(self) -> None:
+        """Register hellos until the quorum is online; :class:`TransportError` after ``quorum_timeout_s``."""
+        need = self.quorum()
+        end = time.monotonic() + self.config.quorum_timeout_s
+        announced = False
+        while True:
+            self.register_pending()
+            online = len(self.online_devices())
+            if online >= need:
+                return
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise TransportError(
+                    f"quorum not reached: {online} of {need} devices online after {self.config.quorum_timeout_s:.0f} s",
+                    hint="start more devices, or lower min_devices / quorum_fraction",
+                )
+            if not announced:
+                log.info("waiting for a quorum of %d devices (%d online)", need, online)
+                announced = True
+            self.transport.wait_for_devices(min(1.0, remaining))
+
     # -- one round ------------------------------------------------------------------------
-    def round_info(self, rnd: int) -> RoundInfo:
+    def round_budget(self, phase: str, expected: set[str]) -> float:
+        """Seconds the round may take: from the slowest expected device (0: no deadline)."""
+        c = self.config
+        if not expected:
+            return c.round_timeout_s
+        estimates = [self._estimate(d, phase) for d in expected] if c.deadline_slack > 0 else [None]
+        if any(e is None for e in estimates):
+            budget = c.round_timeout_s
+        else:
+            budget = max(c.min_round_s, c.deadline_slack * max(e for e in estimates if e is not None))
+        if c.max_round_s > 0:
+            budget = min(budget, c.max_round_s) if budget > 0 else c.max_round_s
+        return budget
+
+    def _estimate(self, device_id: str, phase: str) -> float | None:
+        seen = self.latency.get(phase, {}).get(device_id)
+        if seen is not None:
+            return seen
+        est = self.devices[device_id].extra.get("est_round_s") if device_id in self.devices else None
+        return float(est) if isinstance(est, int | float) and est > 0 else None
+
+    def round_info(self, rnd: int, expected: set[str] | None = None) -> RoundInfo:
         final = rnd > self.strategy.total_rounds()
-        deadline = time.time() + self.config.round_timeout_s if self.config.round_timeout_s else 0.0
+        phase = FINAL_PHASE if final else self.strategy.phase(rnd)
+        budget = self.round_budget(phase, set(self.devices) if expected is None else expected)
         return RoundInfo(
             round=rnd,
-            phase=FINAL_PHASE if final else self.strategy.phase(rnd),
+            phase=phase,
             method=self.config.method,
-            deadline=deadline,
+            deadline=time.time() + budget if budget else 0.0,
             config={} if final else self.strategy.round_config(rnd),
         )
 
     def run_round(self, rnd: int) -> RoundReport:
         """Announce round ``rnd``, aggregate what arrives, publish the new global state."""
         t0 = time.perf_counter()
-        self.register_pending()
-        info = self.round_info(rnd)
-        report = RoundReport(round=rnd, phase=info.phase)
-        announce = Message("round", COORDINATOR_ID, rnd, self.config.fleet, info={"round": info.to_dict()})
+        self.await_quorum()
+        expected = self.online_devices()
+        info = self.round_info(rnd, expected)
+        report = RoundReport(round=rnd, phase=info.phase, deadline_s=max(0.0, info.deadline - time.time()))
+        # "run" tells devices a resumed run from a new one; "globals" names the version of each
+        # artifact this round starts from, so a device waits for exactly that one.
+        announce = Message("round", COORDINATOR_ID, rnd, self.config.fleet,
+                           info={"round": info.to_dict(), "run": self.run_id, "globals": dict(self.global_rounds)})
+        announced_at = time.time()
         self.transport.announce_round(announce.to_bytes())
         if not info.is_final:
             self.strategy.begin_round(rnd)
         seen: set[str] = set()
-        rejected: Counter[str] = Counter()
-        for raw in self.transport.collect(rnd, set(self.devices), info.deadline):
+        rejected: Counter[str] = self._pending_rejects
+        self._pending_rejects = Counter()
+        pending = set(expected)  # live: the transport stops once it is empty
+        for item in self.transport.collect(rnd, pending, info.deadline):
             try:
-                msg = self._validate(raw, rnd, seen, final=info.is_final)
+                msg = self._validate(item, rnd, seen, final=info.is_final)
             except Rejected as exc:
                 rejected[exc.reason] += 1
                 log.warning("round %d: rejected update: %s", rnd, exc.message)
                 continue
             seen.add(msg.sender)
+            pending.discard(msg.sender)
+            self._remember_id(msg.msg_id)
+            if item.received > 0:
+                self.latency.setdefault(info.phase, {})[msg.sender] = max(0.0, item.received - announced_at)
             if not info.is_final:
                 self.strategy.accumulate(self.devices[msg.sender], msg.tensors, msg.info)
             report.accepted.append(msg.sender)
-            report.bytes_up[msg.sender] = len(raw)
+            report.bytes_up[msg.sender] = len(item.data)
             report.bytes_down[msg.sender] = int(msg.info.get("bytes_down", 0))
             report.metrics[msg.sender] = dict(msg.info.get("metrics", {}))
             report.info[msg.sender] = {k: v for k, v in msg.info.items() if k not in ("metrics", "bytes_down")}
@@ -137,6 +231,8 @@ class RoundEngine:
         missing = sorted(set(self.devices) - seen)
         if missing:
             log.warning("round %d: no update from %s", rnd, ", ".join(missing))
+        report.missing = missing
+        self._last_missing = set(missing)
         if not info.is_final:
             self._publish(self.strategy.finish_round(rnd), rnd)
         report.seconds = time.perf_counter() - t0
@@ -145,27 +241,47 @@ class RoundEngine:
         self._save_state()
         return report
 
-    def _validate(self, raw: bytes, rnd: int, seen: set[str], *, final: bool) -> Message:
+    def _validate(self, item: Inbound, rnd: int, seen: set[str], *, final: bool) -> Message:
+        if item.reject is not None:
+            raise Rejected(*item.reject)
         try:
-            msg = Message.from_bytes(raw, max_bytes=self.config.max_update_bytes)
+            msg = Message.from_bytes(item.data, max_bytes=self.config.max_update_bytes)
         except PayloadError as exc:
             reason = "oversize" if "exceeds the limit" in exc.message else "malformed"
             raise Rejected(reason, exc.message) from exc
+        if item.origin is not None and msg.sender != item.origin:
+            raise Rejected("spoofed", f"an update on {item.origin}'s topic claims to come from {msg.sender!r}")
         if msg.kind != "update":
             raise Rejected("kind", f"expected an update, got a {msg.kind} from {msg.sender}")
+        if msg.fleet != self.config.fleet:
+            raise Rejected("fleet", f"{msg.sender} sent an update for fleet {msg.fleet!r}")
+        if msg.sender not in self.devices:
+            self.register_pending()  # its hello may have arrived during this round
         if msg.sender not in self.devices:
             raise Rejected("unregistered", f"{msg.sender!r} sent an update without a hello")
-        if msg.round != rnd:
+        if msg.round < rnd:
+            if msg.round == rnd - 1 and msg.sender in self._last_missing:
+                raise Rejected("late", f"{msg.sender}'s update for round {msg.round} came after its deadline; dropped")
             raise Rejected("stale", f"{msg.sender} sent round {msg.round} during round {rnd}")
+        if msg.round > rnd:
+            raise Rejected("future", f"{msg.sender} sent round {msg.round} during round {rnd}")
         if msg.sender in seen:
             raise Rejected("duplicate", f"{msg.sender} already sent its update for round {rnd}")
+        if msg.msg_id in self._recent_ids:
+            raise Rejected("replay", f"{msg.sender} reused message id {msg.msg_id}")
         spec = {} if final else self.strategy.expected_update(self.devices[msg.sender], rnd)
         check_arrays(msg.tensors, spec, msg.sender)
         return msg
 
+    def _remember_id(self, msg_id: str, keep: int = 100_000) -> None:
+        self._recent_ids[msg_id] = None
+        while len(self._recent_ids) > keep:
+            self._recent_ids.popitem(last=False)
+
     def _publish(self, artifacts: dict[str, Arrays], rnd: int) -> None:
         for name, arrays in artifacts.items():
             self.globals[name] = arrays
+            self.global_rounds[name] = rnd
             msg = Message("global", COORDINATOR_ID, rnd, self.config.fleet, tensors=arrays,
                           info={"artifact": name})
             self.transport.publish_global(name, msg.to_bytes(self.config.global_precision))
@@ -185,7 +301,8 @@ class RoundEngine:
 
     def _republish(self) -> None:
         for name, arrays in self.globals.items():
-            msg = Message("global", COORDINATOR_ID, self.completed, self.config.fleet, tensors=arrays,
+            rnd = self.global_rounds.setdefault(name, self.completed)
+            msg = Message("global", COORDINATOR_ID, rnd, self.config.fleet, tensors=arrays,
                           info={"artifact": name})
             self.transport.publish_global(name, msg.to_bytes(self.config.global_precision))
 
@@ -203,6 +320,9 @@ class RoundEngine:
             "strategy": self.strategy.state_dict(),
             "reports": [asdict(r) for r in self.reports],
             "artifacts": sorted(self.globals),
+            "run_id": self.run_id,
+            "global_rounds": self.global_rounds,
+            "latency": self.latency,
         }
         # Written last: a crash between the two files leaves the previous state.json pointing at
         # round N-1, and the globals of round N are simply recomputed.
@@ -220,6 +340,10 @@ class RoundEngine:
         self.devices = {d["device_id"]: DeviceInfo.from_dict(d) for d in state["devices"]}
         self.strategy.load_state_dict(state.get("strategy", {}))
         self.reports = [RoundReport(**r) for r in state.get("reports", [])]
+        self.run_id = str(state.get("run_id") or self.run_id)
+        self.global_rounds = {str(k): int(v) for k, v in state.get("global_rounds", {}).items()}
+        self.latency = state.get("latency", {})
+        self._last_missing = set(self.reports[-1].missing) if self.reports else set()
         flat = decode((self.state_dir / "globals.safetensors").read_bytes()).tensors
         self.globals = {}
         for key, arr in flat.items():

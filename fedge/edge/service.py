@@ -1,0 +1,100 @@
+"""The long-running device service: one :class:`DeviceAgent` driven over a real transport.
+
+In-process, the simulator steps agents itself. On a device this loop does it:
+announce, then wait for each new round descriptor and let the agent handle it,
+until the run's final round is done. A failing round (the global state did not
+arrive, the broker went away mid-upload) is logged and retried with back-off,
+never fatal: the agent only marks a round done after its upload was handed to
+the transport, so a retry redoes exactly the unfinished round.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from fedge.common.messages import Message
+from fedge.common.rounds import RoundInfo
+from fedge.common.transport import DeviceTransport
+from fedge.edge.agent import DeviceAgent
+from fedge.errors import FedgeError, PayloadError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EdgeOptions:
+    """How the device loop behaves."""
+
+    exit_after_final: bool = True  # stop once the run's final (evaluation) round is handled
+    poll_s: float = 1.0  # longest wait between checks of the round descriptor
+    retry_min_s: float = 1.0  # back-off after a failed round: doubles up to retry_max_s
+    retry_max_s: float = 30.0
+
+
+class EdgeService:
+    """Runs ``agent`` over ``transport`` until the final round (or :meth:`stop`)."""
+
+    def __init__(self, agent: DeviceAgent, transport: DeviceTransport, options: EdgeOptions | None = None) -> None:
+        self.agent = agent
+        self.transport = transport
+        self.options = options or EdgeOptions()
+        self._stop = threading.Event()
+        self.rounds_handled = 0
+        self.failures = 0
+        self.finished = False
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return at its next wait."""
+        self._stop.set()
+
+    def _current(self) -> RoundInfo | None:
+        raw = self.transport.current_round()
+        if raw is None:
+            return None
+        try:
+            return RoundInfo.from_dict(Message.from_bytes(raw).info["round"])
+        except (PayloadError, KeyError, TypeError):
+            return None
+
+    def run(self) -> int:
+        """The device loop; returns the number of rounds handled."""
+        opts = self.options
+        device = self.agent.device.device_id
+        self.agent.hello()
+        run_id = getattr(self.transport, "run_id", None)
+        backoff = opts.retry_min_s
+        while not self._stop.is_set():
+            new_run = getattr(self.transport, "run_id", None)
+            if new_run is not None and run_id is not None and new_run != run_id:
+                # A new run on the same fleet (the coordinator started over): its rounds count from 1 again.
+                log.info("%s: a new run started (%s); following it from its first round", device, new_run[:8])
+                self.agent.last_round = 0
+            run_id = new_run if new_run is not None else run_id
+            try:
+                handled = self.agent.step()
+            except FedgeError as exc:
+                self.failures += 1
+                log.warning("%s: round failed, retrying in %.0f s: %s", device, backoff, exc.message)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, opts.retry_max_s)
+                continue
+            except Exception:
+                self.failures += 1
+                log.exception("%s: round failed with an unexpected error, retrying in %.0f s", device, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, opts.retry_max_s)
+                continue
+            backoff = opts.retry_min_s
+            if handled:
+                self.rounds_handled += 1
+                info = self._current()
+                if info is not None and info.is_final and info.round == self.agent.last_round:
+                    log.info("%s: final round %d done", device, info.round)
+                    self.finished = True
+                    if opts.exit_after_final:
+                        break
+                continue
+            self.transport.wait_for_round(opts.poll_s)
+        return self.rounds_handled

@@ -1,0 +1,319 @@
+"""A small, careful wrapper around paho-mqtt that works with paho 1.6 and 2.x.
+
+* paho 2.x needs ``CallbackAPIVersion``; paho 1.6.1 (Raspberry Pi OS bookworm) does
+  not have it. :func:`_new_paho_client` picks the right constructor and the
+  callbacks below accept both signatures.
+* paho's network thread must never block, so every callback only puts an event
+  on a queue; a dispatcher thread owned by :class:`MqttClient` runs the user's
+  handlers (which may take their time: reassembling chunks, hashing, decoding).
+* Reconnection has one owner: paho's ``loop_start`` thread, with exponential
+  back-off between ``reconnect_min_s`` and ``reconnect_max_s``. The minimum is
+  jittered per client so a fleet does not reconnect in lock-step after a broker
+  restart. Subscriptions are re-issued on every (re)connect.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import paho.mqtt.client as paho
+
+from fedge.errors import ConfigError, TransportError
+
+log = logging.getLogger(__name__)
+
+PAHO_V2 = hasattr(paho, "CallbackAPIVersion")
+DEFAULT_PORT = 1883
+DEFAULT_TLS_PORT = 8883
+
+# CONNACK return codes of MQTT 3.1.1 (paho 1.6 passes them as ints).
+_CONNACK = {1: "unacceptable protocol version", 2: "client id rejected", 3: "server unavailable",
+            4: "bad user name or password", 5: "not authorized"}
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """Where and how to connect: host, port, credentials, TLS."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    ca_file: str | None = None
+    keepalive_s: int = 15
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"broker port {self.port} is out of range")
+        if self.ca_file and not self.tls:
+            raise ConfigError("a CA file was given without TLS", hint="add --tls or use an mqtts:// URL")
+        if self.reconnect_min_s <= 0 or self.reconnect_max_s < self.reconnect_min_s:
+            raise ConfigError("reconnect back-off must satisfy 0 < min <= max")
+
+    @property
+    def url(self) -> str:
+        """The broker URL without credentials (safe to log)."""
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+    def with_credentials(self, username: str | None, password: str | None) -> BrokerSettings:
+        return replace(self, username=username, password=password)
+
+
+def parse_broker_url(url: str, **overrides: Any) -> BrokerSettings:
+    """``mqtt://[user[:password]@]host[:port]`` or ``mqtts://...`` → :class:`BrokerSettings`.
+
+    Keyword ``overrides`` (``username``, ``password``, ``tls``, ``ca_file`` ...) win over the URL
+    when they are not None.
+    """
+    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+    if parts.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
+        raise ConfigError(f"broker URL {url!r} has scheme {parts.scheme!r}", hint="use mqtt://HOST:PORT or mqtts://")
+    tls = parts.scheme in ("mqtts", "ssl")
+    try:
+        port = parts.port or (DEFAULT_TLS_PORT if tls else DEFAULT_PORT)
+    except ValueError as exc:
+        raise ConfigError(f"broker URL {url!r} has an invalid port") from exc
+    fields: dict[str, Any] = {
+        "host": parts.hostname or "127.0.0.1",
+        "port": port,
+        "username": unquote(parts.username) if parts.username else None,
+        "password": unquote(parts.password) if parts.password else None,
+        "tls": tls,
+    }
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    if fields.get("ca_file"):
+        fields["tls"] = True
+    return BrokerSettings(**fields)
+
+
+@dataclass(frozen=True)
+class Will:
+    """The last-will message the broker publishes if this client vanishes."""
+
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = True
+
+
+@dataclass(frozen=True)
+class Received:
+    """One message handed from paho's thread to the dispatcher."""
+
+    topic: str
+    payload: bytes
+    retain: bool
+    received: float  # unix seconds
+
+
+MessageHandler = Callable[[Received], None]
+ConnectHandler = Callable[[bool], None]  # argument: session_present
+
+
+def _new_paho_client(client_id: str, clean_session: bool) -> paho.Client:
+    if PAHO_V2:
+        return paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean_session,
+                           protocol=paho.MQTTv311)
+    return paho.Client(client_id=client_id, clean_session=clean_session, protocol=paho.MQTTv311)
+
+
+def _rc_value(rc: Any) -> int:
+    """A CONNACK/DISCONNECT code as an int, from paho 1.6 (int) or 2.x (ReasonCode)."""
+    value = getattr(rc, "value", rc)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return -1
+
+
+class MqttClient:
+    """One MQTT connection with queued callbacks, remembered subscriptions and a last-will.
+
+    Handlers run on the dispatcher thread, in arrival order, never on paho's
+    network thread. Use as a context manager or call :meth:`start` / :meth:`stop`.
+    """
+
+    def __init__(self, settings: BrokerSettings, client_id: str, *, clean_session: bool = True,
+                 will: Will | None = None, on_message: MessageHandler | None = None,
+                 on_connect: ConnectHandler | None = None, on_disconnect: Callable[[], None] | None = None,
+                 max_inflight: int = 100) -> None:
+        self.settings = settings
+        self.client_id = client_id
+        self._on_message = on_message
+        self._on_connect = on_connect
+        self._on_disconnect = on_disconnect
+        self._subs: dict[str, int] = {}
+        self._subs_lock = threading.Lock()
+        self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._connected = threading.Event()
+        self._stopping = threading.Event()
+        self._refused: str | None = None
+        self._dispatcher: threading.Thread | None = None
+        self.connects = 0  # successful connections so far (1 + reconnects)
+        c = self._client = _new_paho_client(client_id, clean_session)
+        if settings.username is not None:
+            c.username_pw_set(settings.username, settings.password)
+        if settings.tls:
+            ctx = ssl.create_default_context(cafile=settings.ca_file)
+            c.tls_set_context(ctx)
+        if will is not None:
+            c.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
+        # Jitter the first back-off step so a fleet spreads its reconnects after a broker restart.
+        c.reconnect_delay_set(min_delay=max(1, round(settings.reconnect_min_s * (1 + random.random()))),
+                              max_delay=max(1, round(settings.reconnect_max_s)))
+        c.max_inflight_messages_set(max_inflight)
+        c.max_queued_messages_set(0)  # 0 = unbounded: QoS 1 publishes queue while disconnected
+        c.on_connect = self._paho_connect
+        c.on_disconnect = self._paho_disconnect
+        c.on_message = self._paho_message
+
+    # -- paho callbacks: run on paho's thread, never block -----------------------------------
+    def _paho_connect(self, client: paho.Client, userdata: Any, flags: Any, rc: Any, *args: Any) -> None:
+        code = _rc_value(rc)
+        if code != 0:
+            self._refused = _CONNACK.get(code, f"refused with code {code}")
+            self._events.put(("refused", self._refused))
+            return
+        self._refused = None
+        with self._subs_lock:
+            subs = list(self._subs.items())
+        if subs:
+            client.subscribe(subs)  # non-blocking: queues the SUBSCRIBE packet
+        present = bool(flags.get("session present", 0)) if isinstance(flags, dict) else \
+            bool(getattr(flags, "session_present", False))
+        self._connected.set()
+        self._events.put(("connect", present))
+
+    def _paho_disconnect(self, client: paho.Client, userdata: Any, *args: Any) -> None:
+        self._connected.clear()
+        self._events.put(("disconnect", None))
+
+    def _paho_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
+        self._events.put(("message", Received(msg.topic, bytes(msg.payload), bool(msg.retain), time.time())))
+
+    # -- dispatcher ------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        while True:
+            kind, arg = self._events.get()
+            if kind == "stop":
+                return
+            try:
+                if kind == "message" and self._on_message is not None:
+                    self._on_message(arg)
+                elif kind == "connect":
+                    self.connects += 1
+                    log.info("%s connected to %s%s", self.client_id, self.settings.url,
+                             " (reconnect)" if self.connects > 1 else "")
+                    if self._on_connect is not None:
+                        self._on_connect(arg)
+                elif kind == "disconnect":
+                    if not self._stopping.is_set():
+                        log.warning("%s lost its connection to %s; reconnecting with back-off", self.client_id,
+                                    self.settings.url)
+                    if self._on_disconnect is not None:
+                        self._on_disconnect()
+                elif kind == "refused":
+                    log.error("%s: broker %s refused the connection: %s", self.client_id, self.settings.url, arg)
+            except Exception:  # a handler bug must not kill the connection
+                log.exception("%s: handler for %s failed", self.client_id, kind)
+
+    # -- public API ------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def start(self, wait_s: float | None = 10.0) -> MqttClient:
+        """Connect in the background; with ``wait_s``, wait that long for the first connection."""
+        self._dispatcher = threading.Thread(target=self._dispatch, name=f"mqtt-{self.client_id}", daemon=True)
+        self._dispatcher.start()
+        try:
+            self._client.connect_async(self.settings.host, self.settings.port, keepalive=self.settings.keepalive_s)
+        except (OSError, ValueError) as exc:
+            raise TransportError(f"cannot connect to {self.settings.url}: {exc}") from exc
+        self._client.loop_start()
+        if wait_s is not None:
+            self.wait_connected(wait_s)
+        return self
+
+    def wait_connected(self, timeout_s: float) -> None:
+        """Block until connected; a refusal or ``timeout_s`` becomes a :class:`TransportError`."""
+        end = time.monotonic() + timeout_s
+        while not self._connected.wait(0.05):
+            if self._refused is not None:
+                raise TransportError(f"broker {self.settings.url} refused {self.client_id}: {self._refused}",
+                                     hint="check --username/--password and the broker's password file and ACL")
+            if time.monotonic() > end:
+                raise TransportError(f"no connection to {self.settings.url} after {timeout_s:.0f} s",
+                                     hint="is the broker running and reachable? (fedge coordinator run starts "
+                                          "an embedded one when --broker is not given)")
+
+    def subscribe(self, topic_filter: str, qos: int = 1) -> None:
+        """Subscribe now (if connected) and again after every reconnect."""
+        with self._subs_lock:
+            if self._subs.get(topic_filter) == qos:
+                return
+            self._subs[topic_filter] = qos
+        if self.connected:
+            self._client.subscribe(topic_filter, qos)
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> paho.MQTTMessageInfo:
+        """Queue a publish (never blocks); QoS 1 messages survive a reconnect inside paho's queue."""
+        info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        if info.rc not in (paho.MQTT_ERR_SUCCESS, paho.MQTT_ERR_NO_CONN):
+            raise TransportError(f"publish to {topic} failed: {paho.error_string(info.rc)}")
+        return info
+
+    def wait_published(self, infos: list[paho.MQTTMessageInfo], timeout_s: float) -> bool:
+        """Wait (not from a handler!) until every publish in ``infos`` was acknowledged."""
+        end = time.monotonic() + timeout_s
+        for info in infos:
+            while not info.is_published():
+                if time.monotonic() > end:
+                    return False
+                time.sleep(0.005)
+        return True
+
+    def stop(self, *, final: tuple[str, bytes] | None = None, timeout_s: float = 5.0) -> None:
+        """Disconnect cleanly (the last-will is *not* sent); ``final`` = (topic, payload) published retained first."""
+        self._stopping.set()
+        if final is not None and self.connected:
+            info = self._client.publish(final[0], final[1], qos=1, retain=True)
+            self.wait_published([info], timeout_s)
+        self._client.disconnect()
+        self._client.loop_stop()
+        self._events.put(("stop", None))
+        if self._dispatcher is not None:
+            self._dispatcher.join(timeout_s)
+
+    def abort(self) -> None:
+        """Drop the connection without DISCONNECT, as a crash or power loss would (the will fires)."""
+        self._stopping.set()
+        sock = self._client.socket()
+        self._client.loop_stop()
+        if sock is not None:
+            try:
+                if isinstance(sock, socket.socket):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            except OSError:
+                pass
+        self._events.put(("stop", None))
+
+    def __enter__(self) -> MqttClient:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

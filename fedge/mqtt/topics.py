@@ -1,0 +1,136 @@
+"""The MQTT topic tree of one fleet, in one place.
+
+Every topic lives under ``fedge/{fleet}/``::
+
+    fedge/{fleet}/devices/{id}/status        retained  "online" | "offline" (last-will: "offline")
+    fedge/{fleet}/devices/{id}/hello         retained  hello message (profile, plan, architecture)
+    fedge/{fleet}/devices/{id}/update        -         update message, or its chunk frames
+    fedge/{fleet}/rounds/current             retained  round descriptor message
+    fedge/{fleet}/global/{artifact}          retained  global state message, or a chunk manifest
+    fedge/{fleet}/global/{artifact}/part/{i} retained  chunk frame i of a chunked global state
+
+A device writes only below ``devices/{its id}/`` and reads ``rounds/#`` and
+``global/#``; the coordinator reads ``devices/#`` and writes the rest. The broker
+ACL written by ``fedge broker config`` enforces exactly this split, which is why
+the coordinator trusts the ``{id}`` segment of the topic an update arrived on
+more than the sender named inside it (see ``docs/protocol.md``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from fedge.errors import ConfigError
+
+ROOT = "fedge"
+# Ids, fleet and artifact names become topic levels: no '/', '+', '#', no spaces, no '$'.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+DeviceTopicKind = Literal["status", "hello", "update"]
+DEVICE_KINDS: tuple[str, ...] = ("status", "hello", "update")
+STATUS_ONLINE = b"online"
+STATUS_OFFLINE = b"offline"
+
+
+def check_name(value: str, what: str) -> str:
+    """Return ``value`` if it is a valid topic level name, else raise :class:`ConfigError`."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ConfigError(
+            f"{what} {value!r} cannot be used in an MQTT topic",
+            hint="use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit",
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class DeviceTopic:
+    """A parsed device topic: which device, which kind."""
+
+    device_id: str
+    kind: DeviceTopicKind
+
+
+@dataclass(frozen=True)
+class GlobalTopic:
+    """A parsed global-state topic: the artifact and, for a chunk, its part index."""
+
+    artifact: str
+    part: int | None = None
+
+
+@dataclass(frozen=True)
+class FleetTopics:
+    """Topic names of one fleet; validates the fleet name on construction."""
+
+    fleet: str
+
+    def __post_init__(self) -> None:
+        check_name(self.fleet, "fleet name")
+
+    @property
+    def base(self) -> str:
+        return f"{ROOT}/{self.fleet}"
+
+    # -- device side ----------------------------------------------------------------------
+    def device(self, device_id: str, kind: DeviceTopicKind) -> str:
+        """``fedge/{fleet}/devices/{id}/{kind}``."""
+        check_name(device_id, "device id")
+        if kind not in DEVICE_KINDS:
+            raise ValueError(f"unknown device topic kind {kind!r}")
+        return f"{self.base}/devices/{device_id}/{kind}"
+
+    def status(self, device_id: str) -> str:
+        return self.device(device_id, "status")
+
+    def hello(self, device_id: str) -> str:
+        return self.device(device_id, "hello")
+
+    def update(self, device_id: str) -> str:
+        return self.device(device_id, "update")
+
+    def device_filter(self, kind: DeviceTopicKind) -> str:
+        """Subscription filter for one kind of message from every device."""
+        return f"{self.base}/devices/+/{kind}"
+
+    # -- coordinator side -----------------------------------------------------------------
+    @property
+    def round(self) -> str:
+        """The retained round descriptor."""
+        return f"{self.base}/rounds/current"
+
+    def global_(self, artifact: str) -> str:
+        """The retained global state ``artifact`` (whole message or chunk manifest)."""
+        return f"{self.base}/global/{check_name(artifact, 'artifact name')}"
+
+    def global_part(self, artifact: str, index: int) -> str:
+        """Retained chunk ``index`` of a chunked global state."""
+        return f"{self.global_(artifact)}/part/{int(index)}"
+
+    def global_filter(self, artifact: str) -> str:
+        """One subscription that covers the artifact and all its parts (``#`` matches the parent too)."""
+        return f"{self.global_(artifact)}/#"
+
+    # -- parsing --------------------------------------------------------------------------
+    def parse_device(self, topic: str) -> DeviceTopic | None:
+        """``DeviceTopic`` for a device topic of this fleet, else None."""
+        parts = topic.split("/")
+        if len(parts) != 5 or parts[0] != ROOT or parts[1] != self.fleet or parts[2] != "devices":
+            return None
+        if parts[4] not in DEVICE_KINDS or not _NAME.match(parts[3]):
+            return None
+        return DeviceTopic(parts[3], parts[4])  # type: ignore[arg-type]
+
+    def parse_global(self, topic: str) -> GlobalTopic | None:
+        """``GlobalTopic`` for a global-state topic of this fleet, else None."""
+        parts = topic.split("/")
+        if len(parts) < 4 or parts[0] != ROOT or parts[1] != self.fleet or parts[2] != "global":
+            return None
+        if not _NAME.match(parts[3]):
+            return None
+        if len(parts) == 4:
+            return GlobalTopic(parts[3])
+        if len(parts) == 6 and parts[4] == "part" and parts[5].isdigit():
+            return GlobalTopic(parts[3], int(parts[5]))
+        return None

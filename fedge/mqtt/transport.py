@@ -1,0 +1,404 @@
+"""The MQTT implementation of the transport interface (:mod:`fedge.common.transport`).
+
+The engine and the agent see exactly what they see in-process: encoded message
+bytes. This module adds what a real network needs: topics (:mod:`.topics`),
+chunking with checksums (:mod:`.chunking`), the device's online/offline status
+with a last-will, retained state for late joiners, and recovery after a
+reconnect (see ``docs/protocol.md``, "Recovery").
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+
+from fedge.common.messages import Message
+from fedge.common.tensorcodec import read_header
+from fedge.common.transport import CoordinatorTransport, DeviceTransport, Inbound
+from fedge.errors import PayloadError, TransportError
+from fedge.mqtt.chunking import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkError,
+    Reassembler,
+    RetainedAssembler,
+    chunk_frames,
+    frame_kind,
+    split,
+)
+from fedge.mqtt.client import BrokerSettings, MqttClient, Received, Will
+from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics, check_name
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_HELLO_BYTES = 1 << 20
+PUBLISH_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """Protocol knobs shared by both sides."""
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # messages above this travel in chunks
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger transfers are refused
+    global_timeout_s: float = 120.0  # device: how long to wait for the global state a round names
+    connect_timeout_s: float = 30.0
+
+
+@dataclass
+class TransportStats:
+    """Counters for logs and benchmarks."""
+
+    messages_in: int = 0
+    messages_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+class MqttCoordinatorTransport(CoordinatorTransport):
+    """Coordinator side over MQTT.
+
+    Uses a persistent session (``clean_session=False``, fixed client id) so QoS 1
+    updates sent while the coordinator restarts are queued by the broker and
+    delivered when it is back; duplicates that this produces are rejected by the
+    engine by (sender, round) and message id.
+    """
+
+    def __init__(self, broker: BrokerSettings, fleet: str, settings: TransportSettings | None = None, *,
+                 client_id: str | None = None) -> None:
+        self.topics = FleetTopics(fleet)
+        self.settings = settings or TransportSettings()
+        self.stats = TransportStats()
+        self._updates: queue.Queue[Inbound] = queue.Queue()
+        self._hellos: list[Inbound] = []
+        self._status: dict[str, bool] = {}  # device id -> online
+        self._cond = threading.Condition()
+        self._reasm = Reassembler(self.settings.max_message_bytes)
+        self._round_msg: bytes | None = None
+        self._published: dict[str, list[tuple[str, bytes]]] = {}  # artifact -> (topic, payload) to republish
+        self._parts: dict[str, int] = {}  # artifact -> number of retained part topics in use
+        self._lock = threading.Lock()
+        self.client = MqttClient(broker, client_id or f"fedge-coordinator-{fleet}", clean_session=False,
+                                 on_message=self._on_message, on_connect=self._on_connect)
+        self.client.subscribe(self.topics.device_filter("status"))
+        self.client.subscribe(self.topics.device_filter("hello"))
+        self.client.subscribe(self.topics.device_filter("update"))
+
+    def start(self) -> MqttCoordinatorTransport:
+        self.client.start(self.settings.connect_timeout_s)
+        return self
+
+    # -- inbound (dispatcher thread) -----------------------------------------------------
+    def _on_message(self, m: Received) -> None:
+        t = self.topics.parse_device(m.topic)
+        if t is None:
+            return
+        self.stats.messages_in += 1
+        self.stats.bytes_in += len(m.payload)
+        if t.kind == "status":
+            with self._cond:
+                if m.payload in (STATUS_ONLINE, STATUS_OFFLINE):
+                    self._status[t.device_id] = m.payload == STATUS_ONLINE
+                    self._cond.notify_all()
+            return
+        if t.kind == "hello":
+            if not m.payload:
+                return  # a cleared retained hello
+            if len(m.payload) > MAX_HELLO_BYTES:
+                log.warning("ignored a %d-byte hello on %s", len(m.payload), m.topic)
+                return
+            with self._cond:
+                self._hellos.append(Inbound(m.payload, t.device_id, m.received))
+                self._cond.notify_all()
+            return
+        # update: a whole message or a chunk frame
+        if frame_kind(m.payload) == "message":
+            self._updates.put(Inbound(m.payload, t.device_id, m.received))
+            return
+        try:
+            whole = self._reasm.add(t.device_id, m.payload)
+        except ChunkError as exc:
+            self._updates.put(Inbound(b"", t.device_id, m.received, reject=(exc.reason, exc.message)))
+            return
+        if whole is not None:
+            self._updates.put(Inbound(whole, t.device_id, m.received))
+
+    def _on_connect(self, session_present: bool) -> None:
+        # After a reconnect the broker may have restarted and lost every retained message:
+        # publish the globals again, then the round descriptor under a fresh message id, which
+        # tells devices that already answered this round to send their cached update again.
+        with self._lock:
+            published = [item for items in self._published.values() for item in items]
+            round_msg = self._round_msg
+        if self.client.connects <= 1 and round_msg is None:
+            return
+        for topic, payload in published:
+            self.client.publish(topic, payload, retain=True)
+        if round_msg is not None:
+            try:
+                msg = Message.from_bytes(round_msg)
+            except PayloadError:
+                return
+            msg.msg_id = Message("round", msg.sender, msg.round).msg_id
+            fresh = msg.to_bytes()
+            with self._lock:
+                self._round_msg = fresh
+            self.client.publish(self.topics.round, fresh, retain=True)
+            log.info("re-announced round %d after reconnecting", msg.round)
+
+    # -- CoordinatorTransport -----------------------------------------------------------
+    def announce_round(self, data: bytes) -> None:
+        with self._lock:
+            self._round_msg = data
+        info = self.client.publish(self.topics.round, data, retain=True)
+        self._count_out(len(data))
+        self.client.wait_published([info], PUBLISH_TIMEOUT_S)
+
+    def publish_global(self, artifact: str, data: bytes) -> None:
+        check_name(artifact, "artifact name")
+        root = self.topics.global_(artifact)
+        if len(data) <= self.settings.chunk_bytes:
+            items = [(root, data)]
+        else:
+            manifest, frames = chunk_frames(data, self.settings.chunk_bytes)
+            # parts first, the manifest last: a device that sees the new manifest finds every part
+            items = [(self.topics.global_part(artifact, i), f) for i, f in enumerate(frames)] + [(root, manifest)]
+        new_parts = len(items) - 1
+        infos = [self.client.publish(t, p, retain=True) for t, p in items]
+        # Clear part topics the previous (longer) version used: a zero-length retained message deletes.
+        infos += [self.client.publish(self.topics.global_part(artifact, i), b"", retain=True)
+                  for i in range(new_parts, self._parts.get(artifact, 0))]
+        self._parts[artifact] = new_parts
+        with self._lock:
+            self._published[artifact] = items
+        for _, p in items:
+            self._count_out(len(p))
+        if not self.client.wait_published(infos, PUBLISH_TIMEOUT_S):
+            log.warning("global %s: broker did not acknowledge within %.0f s (will retry on reconnect)", artifact,
+                        PUBLISH_TIMEOUT_S)
+
+    def hellos(self) -> list[Inbound]:
+        with self._cond:
+            out, self._hellos = self._hellos, []
+        return out
+
+    def offline(self) -> set[str]:
+        with self._cond:
+            return {d for d, up in self._status.items() if not up}
+
+    def online(self) -> set[str]:
+        """Devices whose latest status is ``online``."""
+        with self._cond:
+            return {d for d, up in self._status.items() if up}
+
+    def wait_for_devices(self, timeout_s: float) -> None:
+        with self._cond:
+            self._cond.wait(timeout_s)
+
+    def collect(self, round: int, expected: Collection[str], deadline: float) -> Iterator[Inbound]:
+        next_expiry = time.monotonic() + 5.0
+        while True:
+            now = time.time()
+            if deadline and now >= deadline:
+                return
+            if self._updates.empty():
+                offline = self.offline()
+                if all(d in offline for d in expected):
+                    return  # everyone expected has answered or is gone
+            wait = min(0.25, deadline - now) if deadline else 0.25
+            try:
+                item = self._updates.get(timeout=max(wait, 0.001))
+            except queue.Empty:
+                item = None
+            if time.monotonic() > next_expiry:
+                next_expiry = time.monotonic() + 5.0
+                for src, tid in self._reasm.expire():
+                    yield Inbound(b"", src, time.time(), reject=("incomplete", f"transfer {tid[:8]} from {src} "
+                                                                               "never completed"))
+            if item is not None:
+                yield item
+
+    def close(self) -> None:
+        self.client.stop()
+
+    def _count_out(self, n: int) -> None:
+        self.stats.messages_out += 1
+        self.stats.bytes_out += n
+
+
+class MqttDeviceTransport(DeviceTransport):
+    """Device side over MQTT: status + last-will, retained hello, round descriptor, globals, updates.
+
+    Global state is subscribed to on demand (a device downloads only the
+    artifacts its method asks for), and :meth:`fetch_global` waits for exactly
+    the version the current round descriptor names.
+    """
+
+    def __init__(self, broker: BrokerSettings, fleet: str, device_id: str,
+                 settings: TransportSettings | None = None, *, client_id: str | None = None) -> None:
+        self.topics = FleetTopics(fleet)
+        self.device_id = check_name(device_id, "device id")
+        self.settings = settings or TransportSettings()
+        self.stats = TransportStats()
+        self._cond = threading.Condition()
+        self._round_raw: bytes | None = None
+        self._round_id: str | None = None  # msg id of the current descriptor
+        self._round_key: tuple[str, int] | None = None  # (run, round) of the current descriptor
+        self._want: dict[str, int] | None = None  # artifact -> round of the version the round starts from
+        self._globals: dict[str, tuple[int, bytes]] = {}  # artifact -> (its round, message bytes)
+        self._assemblers: dict[str, RetainedAssembler] = {}
+        self._hello: bytes | None = None
+        # Last update: ((run, round), descriptor id it answered, frames) — resent when the
+        # coordinator re-announces the same round (it restarted or the broker lost it).
+        self._last_update: tuple[tuple[str, int], str | None, list[bytes]] | None = None
+        self.changes = 0  # descriptor changes seen (wakes wait_for_round)
+        self.client = MqttClient(broker, client_id or f"fedge-{fleet}-{device_id}", clean_session=True,
+                                 will=Will(self.topics.status(device_id), STATUS_OFFLINE),
+                                 on_message=self._on_message, on_connect=self._on_connect)
+        self.client.subscribe(self.topics.round)
+
+    def start(self, wait: bool = True) -> MqttDeviceTransport:
+        """Connect (in the background; with ``wait``, until the first connection or a clear error)."""
+        self.client.start(self.settings.connect_timeout_s if wait else None)
+        return self
+
+    # -- dispatcher thread -------------------------------------------------------------
+    def _on_connect(self, session_present: bool) -> None:
+        self.client.publish(self.topics.status(self.device_id), STATUS_ONLINE, retain=True)
+        if self._hello is not None:
+            self.client.publish(self.topics.hello(self.device_id), self._hello, retain=True)
+
+    def _on_message(self, m: Received) -> None:
+        self.stats.messages_in += 1
+        self.stats.bytes_in += len(m.payload)
+        if m.topic == self.topics.round:
+            self._on_round(m.payload)
+            return
+        g = self.topics.parse_global(m.topic)
+        if g is None:
+            return
+        asm = self._assemblers.setdefault(g.artifact, RetainedAssembler(self.settings.max_message_bytes))
+        try:
+            whole = asm.on_root(m.payload) if g.part is None else asm.on_part(m.payload)
+            if whole is None:
+                return
+            _, meta = read_header(whole)
+            rnd = int(meta.get("round", "-1"))
+        except (PayloadError, ValueError) as exc:
+            log.warning("%s: ignored global state on %s: %s", self.device_id, m.topic, exc)
+            return
+        with self._cond:
+            self._globals[g.artifact] = (rnd, whole)
+            self._cond.notify_all()
+
+    def _on_round(self, raw: bytes) -> None:
+        if not raw:
+            return
+        try:
+            msg = Message.from_bytes(raw, max_bytes=MAX_HELLO_BYTES)
+            run = str(msg.info.get("run", ""))
+            want = msg.info.get("globals")
+            key = (run, int(msg.round))
+        except (PayloadError, ValueError, TypeError) as exc:
+            log.warning("%s: ignored a bad round descriptor: %s", self.device_id, exc)
+            return
+        resend: list[bytes] | None = None
+        with self._cond:
+            if msg.msg_id == self._round_id:
+                return  # the same descriptor again (retained redelivery after a reconnect)
+            self._round_raw, self._round_id, self._round_key = raw, msg.msg_id, key
+            self._want = {str(k): int(v) for k, v in want.items()} if isinstance(want, dict) else None
+            last = self._last_update
+            if last is not None and last[0] == key and last[1] != msg.msg_id:
+                resend = last[2]
+                self._last_update = (key, msg.msg_id, last[2])
+            self.changes += 1
+            self._cond.notify_all()
+        if resend is not None:
+            log.info("%s: round %d was re-announced; sending the cached update again", self.device_id, key[1])
+            for frame in resend:
+                self.client.publish(self.topics.update(self.device_id), frame)
+
+    # -- DeviceTransport ---------------------------------------------------------------
+    def send_hello(self, data: bytes) -> None:
+        self._hello = data
+        if self.client.connected:
+            self.client.publish(self.topics.hello(self.device_id), data, retain=True)
+        self._count_out(len(data))
+
+    def current_round(self) -> bytes | None:
+        with self._cond:
+            return self._round_raw
+
+    @property
+    def run_id(self) -> str | None:
+        """Run id of the current round descriptor (changes when a new run starts)."""
+        with self._cond:
+            return self._round_key[0] if self._round_key else None
+
+    def wait_for_round(self, timeout_s: float) -> bool:
+        with self._cond:
+            seen = self.changes
+            self._cond.wait_for(lambda: self.changes != seen, timeout_s)
+            return self.changes != seen
+
+    def fetch_global(self, artifact: str) -> bytes | None:
+        with self._cond:
+            want = self._want
+        if want is not None and artifact not in want:
+            return None  # the coordinator has not published this artifact yet
+        self.client.subscribe(self.topics.global_filter(artifact))
+        end = time.monotonic() + (self.settings.global_timeout_s if want is not None else 2.0)
+        with self._cond:
+            while True:
+                have = self._globals.get(artifact)
+                need = self._want.get(artifact) if self._want is not None else None
+                if have is not None and (need is None or have[0] == need):
+                    return have[1]
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    if need is None:
+                        return have[1] if have else None
+                    raise TransportError(
+                        f"{self.device_id}: global state {artifact!r} of round {need} did not arrive within "
+                        f"{self.settings.global_timeout_s:.0f} s (have round {have[0] if have else None})",
+                        hint="check the connection to the broker and its message_size_limit",
+                    )
+                self._cond.wait(min(remaining, 0.5))
+
+    def send_update(self, data: bytes) -> None:
+        frames = split(data, self.settings.chunk_bytes)
+        with self._cond:
+            key, rid = self._round_key, self._round_id
+        try:
+            rnd = int(read_header(data)[1].get("round", "-1"))
+        except (PayloadError, ValueError):
+            rnd = -1
+        if key is not None and key[1] == rnd:
+            self._last_update = (key, rid, frames)
+        infos = [self.client.publish(self.topics.update(self.device_id), f) for f in frames]
+        for f in frames:
+            self._count_out(len(f))
+        if self.client.connected and not self.client.wait_published(infos, PUBLISH_TIMEOUT_S):
+            log.warning("%s: update not acknowledged within %.0f s; paho resends it after a reconnect",
+                        self.device_id, PUBLISH_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Disconnect cleanly, marking this device offline (the last-will is for crashes)."""
+        self.client.stop(final=(self.topics.status(self.device_id), STATUS_OFFLINE))
+
+    def abort(self) -> None:
+        """Vanish like a crashed device: no DISCONNECT, so the broker publishes the last-will."""
+        self.client.abort()
+
+    def _count_out(self, n: int) -> None:
+        self.stats.messages_out += 1
+        self.stats.bytes_out += n
+
+
+__all__ = ["MqttCoordinatorTransport", "MqttDeviceTransport", "TransportSettings"]
