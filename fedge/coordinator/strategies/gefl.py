@@ -1,0 +1,140 @@
+"""GeFL, coordinator half: average the generator over all devices (per generator shape),
+then run LG-FedAvg (or FedAvg within the group) on the target networks.
+
+Phases by round: ``generator`` for rounds 1 … ``gen_rounds`` (published: 100),
+``target`` for the rest of ``[run] rounds`` (published: 50, so ``rounds = 150``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fedge.common.archs import arch_by_name
+from fedge.common.rounds import DeviceInfo
+from fedge.coordinator.aggregate import GroupedMean
+from fedge.coordinator.strategies.baselines import FedAvgStrategy, LGFedAvgStrategy, weight_spec
+from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+from fedge.edge.generators.spec import (
+    DEFAULT_GENERATOR_TIER,
+    GENERATOR_PREFIX,
+    GeneratorSpec,
+    check_tier,
+    generator_artifact,
+)
+from fedge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def config_int(config: dict[str, Any], key: str, default: int, minimum: int = 0) -> int:
+    v = config.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ConfigError(f"[method] {key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def config_bool(config: dict[str, Any], key: str, default: bool) -> bool:
+    v = config.get(key, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"[method] {key} must be true or false, got {v!r}")
+    return v
+
+
+class GeneratorAverage:
+    """Streaming sample-weighted average of generator uploads, one per generator artifact.
+
+    Which artifact (kind, tier, level) a device belongs to is decided from its
+    registry record, exactly as the device decides it from its plan: the
+    ``[method] generator_tier`` setting if present, else ``generator_tier`` in
+    the device's hello (``DeviceInfo.extra``), else the default tier.
+    """
+
+    def __init__(self, config: dict[str, Any], kind: str, level: str, num_classes: int) -> None:
+        self.config = config
+        self.kind = kind
+        self.level = level
+        self.num_classes = num_classes
+        self.groups = GroupedMean()
+
+    def tier(self, device: DeviceInfo) -> str:
+        t = self.config.get("generator_tier") or device.extra.get("generator_tier") or DEFAULT_GENERATOR_TIER
+        return check_tier(str(t))
+
+    def artifact(self, device: DeviceInfo) -> str:
+        return generator_artifact(self.kind, self.tier(device), self.level)
+
+    def spec(self, device: DeviceInfo) -> GeneratorSpec:
+        arch = arch_by_name(device.arch)
+        shape = ((arch.in_channels, arch.image_size, arch.image_size) if self.level == "image"
+                 else arch.stem_shape)
+        return GeneratorSpec(self.kind, shape, tier=self.tier(device), num_classes=self.num_classes)
+
+    def expected(self, device: DeviceInfo) -> UpdateSpec:
+        return {GENERATOR_PREFIX + k: (s, "float") for k, s in self.spec(device).upload_shapes().items()}
+
+    def reset(self) -> None:
+        self.groups = GroupedMean()
+
+    def add(self, device: DeviceInfo, arrays: Arrays) -> None:
+        gen = {k[len(GENERATOR_PREFIX):]: v for k, v in arrays.items() if k.startswith(GENERATOR_PREFIX)}
+        if gen:
+            self.groups.add(self.artifact(device), gen, float(max(device.num_samples, 1)))
+
+    def results(self) -> dict[str, Arrays]:
+        return self.groups.results()
+
+
+def split_generator(arrays: Arrays) -> Arrays:
+    """The non-generator entries of an upload."""
+    return {k: v for k, v in arrays.items() if not k.startswith(GENERATOR_PREFIX)}
+
+
+class GeFLStrategy(Strategy):
+    """GeFL: generator rounds, then target rounds (see the module docstring)."""
+
+    name = "gefl"
+
+    def __init__(self, config: dict[str, Any], *, num_classes: int, rounds: int) -> None:
+        super().__init__(config, num_classes=num_classes, rounds=rounds)
+        kind = config.get("generator", "cvae")
+        if kind not in ("cvae", "dcgan"):
+            raise ConfigError(f"[method] generator must be cvae or dcgan, got {kind!r}")
+        self.gen_rounds = config_int(config, "gen_rounds", 100)
+        if self.gen_rounds >= rounds:
+            raise ConfigError(
+                f"gefl: [run] rounds = {rounds} leaves no target rounds after {self.gen_rounds} generator rounds",
+                hint="set [run] rounds = gen_rounds + target rounds (published: 100 + 50 = 150)",
+            )
+        self.train_gen_in_target = config_bool(config, "train_generator_in_target", kind == "dcgan")
+        self.avg_extractor = config_bool(config, "avg_extractor", True)
+        self.gens = GeneratorAverage(config, kind, "image", num_classes)
+        inner = LGFedAvgStrategy if self.avg_extractor else FedAvgStrategy
+        self.weights: FedAvgStrategy = inner(config, num_classes=num_classes, rounds=rounds)
+
+    def phase(self, rnd: int) -> str:
+        return "generator" if rnd <= self.gen_rounds else "target"
+
+    def begin_round(self, rnd: int) -> None:
+        self.gens.reset()
+        self.weights.begin_round(rnd)
+
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
+        self.gens.add(device, arrays)
+        rest = split_generator(arrays)
+        if rest:
+            self.weights.accumulate(device, rest, info)
+
+    def finish_round(self, rnd: int) -> dict[str, Arrays]:
+        out = self.gens.results()
+        if self.phase(rnd) == "target":
+            out.update(self.weights.finish_round(rnd))
+        return out
+
+    def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
+        if self.phase(rnd) == "generator":
+            return self.gens.expected(device)
+        spec = weight_spec(device.arch)
+        if self.train_gen_in_target:
+            spec.update(self.gens.expected(device))
+        return spec

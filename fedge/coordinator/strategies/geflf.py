@@ -1,0 +1,76 @@
+"""GeFL-F, coordinator half: LG-FedAvg warm-up, feature-generator averaging, then
+head averaging within each architecture group.
+
+Phases by round: ``warmup`` for rounds 1 … ``warmup_rounds`` (published: 20),
+``generator`` for the next ``gen_rounds`` (published: 100), ``head`` for the rest of
+``[run] rounds`` (published: 50, so ``rounds = 170``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedge.common.rounds import DeviceInfo
+from fedge.coordinator.strategies.baselines import EXTRACTOR_PREFIX, FedAvgStrategy, LGFedAvgStrategy, weight_spec
+from fedge.coordinator.strategies.gefl import GeneratorAverage, config_int, split_generator
+from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+from fedge.errors import ConfigError
+
+
+class GeFLFStrategy(Strategy):
+    """GeFL-F: see the module docstring."""
+
+    name = "geflf"
+
+    def __init__(self, config: dict[str, Any], *, num_classes: int, rounds: int) -> None:
+        super().__init__(config, num_classes=num_classes, rounds=rounds)
+        kind = config.get("generator", "cvae")
+        if kind not in ("cvae", "dcgan"):
+            raise ConfigError(f"[method] generator must be cvae or dcgan, got {kind!r}")
+        self.warmup_rounds = config_int(config, "warmup_rounds", 20)
+        self.gen_rounds = config_int(config, "gen_rounds", 100)
+        if self.warmup_rounds + self.gen_rounds >= rounds:
+            raise ConfigError(
+                f"geflf: [run] rounds = {rounds} leaves no head rounds after {self.warmup_rounds} warm-up and "
+                f"{self.gen_rounds} generator rounds",
+                hint="set [run] rounds = warmup_rounds + gen_rounds + head rounds (published: 20 + 100 + 50 = 170)",
+            )
+        self.gens = GeneratorAverage(config, kind, "feature", num_classes)
+        self.warmup = LGFedAvgStrategy(config, num_classes=num_classes, rounds=rounds)
+        self.heads = FedAvgStrategy(config, num_classes=num_classes, rounds=rounds)
+
+    def phase(self, rnd: int) -> str:
+        if rnd <= self.warmup_rounds:
+            return "warmup"
+        return "generator" if rnd <= self.warmup_rounds + self.gen_rounds else "head"
+
+    def begin_round(self, rnd: int) -> None:
+        self.gens.reset()
+        self.warmup.begin_round(rnd)
+        self.heads.begin_round(rnd)
+
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
+        self.gens.add(device, arrays)
+        rest = split_generator(arrays)
+        if not rest:
+            return
+        if any(k.startswith(EXTRACTOR_PREFIX) for k in rest):
+            self.warmup.accumulate(device, rest, info)
+        else:
+            self.heads.accumulate(device, rest, info)
+
+    def finish_round(self, rnd: int) -> dict[str, Arrays]:
+        phase = self.phase(rnd)
+        if phase == "warmup":
+            return self.warmup.finish_round(rnd)
+        if phase == "generator":
+            return self.gens.results()
+        return self.heads.finish_round(rnd)
+
+    def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
+        phase = self.phase(rnd)
+        if phase == "warmup":
+            return weight_spec(device.arch)
+        if phase == "generator":
+            return self.gens.expected(device)
+        return {k: v for k, v in weight_spec(device.arch).items() if not k.startswith(EXTRACTOR_PREFIX)}

@@ -1,0 +1,224 @@
+"""Generator architectures as plain data (no torch), so the coordinator can check shapes.
+
+Like :mod:`fedge.common.archs` for the model zoo: the coordinator validates
+uploaded generator weights against :meth:`GeneratorSpec.param_shapes` without
+importing torch, and :mod:`fedge.edge.generators.modules` builds the torch
+modules from the same spec (a test checks that the two agree).
+
+Three kinds, every convolution 4×4 with stride 2 and padding 1 (each halves or
+doubles the side), as in the GeFL code:
+
+* ``cvae``: conditional VAE. Encoder: the input plus one constant plane per
+  class (one-hot), ``log2(S)`` strided convs with BN+ReLU down to 1×1, channels
+  ``w, 2w, 4w, ...``, then linear layers to the mean and log-variance of a
+  ``latent_dim`` Gaussian. Decoder: ``Linear(latent + classes → top)``, then the
+  mirrored transposed convs. With ``w = 64`` and a 1×32×32 output this is the
+  published GeFL CVAE (64 → 1024 channels, latent 16, ≈ 22 M parameters); on the
+  3×16×16 extractor output (one level fewer) it is ≈ 5.5 M parameters, the
+  published CVAE-F size.
+* ``dcgan``: conditional DCGAN (generator *and* discriminator; GeFL averages
+  both). Generator: noise and one-hot label each through ``ConvT(·, 4, 1, 0)``
+  to 4×4, concatenated, then strided transposed convs halving the channels up
+  to the output side. Discriminator: image and label planes each through a
+  strided conv, concatenated, strided convs with BN doubling the channels down
+  to 4×4, then ``Conv(·→1, 4, 1, 0)``. With ``w = 128`` and 1×32×32 this is the
+  published GeFL DCGAN (≈ 3.1 M + 2.6 M parameters, noise 100).
+* ``vtc``: FedVTC's variational transposed-convolution decoder ψ:
+  ``Linear(p → 4w·4·4)``, then transposed convs with BN+ReLU up to the image.
+  FedVTC publishes no sizes; ``paper`` is fedge's choice (w = 64).
+
+Tiers trade quality for cost: ``paper`` (published sizes), ``small``
+(¼ of the paper width: 1/16 of the parameters and MACs) and ``tiny`` (⅛ width),
+which a Raspberry Pi trains in seconds per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fedge.errors import ConfigError
+
+GENERATOR_KINDS: tuple[str, ...] = ("cvae", "dcgan", "vtc")
+GENERATOR_TIERS: tuple[str, ...] = ("tiny", "small", "paper")
+DEFAULT_GENERATOR_TIER = "small"
+
+# Base width w per kind and tier. "paper": the published GeFL sizes (CVAE 64, DCGAN d = 128).
+TIER_WIDTH: dict[str, dict[str, int]] = {
+    "cvae": {"tiny": 8, "small": 16, "paper": 64},
+    "dcgan": {"tiny": 16, "small": 32, "paper": 128},
+    "vtc": {"tiny": 16, "small": 32, "paper": 64},
+}
+# Latent size: CVAE 16 (GeFL, MNIST/FMNIST), DCGAN noise 100 (GeFL); VTC's input is the feature size p.
+DEFAULT_LATENT = {"cvae": 16, "dcgan": 100}
+
+
+def _log2(n: int) -> int:
+    k = n.bit_length() - 1
+    return k if n > 0 and 1 << k == n else -1
+
+
+@dataclass(frozen=True)
+class GeneratorSpec:
+    """Everything needed to build (and size) one conditional generator."""
+
+    kind: str
+    out_shape: tuple[int, int, int]  # (C, H, W) of the samples
+    tier: str = DEFAULT_GENERATOR_TIER
+    num_classes: int = 10
+    latent_dim: int = 0  # 0: the kind's default (VTC: must be given, it is p)
+    width: int = 0  # 0: the tier's width
+
+    def __post_init__(self) -> None:
+        if self.kind not in GENERATOR_KINDS:
+            raise ConfigError(f"unknown generator kind {self.kind!r}", hint=f"use one of {', '.join(GENERATOR_KINDS)}")
+        if self.tier not in GENERATOR_TIERS:
+            raise ConfigError(f"unknown generator tier {self.tier!r}", hint=f"use one of {', '.join(GENERATOR_TIERS)}")
+        c, h, w = self.out_shape
+        if h != w or _log2(h) < 3 or c < 1:
+            raise ConfigError(
+                f"generator output {self.out_shape} is not (C, S, S) with S a power of two >= 8",
+                hint="generate 1x32x32 images or the 3x16x16 extractor output",
+            )
+        if self.kind == "vtc" and self.latent_dim <= 0:
+            raise ConfigError("a VTC decoder needs latent_dim = the model's feature size p")
+        if self.num_classes < 1:
+            raise ConfigError(f"num_classes must be >= 1, got {self.num_classes}")
+
+    # -- derived sizes --------------------------------------------------------------------
+    @property
+    def base_width(self) -> int:
+        return self.width or TIER_WIDTH[self.kind][self.tier]
+
+    @property
+    def latent(self) -> int:
+        return self.latent_dim or DEFAULT_LATENT.get(self.kind, 0)
+
+    @property
+    def side(self) -> int:
+        return self.out_shape[1]
+
+    def cvae_channels(self) -> list[int]:
+        """Encoder channels, one per strided conv down to 1×1 (32 → 5 levels, 16 → 4)."""
+        return [self.base_width * 2**i for i in range(_log2(self.side))]
+
+    def up_channels(self) -> list[int]:
+        """DCGAN generator / VTC channels from 4×4 upward (before the last conv to C)."""
+        n = _log2(self.side) - 2  # stride-2 steps from 4×4 to the output side
+        return [self.base_width * 2 ** (n - 1 - i) for i in range(n)]
+
+    def disc_channels(self) -> list[int]:
+        """DCGAN discriminator channels from S/2 down to 4×4 (after the two input branches)."""
+        n = _log2(self.side) - 2
+        return [self.base_width * 2**i for i in range(n)]
+
+    # -- parameter shapes -----------------------------------------------------------------
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """State-dict names and shapes (BN buffers included, ``num_batches_tracked`` as ())."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        c_out = self.out_shape[0]
+        k = self.num_classes
+
+        def conv(name: str, cin: int, cout: int, transposed: bool = False) -> None:
+            shapes[f"{name}.weight"] = (cin, cout, 4, 4) if transposed else (cout, cin, 4, 4)
+            shapes[f"{name}.bias"] = (cout,)
+
+        def bn(name: str, ch: int) -> None:
+            for p in ("weight", "bias", "running_mean", "running_var"):
+                shapes[f"{name}.{p}"] = (ch,)
+            shapes[f"{name}.num_batches_tracked"] = ()
+
+        def linear(name: str, cin: int, cout: int) -> None:
+            shapes[f"{name}.weight"] = (cout, cin)
+            shapes[f"{name}.bias"] = (cout,)
+
+        if self.kind == "cvae":
+            chans = self.cvae_channels()
+            cin = c_out + k
+            for i, ch in enumerate(chans):  # enc = [conv, bn, relu] * L
+                conv(f"enc.{3 * i}", cin, ch)
+                bn(f"enc.{3 * i + 1}", ch)
+                cin = ch
+            linear("mu", chans[-1], self.latent)
+            linear("logvar", chans[-1], self.latent)
+            linear("dec_in", self.latent + k, chans[-1])
+            rev = chans[::-1]
+            for i in range(len(rev) - 1):  # dec = [convT, bn, relu] * (L-1) + [convT]
+                conv(f"dec.{3 * i}", rev[i], rev[i + 1], transposed=True)
+                bn(f"dec.{3 * i + 1}", rev[i + 1])
+            conv(f"dec.{3 * (len(rev) - 1)}", rev[-1], c_out, transposed=True)
+        elif self.kind == "dcgan":
+            up = self.up_channels()
+            half = up[0] // 2
+            conv("gen.z_in.0", self.latent, half, transposed=True)
+            bn("gen.z_in.1", half)
+            conv("gen.y_in.0", k, half, transposed=True)
+            bn("gen.y_in.1", half)
+            for i in range(len(up) - 1):
+                conv(f"gen.up.{3 * i}", up[i], up[i + 1], transposed=True)
+                bn(f"gen.up.{3 * i + 1}", up[i + 1])
+            conv(f"gen.up.{3 * (len(up) - 1)}", up[-1], c_out, transposed=True)
+            down = self.disc_channels()
+            conv("disc.x_in.0", c_out, down[0] // 2)
+            conv("disc.y_in.0", k, down[0] // 2)
+            for i in range(len(down) - 1):
+                conv(f"disc.down.{3 * i}", down[i], down[i + 1])
+                bn(f"disc.down.{3 * i + 1}", down[i + 1])
+            conv(f"disc.down.{3 * (len(down) - 1)}", down[-1], 1)
+        else:  # vtc
+            up = self.up_channels()
+            linear("dec_in", self.latent, up[0] * 16)
+            bn("dec_in_bn", up[0])
+            for i in range(len(up) - 1):
+                conv(f"dec.{3 * i}", up[i], up[i + 1], transposed=True)
+                bn(f"dec.{3 * i + 1}", up[i + 1])
+            conv(f"dec.{3 * (len(up) - 1)}", up[-1], c_out, transposed=True)
+        return shapes
+
+    def upload_shapes(self) -> dict[str, tuple[int, ...]]:
+        """What a device uploads: every float entry (BN counters are never sent)."""
+        return {k: v for k, v in self.param_shapes().items() if not k.endswith("num_batches_tracked")}
+
+    def num_params(self) -> int:
+        """Trainable parameters (BN running statistics excluded)."""
+        total = 0
+        for name, shape in self.param_shapes().items():
+            if name.endswith(("running_mean", "running_var", "num_batches_tracked")):
+                continue
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["out_shape"] = list(self.out_shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GeneratorSpec:
+        d = dict(d)
+        d["out_shape"] = tuple(d["out_shape"])
+        return cls(**d)
+
+
+def check_tier(tier: str) -> str:
+    """``tier`` if it is a generator tier, else a :class:`ConfigError` naming the choices."""
+    if tier not in GENERATOR_TIERS:
+        raise ConfigError(f"unknown generator tier {tier!r}", hint=f"use one of {', '.join(GENERATOR_TIERS)}")
+    return tier
+
+
+# -- artifact names shared by both halves of the generative methods -------------------------
+GENERATOR_PREFIX = "generator."  # upload key prefix of generator weights (models use extractor./body./...)
+VTC_STATS_ARTIFACT = "vtc-stats"  # FedVTC's global prototypes, σ and class counts
+
+
+def generator_artifact(kind: str, tier: str, level: str = "image") -> str:
+    """Artifact holding the generator averaged over the devices with the same kind, tier and level.
+
+    Devices can only average generators of identical shape, so a fleet whose
+    plans give different generator tiers trains one generator per tier.
+    """
+    return f"generator-{level}-{kind}-{tier}"

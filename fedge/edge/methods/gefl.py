@@ -1,0 +1,217 @@
+"""GeFL (Kang et al., arXiv 2412.18460), device half: a federated conditional generator
+teaches every device's own network.
+
+Two phases, as in the published code (``gen_wu_epochs`` then ``epochs``):
+
+1. ``generator`` rounds (published: 100): every device trains the *same* generator
+   (CVAE or conditional DCGAN) for 5 local epochs on its real data and uploads it;
+   the coordinator averages it over all devices with the same generator.
+2. ``target`` rounds (published: 50): each device trains its own network, T_s = 1
+   epoch on fresh synthetic samples (labels uniform over the classes, as many
+   as it has real samples) then T_r = 5 epochs on its real data. As in the
+   published defaults (``avg_FE = 1``) the common extractor is averaged over all
+   devices and the rest within the architecture group (LG-FedAvg). The CVAE is
+   frozen after phase 1 (``freeze_gen = 1``); the DCGAN keeps training (the
+   published comment "GAN: False").
+
+The generator's size comes from the device plan's ``generator_tier``
+(``[method] generator_tier`` overrides it fleet-wide). Every device initialises
+its generator from the same ``generator_seed``, because averaging independently
+initialised networks is meaningless (FedAvg starts from one global model).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedge.common.rounds import EXTRACTOR_ARTIFACT, RoundInfo, group_artifact
+from fedge.edge.generators.modules import ConditionalGenerator, build_generator
+from fedge.edge.generators.spec import (
+    DEFAULT_GENERATOR_TIER,
+    GENERATOR_PREFIX,
+    GeneratorSpec,
+    check_tier,
+    generator_artifact,
+)
+from fedge.edge.generators.train import GeneratorTrainer, sample_dataset
+from fedge.edge.methods.base import Arrays, DeviceContext, DeviceMethod, load_arrays, model_arrays
+from fedge.edge.training import train_epochs
+from fedge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+GEFL_GENERATORS = ("cvae", "dcgan")
+
+
+def cfg_bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    """A boolean ``[method]`` setting; refuses strings like "false" that TOML users may write."""
+    v = cfg.get(key, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"[method] {key} must be true or false, got {v!r}")
+    return v
+
+
+def cfg_int(cfg: dict[str, Any], key: str, default: int, minimum: int = 0) -> int:
+    """An integer ``[method]`` setting of at least ``minimum``."""
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ConfigError(f"[method] {key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def cfg_float(cfg: dict[str, Any], key: str, default: float, minimum: float = 0.0) -> float:
+    """A non-negative float ``[method]`` setting."""
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int | float) or v < minimum:
+        raise ConfigError(f"[method] {key} must be a number >= {minimum}, got {v!r}")
+    return float(v)
+
+
+def generator_kind(cfg: dict[str, Any]) -> str:
+    kind = cfg.get("generator", "cvae")
+    if kind not in GEFL_GENERATORS:
+        raise ConfigError(f"[method] generator must be one of {', '.join(GEFL_GENERATORS)}, got {kind!r}",
+                          hint="DDPM is not implemented in fedge")
+    return str(kind)
+
+
+def device_tier(ctx: DeviceContext) -> str:
+    """Generator tier: ``[method] generator_tier`` if set, else the plan's, else "small"."""
+    tier = ctx.method_config.get("generator_tier") or ctx.plan.get("generator_tier") or DEFAULT_GENERATOR_TIER
+    return check_tier(str(tier))
+
+
+def prefixed(arrays: Arrays, prefix: str = GENERATOR_PREFIX) -> Arrays:
+    return {prefix + k: v for k, v in arrays.items()}
+
+
+def unprefixed(arrays: Arrays, prefix: str = GENERATOR_PREFIX) -> tuple[Arrays, Arrays]:
+    """Split ``arrays`` into (generator entries without the prefix, the rest)."""
+    gen = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+    rest = {k: v for k, v in arrays.items() if not k.startswith(prefix)}
+    return gen, rest
+
+
+class GenerativeMixin:
+    """A device that owns a federated generator: building, training, loading, sampling."""
+
+    ctx: DeviceContext
+    level = "image"  # "image": 1×32×32 inputs; "feature": the extractor's 3×16×16 output
+
+    def _init_generator(self, kind: str, out_shape: tuple[int, int, int]) -> None:
+        cfg = self.ctx.method_config
+        self.gen_kind = kind
+        self.gen_tier = device_tier(self.ctx)
+        self.gen_spec = GeneratorSpec(kind, out_shape, tier=self.gen_tier, num_classes=self.ctx.num_classes)
+        self.generator: ConditionalGenerator = build_generator(
+            self.gen_spec, seed=cfg_int(cfg, "generator_seed", 0))
+        self.gen_trainer = GeneratorTrainer(self.generator)
+        self.gen_epochs = cfg_int(cfg, "gen_epochs", 5, 1)
+        self.gen_batch = cfg_int(cfg, "gen_batch_size", self.ctx.train_cfg.batch_size, 2)
+        self.gen_artifact = generator_artifact(kind, self.gen_tier, self.level)
+        self.generator_loaded = False  # a global generator has been applied at least once
+        log.info("%s: %s generator %s, tier %s, %d parameters", self.ctx.device_id, self.level, kind,
+                 self.gen_tier, self.gen_spec.num_params())
+
+    def _load_generator(self, artifacts: dict[str, Arrays]) -> bool:
+        arrays = artifacts.get(self.gen_artifact)
+        if not arrays:
+            return False
+        load_arrays(self.generator, arrays)
+        self.generator_loaded = True
+        return True
+
+    def _train_generator(self, x_gen: np.ndarray, y: np.ndarray) -> tuple[Arrays, float]:
+        ctx = self.ctx
+        loss = self.gen_trainer.fit(x_gen, y, epochs=self.gen_epochs, batch_size=self.gen_batch,
+                                    rng=ctx.rng, gen=ctx.torch_gen)
+        return prefixed(model_arrays(self.generator)), loss
+
+    def _synthetic(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` fresh samples in generator space with labels uniform over all classes."""
+        return sample_dataset(self.generator, n, np.arange(self.ctx.num_classes), self.ctx.torch_gen)
+
+    def grid_samples(self, per_class: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """``per_class`` samples of every class, class-major, for an image grid."""
+        if not self.generator_loaded:
+            return None
+        labels = torch.arange(self.ctx.num_classes).repeat_interleave(per_class)
+        self.generator.eval()
+        with torch.no_grad():
+            x = self.generator.sample(labels, torch.Generator().manual_seed(0))
+        return x.numpy(), labels.numpy()
+
+
+class GeFLDevice(GenerativeMixin, DeviceMethod):
+    """GeFL with an image-level CVAE or conditional DCGAN (``[method] generator``)."""
+
+    name = "gefl"
+
+    def __init__(self, ctx: DeviceContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.method_config
+        kind = generator_kind(cfg)
+        spec = ctx.model.spec
+        self._init_generator(kind, (spec.in_channels, spec.image_size, spec.image_size))
+        self.synthetic_epochs = cfg_int(cfg, "synthetic_epochs", 1)
+        self.real_epochs = cfg_int(cfg, "real_epochs", ctx.train_cfg.local_epochs, 1)
+        self.synthetic_ratio = cfg_float(cfg, "synthetic_ratio", 1.0)
+        self.avg_extractor = cfg_bool(cfg, "avg_extractor", True)
+        self.train_gen_in_target = cfg_bool(cfg, "train_generator_in_target", kind == "dcgan")
+        norm = ctx.train.norm
+        self.mean, self.std = float(norm.mean), float(norm.std)
+        self._x_gen: np.ndarray | None = None
+
+    # images: normalized (model) space <-> [0, 1] (generator) space
+    def to_gen_space(self, x: np.ndarray) -> np.ndarray:
+        return np.clip(x * self.std + self.mean, 0.0, 1.0).astype(np.float32)
+
+    def from_gen_space(self, g: np.ndarray) -> np.ndarray:
+        return ((g - self.mean) / self.std).astype(np.float32)
+
+    def _real_in_gen_space(self) -> np.ndarray:
+        if self._x_gen is None:
+            self._x_gen = self.to_gen_space(self.ctx.train.x)
+        return self._x_gen
+
+    def needed_artifacts(self, info: RoundInfo) -> list[str]:
+        if info.phase == "generator":
+            return [self.gen_artifact]
+        out = [EXTRACTOR_ARTIFACT] if self.avg_extractor else []
+        out.append(group_artifact(self.ctx.model.spec.name))
+        # A frozen generator is fetched once, not every round (it would dominate the downlink).
+        if self.train_gen_in_target or not self.generator_loaded or info.phase == "generator":
+            out.append(self.gen_artifact)
+        return out
+
+    def apply_global(self, info: RoundInfo, artifacts: dict[str, Arrays]) -> None:
+        self._load_generator(artifacts)
+        for name, arrays in artifacts.items():
+            if name != self.gen_artifact:
+                load_arrays(self.ctx.model, arrays)
+
+    def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
+        ctx = self.ctx
+        if info.phase == "generator":
+            arrays, gloss = self._train_generator(self._real_in_gen_space(), ctx.train.y)
+            return arrays, {"gen_loss": gloss, "generator_tier": self.gen_tier}
+        extra: dict[str, Any] = {}
+        if self.generator_loaded and self.synthetic_epochs > 0:
+            n = max(2, round(self.synthetic_ratio * len(ctx.train)))
+            xs, ys = self._synthetic(n)
+            extra["syn_loss"] = train_epochs(ctx.model, self.from_gen_space(xs), ys, ctx.train_cfg, ctx.rng,
+                                             epochs=self.synthetic_epochs)
+        extra["loss"] = train_epochs(ctx.model, ctx.train.x, ctx.train.y, ctx.train_cfg, ctx.rng,
+                                     epochs=self.real_epochs)
+        arrays = model_arrays(ctx.model)
+        if self.train_gen_in_target:
+            gen_arrays, extra["gen_loss"] = self._train_generator(self._real_in_gen_space(), ctx.train.y)
+            arrays.update(gen_arrays)
+        return arrays, extra
+
+
+__all__ = ["GEFL_GENERATORS", "GeFLDevice", "GenerativeMixin"]
