@@ -8,11 +8,16 @@ from fedge.coordinator.strategies.baselines import (
     LGFedAvgStrategy,
     LocalStrategy,
 )
+from fedge.coordinator.strategies.fedvtc import FedVTCStrategy
+from fedge.coordinator.strategies.gefl import GeFLStrategy
+from fedge.coordinator.strategies.geflf import GeFLFStrategy
 from fedge.coordinator.strategy import Strategy
 from fedge.errors import ConfigError
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (LocalStrategy, FedAvgStrategy, LGFedAvgStrategy, FedProtoStrategy)
+    cls.name: cls
+    for cls in (LocalStrategy, FedAvgStrategy, LGFedAvgStrategy, FedProtoStrategy, GeFLStrategy, GeFLFStrategy,
+                FedVTCStrategy)
 }
 
 

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from fedge.edge.methods.base import DeviceContext, DeviceMethod
 from fedge.edge.methods.baselines import FedAvgDevice, FedProtoDevice, LGFedAvgDevice, LocalDevice
+from fedge.edge.methods.fedvtc import FedVTCDevice
+from fedge.edge.methods.gefl import GeFLDevice
+from fedge.edge.methods.geflf import GeFLFDevice
 from fedge.errors import ConfigError
 
 DEVICE_METHODS: dict[str, type[DeviceMethod]] = {
-    cls.name: cls for cls in (LocalDevice, FedAvgDevice, LGFedAvgDevice, FedProtoDevice)
+    cls.name: cls
+    for cls in (LocalDevice, FedAvgDevice, LGFedAvgDevice, FedProtoDevice, GeFLDevice, GeFLFDevice, FedVTCDevice)
 }
 
 
@@ -18,18 +22,9 @@ def register_device_method(cls: type[DeviceMethod]) -> type[DeviceMethod]:
 
 
 def device_method(name: str) -> type[DeviceMethod]:
-    _load_optional()
     if name not in DEVICE_METHODS:
         raise ConfigError(f"unknown method {name!r}", hint=f"use one of {', '.join(sorted(DEVICE_METHODS))}")
     return DEVICE_METHODS[name]
-
-
-def _load_optional() -> None:
-    """Import method modules that register themselves (generative methods)."""
-    try:
-        import fedge.edge.methods.generative  # noqa: F401
-    except ImportError:
-        pass
 
 
 __all__ = ["DEVICE_METHODS", "DeviceContext", "DeviceMethod", "device_method", "register_device_method"]
