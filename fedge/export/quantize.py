@@ -173,12 +173,12 @@ def compact(path: Path) -> None:
     Exporters and quantizers name every tensor after its module path
     (``/body/body.8/Conv_output_0_quantized_scale``) and keep inferred
     ``value_info``; for our small CNNs those strings are a large part of the
-    file. Internal names become short ids, node names and doc strings go,
-    and a DequantizeLinear's all-zero int32 zero point (optional in ONNX, 0
-    by definition for int32) is dropped.
+    file. Internal names become short ids; node names, doc strings and
+    ``value_info`` go. (Dropping the all-zero int32 bias zero points, optional in
+    ONNX, would save a little more but stops ONNX Runtime fusing some QDQ
+    groups: measured 10 % slower on tier-m.)
     """
     import onnx
-    from onnx import numpy_helper
 
     model = onnx.load(str(path))
     g = model.graph
@@ -192,18 +192,6 @@ def compact(path: Path) -> None:
             names[name] = f"t{len(names)}"
         return names[name]
 
-    inits = {t.name: t for t in g.initializer}
-    dropped: set[str] = set()
-    for node in g.node:
-        if node.op_type == "DequantizeLinear" and len(node.input) == 3 and node.input[2] in inits:
-            zp = inits[node.input[2]]
-            if zp.data_type == onnx.TensorProto.INT32 and not numpy_helper.to_array(zp).any():
-                dropped.add(node.input[2])
-                del node.input[2]
-    used = {i for n in g.node for i in n.input}
-    kept_inits = [t for t in g.initializer if t.name in used or t.name in keep]
-    del g.initializer[:]
-    g.initializer.extend(kept_inits)
     for t in g.initializer:
         t.name = short(t.name)
         t.doc_string = ""
@@ -217,7 +205,7 @@ def compact(path: Path) -> None:
     model.doc_string = ""
     g.doc_string = ""
     onnx.save(model, str(path))
-    log.debug("compacted %s: %d names shortened, %d zero points dropped", path.name, len(names), len(dropped))
+    log.debug("compacted %s: %d names shortened", path.name, len(names))
 
 
 def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], quant: str, *,

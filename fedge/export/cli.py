@@ -1,0 +1,163 @@
+"""``fedge export`` (checkpoint or run → verified ONNX directories) and ``fedge infer`` (run one).
+
+Heavy imports (torch, onnx) happen inside the handlers: ``fedge infer`` itself
+only needs :mod:`fedge.runtime` (numpy and ONNX Runtime).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from fedge.runtime.manifest import QUANTS, Manifest
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``fedge export`` and ``fedge infer``."""
+    ex = sub.add_parser(
+        "export", help="export trained models to verified, quantized ONNX for their devices",
+        description="Export the extractor, head and fused model of a checkpoint (or of every device of a finished "
+                    "run) to ONNX, quantized per the device's plan, verified against PyTorch, with manifest.json.",
+    )
+    src = ex.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="CKPT", help="a device model checkpoint (.safetensors)")
+    src.add_argument("--run", metavar="RESULTS_DIR",
+                     help="a finished run's output directory (results.json, checkpoints/)")
+    ex.add_argument("--out", required=True, metavar="DIR", help="output directory (replaced atomically)")
+    ex.add_argument("--profile", metavar="NAME|PATH",
+                    help="device profile whose plan decides the quantization (default: the one the checkpoint records)")
+    ex.add_argument("--quant", choices=QUANTS, help="override the plan's inference quantization")
+    ex.add_argument("--arch", help="architecture the checkpoint must hold (default: the plan's)")
+    ex.add_argument("--dataset", help="data set to calibrate and verify on (default: the one recorded)")
+    ex.add_argument("--data-dir", help="directory of the data set files")
+    ex.add_argument("--calibration", metavar="FILE.npy",
+                    help="preprocessed calibration inputs (N, C, 32, 32), e.g. a generator's samples")
+    ex.add_argument("--calib-samples", type=int, default=256, help="calibration samples for int8-static (default 256)")
+    ex.add_argument("--test-samples", type=int, help="verify on the first N test images only (default: all)")
+    ex.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    ex.set_defaults(func=_export)
+
+    inf = sub.add_parser(
+        "infer", help="classify images or .npy arrays with an exported model",
+        description="Run an exported model directory on PNG/JPEG images or .npy arrays of raw pixels "
+                    "(numpy and ONNX Runtime only). Checksums are verified first.",
+    )
+    inf.add_argument("--model", required=True, metavar="DIR", help="a directory written by `fedge export`")
+    inf.add_argument("inputs", nargs="+", metavar="INPUT", help="image files or .npy arrays")
+    inf.add_argument("--preprocessed", action="store_true",
+                     help=".npy files already hold model inputs (N, C, 32, 32), not raw pixels")
+    inf.add_argument("--top", type=int, default=1, help="show the K most likely classes (default 1)")
+    inf.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    inf.set_defaults(func=_infer)
+
+
+def _summary(out: str, m: Manifest) -> list[str]:
+    acc = m.metrics.get("accuracy", {})
+    lat = m.metrics.get("latency_ms", {})
+    lines = [f"{out}: {m.arch} as {m.quant}" + (f" for profile {m.profile}" if m.profile else "")]
+    files = ", ".join(f"{k} {v.bytes / 1024:.1f} KiB" for k, v in sorted(m.files.items()))
+    lines.append(f"  files     {files}")
+    lines.append("  accuracy  " + ", ".join(f"{k} {v:.2%}" for k, v in acc.items())
+                 + f" on {m.metrics.get('test_set', {}).get('images', '?')} test images")
+    lines.append("  latency   " + ", ".join(f"{k} {v:.3f} ms" for k, v in lat.items()) + " (batch 1, 1 thread)")
+    return lines
+
+
+def _export(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from fedge.export.exporter import ExportOptions
+    from fedge.export.fleet import export_checkpoint, export_run
+    from fedge.runtime.inputs import read_npy
+
+    opt = ExportOptions(calibration_samples=args.calib_samples)
+    if args.run:
+        if args.profile or args.arch or args.calibration:
+            raise _usage("--profile, --arch and --calibration apply to --checkpoint; a run records them per device")
+        manifests = export_run(args.run, args.out, data_dir=args.data_dir, dataset=args.dataset, quant=args.quant,
+                               test_samples=args.test_samples, options=opt, overwrite=args.force)
+        for dev, m in manifests.items():
+            print("\n".join(_summary(str(Path(args.out) / dev), m)))
+        print(f"exported {len(manifests)} devices into {args.out} (index.json lists them)")
+        return 0
+    calibration = np.asarray(read_npy(args.calibration), dtype=np.float32) if args.calibration else None
+    m = export_checkpoint(args.checkpoint, args.out, profile=args.profile, dataset=args.dataset,
+                          data_dir=args.data_dir, calibration=calibration, quant=args.quant, arch=args.arch,
+                          test_samples=args.test_samples, options=opt, overwrite=args.force)
+    print("\n".join(_summary(args.out, m)))
+    return 0
+
+
+def _usage(message: str) -> Exception:
+    from fedge.errors import ConfigError
+
+    return ConfigError(message)
+
+
+def _infer(args: argparse.Namespace) -> int:
+    from fedge.runtime import EdgeModel, load_inputs
+
+    if args.top < 1:
+        raise _usage(f"--top must be at least 1, got {args.top}")
+    model = EdgeModel.load(args.model)
+    batch = load_inputs(args.inputs, model.norm, preprocessed=args.preprocessed)
+    pred = model.predict(batch.x, preprocessed=True)
+    k = min(args.top, len(model.classes))
+    order = pred.probs.argsort(axis=1)[:, ::-1][:, :k]
+    rows: list[dict[str, Any]] = [
+        {"input": name, "top": [{"class": model.classes[j], "index": int(j), "prob": float(pred.probs[i, j])}
+                                for j in order[i]]}
+        for i, name in enumerate(batch.names)
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["input"]) for r in rows)
+    for r in rows:
+        print(f"{r['input'].ljust(width)}  " + "  ".join(f"{t['class']} ({t['prob']:.1%})" for t in r["top"]))
+    return 0
+
+
+def add_probe_parser(psub: argparse._SubParsersAction) -> None:
+    """Register ``probe`` under ``fedge profile`` (called from :mod:`fedge.profiles.cli`)."""
+    from fedge.common.archs import TIERS
+
+    pr = psub.add_parser(
+        "probe", help="measure inference latency on this machine and write a measured profile",
+        description="Train each model tier briefly, export it at every quantization level, time batch-1 "
+                    "inference with ONNX Runtime (median of repeated runs) and write a profile whose [measured] "
+                    "table lets the planner choose int8 only where it is faster and within the accuracy bound.",
+    )
+    pr.add_argument("--out", required=True, metavar="FILE.toml", help="where to write the measured profile")
+    pr.add_argument("--base", metavar="NAME|PATH",
+                    help="profile to copy hardware, network and budgets from (default: detect this machine)")
+    pr.add_argument("--name", help="name of the written profile")
+    pr.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated tiers (default {','.join(TIERS)})")
+    pr.add_argument("--quants", default=",".join(QUANTS), help=f"comma-separated levels (default {','.join(QUANTS)})")
+    pr.add_argument("--runs", type=int, default=200, help="timed runs per measurement (default 200)")
+    pr.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (default 1)")
+    pr.add_argument("--dataset", default="digits", help="data set the tiers are trained and tested on (default digits)")
+    pr.add_argument("--data-dir", help="directory of the data set files")
+    pr.add_argument("--epochs", type=int, default=3, help="training epochs per tier (default 3)")
+    pr.set_defaults(func=_probe)
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from fedge.export.probe import probe, write_measured_profile
+
+    result = probe(tiers=[t.strip() for t in args.tiers.split(",") if t.strip()],
+                   quants=[q.strip() for q in args.quants.split(",") if q.strip()],
+                   runs=args.runs, threads=args.threads, dataset=args.dataset, data_dir=args.data_dir,
+                   epochs=args.epochs)
+    path = write_measured_profile(result, args.out, base=args.base, name=args.name)
+    quants = sorted({k.split("/")[1] for k in result.latency_ms}, key=QUANTS.index)
+    print(f"{'tier':8s}  " + "  ".join(f"{q:>18s}" for q in quants))
+    for arch, accs in result.accuracy.items():
+        cells = [f"{result.latency_ms[f'{arch}/{q}']:8.3f} ms {accs[q]:6.1%}" for q in quants]
+        print(f"{arch:8s}  " + "  ".join(f"{c:>18s}" for c in cells))
+    drops = ", ".join(f"{q} {d:+.2f}" for q, d in result.accuracy_drop.items())
+    print(f"worst accuracy drop vs fp32 (points): {drops or 'none measured'}")
+    print(f"wrote {path}; `fedge profile plan {path}` shows what the planner chooses from it")
+    return 0

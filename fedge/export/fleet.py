@@ -1,0 +1,265 @@
+"""Export for devices: one checkpoint for one profile, or every device of a finished run.
+
+``export_checkpoint`` takes the quantization from the profile's plan and checks
+that the checkpoint holds the architecture that plan (or ``arch``) names.
+``export_run`` reads ``RESULTS_DIR/results.json`` and
+``RESULTS_DIR/checkpoints/<device id>.safetensors`` (the layout of
+:mod:`fedge.sim`) and exports every device, all or nothing, calibrating each
+on its own share of the data when the run's fleet config can rebuild it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedge.edge.data.datasets import Dataset, load_dataset
+from fedge.edge.models.checkpoint import load_checkpoint, read_checkpoint_meta
+from fedge.edge.models.zoo import FedgeNet
+from fedge.errors import ConfigError, ExportError, FedgeError, ProfileError
+from fedge.export.exporter import ExportOptions, export_into, staged_output
+from fedge.export.quantize import CalibrationSource
+from fedge.runtime.manifest import QUANTS, Manifest
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "index.json"
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a profile's plan asks of an export."""
+
+    profile: str
+    quant: str
+    arch: str | None
+    plan: dict[str, Any] | None
+
+
+def resolve_profile(ref: str) -> Target:
+    """Load a profile (built-in name or TOML path) and plan it: quantization and architecture."""
+    try:
+        from fedge.profiles import load_profile, plan
+    except ImportError as exc:  # pragma: no cover - the profiles package ships with fedge
+        raise ProfileError(f"cannot resolve profile {ref!r}: fedge.profiles is not available ({exc})") from exc
+    try:
+        prof = load_profile(ref)
+        p = plan(prof)
+    except FedgeError as exc:
+        if ref in exc.message:
+            raise
+        raise ProfileError(f"profile {ref!r}: {exc.message}", hint=exc.hint) from exc
+    d = p.to_dict() if hasattr(p, "to_dict") else dict(vars(p))
+    return Target(str(getattr(prof, "name", ref)), str(p.inference_quant), getattr(p, "arch", None), d)
+
+
+def load_net(checkpoint: str | os.PathLike[str]) -> tuple[FedgeNet, dict[str, str]]:
+    """A :class:`FedgeNet` and the checkpoint's metadata; anything else is an :class:`ExportError`."""
+    meta = read_checkpoint_meta(checkpoint)
+    net = load_checkpoint(checkpoint)
+    if not isinstance(net, FedgeNet):
+        raise ExportError(f"{checkpoint} holds a {type(net).__name__}, not a classifier (FedgeNet)",
+                          hint="export a device model checkpoint, not a generator's")
+    return net, meta
+
+
+def check_arch(net: FedgeNet, expected: str | None, *, source: str, why: str) -> None:
+    """The checkpoint must hold the architecture the device is meant to run."""
+    if expected is not None and net.spec.name != expected:
+        raise ExportError(
+            f"{source} holds architecture {net.spec.name!r}, but {why} {expected!r}",
+            hint=f"export the checkpoint trained for it, or pass --arch {net.spec.name} "
+                 "if the fleet assigned this device that architecture",
+        )
+
+
+def _subsample(x: np.ndarray, n: int, seed: int) -> np.ndarray:
+    if len(x) <= n:
+        return x
+    return x[np.sort(np.random.default_rng(seed).choice(len(x), n, replace=False))]
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    profile: str | None = None,
+    dataset: str | None = None,
+    data_dir: str | os.PathLike[str] | None = None,
+    calibration: CalibrationSource | None = None,
+    quant: str | None = None,
+    arch: str | None = None,
+    test_samples: int | None = None,
+    options: ExportOptions | None = None,
+    overwrite: bool = False,
+) -> Manifest:
+    """Export one checkpoint for one profile.
+
+    ``profile`` and ``dataset`` default to what the checkpoint's metadata records
+    (the simulator stores both). ``quant`` overrides the plan's quantization,
+    ``arch`` the architecture the checkpoint must hold. Without ``calibration``,
+    int8-static calibrates on the data set's training split.
+    """
+    opt = options or ExportOptions()
+    net, meta = load_net(checkpoint)
+    profile = profile or meta.get("fedge.profile")
+    if not profile:
+        raise ConfigError(f"{checkpoint} does not record a profile", hint="pass --profile NAME")
+    target = resolve_profile(profile)
+    check_arch(net, arch or target.arch, source=str(checkpoint),
+               why="--arch asks for" if arch else f"profile {target.profile!r} plans")
+    quant = quant or target.quant
+    if quant not in QUANTS:
+        raise ExportError(f"unknown quantization {quant!r}", hint=f"use one of {', '.join(QUANTS)}")
+    dataset = dataset or meta.get("fedge.dataset")
+    if not dataset:
+        raise ConfigError(f"{checkpoint} does not record its data set", hint="pass --dataset NAME (fmnist, digits, …)")
+    test = load_dataset(dataset, train=False, data_dir=data_dir)
+    if test_samples is not None:
+        test = test.subset(np.arange(min(test_samples, len(test))))
+    label = "caller-supplied inputs"
+    if calibration is None and quant == "int8-static":
+        train = load_dataset(dataset, train=True, data_dir=data_dir)
+        calibration = _subsample(train.x, opt.calibration_samples, opt.seed)
+        label = f"{dataset} training split ({len(train)} images, {len(calibration)} sampled)"
+    with staged_output(out, overwrite=overwrite) as stage:
+        return export_into(net, stage, quant=quant, test=test, calibration=calibration, calibration_label=label,
+                           profile=target.profile, plan=target.plan, options=opt)
+
+
+# -- runs ------------------------------------------------------------------------------------
+def read_results(results_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """``results.json`` of a run, with a non-empty ``devices`` list of objects with an ``id``."""
+    path = Path(results_dir) / "results.json"
+    if not path.is_file():
+        raise ExportError(f"{results_dir} has no results.json", hint="pass the --out directory of a finished run")
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ExportError(f"{path} is not valid JSON: {exc}") from exc
+    devices = results.get("devices") if isinstance(results, dict) else None
+    if not isinstance(devices, list) or not devices:
+        raise ExportError(f"{path} lists no devices", hint="the run must have finished and written its results")
+    for i, d in enumerate(devices):
+        if not isinstance(d, dict) or not d.get("id"):
+            raise ExportError(f"{path}: devices[{i}] has no id")
+    return results
+
+
+class _DeviceData:
+    """Each device's own training share, rebuilt from the run's fleet config when possible."""
+
+    def __init__(self, results: dict[str, Any], data_dir: str | os.PathLike[str] | None) -> None:
+        self._results = results
+        self._data_dir = data_dir
+        self._shares: dict[str, np.ndarray] | None = None
+        self._why = ""
+
+    def _rebuild(self) -> dict[str, np.ndarray]:
+        config = self._results.get("config")
+        if not config or not Path(str(config)).is_file():
+            self._why = f"the run's fleet config {config!r} is not available"
+            return {}
+        try:
+            from fedge.sim.config import load_fleet
+            from fedge.sim.fleet import device_ids, load_fleet_data
+
+            cfg = load_fleet(str(config))
+            data = load_fleet_data(cfg)
+            return {dev: data.train.x[split.train]
+                    for (dev, _), split in zip(device_ids(cfg), data.splits, strict=True)}
+        except (FedgeError, ImportError, OSError, AttributeError, TypeError, ValueError) as exc:
+            self._why = f"rebuilding the fleet's partition failed ({exc})"
+            return {}
+
+    def share(self, device_id: str) -> np.ndarray | None:
+        if self._shares is None:
+            self._shares = self._rebuild()
+        share = self._shares.get(device_id)
+        if share is None:
+            log.warning("%s: calibrating on the data set's training split: %s", device_id,
+                        self._why or "the device is not in the fleet config")
+        return share
+
+
+def export_run(
+    results_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
+    dataset: str | None = None,
+    quant: str | None = None,
+    test_samples: int | None = None,
+    options: ExportOptions | None = None,
+    overwrite: bool = False,
+) -> dict[str, Manifest]:
+    """Export every device of a finished run into ``out/<device id>/``, all or nothing.
+
+    Each device's quantization comes from the plan recorded in results.json (or,
+    failing that, from planning its profile again); ``quant`` overrides it.
+    ``out/index.json`` lists the devices and their manifests' key figures.
+    """
+    opt = options or ExportOptions()
+    root = Path(results_dir)
+    results = read_results(root)
+    dataset = dataset or results.get("dataset")
+    if not dataset:
+        raise ConfigError(f"{root / 'results.json'} does not name its data set", hint="pass --dataset NAME")
+    test = load_dataset(str(dataset), train=False, data_dir=data_dir)
+    if test_samples is not None:
+        test = test.subset(np.arange(min(test_samples, len(test))))
+    shares = _DeviceData(results, data_dir)
+    train: Dataset | None = None
+    manifests: dict[str, Manifest] = {}
+    with staged_output(out, overwrite=overwrite) as stage:
+        for dev in results["devices"]:
+            dev_id = str(dev["id"])
+            if Path(dev_id).name != dev_id or dev_id in (".", ".."):
+                raise ExportError(f"results.json: device id {dev_id!r} is not a plain name")
+            ckpt = root / "checkpoints" / f"{dev_id}.safetensors"
+            if not ckpt.is_file():
+                raise ExportError(f"device {dev_id}: no checkpoint {ckpt}",
+                                  hint="the run must have been started with an output directory")
+            net, meta = load_net(ckpt)
+            check_arch(net, dev.get("arch"), source=str(ckpt), why=f"results.json says device {dev_id} runs")
+            plan = dev.get("plan") if isinstance(dev.get("plan"), dict) else None
+            profile = str(dev.get("profile") or meta.get("fedge.profile") or "")
+            if plan is None or "inference_quant" not in plan:
+                if not profile:
+                    raise ExportError(f"device {dev_id}: results.json records neither a plan nor a profile")
+                plan = resolve_profile(profile).plan or {}
+            dev_quant = quant or str(plan.get("inference_quant", "fp32"))
+            calibration: np.ndarray | None = None
+            label = ""
+            if dev_quant == "int8-static":
+                calibration = shares.share(dev_id)
+                if calibration is not None:
+                    label = f"device {dev_id}'s own training share ({len(calibration)} images)"
+                else:
+                    train = train or load_dataset(str(dataset), train=True, data_dir=data_dir)
+                    calibration = train.x
+                    label = f"{dataset} training split (the device's own share was not available)"
+            (stage / dev_id).mkdir()
+            try:
+                manifests[dev_id] = export_into(
+                    net, stage / dev_id, quant=dev_quant, test=test, calibration=calibration,
+                    calibration_label=label, profile=profile or None, plan=plan, options=opt)
+            except FedgeError as exc:
+                raise type(exc)(f"device {dev_id}: {exc.message}", hint=exc.hint) from exc
+        index = {
+            "run": str(root),
+            "dataset": dataset,
+            "devices": [
+                {"id": k, "dir": k, "arch": m.arch, "quant": m.quant, "profile": m.profile,
+                 "accuracy": m.metrics.get("accuracy"), "latency_ms": m.metrics.get("latency_ms")}
+                for k, m in manifests.items()
+            ],
+        }
+        (stage / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return manifests

@@ -1,0 +1,265 @@
+"""ONNX export: graphs, parity with PyTorch, quantization levels, manifest, atomic writes, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from test_export_support import ARCH, digits, leftovers, trained
+
+from fedge.edge.models.checkpoint import save_checkpoint
+from fedge.errors import ExportError, ProfileError
+from fedge.export.exporter import ExportOptions, export_model
+from fedge.export.fleet import export_checkpoint, export_run
+from fedge.export.onnx_export import check_onnx, export_graphs, torch_to_onnx
+from fedge.export.quantize import calibration_inputs
+from fedge.export.verify import run_onnx
+from fedge.runtime import EdgeModel, read_manifest
+from fedge.runtime.manifest import sha256_file
+from fedge.runtime.model import open_session
+
+FAST = ExportOptions(latency_runs=5)
+
+
+@pytest.fixture(scope="module")
+def static_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    train, test = digits()
+    out = tmp_path_factory.mktemp("exp") / "int8"
+    export_model(trained(), out, quant="int8-static", test=test, calibration=train.x,
+                 calibration_label="digits train", profile="unit", plan={"inference_quant": "int8-static"},
+                 options=FAST)
+    return out
+
+
+def test_graphs_have_named_io_dynamic_batch_and_opset(tmp_path: Path) -> None:
+    paths = export_graphs(trained(), tmp_path)
+    expect = {"model": ("image", [1, 32, 32], "logits", [10]), "extractor": ("image", [1, 32, 32], "embedding", [64]),
+              "head": ("embedding", [64], "logits", [10])}
+    for name, (iname, ishape, oname, oshape) in expect.items():
+        m = onnx.load(str(paths[name]))
+        assert max(o.version for o in m.opset_import if o.domain in ("", "ai.onnx")) >= 17
+        (inp,), (out,) = m.graph.input, m.graph.output
+        assert inp.name == iname and out.name == oname
+        dims = [d.dim_param or d.dim_value for d in inp.type.tensor_type.shape.dim]
+        assert dims == ["batch", *ishape]
+        assert [d.dim_param or d.dim_value for d in out.type.tensor_type.shape.dim] == ["batch", *oshape]
+
+
+def test_fp32_matches_pytorch_within_1e4_at_batch_1_and_batched(tmp_path: Path) -> None:
+    net = trained()
+    paths = export_graphs(net, tmp_path)
+    x = digits()[1].x[:37]
+    with torch.no_grad():
+        ref = net(torch.from_numpy(x)).numpy()
+        emb = net.features(torch.from_numpy(x)).numpy()
+    sess = open_session(paths["model"])
+    assert np.abs(run_onnx(sess, x) - ref).max() <= 1e-4
+    assert np.abs(run_onnx(sess, x[:1]) - ref[:1]).max() <= 1e-4
+    chained = run_onnx(open_session(paths["head"]), run_onnx(open_session(paths["extractor"]), x))
+    assert np.abs(run_onnx(open_session(paths["extractor"]), x) - emb).max() <= 1e-4
+    assert np.abs(chained - ref).max() <= 1e-4
+
+
+def test_dynamo_exporter_gives_the_same_graph_contract(tmp_path: Path) -> None:
+    net = trained()
+    path = torch_to_onnx(net, torch.zeros(2, 1, 32, 32), tmp_path / "m.onnx", input_name="image",
+                         output_name="logits", exporter="dynamo")
+    x = digits()[1].x[:5]
+    sess = open_session(path)
+    assert [i.name for i in sess.get_inputs()] == ["image"]
+    with torch.no_grad():
+        assert np.abs(run_onnx(sess, x) - net(torch.from_numpy(x)).numpy()).max() <= 1e-4
+
+
+def test_static_export_manifest_records_everything(static_export: Path) -> None:
+    m = read_manifest(static_export)
+    data = json.loads((static_export / "manifest.json").read_text())
+    assert sorted(p.name for p in static_export.iterdir()) == ["extractor.onnx", "head.onnx", "manifest.json",
+                                                               "model.onnx"]
+    for name, entry in m.files.items():
+        assert entry.sha256 == sha256_file(static_export / name)
+        assert entry.bytes == (static_export / name).stat().st_size
+    assert (m.arch, m.quant, m.opset, m.profile) == (ARCH, "int8-static", 17, "unit")
+    assert m.input_shape == ("batch", 1, 32, 32)
+    assert m.normalization == {"dataset": "digits", "mean": 0.307, "std": 0.381, "size": 32, "channels": 1}
+    assert m.classes == tuple(str(i) for i in range(10))
+    assert m.plan == {"inference_quant": "int8-static"}
+    acc = m.metrics["accuracy"]
+    assert acc["fp32"] > 0.85 and acc["fp32"] - acc["int8-static"] <= 0.01
+    assert m.metrics["fp32_agreement_with_pytorch"] >= 0.99
+    assert max(v for k, v in m.metrics["fp32_max_abs_diff"].items() if k in ("model", "extractor", "head")) <= 1e-4
+    assert set(m.metrics["latency_ms"]) == {"fp32", "int8-static"}
+    assert data["calibration"]["source"] == "digits train" and data["calibration"]["samples"] == 256
+    assert data["calibration"]["per_channel"] is True and data["calibration"]["format"] == "QDQ"
+    # QDQ with per-channel weights: int8 weights, scales along the output channels.
+    g = onnx.load(str(static_export / "model.onnx")).graph
+    assert {n.op_type for n in g.node} >= {"QuantizeLinear", "DequantizeLinear", "Conv", "Gemm"}
+    assert any(t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 4 for t in g.initializer)
+    assert m.files["model.onnx"].bytes < 0.5 * m.metrics["fp32_bytes"]["model.onnx"]
+
+
+@pytest.mark.parametrize("quant", ["fp32", "fp16", "int8-dynamic"])
+def test_other_levels_export_and_run(tmp_path: Path, quant: str) -> None:
+    _, test = digits()
+    m = export_model(trained(), tmp_path / quant, quant=quant, test=test, options=FAST)
+    ops = {n.op_type for n in onnx.load(str(tmp_path / quant / "model.onnx")).graph.node}
+    assert {"fp32": "Conv", "fp16": "Cast", "int8-dynamic": "ConvInteger"}[quant] in ops
+    acc = m.metrics["accuracy"]
+    assert acc["fp32"] - acc[quant] <= 0.01
+    pred = EdgeModel.load(tmp_path / quant).predict(test.x[:50], preprocessed=True)
+    assert (pred.labels == test.y[:50]).mean() > 0.8
+
+
+def test_accuracy_drift_fails_and_leaves_nothing(tmp_path: Path) -> None:
+    train, test = digits()
+    out = tmp_path / "out"
+    with pytest.raises(ExportError) as err:
+        export_model(trained(), out, quant="int8-static", test=test, calibration=train.x,
+                     options=ExportOptions(latency_runs=5, max_accuracy_drop=-0.5))
+    msg = str(err.value)
+    assert "int8-static accuracy drifted" in msg and "model.onnx" in msg and "vs fp32" in msg
+    assert "calibrate on more" in msg and "int8-dynamic" in msg
+    assert leftovers(out) == []
+
+
+def test_fp32_drift_beyond_tolerance_is_named(tmp_path: Path) -> None:
+    _, test = digits()
+    with pytest.raises(ExportError, match=r"fp32 ONNX drifted from PyTorch: max \|ORT − PyTorch\| = .* > 0 on"):
+        export_model(trained(), tmp_path / "o", quant="fp32", test=test,
+                     options=ExportOptions(latency_runs=5, fp32_tolerance=0.0))
+    assert leftovers(tmp_path / "o") == []
+
+
+def test_existing_output_is_kept_unless_forced(tmp_path: Path, static_export: Path) -> None:
+    _, test = digits()
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="already exists and is not empty"):
+        export_model(trained(), out, quant="fp32", test=test, options=FAST)
+    assert (out / "keep.txt").read_text() == "mine"
+    export_model(trained(), out, quant="fp32", test=test, options=FAST, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["extractor.onnx", "head.onnx", "manifest.json", "model.onnx"]
+    assert [p.name for p in tmp_path.iterdir()] == ["o"]
+
+
+def test_calibration_sources_array_callable_iterable_tensor() -> None:
+    x = digits()[0].x
+    shape = (1, 32, 32)
+    a = calibration_inputs(x, 100, shape)
+    assert a.shape == (100, 1, 32, 32) and np.array_equal(a, calibration_inputs(x, 100, shape))
+    calls: list[int] = []
+
+    def sampler(n: int) -> torch.Tensor:  # a generator's sampler returns a tensor
+        calls.append(n)
+        return torch.zeros(n, 1, 32, 32)
+
+    assert calibration_inputs(sampler, 40, shape).shape == (40, 1, 32, 32) and calls == [40]
+    batches = (x[i : i + 16] for i in range(0, 64, 16))
+    assert np.array_equal(calibration_inputs(batches, 40, shape), x[:40])
+    assert calibration_inputs(torch.from_numpy(x[:8]), 100, shape).shape == (8, 1, 32, 32)
+    with pytest.raises(ExportError, match=r"calibration inputs have shape \(5, 1, 28, 28\).*\(N, 1, 32, 32\)"):
+        calibration_inputs(np.zeros((5, 1, 28, 28), np.float32), 10, shape)
+    with pytest.raises(ExportError, match="NaN"):
+        calibration_inputs(np.full((5, 1, 32, 32), np.nan, np.float32), 10, shape)
+
+
+def test_generator_calibration_is_recorded(tmp_path: Path) -> None:
+    _, test = digits()
+    rng = np.random.default_rng(0)
+    m = export_model(trained(), tmp_path / "g", quant="int8-static", test=test,
+                     calibration=lambda n: test.x[rng.choice(len(test), n)], calibration_label="generator samples",
+                     options=ExportOptions(latency_runs=5, calibration_samples=64))
+    assert m.extra["calibration"]["source"] == "generator samples" and m.extra["calibration"]["samples"] == 64
+
+
+def test_check_onnx_names_truncated_file(tmp_path: Path) -> None:
+    path = export_graphs(trained(), tmp_path)["model"]
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ExportError, match=r"model\.onnx is not a readable ONNX file \(corrupt or truncated\?\)"):
+        check_onnx(path)
+
+
+# -- checkpoints, profiles and runs ------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ckpt") / "dev.safetensors"
+    save_checkpoint(trained(), path, extra={"fedge.dataset": "digits"})
+    return path
+
+
+def _any_profile() -> str:
+    from fedge.profiles import list_profiles
+
+    return list_profiles()[0]
+
+
+def test_checkpoint_export_with_profile(tmp_path: Path, checkpoint: Path) -> None:
+    profile = _any_profile()
+    m = export_checkpoint(checkpoint, tmp_path / "o", profile=profile, arch=ARCH, quant="int8-static",
+                          test_samples=200, options=FAST)
+    assert m.profile == profile and m.plan is not None and "inference_quant" in m.plan
+    assert m.quant == "int8-static" and m.metrics["test_set"] == {"dataset": "digits", "images": 200}
+    assert m.extra["calibration"]["source"].startswith("digits training split")
+
+
+def test_checkpoint_of_another_architecture(tmp_path: Path, checkpoint: Path) -> None:
+    with pytest.raises(ExportError, match=r"holds architecture 'tier-xs', but --arch asks for 'tier-m'") as err:
+        export_checkpoint(checkpoint, tmp_path / "o", profile=_any_profile(), arch="tier-m", options=FAST)
+    assert "--arch tier-xs" in (err.value.hint or "")
+    assert leftovers(tmp_path / "o") == []
+
+
+def test_unknown_profile(tmp_path: Path, checkpoint: Path) -> None:
+    with pytest.raises(ProfileError, match="no-such-device"):
+        export_checkpoint(checkpoint, tmp_path / "o", profile="no-such-device", options=FAST)
+    assert leftovers(tmp_path / "o") == []
+
+
+def _fake_run(root: Path, devices: list[tuple[str, str, str]]) -> Path:
+    """A run directory in the simulator's layout: results.json + checkpoints/<id>.safetensors."""
+    (root / "checkpoints").mkdir(parents=True)
+    for dev_id, arch, _quant in devices:
+        save_checkpoint(trained(arch), root / "checkpoints" / f"{dev_id}.safetensors",
+                        extra={"fedge.dataset": "digits"})
+    results = {"dataset": "digits", "config": str(root / "missing-fleet.toml"),
+               "devices": [{"id": d, "profile": "unit", "arch": a, "plan": {"inference_quant": q}, "extra": 1}
+                           for d, a, q in devices]}
+    (root / "results.json").write_text(json.dumps(results))
+    return root
+
+
+def test_run_export_every_device(tmp_path: Path) -> None:
+    run = _fake_run(tmp_path / "run", [("a-1", ARCH, "fp32"), ("b-1", ARCH, "int8-static")])
+    out = tmp_path / "out"
+    ms = export_run(run, out, test_samples=200, options=FAST)
+    assert set(ms) == {"a-1", "b-1"} and ms["a-1"].quant == "fp32" and ms["b-1"].quant == "int8-static"
+    index = json.loads((out / "index.json").read_text())
+    assert [d["id"] for d in index["devices"]] == ["a-1", "b-1"]
+    assert "not available" in ms["b-1"].extra["calibration"]["source"]  # no fleet config: the training split
+    assert EdgeModel.load(out / "b-1").predict(digits()[1].x[:3], preprocessed=True).labels.shape == (3,)
+
+
+def test_run_export_is_all_or_nothing(tmp_path: Path) -> None:
+    run = _fake_run(tmp_path / "run", [("a-1", ARCH, "fp32"), ("b-1", ARCH, "fp32")])
+    (run / "checkpoints" / "b-1.safetensors").unlink()
+    results = json.loads((run / "results.json").read_text())
+    results["devices"][0]["arch"] = "tier-m"
+    (run / "results.json").write_text(json.dumps(results))
+    with pytest.raises(ExportError, match="results.json says device a-1 runs 'tier-m'"):
+        export_run(run, tmp_path / "out", options=FAST)
+    results["devices"][0]["arch"] = ARCH
+    (run / "results.json").write_text(json.dumps(results))
+    with pytest.raises(ExportError, match=r"device b-1: no checkpoint .*b-1\.safetensors"):
+        export_run(run, tmp_path / "out", options=FAST)
+    assert leftovers(tmp_path / "out") == []
+
+
+def test_run_without_results(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match="has no results.json"):
+        export_run(tmp_path, tmp_path / "out")
