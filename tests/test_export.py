@@ -251,7 +251,7 @@ def test_run_export_is_all_or_nothing(tmp_path: Path) -> None:
     results = json.loads((run / "results.json").read_text())
     results["devices"][0]["arch"] = "tier-m"
     (run / "results.json").write_text(json.dumps(results))
-    with pytest.raises(ExportError, match="results.json says device a-1 runs 'tier-m'"):
+    with pytest.raises(ExportError, match=r"results\.json says device a-1 runs 'tier-m'"):
         export_run(run, tmp_path / "out", options=FAST)
     results["devices"][0]["arch"] = ARCH
     (run / "results.json").write_text(json.dumps(results))
@@ -261,5 +261,5 @@ def test_run_export_is_all_or_nothing(tmp_path: Path) -> None:
 
 
 def test_run_without_results(tmp_path: Path) -> None:
-    with pytest.raises(ExportError, match="has no results.json"):
+    with pytest.raises(ExportError, match=r"has no results\.json"):
         export_run(tmp_path, tmp_path / "out")
