@@ -35,6 +35,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     help=f"fleet-wide embedding size p (default {DEFAULT_EMBED_DIM})")
     pl.set_defaults(func=_plan)
 
+    # `fedge profile probe` lives with the exporter it drives (fedge.export.probe).
+    from fedge.export.cli import add_probe_parser
+
+    add_probe_parser(psub)
+
 
 def _usage(parser: argparse.ArgumentParser) -> int:
     parser.print_help()
