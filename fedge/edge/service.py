@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from fedge.common.messages import Message
 from fedge.common.rounds import RoundInfo
 from fedge.common.transport import DeviceTransport
 from fedge.edge.agent import DeviceAgent
-from fedge.errors import FedgeError, PayloadError
+from fedge.errors import ConfigError, FedgeError, PayloadError
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +99,55 @@ class EdgeService:
                 continue
             self.transport.wait_for_round(opts.poll_s)
         return self.rounds_handled
+
+
+BUNDLE_FILE = "bundle.toml"
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """What a device needs to join its fleet (``DIR/bundle.toml``; paths relative to DIR).
+
+    Example::
+
+        device_id = "rpi4-2gb-1"
+        fleet_config = "fleet.toml"     # the fleet config: method, data share, plan
+        broker = "mqtts://broker.lan:8883"
+        username = "rpi4-2gb-1"
+        password_file = "password"      # mode 0600
+        ca_file = "ca.crt"              # only with mqtts://
+    """
+
+    device_id: str
+    fleet_config: str
+    broker: str
+    username: str | None = None
+    password_file: str | None = None
+    ca_file: str | None = None
+    source: str = ""
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Bundle:
+        """Read and validate ``directory/bundle.toml``; relative paths become absolute."""
+        from fedge.common.tomlconf import build, read_toml
+
+        base = Path(directory)
+        path = base / BUNDLE_FILE
+        if not path.is_file():
+            raise ConfigError(f"{base} is not a device bundle (no {BUNDLE_FILE})",
+                              hint="write bundles with `fedge broker config --fleet FLEET.toml --out DIR`")
+        b = build(cls, read_toml(path), source=str(path))
+
+        def resolve(p: str | None) -> str | None:
+            return None if p is None else str(p if Path(p).is_absolute() else (base / p).resolve())
+
+        bundle = Bundle(b.device_id, str(resolve(b.fleet_config)), b.broker, b.username, resolve(b.password_file),
+                        resolve(b.ca_file), str(path))
+        for what, p in (("fleet_config", bundle.fleet_config), ("password_file", bundle.password_file),
+                        ("ca_file", bundle.ca_file)):
+            if p is not None and not Path(p).is_file():
+                raise ConfigError(f"{path}: {what} {p} does not exist")
+        return bundle
+
+    def password(self) -> str | None:
+        return None if self.password_file is None else Path(self.password_file).read_text().strip()

@@ -118,13 +118,15 @@ class EmbeddedBroker:
 
         # amqtt logs every connection at INFO; keep it quiet unless asked for debug output.
         if not logging.getLogger().isEnabledFor(logging.DEBUG):
-            logging.getLogger("amqtt").setLevel(logging.WARNING)
+            # amqtt also warns about benign races (a PUBACK for a message it already let go of).
+            logging.getLogger("amqtt").setLevel(logging.ERROR)
             logging.getLogger("transitions").setLevel(logging.WARNING)
         self._thread = threading.Thread(target=run, name="fedge-embedded-broker", daemon=True)
         self._thread.start()
+        # Broker.start() returns once the listener is bound, so no port probe is needed (amqtt
+        # would log a probe that sends no CONNECT as an error).
         if not ready.wait(timeout_s) or self._error is not None:
             raise TransportError(f"the embedded MQTT broker did not start on {self.host}:{self.port}: {self._error}")
-        wait_for_port(self.host, self.port, timeout_s)
         log.info("embedded MQTT broker (amqtt) on %s", self.url)
         return self
 

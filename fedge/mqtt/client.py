@@ -184,7 +184,9 @@ class MqttClient:
     def _paho_connect(self, client: paho.Client, userdata: Any, flags: Any, rc: Any, *args: Any) -> None:
         code = _rc_value(rc)
         if code != 0:
-            self._refused = _CONNACK.get(code, f"refused with code {code}")
+            # paho 1.6 passes the MQTT 3.1.1 code, paho 2.x a ReasonCode whose str() is its name.
+            self._refused = _CONNACK.get(code) if isinstance(rc, int) else f"{rc} (code {code})"
+            self._refused = self._refused or f"refused with code {code}"
             self._events.put(("refused", self._refused))
             return
         self._refused = None
@@ -245,7 +247,11 @@ class MqttClient:
             raise TransportError(f"cannot connect to {self.settings.url}: {exc}") from exc
         self._client.loop_start()
         if wait_s is not None:
-            self.wait_connected(wait_s)
+            try:
+                self.wait_connected(wait_s)
+            except TransportError:
+                self.stop()  # do not leave a retrying client behind
+                raise
         return self
 
     def wait_connected(self, timeout_s: float) -> None:
@@ -288,6 +294,8 @@ class MqttClient:
 
     def stop(self, *, final: tuple[str, bytes] | None = None, timeout_s: float = 5.0) -> None:
         """Disconnect cleanly (the last-will is *not* sent); ``final`` = (topic, payload) published retained first."""
+        if self._stopping.is_set():
+            return
         self._stopping.set()
         if final is not None and self.connected:
             info = self._client.publish(final[0], final[1], qos=1, retain=True)

@@ -76,6 +76,7 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self.stats = TransportStats()
         self._updates: queue.Queue[Inbound] = queue.Queue()
         self._hellos: list[Inbound] = []
+        self._hello_from: set[str] = set()  # every device a hello ever came from
         self._status: dict[str, bool] = {}  # device id -> online
         self._cond = threading.Condition()
         self._reasm = Reassembler(self.settings.max_message_bytes)
@@ -114,6 +115,7 @@ class MqttCoordinatorTransport(CoordinatorTransport):
                 return
             with self._cond:
                 self._hellos.append(Inbound(m.payload, t.device_id, m.received))
+                self._hello_from.add(t.device_id)
                 self._cond.notify_all()
             return
         # update: a whole message or a chunk frame
@@ -199,6 +201,15 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     def wait_for_devices(self, timeout_s: float) -> None:
         with self._cond:
             self._cond.wait(timeout_s)
+
+    def wait_for_hellos(self, device_ids: Collection[str], timeout_s: float) -> None:
+        """Block until every id in ``device_ids`` has said hello (without consuming the hellos)."""
+        want = set(device_ids)
+        with self._cond:
+            if not self._cond.wait_for(lambda: want <= self._hello_from, timeout_s):
+                missing = sorted(want - self._hello_from)
+                raise TransportError(f"no hello from {len(missing)} device(s) after {timeout_s:.0f} s: "
+                                     f"{', '.join(missing[:5])}")
 
     def collect(self, round: int, expected: Collection[str], deadline: float) -> Iterator[Inbound]:
         next_expiry = time.monotonic() + 5.0

@@ -1,0 +1,1 @@
+"""Broker set-up for real deployments: ``fedge broker config`` writes a Mosquitto config for a fleet."""

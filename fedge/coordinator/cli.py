@@ -1,0 +1,151 @@
+"""``fedge coordinator run``: the coordinator service over MQTT.
+
+This is the command layer: it may import the fleet config (:mod:`fedge.sim.config`)
+and the MQTT package lazily, which the coordinator library itself never does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from fedge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Classes per data set; a coordinator must not need the data itself to know this.
+_CLASSES = {"digits": 10, "mnist": 10, "fmnist": 10, "cifar10": 10}
+
+
+def add_broker_arguments(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """``--broker/--username/--password/--password-file/--tls/--ca`` (shared with ``fedge edge run``)."""
+    g = p.add_argument_group("broker")
+    g.add_argument("--broker", metavar="URL", required=required,
+                   help="mqtt://HOST:PORT or mqtts://HOST:PORT" + ("" if required else
+                                                                     " (default: an embedded broker on loopback)"))
+    g.add_argument("--username", help="MQTT user name")
+    g.add_argument("--password", help="MQTT password (visible in the process list: prefer --password-file or "
+                                      "the FEDGE_MQTT_PASSWORD environment variable)")
+    g.add_argument("--password-file", metavar="FILE", help="read the MQTT password from FILE")
+    g.add_argument("--tls", action="store_true", help="connect with TLS")
+    g.add_argument("--ca", metavar="FILE", help="CA certificate that signed the broker's certificate (implies --tls)")
+
+
+def broker_settings(args: argparse.Namespace, url: str | None = None) -> Any:
+    """BrokerSettings from the shared broker flags (password: flag, file, then environment)."""
+    from fedge.mqtt.client import parse_broker_url
+
+    password = args.password
+    if password is None and getattr(args, "password_file", None):
+        path = Path(args.password_file)
+        if not path.is_file():
+            raise ConfigError(f"password file {path} does not exist")
+        password = path.read_text().strip()
+    if password is None:
+        password = os.environ.get("FEDGE_MQTT_PASSWORD")
+    return parse_broker_url(url or args.broker, username=args.username, password=password,
+                            tls=True if (args.tls or args.ca) else None, ca_file=args.ca)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    c = sub.add_parser("coordinator", help="run the coordinator against an MQTT broker",
+                       description="The coordinator service: registers devices, runs rounds, checkpoints.")
+    csub = c.add_subparsers(dest="coordinator_command", metavar="ACTION", required=True)
+    r = csub.add_parser("run", help="run (or resume) a fleet's rounds over MQTT",
+                        description="Run a fleet config's rounds over MQTT. Restarted with the same --state-dir, "
+                                    "it resumes after the last completed round.")
+    r.add_argument("--config", required=True, metavar="FLEET.toml", help="the fleet config")
+    r.add_argument("--state-dir", required=True, metavar="DIR", help="checkpoints (state.json, globals.safetensors)")
+    add_broker_arguments(r)
+    e = r.add_argument_group("embedded broker (when --broker is not given)")
+    e.add_argument("--embedded", choices=("amqtt", "mosquitto"), default="amqtt",
+                   help="amqtt (in this process, default) or a mosquitto child process")
+    e.add_argument("--port", type=int, default=1883, help="loopback port of the embedded broker (0: any free port)")
+    s = r.add_argument_group("scheduling")
+    s.add_argument("--min-devices", type=int, default=1, help="devices online before a round starts (default 1)")
+    s.add_argument("--quorum", type=float, default=0.5, metavar="FRACTION",
+                   help="fraction of the fleet's devices online before a round starts (default 0.5)")
+    s.add_argument("--quorum-timeout", type=float, default=600.0, metavar="S", help="give up waiting (default 600)")
+    s.add_argument("--deadline-slack", type=float, default=2.0,
+                   help="round deadline = slack x the slowest expected device's round time (default 2; 0: off)")
+    s.add_argument("--round-timeout", type=float, default=300.0, metavar="S",
+                   help="budget of a round with a device of unknown speed (default 300; 0: wait for it)")
+    s.add_argument("--min-round", type=float, default=5.0, metavar="S", help="shortest deadline (default 5)")
+    s.add_argument("--max-round", type=float, default=3600.0, metavar="S", help="longest deadline (default 3600)")
+    w = r.add_argument_group("wire")
+    w.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
+    w.add_argument("--max-update-bytes", type=int, default=64 * 1024 * 1024, help="refuse larger updates")
+    r.add_argument("--rounds", type=int, help="override [run] rounds")
+    r.add_argument("--any-device", action="store_true",
+                   help="accept hellos from devices not listed in the fleet config")
+    r.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from fedge.coordinator.service import CoordinatorService, SchedulePolicy
+    from fedge.coordinator.strategies import strategy
+    from fedge.mqtt.transport import MqttCoordinatorTransport, TransportSettings
+    from fedge.sim.config import load_fleet
+    from fedge.sim.fleet import device_ids
+
+    cfg = load_fleet(args.config)
+    if args.rounds is not None:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
+    ids = [i for i, _ in device_ids(cfg)]
+    policy = SchedulePolicy(min_devices=args.min_devices, quorum_fraction=args.quorum,
+                            quorum_timeout_s=args.quorum_timeout, deadline_slack=args.deadline_slack,
+                            round_timeout_s=args.round_timeout, min_round_s=args.min_round, max_round_s=args.max_round)
+    engine_cfg = policy.engine_config(fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
+                                      allowed=None if args.any_device else frozenset(ids),
+                                      max_update_bytes=args.max_update_bytes)
+    num_classes = _CLASSES.get(cfg.run.dataset)
+    if num_classes is None:
+        from fedge.edge.data.datasets import load_dataset
+
+        num_classes = load_dataset(cfg.run.dataset, train=False).num_classes
+    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=num_classes, rounds=cfg.run.rounds)
+
+    embedded: Any = None
+    if args.broker is None:
+        from fedge.mqtt.broker import EmbeddedBroker, MosquittoProcess, free_port
+
+        if args.embedded == "mosquitto":
+            embedded = MosquittoProcess(port=args.port or free_port()).start()
+        else:
+            embedded = EmbeddedBroker(port=args.port).start()
+        print(f"embedded broker ({args.embedded}) on {embedded.url}: devices connect with --broker {embedded.url}",
+              file=sys.stderr)
+        settings = broker_settings(args, embedded.url)
+    else:
+        settings = broker_settings(args)
+    wire = TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=args.max_update_bytes)
+    transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire)
+    try:
+        transport.start()
+        service = CoordinatorService(strat, transport, engine_cfg, args.state_dir)
+        if service.resumed_from:
+            print(f"resuming {cfg.run.method} on fleet {cfg.run.fleet} after round {service.resumed_from} "
+                  f"(state in {args.state_dir})", file=sys.stderr)
+        total = strat.total_rounds() + 1
+
+        def on_round(rep: Any) -> None:
+            rejected = ", ".join(f"{k} {v}" for k, v in sorted(rep.rejected.items())) or "none"
+            accs = [m["acc_global"] for m in rep.metrics.values() if "acc_global" in m]
+            acc = f", mean acc {100 * sum(accs) / len(accs):.1f}%" if accs else ""
+            missing = f", missing {', '.join(rep.missing)}" if rep.missing else ""
+            print(f"round {rep.round}/{total} ({rep.phase}): {len(rep.accepted)} updates, rejected {rejected}"
+                  f"{missing}{acc}, {rep.seconds:.1f} s", flush=True)
+
+        service.run(on_round=on_round)
+    finally:
+        transport.close()
+        if embedded is not None:
+            embedded.stop()
+    print(f"done: state in {args.state_dir}/state.json")
+    return 0

@@ -1,0 +1,105 @@
+"""The long-running coordinator: the round engine over a real transport, with checkpoints.
+
+Transport-agnostic like the engine: ``fedge coordinator run`` (see
+:mod:`fedge.coordinator.cli`) builds the strategy from the fleet config, the
+MQTT transport and an embedded broker when no ``--broker`` is given, and hands
+them to :class:`CoordinatorService`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from fedge.common.transport import CoordinatorTransport
+from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
+from fedge.coordinator.strategy import Strategy
+from fedge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulePolicy:
+    """When rounds start and end (``fedge coordinator run`` flags)."""
+
+    min_devices: int = 1
+    quorum_fraction: float = 0.5  # of the fleet config's devices
+    quorum_timeout_s: float = 600.0
+    deadline_slack: float = 2.0
+    round_timeout_s: float = 300.0  # budget for a device nothing is known about yet
+    min_round_s: float = 5.0
+    max_round_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.min_devices < 0:
+            raise ConfigError(f"--min-devices must be >= 0, got {self.min_devices}")
+        if not 0 <= self.quorum_fraction <= 1:
+            raise ConfigError(f"--quorum must be a fraction in [0, 1], got {self.quorum_fraction}")
+        if self.deadline_slack < 0 or self.round_timeout_s < 0 or self.min_round_s < 0 or self.max_round_s < 0:
+            raise ConfigError("deadline settings must be >= 0")
+
+    def engine_config(self, *, fleet: str, method: str, expected_devices: int, allowed: frozenset[str] | None,
+                      max_update_bytes: int, global_precision: str = "fp32") -> EngineConfig:
+        return EngineConfig(
+            fleet=fleet, method=method, round_timeout_s=self.round_timeout_s, max_update_bytes=max_update_bytes,
+            global_precision=global_precision, min_devices=self.min_devices, quorum_fraction=self.quorum_fraction,
+            expected_devices=expected_devices, quorum_timeout_s=self.quorum_timeout_s,
+            deadline_slack=self.deadline_slack, min_round_s=self.min_round_s, max_round_s=self.max_round_s,
+            allowed_devices=allowed,
+        )
+
+
+class CoordinatorService:
+    """Runs every remaining round of a strategy, checkpointing to ``state_dir`` after each.
+
+    Restarted with the same ``state_dir`` it resumes after the last completed
+    round (see :class:`RoundEngine`); SIGTERM/SIGINT stop it between two
+    messages, and since every round is checkpointed as it completes, nothing but
+    the round in progress is redone.
+    """
+
+    def __init__(self, strategy: Strategy, transport: CoordinatorTransport, config: EngineConfig,
+                 state_dir: str | Path) -> None:
+        self.transport = transport
+        self.engine = RoundEngine(strategy, transport, config, state_dir=state_dir)
+        self.state_dir = Path(state_dir)
+
+    @property
+    def resumed_from(self) -> int:
+        """Rounds already completed in ``state_dir`` before this process started."""
+        return self.engine.completed
+
+    def run(self, on_round: Callable[[RoundReport], None] | None = None) -> list[RoundReport]:
+        """Run to the end of the final round; returns every round's report (also those before a restart)."""
+        restore = _install_stop_signals()
+        try:
+            return self.engine.run(on_round=on_round)
+        finally:
+            restore()
+            self.transport.close()
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised in the main thread by SIGTERM, so ``finally`` blocks close connections cleanly."""
+
+
+def _install_stop_signals() -> Callable[[], None]:
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        log.warning("received signal %d: stopping (state is checkpointed after every round)", signum)
+        raise Stopped()
+
+    old = signal.signal(signal.SIGTERM, handler)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, old)
+
+    return restore

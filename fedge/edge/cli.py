@@ -1,0 +1,105 @@
+"""``fedge edge run``: the device agent as a service, from a bundle or from a fleet config.
+
+The command layer: it builds the device (its data share, model and method half)
+from the fleet config exactly as ``fedge simulate`` does — same seeds, same
+partition — so a fleet of real devices reproduces a simulated run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+from typing import Any
+
+from fedge.errors import ConfigError, ProfileError
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from fedge.coordinator.cli import add_broker_arguments
+
+    e = sub.add_parser("edge", help="run the device agent", description="The device side of a fleet.")
+    esub = e.add_subparsers(dest="edge_command", metavar="ACTION", required=True)
+    r = esub.add_parser(
+        "run", help="join a fleet: announce, train each round, upload, apply the global state",
+        description="Run one device until the run's final round. Either --bundle DIR (written by "
+                    "`fedge broker config --bundles`), or --config FLEET.toml --device-id ID --broker URL: the "
+                    "device rebuilds its own data share and model from the fleet config, deterministically.")
+    r.add_argument("--bundle", metavar="DIR", help="device bundle (bundle.toml, fleet config, credentials, CA)")
+    r.add_argument("--config", "--data", dest="config", metavar="FLEET.toml",
+                   help="the fleet config the device takes its data share, method and plan from")
+    r.add_argument("--device-id", help="this device's id in the fleet config (e.g. rpi4-2gb-1)")
+    r.add_argument("--profile", help="expected profile of the device (checked against the fleet config)")
+    add_broker_arguments(r)
+    r.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk uploads above this size")
+    r.add_argument("--global-timeout", type=float, default=120.0, metavar="S",
+                   help="how long to wait for a round's global state (default 120)")
+    r.add_argument("--keep-running", action="store_true", help="stay connected after the final round")
+    r.set_defaults(func=_run)
+
+
+def _device(cfg_path: str, device_id: str, profile: str | None) -> tuple[Any, Any]:
+    """(fleet config, SimDevice) of ``device_id``, with its profile's round-time budget in the hello."""
+    from fedge.profiles import load_profile
+    from fedge.sim.config import load_fleet
+    from fedge.sim.fleet import build_devices, device_ids, load_fleet_data
+
+    cfg = load_fleet(cfg_path)
+    ids = [i for i, _ in device_ids(cfg)]
+    if device_id not in ids:
+        raise ConfigError(f"{cfg_path} has no device {device_id!r}",
+                          hint=f"its devices are {', '.join(ids[:8])}{' ...' if len(ids) > 8 else ''}")
+    dev = next(d for d in build_devices(cfg, load_fleet_data(cfg)) if d.info.device_id == device_id)
+    if profile is not None and profile != dev.info.profile:
+        raise ConfigError(f"{device_id} has profile {dev.info.profile!r} in {cfg_path}, not {profile!r}")
+    try:
+        # The coordinator's first deadline comes from the slowest device's round-time budget.
+        budget = load_profile(dev.info.profile).budgets.round_time_s
+        dev.info = dataclasses.replace(dev.info, extra={**dev.info.extra, "est_round_s": budget})
+    except ProfileError:
+        pass
+    return cfg, dev
+
+
+def _run(args: argparse.Namespace) -> int:
+    from fedge.coordinator.cli import broker_settings
+    from fedge.edge.agent import DeviceAgent
+    from fedge.edge.service import Bundle, EdgeOptions, EdgeService
+    from fedge.mqtt.client import parse_broker_url
+    from fedge.mqtt.transport import MqttDeviceTransport, TransportSettings
+
+    if args.bundle:
+        if args.config or args.device_id:
+            raise ConfigError("give either --bundle or --config/--device-id, not both")
+        b = Bundle.load(args.bundle)
+        cfg, dev = _device(b.fleet_config, b.device_id, args.profile)
+        settings = parse_broker_url(args.broker or b.broker, username=args.username or b.username,
+                                    password=args.password or b.password(), ca_file=args.ca or b.ca_file,
+                                    tls=True if args.tls else None)
+    else:
+        if not (args.config and args.device_id and args.broker):
+            raise ConfigError("fedge edge run needs --bundle DIR, or --config FLEET.toml --device-id ID --broker URL")
+        cfg, dev = _device(args.config, args.device_id, args.profile)
+        settings = broker_settings(args)
+    wire = TransportSettings(chunk_bytes=args.chunk_bytes, global_timeout_s=args.global_timeout)
+    transport = MqttDeviceTransport(settings, cfg.run.fleet, dev.info.device_id, wire)
+    agent = DeviceAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every)
+    service = EdgeService(agent, transport, EdgeOptions(exit_after_final=not args.keep_running))
+    signal.signal(signal.SIGTERM, lambda *_: service.stop())
+    # Connect in the background: a device that boots before its broker keeps retrying with back-off.
+    transport.start(wait=False)
+    print(f"{dev.info.device_id}: {dev.info.profile}, {dev.info.arch}, {dev.info.num_samples} samples, "
+          f"{cfg.run.method} on fleet {cfg.run.fleet} via {settings.url}", file=sys.stderr)
+    try:
+        rounds = service.run()
+    except KeyboardInterrupt:
+        service.stop()
+        return 130
+    finally:
+        transport.close()
+    print(f"{dev.info.device_id}: {rounds} rounds handled, {service.failures} retried", file=sys.stderr)
+    return 0 if service.finished or args.keep_running else 1

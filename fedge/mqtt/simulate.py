@@ -1,0 +1,98 @@
+"""``fedge simulate --transport mqtt``: the same fleet, over an embedded broker on loopback.
+
+Each simulated device gets its own MQTT connection and runs the real device
+loop (:class:`fedge.edge.service.EdgeService`) in a thread; the coordinator is
+the same round engine the in-process run uses. Round 1 starts only once every
+device has said hello, so the fleet — and with the same seeds, every aggregate —
+is the in-process run's (within float tolerance: updates arrive in network
+order, not fleet order, and float sums are not associative).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from fedge.common.transport import CoordinatorTransport
+from fedge.edge.agent import DeviceAgent
+from fedge.edge.service import EdgeService
+from fedge.mqtt.broker import EmbeddedBroker
+from fedge.mqtt.client import BrokerSettings
+from fedge.mqtt.transport import MqttCoordinatorTransport, MqttDeviceTransport, TransportSettings
+from fedge.sim.config import FleetConfig
+from fedge.sim.fleet import SimDevice
+from fedge.sim.simulate import register_transport
+
+log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 60.0
+
+
+def start_fleet(cfg: FleetConfig, devices: list[SimDevice], broker: BrokerSettings,
+                settings: TransportSettings | None = None, *, coordinator: bool = True,
+                ) -> tuple[MqttCoordinatorTransport | None, list[DeviceAgent], Callable[[], None]]:
+    """Connect a coordinator transport (optional) and one device service thread per device to ``broker``.
+
+    Returns (coordinator transport, agents, stop) where ``stop`` ends the device
+    threads and closes every connection. Waits until every device said hello.
+    """
+    fleet = cfg.run.fleet
+    coord = MqttCoordinatorTransport(broker, fleet, settings).start() if coordinator else None
+    transports: list[MqttDeviceTransport] = []
+    services: list[EdgeService] = []
+    threads: list[threading.Thread] = []
+    try:
+        for d in devices:
+            t = MqttDeviceTransport(broker, fleet, d.info.device_id, settings).start()
+            transports.append(t)
+            agent = DeviceAgent(d.method, t, d.info, fleet=fleet, eval_every=cfg.run.eval_every)
+            svc = EdgeService(agent, t)
+            services.append(svc)
+            threads.append(threading.Thread(target=svc.run, name=f"device-{d.info.device_id}", daemon=True))
+        for th in threads:
+            th.start()
+        if coord is not None:
+            coord.wait_for_hellos([d.info.device_id for d in devices], HELLO_TIMEOUT_S)
+    except BaseException:
+        _stop(services, threads, transports, coord)
+        raise
+
+    def stop() -> None:
+        _stop(services, threads, transports, coord)
+
+    return coord, [s.agent for s in services], stop
+
+
+def _stop(services: list[EdgeService], threads: list[threading.Thread], transports: list[MqttDeviceTransport],
+          coord: MqttCoordinatorTransport | None) -> None:
+    for s in services:
+        s.stop()
+    for th in threads:
+        th.join(30.0)
+        if th.is_alive():
+            log.warning("%s did not stop within 30 s", th.name)
+    for t in transports:
+        t.close()
+    if coord is not None:
+        coord.close()
+
+
+def _mqtt(cfg: FleetConfig, devices: list[SimDevice]) -> tuple[CoordinatorTransport, list[DeviceAgent],
+                                                               Callable[[], None]]:
+    broker = EmbeddedBroker().start()
+    try:
+        coord, agents, stop_fleet = start_fleet(cfg, devices, broker.settings())
+    except BaseException:
+        broker.stop()
+        raise
+    assert coord is not None
+
+    def cleanup() -> None:
+        stop_fleet()
+        broker.stop()
+
+    return coord, agents, cleanup
+
+
+register_transport("mqtt", _mqtt)
