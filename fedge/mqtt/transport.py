@@ -264,10 +264,11 @@ class MqttDeviceTransport(DeviceTransport):
         self._globals: dict[str, tuple[int, bytes]] = {}  # artifact -> (its round, message bytes)
         self._assemblers: dict[str, RetainedAssembler] = {}
         self._hello: bytes | None = None
-        # Last update: ((run, round), descriptor id it answered, frames) — resent when the
+        # Last update: ((run, round), descriptor id it answered, message) — sent again when the
         # coordinator re-announces the same round (it restarted or the broker lost it).
-        self._last_update: tuple[tuple[str, int], str | None, list[bytes]] | None = None
-        self.changes = 0  # descriptor changes seen (wakes wait_for_round)
+        self._last_update: tuple[tuple[str, int], str | None, bytes] | None = None
+        self.changes = 0  # descriptor changes received
+        self._changes_read = 0  # ... as of the last current_round() call
         self.client = MqttClient(broker, client_id or f"fedge-{fleet}-{device_id}", clean_session=True,
                                  will=Will(self.topics.status(device_id), STATUS_OFFLINE),
                                  on_message=self._on_message, on_connect=self._on_connect)
@@ -318,7 +319,7 @@ class MqttDeviceTransport(DeviceTransport):
         except (PayloadError, ValueError, TypeError) as exc:
             log.warning("%s: ignored a bad round descriptor: %s", self.device_id, exc)
             return
-        resend: list[bytes] | None = None
+        resend: bytes | None = None
         with self._cond:
             if msg.msg_id == self._round_id:
                 return  # the same descriptor again (retained redelivery after a reconnect)
@@ -332,7 +333,8 @@ class MqttDeviceTransport(DeviceTransport):
             self._cond.notify_all()
         if resend is not None:
             log.info("%s: round %d was re-announced; sending the cached update again", self.device_id, key[1])
-            for frame in resend:
+            # Split again: a fresh transfer id, since the coordinator ignores repeats of a finished transfer.
+            for frame in split(resend, self.settings.chunk_bytes):
                 self.client.publish(self.topics.update(self.device_id), frame)
 
     # -- DeviceTransport ---------------------------------------------------------------
@@ -344,6 +346,7 @@ class MqttDeviceTransport(DeviceTransport):
 
     def current_round(self) -> bytes | None:
         with self._cond:
+            self._changes_read = self.changes
             return self._round_raw
 
     @property
@@ -353,10 +356,9 @@ class MqttDeviceTransport(DeviceTransport):
             return self._round_key[0] if self._round_key else None
 
     def wait_for_round(self, timeout_s: float) -> bool:
+        """Wait until a descriptor arrives that :meth:`current_round` has not returned yet."""
         with self._cond:
-            seen = self.changes
-            self._cond.wait_for(lambda: self.changes != seen, timeout_s)
-            return self.changes != seen
+            return self._cond.wait_for(lambda: self.changes != self._changes_read, timeout_s)
 
     def fetch_global(self, artifact: str) -> bytes | None:
         with self._cond:
@@ -391,7 +393,7 @@ class MqttDeviceTransport(DeviceTransport):
         except (PayloadError, ValueError):
             rnd = -1
         if key is not None and key[1] == rnd:
-            self._last_update = (key, rid, frames)
+            self._last_update = (key, rid, data)
         infos = [self.client.publish(self.topics.update(self.device_id), f) for f in frames]
         for f in frames:
             self._count_out(len(f))
