@@ -86,7 +86,7 @@ class GeneratorAllowance:
 GENERATOR_ALLOWANCES: dict[str, GeneratorAllowance] = {
     "tiny": GeneratorAllowance(360_000, 32_000, "1/8-width generators"),
     "small": GeneratorAllowance(1_420_000, 64_000, "1/4-width generators"),
-    "paper": GeneratorAllowance(22_400_000, 240_000, "the published GeFL sizes (CVAE ~22 M params)"),
+    "paper": GeneratorAllowance(22_400_000, 250_000, "the published GeFL sizes (CVAE ~22 M params)"),
 }
 GENERATOR_COPIES = 4  # Adam: weights, gradients, first and second moments
 GENERATOR_BATCH = 64

@@ -32,6 +32,8 @@ UPLOAD_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8")
 
 # CPU architectures as `uname -m` prints them.
 ARCHES: tuple[str, ...] = ("aarch64", "armv7l", "x86_64", "riscv64")
+# Debian/Docker/macOS spellings of the same architectures.
+_ARCH_ALIASES = {"arm64": "aarch64", "amd64": "x86_64", "x64": "x86_64", "armhf": "armv7l", "armv7": "armv7l"}
 # Only these have int8 dot-product instructions (ARMv8.2 dotprod, x86 VNNI).
 INT8_DOT_ARCHES: tuple[str, ...] = ("aarch64", "x86_64")
 
@@ -53,7 +55,8 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 def _check(ok: bool, key: str, value: Any, problem: str, fix: str) -> None:
     if not ok:
-        raise ProfileError(f"{key} = {value!r}: {problem}", hint=fix)
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)
+        raise ProfileError(f"{key} = {shown}: {problem}", hint=fix)
 
 
 def _positive(key: str, value: float, fix: str) -> None:
@@ -81,9 +84,11 @@ class Hardware:
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHES:
-            close = difflib.get_close_matches(self.arch, ARCHES, n=1)
+            close = [_ARCH_ALIASES[self.arch]] if self.arch in _ARCH_ALIASES else difflib.get_close_matches(
+                self.arch, ARCHES, n=1)
             _check(False, "arch", self.arch, "unknown CPU architecture",
-                   f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(ARCHES)} (`uname -m`)")
+                   f"did you mean {close[0]!r}? (`uname -m` spelling)" if close
+                   else f"use one of {', '.join(ARCHES)} (`uname -m`)")
         _check(bool(self.cpu.strip()), "cpu", self.cpu, "must not be empty", 'name the CPU, e.g. "Cortex-A53"')
         _check(1 <= self.cores <= 1024, "cores", self.cores, "must be between 1 and 1024",
                "set the number of CPU cores training may use (`nproc`)")
