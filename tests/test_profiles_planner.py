@@ -131,7 +131,7 @@ def test_monotone_over_builtin_pairs() -> None:
             assert tier_index(plans[a.name]) >= tier_index(plans[b.name]), (a.name, b.name)
             ga, gb = plans[a.name].generator_tier, plans[b.name].generator_tier
             assert GEN_ORDER.index(ga) >= GEN_ORDER.index(gb), (a.name, b.name)
-    assert checked >= 8  # the check is not vacuous
+    assert checked >= 15  # the check is not vacuous (17 pairs today)
 
 
 def random_profile(rng: random.Random, i: int) -> Profile:
@@ -175,7 +175,7 @@ def test_monotone_over_random_profiles() -> None:
         assert tier_index(pa) >= tier_index(pb), (a, b)
         assert GEN_ORDER.index(pa.generator_tier) >= GEN_ORDER.index(pb.generator_tier)
         feasible += 1
-    assert feasible >= 500
+    assert feasible >= 1000  # 1,498 with this seed
     # the random fleet exercises every tier and both fallbacks
     got = [p for p in plans.values() if p is not None]
     assert {p.model_tier for p in got} == set(TIERS)
