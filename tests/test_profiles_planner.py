@@ -71,14 +71,14 @@ def test_memory_estimate_formula() -> None:
     spec = tier_arch("m")
     expected = (spec.num_params() * 4 * 3 + spec.activation_elems() * 32 * 4 * 2) / 2**20 + WORKSPACE_MB
     assert train_memory_mb(spec, 32) == pytest.approx(expected)
-    # 73,774 params and 54,346 activation elements per image (archs), by hand:
-    assert train_memory_mb(spec, 32) == pytest.approx((73_774 * 12 + 54_346 * 256) / 2**20 + 24)
+    # 61,486 params and 54,410 activation elements per image (archs), by hand:
+    assert train_memory_mb(spec, 32) == pytest.approx((61_486 * 12 + 54_410 * 256) / 2**20 + 24)
 
 
 def test_round_time_formula() -> None:
     spec = tier_arch("s")
-    # 3 x 589,440 MACs x 600 samples x 5 epochs / (4 cores x 1.5 GHz x 0.25 MAC/cycle)
-    assert round_time_s(spec, 6.0, samples=600, epochs=5) == pytest.approx(3 * 589_440 * 3000 / 1.5e9)
+    # 3 x 583,296 MACs x 600 samples x 5 epochs / (4 cores x 1.5 GHz x 0.25 MAC/cycle)
+    assert round_time_s(spec, 6.0, samples=600, epochs=5) == pytest.approx(3 * 583_296 * 3000 / 1.5e9)
 
 
 @pytest.mark.parametrize("name", list_profiles())

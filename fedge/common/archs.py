@@ -11,7 +11,7 @@ Every network is ``head ∘ embed ∘ body ∘ extractor``:
   giving 3×16×16 from 1×32×32. Identical on every device, so it can be averaged
   fleet-wide (LG-FedAvg, GeFL-F).
 * ``body``: the per-architecture "header" of 3×3 convs (pad 1), each followed by
-  BN (optional) + ReLU + maxpool 2, then flatten.
+  BN (optional) + ReLU + maxpool 2, then flatten (the size tiers global-average-pool first).
 * ``embed``: ``Linear(flat → p)`` with a fleet-wide ``p`` so prototype methods
   (FedProto, FedVTC) compare features across architectures; ``Identity`` in the
   GeFL-exact variant (``embed_dim=None``), where p is the flattened size.
@@ -43,7 +43,7 @@ GEFL_CHANNELS: dict[int, tuple[int, ...]] = {
     10: (10, 20, 40, 80),
 }
 
-# Size tiers for the planner, smallest first. Parameters span ~55x (test-checked >= 20x).
+# Size tiers for the planner, smallest first. Parameters span ~60x (test-checked >= 20x).
 TIER_CHANNELS: dict[str, tuple[int, ...]] = {
     "xs": (8, 16, 16),
     "s": (16, 32, 32),
@@ -65,6 +65,10 @@ class ArchSpec:
     in_channels: int = 1
     image_size: int = 32
     num_classes: int = 10
+    # Global average pooling before flatten (the tiers): keeps the embedding's fan-in, and so its
+    # effective step size under SGD, independent of the last feature map's size. Without it the
+    # widest tier diverged at lr 0.05 on label-skewed digits.
+    global_pool: bool = False
 
     def __post_init__(self) -> None:
         if not self.channels or any(c <= 0 for c in self.channels):
@@ -87,6 +91,8 @@ class ArchSpec:
 
     @property
     def flat_dim(self) -> int:
+        if self.global_pool:
+            return self.channels[-1]
         side = self.image_size // 2 ** (len(self.channels) + 1)
         return self.channels[-1] * side * side
 
@@ -164,6 +170,8 @@ class ArchSpec:
         for cout in self.channels:
             total += cout * side * side * (per_block - 1) + cout * (side // 2) ** 2
             side //= 2
+        if self.global_pool:
+            total += self.flat_dim
         total += self.feature_dim + self.num_classes
         return total
 
@@ -192,7 +200,7 @@ def tier_arch(tier: str, *, embed_dim: int = DEFAULT_EMBED_DIM) -> ArchSpec:
     """The network of a planner size tier."""
     if tier not in TIER_CHANNELS:
         raise ConfigError(f"unknown model tier {tier!r}", hint=f"use one of {', '.join(TIERS)}")
-    return ArchSpec(f"tier-{tier}", TIER_CHANNELS[tier], embed_dim=embed_dim)
+    return ArchSpec(f"tier-{tier}", TIER_CHANNELS[tier], embed_dim=embed_dim, global_pool=True)
 
 
 _NAME = re.compile(r"^(?:cnn(?P<k>\d+)(?P<nobn>-nobn)?|tier-(?P<tier>[a-z]+))(?:-p(?P<p>\d+))?$")

@@ -78,7 +78,7 @@ def build_devices(cfg: FleetConfig, data: FleetData) -> list[SimDevice]:
         if profile_ref.endswith(".toml") and not profile_ref.startswith("/"):
             profile_ref = str(cfg.base_dir / profile_ref)
         profile = load_profile(profile_ref)
-        p = plan(profile, embed_dim=cfg.run.embed_dim)
+        p = plan(profile, embed_dim=cfg.run.embed_dim, samples=max(1, len(data.splits[idx].train)))
         k = counters.get(gi, 0)
         counters[gi] = k + 1
         arch_name = group.arch or (group.archs[k % len(group.archs)] if group.archs else p.arch)

@@ -42,6 +42,8 @@ class FedgeNet(nn.Module):
         for cout in spec.channels:
             layers += _block(cin, cout, spec.batchnorm)
             cin = cout
+        if spec.global_pool:
+            layers.append(nn.AdaptiveAvgPool2d(1))
         layers.append(nn.Flatten())
         self.body = nn.Sequential(*layers)  # (B, 3, 16, 16) -> (B, flat)
         self.embed: nn.Module = (
