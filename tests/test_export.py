@@ -221,6 +221,25 @@ def test_unknown_profile(tmp_path: Path, checkpoint: Path) -> None:
     assert leftovers(tmp_path / "o") == []
 
 
+def test_export_cli(tmp_path: Path, checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fedge.cli import main
+
+    out = tmp_path / "o"
+    args = ["export", "--checkpoint", str(checkpoint), "--profile", _any_profile(), "--quant", "fp32",
+            "--test-samples", "100", "--out", str(out)]
+    assert main([*args, "--arch", ARCH]) == 0
+    printed = capsys.readouterr().out
+    assert f"{out}: {ARCH} as fp32 for profile {_any_profile()}" in printed and "on 100 test images" in printed
+    assert main([*args, "--arch", ARCH]) == ExportError.exit_code  # exists: needs --force
+    assert "already exists and is not empty" in capsys.readouterr().err
+    assert main([*args, "--arch", "tier-m", "--force"]) == ExportError.exit_code
+    assert "holds architecture 'tier-xs'" in capsys.readouterr().err
+    assert read_manifest(out).arch == ARCH  # the failed --force export left the old one in place
+    args[4] = "no-such-device"
+    assert main(args) == ProfileError.exit_code
+    assert "no-such-device" in capsys.readouterr().err
+
+
 def _fake_run(root: Path, devices: list[tuple[str, str, str]]) -> Path:
     """A run directory in the simulator's layout: results.json + checkpoints/<id>.safetensors."""
     (root / "checkpoints").mkdir(parents=True)
@@ -243,6 +262,17 @@ def test_run_export_every_device(tmp_path: Path) -> None:
     assert [d["id"] for d in index["devices"]] == ["a-1", "b-1"]
     assert "not available" in ms["b-1"].extra["calibration"]["source"]  # no fleet config: the training split
     assert EdgeModel.load(out / "b-1").predict(digits()[1].x[:3], preprocessed=True).labels.shape == (3,)
+
+
+def test_run_export_calibrates_on_the_devices_own_share(tmp_path: Path) -> None:
+    # The simulator records its fleet config; the exporter rebuilds the partition from it.
+    config = Path(__file__).resolve().parent.parent / "examples" / "demo.toml"
+    run = _fake_run(tmp_path / "run", [("x86-gateway-1", ARCH, "int8-static")])
+    results = json.loads((run / "results.json").read_text())
+    results["config"] = str(config)
+    (run / "results.json").write_text(json.dumps(results))
+    m = export_run(run, tmp_path / "out", test_samples=100, options=FAST)["x86-gateway-1"]
+    assert m.extra["calibration"]["source"].startswith("device x86-gateway-1's own training share (")
 
 
 def test_run_export_is_all_or_nothing(tmp_path: Path) -> None:

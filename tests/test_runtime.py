@@ -53,6 +53,18 @@ def test_runtime_does_not_import_torch(model_dir: Path, tmp_path: Path) -> None:
     assert out.stdout.strip() == "3 []"
 
 
+def test_infer_command_does_not_import_torch(model_dir: Path, tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.zeros((2, 8, 8), np.uint8))
+    code = (
+        "import sys\n"
+        "from fedge.cli import main\n"
+        f"rc = main(['infer', '--model', {str(model_dir)!r}, {str(tmp_path / 'x.npy')!r}])\n"
+        "print(rc, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "0 False"
+
+
 def test_predictions_equal_pytorch_on_at_least_99_percent(model_dir: Path) -> None:
     raw, y = raw_digits()  # 1797 raw 8x8 images through the runtime's own preprocessing
     net = trained()

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fedge.export.quantize import DEFAULT_CALIBRATION_SAMPLES
 from fedge.runtime.manifest import QUANTS, Manifest
 
 
@@ -34,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--data-dir", help="directory of the data set files")
     ex.add_argument("--calibration", metavar="FILE.npy",
                     help="preprocessed calibration inputs (N, C, 32, 32), e.g. a generator's samples")
-    ex.add_argument("--calib-samples", type=int, default=256, help="calibration samples for int8-static (default 256)")
+    ex.add_argument("--calib-samples", type=int, default=DEFAULT_CALIBRATION_SAMPLES,
+                    help=f"calibration samples for int8-static (default {DEFAULT_CALIBRATION_SAMPLES})")
     ex.add_argument("--test-samples", type=int, help="verify on the first N test images only (default: all)")
     ex.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     ex.set_defaults(func=_export)

@@ -145,8 +145,11 @@ def export_into(
         # Accuracy of fp32 ONNX on the test set, and its agreement with PyTorch.
         fp32_logits = verify.run_onnx(open_session(fp32["model"]), test.x)
         acc: dict[str, float] = {"fp32": float((fp32_logits.argmax(1) == test.y).mean())}
-        with torch.no_grad():
-            torch_pred = net(torch.from_numpy(np.ascontiguousarray(test.x))).argmax(1).numpy()
+        with torch.no_grad():  # in chunks: activations of 10 000 images would take gigabytes
+            torch_pred = np.concatenate([
+                net(torch.from_numpy(np.ascontiguousarray(test.x[i : i + 500]))).argmax(1).numpy()
+                for i in range(0, len(test), 500)
+            ])
         agreement = float((fp32_logits.argmax(1) == torch_pred).mean())
         chain: dict[str, float] = {}
 
