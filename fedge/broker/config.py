@@ -225,14 +225,15 @@ def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: B
         shutil.copyfile(ca, outp / "coordinator" / "ca.crt")
 
     scheme = "mqtts" if opts.tls else "mqtt"
-    if opts.bundles:
+    if opts.bundles and fleet_config is None:
+        log.info("no fleet config given: passwords are in bundles/ID/password, but no bundle.toml is written")
+    if opts.bundles and fleet_config is not None:
         for dev in devices:
             bdir = outp / "bundles" / dev
             lines = [f'device_id = "{dev}"', 'fleet_config = "fleet.toml"',
                      f'broker = "{scheme}://{opts.hostname}:{opts.port}"', f'username = "{dev}"',
                      'password_file = "password"']
-            if fleet_config is not None:
-                shutil.copyfile(fleet_config, bdir / "fleet.toml")
+            shutil.copyfile(fleet_config, bdir / "fleet.toml")
             if ca is not None:
                 shutil.copyfile(ca, bdir / "ca.crt")
                 lines.append('ca_file = "ca.crt"')

@@ -205,8 +205,7 @@ class RoundEngine:
         if not info.is_final:
             self.strategy.begin_round(rnd)
         seen: set[str] = set()
-        rejected: Counter[str] = self._pending_rejects
-        self._pending_rejects = Counter()
+        rejected: Counter[str] = self._pending_rejects  # hellos refused before or during this round count here
         pending = set(expected)  # live: the transport stops once it is empty
         for item in self.transport.collect(rnd, pending, info.deadline):
             try:
@@ -228,6 +227,7 @@ class RoundEngine:
             report.metrics[msg.sender] = dict(msg.info.get("metrics", {}))
             report.info[msg.sender] = {k: v for k, v in msg.info.items() if k not in ("metrics", "bytes_down")}
         report.rejected = dict(rejected)
+        self._pending_rejects = Counter()
         missing = sorted(set(self.devices) - seen)
         if missing:
             log.warning("round %d: no update from %s", rnd, ", ".join(missing))
