@@ -19,7 +19,6 @@ import numpy as np
 import paho.mqtt.client as paho
 import pytest
 
-from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport, InMemoryDeviceTransport
 from fedge.common.messages import Message
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo
 from fedge.common.tensorcodec import decode
@@ -34,6 +33,7 @@ from fedge.mqtt.topics import FleetTopics
 from fedge.mqtt.transport import TransportSettings
 from fedge.sim.config import FleetConfig, load_fleet
 from fedge.sim.fleet import SimDevice, build_devices, load_fleet_data
+from fedge.sim.simulate import _TRANSPORTS as sim_transports
 from fedge.sim.simulate import simulate
 
 pytestmark = pytest.mark.mqtt
@@ -94,17 +94,8 @@ def reference(tmp: Path, method: str) -> Run:
     if method not in _REFERENCE:
         cfg = fleet_config(tmp, method, f"ref-{method}")
         devices, strat = build(cfg)
-        bus = InMemoryBus()
-        agents = [DeviceAgent(d.method, InMemoryDeviceTransport(bus), d.info, fleet="ref") for d in devices]
-        for a in agents:
-            a.hello()
-
-        def pump() -> None:
-            for a in agents:
-                a.step()
-
-        bus.pump = pump
-        engine = RoundEngine(strat, InMemoryCoordinatorTransport(bus), EngineConfig(fleet="ref", method=method))
+        coord, _, _ = sim_transports["inprocess"](cfg, devices)  # the simulator's own in-process wiring
+        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=method))
         _REFERENCE[method] = Run(engine, engine.run(), devices)
     return _REFERENCE[method]
 
