@@ -31,6 +31,7 @@ from fedge.edge.models.zoo import FedgeNet
 from fedge.errors import ExportError
 from fedge.export import verify
 from fedge.export.onnx_export import OPSET, Exporter, export_graphs
+from fedge.export.probe import detect_hardware
 from fedge.export.quantize import (
     DEFAULT_CALIBRATION_SAMPLES,
     CalibrationSource,
@@ -206,7 +207,7 @@ def export_into(
             "fp32_max_abs_diff": {**parity.max_abs_diff, "batch": parity.batch, "tolerance": opt.fp32_tolerance},
             "latency_ms": latency,
             "latency": {"batch": 1, "threads": 1, "statistic": "median", "runs": opt.latency_runs,
-                        "machine": platform.machine(), "processor": platform.processor() or None},
+                        "machine": platform.machine(), "cpu": detect_hardware()["cpu"]},
             "fp32_bytes": fp32_bytes,
         },
         extra={

@@ -34,8 +34,8 @@ from fedge.runtime.manifest import QUANTS
 
 log = logging.getLogger(__name__)
 
-# Brief training so accuracies are meaningful: ~95 % on digits for every tier in
-# 2-6 s each on one core (lr 0.05 with the same momentum diverges on tier-xl).
+# Brief training so accuracies are meaningful: 90-99 % on digits for every tier in
+# 1-6 s each on one core (lr 0.05 with the same momentum diverged on tier-xl).
 PROBE_LR = 0.02
 PROBE_MOMENTUM = 0.9
 PROBE_BATCH = 32
