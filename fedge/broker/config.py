@@ -120,6 +120,8 @@ def mosquitto_conf(out: Path, opts: BrokerOptions, *, tls_dir: Path | None) -> s
         "# The coordinator's persistent session queues updates while it restarts: keep the queue generous.",
         "max_queued_messages 100000",
         "max_inflight_messages 100",
+        "# Small messages (round descriptors, statistics) must not wait for Nagle's algorithm.",
+        "set_tcp_nodelay true",
         "",
         "# Retained state (round descriptor, global state, device status) and sessions survive a restart.",
         "persistence true",

@@ -31,6 +31,7 @@ from fedge.errors import PayloadError, TransportError
 log = logging.getLogger(__name__)
 
 COORDINATOR_ID = "coordinator"
+REPORTS_FILE = "reports.jsonl"  # one line per completed round, appended (state.json stays small)
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
 
 
@@ -88,6 +89,7 @@ class RoundEngine:
         self.globals: dict[str, Arrays] = {}
         self.reports: list[RoundReport] = []
         self.completed = 0
+        self._reports_saved = 0  # reports already appended to REPORTS_FILE
         self.run_id = uuid.uuid4().hex  # lets devices tell a new run from a resumed one
         self.global_rounds: dict[str, int] = {}  # artifact -> round that produced the published version
         self.latency: dict[str, dict[str, float]] = {}  # phase -> device -> seconds announce→update
@@ -313,19 +315,28 @@ class RoundEngine:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         tensors = {f"{a}/{k}": v for a, arrays in self.globals.items() for k, v in arrays.items()}
         _atomic_write(self.state_dir / "globals.safetensors", encode(Payload(tensors)))
+        # Reports are appended, not rewritten: rewriting every round's per-device report each round
+        # costs O(rounds x devices) per round (seconds at 1000 devices).
+        with open(self.state_dir / REPORTS_FILE, "ab") as f:
+            for r in self.reports[self._reports_saved:]:
+                f.write(json.dumps(asdict(r), separators=(",", ":")).encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._reports_saved = len(self.reports)
         state = {
             "completed": self.completed,
             "method": self.config.method,
             "devices": [d.to_dict() for d in self.devices.values()],
             "strategy": self.strategy.state_dict(),
-            "reports": [asdict(r) for r in self.reports],
+            "reports_saved": self._reports_saved,
             "artifacts": sorted(self.globals),
             "run_id": self.run_id,
             "global_rounds": self.global_rounds,
             "latency": self.latency,
         }
-        # Written last: a crash between the two files leaves the previous state.json pointing at
-        # round N-1, and the globals of round N are simply recomputed.
+        # Written last: a crash before it leaves the previous state.json pointing at round N-1
+        # (and at N-1 report lines: a report line of round N beyond them is cut off on load), and
+        # round N is simply run again.
         _atomic_write(self.state_dir / "state.json", json.dumps(state, indent=1).encode())
 
     def _load_state(self) -> None:
@@ -339,7 +350,10 @@ class RoundEngine:
         self.completed = int(state["completed"])
         self.devices = {d["device_id"]: DeviceInfo.from_dict(d) for d in state["devices"]}
         self.strategy.load_state_dict(state.get("strategy", {}))
-        self.reports = [RoundReport(**r) for r in state.get("reports", [])]
+        self.reports = [RoundReport(**r) for r in state.get("reports", [])]  # state.json of older releases
+        if "reports_saved" in state:
+            self.reports = self._load_reports(int(state["reports_saved"]))
+        self._reports_saved = len(self.reports)
         self.run_id = str(state.get("run_id") or self.run_id)
         self.global_rounds = {str(k): int(v) for k, v in state.get("global_rounds", {}).items()}
         self.latency = state.get("latency", {})
@@ -349,6 +363,19 @@ class RoundEngine:
         for key, arr in flat.items():
             artifact, name = key.split("/", 1)
             self.globals.setdefault(artifact, {})[name] = arr
+
+
+    def _load_reports(self, count: int) -> list[RoundReport]:
+        """The first ``count`` report lines; lines beyond them (a crash before state.json) are cut off."""
+        assert self.state_dir is not None
+        path = self.state_dir / REPORTS_FILE
+        lines = path.read_bytes().splitlines(keepends=True) if path.is_file() else []
+        if len(lines) < count:
+            raise PayloadError(f"{path} holds {len(lines)} round reports, {count} expected",
+                               hint="the state directory is damaged; restore it or start another --state-dir")
+        if len(lines) > count:
+            _atomic_write(path, b"".join(lines[:count]))
+        return [RoundReport(**json.loads(line)) for line in lines[:count]]
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -165,6 +165,8 @@ def loopback_config(port: int, *, max_message_bytes: int = 64 * 1024 * 1024, ext
         # The coordinator's session may be offline for a moment (restart): keep its queue generous.
         "max_queued_messages 100000",
         "max_inflight_messages 100",
+        # Small messages (descriptors, statistics) must not wait for Nagle's algorithm.
+        "set_tcp_nodelay true",
         "log_dest stderr",
         "log_type error",
         "log_type warning",

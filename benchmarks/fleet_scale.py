@@ -1,0 +1,435 @@
+"""Fleet scale over MQTT: N = 10, 100, 1000 devices through Mosquitto on loopback, against the transport floor.
+
+For each N, in the same run and through the same broker:
+
+* **fedge** — the real coordinator (``RoundEngine`` + ``FedProtoStrategy`` +
+  ``MqttCoordinatorTransport``, checkpointing every round) in its own process;
+  N lightweight devices that speak the wire protocol (status + last-will,
+  retained hello, round descriptor, retained global prototypes, one update per
+  round: 10 x 64 float32 prototypes + 10 class counts, fp32). Statistics-only
+  rounds: no training, the devices' update bytes are encoded before the clock
+  starts, so what is measured is the transport plus the coordinator.
+* **floor** — the same number and sizes of messages with bare paho clients: a
+  collector process publishes a "go" of the descriptor's size; each device
+  answers with a payload of its update's size; once the collector has all N
+  answers it publishes a retained "global" of the global's size — the order and
+  the acknowledgements a fedge round waits for.
+
+Both sides drive their N device connections from one selector thread (paho's
+external-loop API), so the device side costs the same in both. Reported per
+N: median round wall time over the training rounds, coordinator CPU seconds
+(user + sys over those rounds) and peak RSS, the RSS growth during the rounds,
+and updates received per second. Writes ``benchmarks/results/fleet_scale.json``.
+
+    .venv/bin/python benchmarks/fleet_scale.py                # N = 10, 100, 1000
+    .venv/bin/python benchmarks/fleet_scale.py --sizes 10,100 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import resource
+import selectors
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paho.mqtt.client as paho
+
+from fedge.common.messages import Message
+from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo
+from fedge.common.tensorcodec import read_header
+from fedge.mqtt.broker import LOOPBACK, MosquittoProcess, loopback_config
+from fedge.mqtt.client import _no_delay
+from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
+
+CLASSES, DIM = 10, 64  # FedProto-sized: prototypes (C, p) + counts (C,)
+RESULTS = Path(__file__).parent / "results" / "fleet_scale.json"
+PAHO_V2 = hasattr(paho, "CallbackAPIVersion")
+
+
+def _new_client(client_id: str) -> paho.Client:
+    if PAHO_V2:
+        c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv311)
+    else:
+        c = paho.Client(client_id=client_id, protocol=paho.MQTTv311)
+    # TCP_NODELAY like fedge's own client (fedge.mqtt.client): the floor must not pay Nagle delays fedge avoids.
+    c.on_socket_open = _no_delay
+    return c
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+# -- the device side: N paho connections on one selector thread --------------------------------------
+
+class Swarm:
+    """N MQTT connections driven by one thread through paho's external-loop API."""
+
+    def __init__(self, port: int, ids: list[str], on_message: Callable[[int, paho.Client, paho.MQTTMessage], None],
+                 *, subscribe: list[str], will: Callable[[str], tuple[str, bytes]] | None = None,
+                 on_connect: Callable[[int, paho.Client], None] | None = None) -> None:
+        self.ids = ids
+        self.clients: list[paho.Client] = []
+        self.connected = 0
+        self._dirty: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.sel = selectors.DefaultSelector()
+        for i, dev in enumerate(ids):
+            c = _new_client(f"swarm-{dev}")
+            if will is not None:
+                topic, payload = will(dev)
+                c.will_set(topic, payload, qos=1, retain=True)
+            c.max_inflight_messages_set(100)
+
+            def _conn(client: paho.Client, userdata: Any, flags: Any, rc: Any, *a: Any, i: int = i) -> None:
+                for t in subscribe:
+                    client.subscribe(t, 1)
+                if on_connect is not None:
+                    on_connect(i, client)
+                self.connected += 1
+                self._dirty.add(i)
+
+            def _msg(client: paho.Client, userdata: Any, msg: paho.MQTTMessage, i: int = i) -> None:
+                on_message(i, client, msg)
+                self._dirty.add(i)
+
+            c.on_connect = _conn
+            c.on_message = _msg
+            c.connect(LOOPBACK, port, keepalive=120)
+            sock = c.socket()
+            assert sock is not None
+            self.sel.register(sock, selectors.EVENT_READ, i)
+            self.clients.append(c)
+            self._flush(i)
+        self._thread = threading.Thread(target=self._loop, name="swarm", daemon=True)
+        self._thread.start()
+
+    def _flush(self, i: int) -> None:
+        c = self.clients[i]
+        while c.want_write():
+            if c.loop_write() != paho.MQTT_ERR_SUCCESS:
+                break
+
+    def _loop(self) -> None:
+        last_misc = time.monotonic()
+        while not self._stop.is_set():
+            for key, _ in self.sel.select(timeout=0.05):
+                self.clients[key.data].loop_read(100)
+            dirty, self._dirty = self._dirty, set()
+            for i in dirty:
+                self._flush(i)
+            if time.monotonic() - last_misc > 1.0:
+                last_misc = time.monotonic()
+                for i, c in enumerate(self.clients):
+                    c.loop_misc()
+                    self._flush(i)
+
+    def wait_connected(self, timeout_s: float = 120) -> None:
+        end = time.monotonic() + timeout_s
+        while self.connected < len(self.clients):
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.connected}/{len(self.clients)} swarm clients connected")
+            time.sleep(0.05)
+
+    def close(self, final: Callable[[str], tuple[str, bytes]] | None = None) -> None:
+        if final is not None:
+            for i, dev in enumerate(self.ids):
+                topic, payload = final(dev)
+                self.clients[i].publish(topic, payload, qos=0, retain=True)
+                self._dirty.add(i)
+            time.sleep(0.5)
+        self._stop.set()
+        self._thread.join(5)
+        for i, c in enumerate(self.clients):
+            with contextlib.suppress(OSError, ValueError):
+                c.disconnect()
+                self._flush(i)
+                sock = c.socket()
+                if sock is not None:
+                    sock.close()
+
+
+def _update_bytes(fleet: str, dev: str, rnd: int, final: bool, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    if final:
+        return Message("update", dev, rnd, fleet, info={"metrics": {"acc_global": 0.5}, "num_samples": 100}).to_bytes()
+    counts = rng.integers(0, 20, CLASSES).astype(np.int64)
+    protos = rng.normal(size=(CLASSES, DIM)).astype(np.float32)
+    return Message("update", dev, rnd, fleet, tensors={"protos": protos, "counts": counts},
+                   info={"metrics": {}, "num_samples": int(counts.sum())}).to_bytes()
+
+
+def sizes() -> dict[str, int]:
+    """Encoded sizes of one update, the global prototypes and a round descriptor (for the floor)."""
+    up = _update_bytes("bench", "dev-0000", 1, False, 0)
+    glob = Message("global", "coordinator", 1, "bench", tensors={
+        "protos": np.zeros((CLASSES, DIM), np.float32), "counts": np.zeros(CLASSES, np.int64)},
+        info={"artifact": PROTOTYPES_ARTIFACT}).to_bytes()
+    desc = Message("round", "coordinator", 1, "bench", info={
+        "round": {"round": 1, "phase": "train", "method": "fedproto", "deadline": 0.0, "config": {}},
+        "run": "0" * 32, "globals": {PROTOTYPES_ARTIFACT: 1}}).to_bytes()
+    return {"update": len(up), "global": len(glob), "descriptor": len(desc)}
+
+
+# -- fedge: real coordinator process + protocol devices --------------------------------------------
+
+def run_fedge(port: int, n: int, rounds: int, workdir: Path) -> dict[str, Any]:
+    fleet = f"scale{n}"
+    t = FleetTopics(fleet)
+    ids = [f"dev-{i:04d}" for i in range(n)]
+    # Every update a device will send, encoded before the clock starts.
+    updates = [{r: _update_bytes(fleet, dev, r, r > rounds, seed=i * 100 + r) for r in range(1, rounds + 2)}
+               for i, dev in enumerate(ids)]
+    answered: list[str | None] = [None] * n
+
+    def on_connect(i: int, c: paho.Client) -> None:
+        dev = ids[i]
+        c.publish(t.status(dev), STATUS_ONLINE, qos=1, retain=True)
+        info = DeviceInfo(dev, "tier-xs", "bench", num_samples=100, feature_dim=DIM)
+        c.publish(t.hello(dev), Message("hello", dev, 0, fleet, info={"device": info.to_dict()}).to_bytes(),
+                  qos=1, retain=True)
+
+    def on_message(i: int, c: paho.Client, msg: paho.MQTTMessage) -> None:
+        if msg.topic != t.round:
+            return  # global prototypes: a statistics-only device just receives them
+        meta = read_header(bytes(msg.payload))[1]
+        if answered[i] == meta["msg_id"]:
+            return
+        answered[i] = meta["msg_id"]
+        up = updates[i].get(int(meta["round"]))
+        if up is not None:
+            c.publish(t.update(ids[i]), up, qos=1)
+
+    swarm = Swarm(port, ids, on_message, subscribe=[t.round, t.global_filter(PROTOTYPES_ARTIFACT)],
+                  will=lambda d: (t.status(d), STATUS_OFFLINE), on_connect=on_connect)
+    try:
+        swarm.wait_connected()
+        out = workdir / f"fedge-{n}.json"
+        cmd = [sys.executable, __file__, "_coordinator", "--port", str(port), "--n", str(n), "--rounds", str(rounds),
+               "--fleet", fleet, "--state-dir", str(workdir / f"state-{n}"), "--out", str(out)]
+        subprocess.run(cmd, check=True, timeout=1800)
+        return json.loads(out.read_text())
+    finally:
+        swarm.close(final=lambda d: (t.status(d), STATUS_OFFLINE))
+
+
+def coordinator_main(args: argparse.Namespace) -> None:
+    from fedge.coordinator.engine import EngineConfig, RoundEngine
+    from fedge.coordinator.strategies.baselines import FedProtoStrategy
+    from fedge.mqtt.client import BrokerSettings
+    from fedge.mqtt.transport import MqttCoordinatorTransport
+
+    rss_start = _rss_kb()
+    transport = MqttCoordinatorTransport(BrokerSettings(port=args.port), args.fleet).start()
+    strat = FedProtoStrategy({}, num_classes=CLASSES, rounds=args.rounds)
+    engine = RoundEngine(strat, transport, EngineConfig(fleet=args.fleet, method="fedproto", min_devices=args.n,
+                                                       quorum_timeout_s=600), state_dir=args.state_dir)
+    engine.await_quorum()  # registration is not part of a round
+    cpu0, rss0 = _cpu(), _rss_kb()
+    cpu_rounds: list[float] = []
+
+    def on_round(rep: Any) -> None:
+        cpu_rounds.append(_cpu())
+
+    reports = engine.run(on_round=on_round)
+    transport.close()
+    train = [r for r in reports if r.phase != "final"]
+    assert all(len(r.accepted) == args.n for r in reports), [len(r.accepted) for r in reports]
+    result = {
+        "round_seconds": [r.seconds for r in train],
+        "final_round_seconds": reports[-1].seconds,
+        "cpu_seconds_per_round": [b - a for a, b in zip([cpu0, *cpu_rounds], cpu_rounds, strict=False)][:len(train)],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_at_start_mb": rss_start / 1024,
+        "rss_before_rounds_mb": rss0 / 1024,
+        "rss_after_rounds_mb": _rss_kb() / 1024,
+        "torch_imported": "torch" in sys.modules,
+        "rejected": sum(sum(r.rejected.values()) for r in reports),
+    }
+    Path(args.out).write_text(json.dumps(result))
+
+
+# -- the floor: bare paho clients, same number and sizes of messages -------------------------------
+
+def run_floor(port: int, n: int, rounds: int, workdir: Path, sz: dict[str, int]) -> dict[str, Any]:
+    base = f"floor/{n}"
+    ids = [f"dev-{i:04d}" for i in range(n)]
+    payloads = [os.urandom(sz["update"]) for _ in range(n)]
+    answered = [-1] * n
+
+    def on_message(i: int, c: paho.Client, msg: paho.MQTTMessage) -> None:
+        if msg.topic != f"{base}/go":
+            return
+        rnd = int(json.loads(bytes(msg.payload).rstrip(b" "))["round"])
+        if answered[i] != rnd:
+            answered[i] = rnd
+            c.publish(f"{base}/devices/{ids[i]}/up", payloads[i], qos=1)
+
+    swarm = Swarm(port, ids, on_message, subscribe=[f"{base}/go", f"{base}/global"])
+    try:
+        swarm.wait_connected()
+        out = workdir / f"floor-{n}.json"
+        cmd = [sys.executable, __file__, "_floor", "--port", str(port), "--n", str(n), "--rounds", str(rounds),
+               "--base", base, "--global-bytes", str(sz["global"]), "--descriptor-bytes", str(sz["descriptor"]),
+               "--out", str(out)]
+        subprocess.run(cmd, check=True, timeout=1800)
+        return json.loads(out.read_text())
+    finally:
+        swarm.close()
+
+
+def floor_main(args: argparse.Namespace) -> None:
+    got = 0
+    done = threading.Event()
+    connected = threading.Event()
+
+    def on_connect(c: paho.Client, userdata: Any, flags: Any, rc: Any, *a: Any) -> None:
+        c.subscribe(f"{args.base}/devices/+/up", 1)
+        connected.set()
+
+    def on_message(c: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
+        nonlocal got
+        got += 1
+        if got >= args.n:
+            done.set()
+
+    c = _new_client(f"floor-collector-{args.n}")
+    c.on_connect, c.on_message = on_connect, on_message
+    c.connect(LOOPBACK, args.port, keepalive=120)
+    c.loop_start()
+    connected.wait(30)
+    time.sleep(0.5)  # the SUBACK
+    cpu0 = _cpu()
+    times, cpus = [], []
+    for rnd in range(1, args.rounds + 1):
+        got = 0
+        done.clear()
+        glob = os.urandom(args.global_bytes)
+        go = json.dumps({"round": rnd}).encode().ljust(args.descriptor_bytes)
+        # The same sequence as a fedge round: announce (until the broker acknowledges), collect every
+        # answer, publish the new global state (until acknowledged).
+        t0 = time.perf_counter()
+        c.publish(f"{args.base}/go", go, qos=1, retain=True).wait_for_publish(60)
+        if not done.wait(600):
+            raise TimeoutError(f"floor round {rnd}: {got}/{args.n} answers")
+        c.publish(f"{args.base}/global", glob, qos=1, retain=True).wait_for_publish(60)
+        times.append(time.perf_counter() - t0)
+        cpus.append(_cpu())
+    c.loop_stop()
+    c.disconnect()
+    Path(args.out).write_text(json.dumps({
+        "round_seconds": times,
+        "cpu_seconds_per_round": [b - a for a, b in zip([cpu0, *cpus], cpus, strict=False)],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }))
+
+
+# -- driver -------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="role")
+    co = sub.add_parser("_coordinator")
+    fl = sub.add_parser("_floor")
+    for q in (co, fl):
+        q.add_argument("--port", type=int, required=True)
+        q.add_argument("--n", type=int, required=True)
+        q.add_argument("--rounds", type=int, required=True)
+        q.add_argument("--out", required=True)
+    co.add_argument("--fleet", required=True)
+    co.add_argument("--state-dir", required=True)
+    fl.add_argument("--base", required=True)
+    fl.add_argument("--global-bytes", type=int, required=True)
+    fl.add_argument("--descriptor-bytes", type=int, required=True)
+    p.add_argument("--sizes", default="10,100,1000", help="fleet sizes (comma-separated)")
+    p.add_argument("--rounds", type=int, default=3, help="training rounds per run (median reported)")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    if args.role == "_coordinator":
+        coordinator_main(args)
+        return 0
+    if args.role == "_floor":
+        floor_main(args)
+        return 0
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 8192)), hard))  # 1000 sockets + the broker's
+    sz = sizes()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fedge-scale-") as tmp:
+        for n in (int(x) for x in args.sizes.split(",")):
+            broker = MosquittoProcess(port=None, max_message_bytes=1 << 20)
+            broker.config_path.write_text(loopback_config(broker.port, max_message_bytes=1 << 20))
+            broker.start()
+            try:
+                floor = run_floor(broker.port, n, args.rounds, Path(tmp), sz)
+                fedge = run_fedge(broker.port, n, args.rounds, Path(tmp))
+            finally:
+                broker.close()
+            f_med = statistics.median(floor["round_seconds"])
+            e_med = statistics.median(fedge["round_seconds"])
+            rows.append({
+                "n": n,
+                "floor_round_s": f_med,
+                "fedge_round_s": e_med,
+                "ratio": e_med / f_med,
+                "fedge_updates_per_s": n / e_med,
+                "floor_updates_per_s": n / f_med,
+                "coordinator_cpu_s_per_round": statistics.median(fedge["cpu_seconds_per_round"]),
+                "floor_collector_cpu_s_per_round": statistics.median(floor["cpu_seconds_per_round"]),
+                "coordinator_peak_rss_mb": fedge["peak_rss_mb"],
+                "coordinator_rss_growth_mb": fedge["rss_after_rounds_mb"] - fedge["rss_before_rounds_mb"],
+                "fedge": fedge,
+                "floor": floor,
+            })
+            print(f"N={n}: fedge {e_med:.3f} s/round, floor {f_med:.3f} s/round", file=sys.stderr, flush=True)
+    doc = {
+        "benchmark": "fleet_scale",
+        "command": "python benchmarks/fleet_scale.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "rounds": args.rounds,
+        "message_bytes": sz,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "paho": paho.__version__
+                    if hasattr(paho, "__version__") else "?", "platform": platform.platform()},
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(table(rows))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ["N", "floor s/round", "fedge s/round", "ratio", "updates/s", "coord CPU s/round", "coord peak RSS MB",
+            "RSS growth MB"]
+    lines = [head]
+    for r in rows:
+        lines.append([str(r["n"]), f"{r['floor_round_s']:.3f}", f"{r['fedge_round_s']:.3f}", f"{r['ratio']:.2f}",
+                      f"{r['fedge_updates_per_s']:.0f}", f"{r['coordinator_cpu_s_per_round']:.3f}",
+                      f"{r['coordinator_peak_rss_mb']:.0f}", f"{r['coordinator_rss_growth_mb']:.1f}"])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
