@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import sys
 import time
@@ -23,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section  # noqa: E402
+from common import RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section
 
-from fedge.sim.config import load_fleet  # noqa: E402
-from fedge.sim.report import build_results  # noqa: E402
-from fedge.sim.simulate import simulate  # noqa: E402
+from fedge.sim.config import load_fleet
+from fedge.sim.report import build_results
+from fedge.sim.simulate import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "gefl-protocol-fedavg.toml"
@@ -65,8 +66,8 @@ def main() -> int:
         for seed in args.seeds:
             path = RESULTS / "baselines" / f"{method}-seed{seed}-{tag}.json"
             print(f"[{time.strftime('%H:%M:%S')}] {method} seed {seed} ...", flush=True)
-            cells.setdefault(method, []).append(
-                cached_cell(path, lambda m=method, s=seed: run_cell(m, s, args.rounds), force=args.force))
+            cell = cached_cell(path, functools.partial(run_cell, method, seed, args.rounds), force=args.force)
+            cells.setdefault(method, []).append(cell)
     rows, summary = [], {}
     for method, cs in cells.items():
         m, s = mean_std([100 * c["mean_best_acc"] for c in cs])

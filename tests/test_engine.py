@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
-from fleet_helpers import tiny_fleet, weights
+from fleet_helpers import Fleet, tiny_fleet, weights
 
 from fedge.common.messages import Message
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, PROTOTYPES_ARTIFACT, group_artifact
 from fedge.edge.methods.base import model_arrays
 
 
-def _capture_uploads(fleet) -> list[dict]:  # type: ignore[no-untyped-def]
+def _capture_uploads(fleet: Fleet) -> list[dict[str, Any]]:
     """Wrap each agent's send_update to keep the decoded uploads."""
-    seen: list[dict] = []
+    seen: list[dict[str, Any]] = []
     for a in fleet.agents:
         orig = a.transport.send_update
 
-        def send(data: bytes, orig=orig) -> None:  # type: ignore[no-untyped-def]
+        def send(data: bytes, orig: Callable[[bytes], None] = orig) -> None:
             seen.append({"bytes": data, "msg": Message.from_bytes(data)})
             orig(data)
 
@@ -76,7 +79,8 @@ def test_bytes_counted_are_the_encoded_sizes(precision: str) -> None:
     reports = fleet.engine.run()
     sent = {u["msg"].sender: len(u["bytes"]) for u in uploads if u["msg"].round == 1}
     assert reports[0].bytes_up == sent
-    assert [t.bytes_up for t in fleet.agents[0].traffic] == [len(u["bytes"]) for u in uploads if u["msg"].sender == "d0"]
+    d0_sent = [len(u["bytes"]) for u in uploads if u["msg"].sender == "d0"]
+    assert [t.bytes_up for t in fleet.agents[0].traffic] == d0_sent
     # downlink of round 2 = round descriptor + the group artifact, as published
     down = len(fleet.bus.round_msg or b"") + len(fleet.bus.globals[group_artifact("tier-xs")])
     assert fleet.agents[0].traffic[1].bytes_down == down

@@ -97,5 +97,5 @@ def test_loading_state_of_another_architecture_names_keys(tmp_path: Path) -> Non
 
     src = build_model("cnn1")
     dst = build_model("cnn2")
-    with pytest.raises(CheckpointError, match="wrong shapes|missing keys"):
+    with pytest.raises(CheckpointError, match=r"wrong shapes|missing keys"):
         load_state(dst, src.state_dict(), source="cnn1.safetensors")

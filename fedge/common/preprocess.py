@@ -52,7 +52,7 @@ def _resize_axis(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def resize_bilinear(images: np.ndarray, size: int) -> np.ndarray:
     """Resize (N, C, H, W) float32 images to (N, C, size, size)."""
-    n, c, h, w = images.shape
+    h, w = images.shape[2:]
     if h == size and w == size:
         return images
     y0, y1, wy = _resize_axis(h, size)

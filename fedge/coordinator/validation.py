@@ -29,7 +29,9 @@ def check_arrays(arrays: Arrays, spec: UpdateSpec | None, sender: str) -> None:
         for name, (shape, kind) in spec.items():
             arr = arrays[name]
             if tuple(arr.shape) != tuple(shape):
-                raise Rejected("shape", f"{sender}: tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+                raise Rejected(
+                    "shape", f"{sender}: tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}"
+                )
             is_float = np.issubdtype(arr.dtype, np.floating)
             if (kind == "float") != is_float:
                 raise Rejected("dtype", f"{sender}: tensor {name!r} has dtype {arr.dtype}, expected {kind}")

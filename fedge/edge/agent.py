@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo, RoundInfo
@@ -74,7 +75,8 @@ class DeviceAgent:
         if info.is_final or (info.round - 1) % self.eval_every == 0:
             metrics = self.method.evaluate()
         if info.is_final:
-            arrays, extra = {}, {}
+            arrays: dict[str, Any] = {}
+            extra: dict[str, Any] = {}
         else:
             arrays, extra = self.method.train_round(info)
         update = Message(

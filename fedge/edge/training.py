@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +28,7 @@ def make_optimizer(params: list[nn.Parameter] | list[torch.Tensor], cfg: TrainCo
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
-def batches(n: int, batch_size: int, rng: np.random.Generator, *, shuffle: bool = True):  # type: ignore[no-untyped-def]
+def batches(n: int, batch_size: int, rng: np.random.Generator, *, shuffle: bool = True) -> Iterator[np.ndarray]:
     """Index batches of one epoch."""
     order = rng.permutation(n) if shuffle else np.arange(n)
     for i in range(0, n, batch_size):

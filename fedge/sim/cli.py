@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from fedge.sim.config import load_fleet
+from fedge.sim.config import FleetConfig, load_fleet
+
+if TYPE_CHECKING:
+    from fedge.coordinator.engine import RoundReport
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("simulate", help="run a whole fleet on this machine",
                        description="Run a fleet config end to end on this machine and report per-device results.")
     p.add_argument("config", help="fleet config (TOML), e.g. examples/digits-fedproto.toml")
@@ -19,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--seed", type=int, help="override [run] seed")
     p.add_argument("--data-dir", help="override [run] data_dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--samples", action="store_true",
+                   help="also write an image grid and a checkpoint per generator (samples/, checkpoints/generators/)")
     p.set_defaults(func=_simulate)
 
     d = sub.add_parser("data", help="inspect how a fleet config partitions its data")
@@ -29,14 +35,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.set_defaults(func=_stats)
 
 
-def _override(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _override(args: argparse.Namespace) -> FleetConfig:
+    """The config file with the command line's overrides applied."""
     import dataclasses
 
     cfg = load_fleet(args.config)
-    changes = {k: v for k, v in (("rounds", getattr(args, "rounds", None)), ("method", getattr(args, "method", None)),
-                                 ("seed", getattr(args, "seed", None)),
-                                 ("data_dir", str(Path(args.data_dir).resolve()) if args.data_dir else None))
-               if v is not None}
+    changes: dict[str, Any] = {
+        k: v
+        for k, v in (
+            ("rounds", getattr(args, "rounds", None)),
+            ("method", getattr(args, "method", None)),
+            ("seed", getattr(args, "seed", None)),
+            ("data_dir", str(Path(args.data_dir).resolve()) if args.data_dir else None),
+        )
+        if v is not None
+    }
     if changes:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, **changes))
     return cfg
@@ -51,9 +64,9 @@ def _simulate(args: argparse.Namespace) -> int:
     cfg = _override(args)
     bar = tqdm(total=cfg.run.rounds + 1, desc=f"{cfg.run.method} rounds", unit="round", disable=args.no_progress)
 
-    def on_round(rep) -> None:  # type: ignore[no-untyped-def]
+    def on_round(rep: RoundReport) -> None:
         accs = [m["acc_global"] for m in rep.metrics.values() if "acc_global" in m]
-        postfix = {"phase": rep.phase, "devices": len(rep.accepted)}
+        postfix: dict[str, Any] = {"phase": rep.phase, "devices": len(rep.accepted)}
         if accs:
             postfix["acc"] = f"{100 * sum(accs) / len(accs):.1f}%"
         bar.set_postfix(postfix)
@@ -65,6 +78,11 @@ def _simulate(args: argparse.Namespace) -> int:
     paths = write_results(results, args.out)
     print(format_table(results))
     print(f"\nwrote {', '.join(str(p) for p in paths)} and {args.out}/checkpoints/")
+    if args.samples:
+        from fedge.edge.generators.grid import write_sample_grids
+
+        grids = write_sample_grids([d.method for d in res.devices], args.out)
+        print(f"wrote {len(grids)} sample grid(s): {', '.join(str(g) for g in grids) or 'no generator was trained'}")
     return 0
 
 
@@ -79,5 +97,6 @@ def _stats(args: argparse.Namespace) -> int:
     print(f"{cfg.run.dataset}: partition {cfg.partition.kind}, {cfg.num_devices} devices, seed {cfg.run.seed}")
     print("device".ljust(22) + "".join(c[:7].rjust(width + 1) for c in classes) + "   train  local-test")
     for dev_id, tr, te in class_histograms(cfg, data):
-        print(dev_id.ljust(22) + "".join(str(int(v)).rjust(width + 1) for v in tr) + f"{int(tr.sum()):8d}{int(te.sum()):12d}")
+        counts = "".join(str(int(v)).rjust(width + 1) for v in tr)
+        print(dev_id.ljust(22) + counts + f"{int(tr.sum()):8d}{int(te.sum()):12d}")
     return 0

@@ -25,7 +25,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
     """The JSON document of a run."""
     reports: list[RoundReport] = res.reports
     rounds = res.cfg.run.rounds
-    devices = []
+    devices: list[dict[str, Any]] = []
     for d in res.devices:
         dev_id = d.info.device_id
         acc_g: list[float | None] = [None] * (len(reports))
@@ -62,6 +62,10 @@ def build_results(res: SimResult) -> dict[str, Any]:
         vals = [d[key] for d in devices if d[key] is not None]
         return sum(vals) / len(vals) if vals else None
 
+    def per_round(key: str) -> float:
+        """Mean bytes per device per training round."""
+        return sum(sum(d[key][:rounds]) for d in devices) / max(1, len(devices) * rounds)
+
     return {
         "name": res.cfg.run.name,
         "method": res.cfg.run.method,
@@ -75,9 +79,8 @@ def build_results(res: SimResult) -> dict[str, Any]:
             "mean_final_acc_global": mean("final_acc_global"),
             "mean_best_acc_global": mean("best_acc_global"),
             "mean_final_acc_local": mean("final_acc_local"),
-            "mean_bytes_up_per_round": sum(sum(d["bytes_up"][:rounds]) for d in devices) / max(1, len(devices) * rounds),
-            "mean_bytes_down_per_round": sum(sum(d["bytes_down"][:rounds]) for d in devices)
-            / max(1, len(devices) * rounds),
+            "mean_bytes_up_per_round": per_round("bytes_up"),
+            "mean_bytes_down_per_round": per_round("bytes_down"),
         },
         "rounds_log": [
             {"round": r.round, "phase": r.phase, "seconds": r.seconds, "accepted": len(r.accepted),

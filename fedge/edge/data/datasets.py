@@ -133,7 +133,7 @@ def load_dataset(name: str, *, train: bool, data_dir: str | os.PathLike[str] | N
         test_mask = np.zeros(len(y), dtype=bool)
         for c in np.unique(y):
             idx = rng.permutation(np.flatnonzero(y == c))
-            test_mask[idx[: int(round(len(idx) * digits_test_fraction))]] = True
+            test_mask[idx[: round(len(idx) * digits_test_fraction)]] = True
         keep = ~test_mask if train else test_mask
         x, y = x[keep], y[keep]
         return Dataset(name, preprocess(x, norm, max_value=255.0), y, classes, norm)

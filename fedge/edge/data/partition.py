@@ -84,7 +84,7 @@ def local_splits(parts: list[np.ndarray], test_fraction: float, seed: int) -> li
     out = []
     for p in parts:
         perm = rng.permutation(p)
-        n_test = int(round(len(p) * test_fraction))
+        n_test = round(len(p) * test_fraction)
         out.append(DeviceSplit(np.sort(perm[n_test:]), np.sort(perm[:n_test])))
     return out
 

@@ -11,6 +11,7 @@ name (models, generators, decoders) can be saved this way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,10 +40,8 @@ def _ensure_builtin_builders() -> None:
         from fedge.edge.models.zoo import build_fedgenet
 
         register_builder("FedgeNet", build_fedgenet)
-    try:  # generators register themselves when their module is importable
+    with contextlib.suppress(ImportError):  # generators register themselves on import
         import fedge.edge.generators  # noqa: F401
-    except ImportError:
-        pass
 
 
 def save_checkpoint(module: nn.Module, path: str | os.PathLike[str],
