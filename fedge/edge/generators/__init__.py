@@ -33,8 +33,9 @@ else:
         ConditionalGenerator,
         VTCDecoder,
         build_generator,
+        load_generator,
         register_builders,
     )
 
     register_builders()
-    __all__ += ["CVAE", "ConditionalDCGAN", "ConditionalGenerator", "VTCDecoder", "build_generator"]
+    __all__ += ["CVAE", "ConditionalDCGAN", "ConditionalGenerator", "VTCDecoder", "build_generator", "load_generator"]

@@ -8,12 +8,14 @@ as non-negative maps (ReLU, like the stem's own ReLU + max-pool output).
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
 from fedge.edge.generators.spec import GeneratorSpec
+from fedge.errors import CheckpointError
 
 
 def one_hot(y: torch.Tensor, k: int) -> torch.Tensor:
@@ -215,3 +217,24 @@ def register_builders() -> None:
 
     for cls in _KINDS.values():
         register_builder(cls.__name__, _builder(cls))
+
+
+def load_generator(path: str | os.PathLike[str], *, expect: GeneratorSpec | None = None) -> ConditionalGenerator:
+    """Load a generator checkpoint; with ``expect``, refuse one of another kind, shape, tier or class count.
+
+    The checkpoint loader already refuses weights that do not fit the stored
+    architecture; this also catches a valid checkpoint of the *wrong* generator
+    (say a 3×16×16 GeFL-F generator offered to an image-level GeFL device).
+    """
+    from fedge.edge.models.checkpoint import load_checkpoint
+
+    gen = load_checkpoint(path, expect=ConditionalGenerator)
+    if expect is not None and gen.spec != expect:
+        have, want = gen.spec, expect
+        raise CheckpointError(
+            f"{path} holds a {have.kind} generator for {have.out_shape} (tier {have.tier}, {have.num_classes} classes, "
+            f"latent {have.latent}), but this device needs a {want.kind} generator for {want.out_shape} "
+            f"(tier {want.tier}, {want.num_classes} classes, latent {want.latent})",
+            hint="use a checkpoint saved by the same method, generator kind and generator_tier",
+        )
+    return gen

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, RoundInfo, group_artifact
-from fedge.edge.generators.modules import ConditionalGenerator, build_generator
+from fedge.edge.generators.modules import ConditionalGenerator, build_generator, load_generator
 from fedge.edge.generators.spec import (
     DEFAULT_GENERATOR_TIER,
     GENERATOR_PREFIX,
@@ -82,6 +82,11 @@ def generator_kind(cfg: dict[str, Any]) -> str:
 def device_tier(ctx: DeviceContext) -> str:
     """Generator tier: ``[method] generator_tier`` if set, else the plan's, else "small"."""
     tier = ctx.method_config.get("generator_tier") or ctx.plan.get("generator_tier") or DEFAULT_GENERATOR_TIER
+    if tier == "none":
+        raise ConfigError(
+            f"{ctx.device_id}: its plan has no generator tier (no generator fits its memory budget)",
+            hint="set [method] generator_tier for the fleet, give it a bigger profile, or use fedproto",
+        )
     return check_tier(str(tier))
 
 
@@ -107,9 +112,13 @@ class GenerativeMixin:
         self.gen_kind = kind
         self.gen_tier = device_tier(self.ctx)
         self.gen_spec = GeneratorSpec(kind, out_shape, tier=self.gen_tier, num_classes=self.ctx.num_classes)
-        self.generator: ConditionalGenerator = build_generator(
-            self.gen_spec, seed=cfg_int(cfg, "generator_seed", 0))
-        self.gen_trainer = GeneratorTrainer(self.generator)
+        ckpt = cfg.get("generator_checkpoint")
+        # Start from a saved generator (same kind/shape/tier, checked) or from the fleet-wide seed.
+        self.generator: ConditionalGenerator = (
+            load_generator(ckpt, expect=self.gen_spec) if ckpt
+            else build_generator(self.gen_spec, seed=cfg_int(cfg, "generator_seed", 0)))
+        lr = cfg.get("gen_lr")  # default: the published optimizer of the kind
+        self.gen_trainer = GeneratorTrainer(self.generator, lr=None if lr is None else cfg_float(cfg, "gen_lr", 0.0))
         self.gen_epochs = cfg_int(cfg, "gen_epochs", 5, 1)
         self.gen_batch = cfg_int(cfg, "gen_batch_size", self.ctx.train_cfg.batch_size, 2)
         self.gen_artifact = generator_artifact(kind, self.gen_tier, self.level)

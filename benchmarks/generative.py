@@ -1,0 +1,346 @@
+"""Generative knowledge transfer on Fashion-MNIST: GeFL, GeFL-F and FedVTC (issue 3).
+
+Three tables, each cell (method × setting × seed) saved as JSON under
+``benchmarks/results/generative/`` as soon as it finishes, so an interrupted run
+resumes where it stopped; the tables are printed, plotted and written to the
+generative section of ``docs/results.md``.
+
+1. ``table1``: the GeFL protocol — K = 10, IID 10 % of the training set, CNN-1 … CNN-10
+   with BN, SGD lr 0.1, batch 64, T_r = 5 — FedAvg within group, LG-FedAvg, GeFL-CVAE,
+   GeFL-DCGAN, GeFL-F (CVAE-F) and FedVTC (which shares features, so its CNNs end in a
+   64-d embedding: ``cnnK-p64``). Metric: mean over the ten models of each one's best
+   accuracy on the 10k test set; uplink bytes per device per round; wall time.
+2. ``table2``: label skew — 20 devices (CNN-1 … CNN-10 with p = 64, twice), Dirichlet
+   α = 0.1 and 1.0 over 20 % of the training set: Local, FedProto, GeFL-F, FedVTC and its
+   ablations (no DM, head-only fine-tuning, no KL); global-test and local-split accuracy.
+3. ``table3``: uplink bytes per device per round and final accuracy of every method at
+   fp32 / fp16 / int8 upload precision (the table-1 fleet, shortened schedules).
+
+Budget schedules (default) are chosen so table 1 completes in about 3 hours on 2 cores
+(see ``docs/methods.md``): image generators at the "tiny" tier, the feature generator at
+"small", 30 generator rounds instead of the published 100; ``--published`` uses the
+published round counts and the "small" image tier instead.
+
+    python benchmarks/generative.py table1                  # all methods, seeds 0 1 2
+    python benchmarks/generative.py table1 --seeds 0 --methods gefl-cvae fedvtc
+    python benchmarks/generative.py all --no-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section
+
+import fedge.sim.fleet as fleet_mod
+from fedge.sim.config import DeviceGroup, FleetConfig, PartitionSection, load_fleet
+from fedge.sim.report import build_results
+from fedge.sim.simulate import simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = ROOT / "examples" / "gefl-protocol-fedavg.toml"
+OUT = RESULTS / "generative"
+GEFL_ARCHS = tuple(f"cnn{k}" for k in range(1, 11))
+P64_ARCHS = tuple(f"cnn{k}-p64" for k in range(1, 11))
+
+# Published FMNIST figures (methods.md): K = 10 IID, mean over the ten models.
+PUBLISHED = {"fedavg": 80.58, "lgfedavg": 80.61, "gefl-cvae": 82.33, "gefl-dcgan": 83.11, "geflf-cvae": 83.14}
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One row: a fedge method plus its ``[method]`` table and schedule."""
+
+    key: str
+    label: str
+    method: str
+    config: dict[str, Any]
+    rounds: int
+    shares_features: bool = False
+
+
+def table1_methods(published: bool) -> dict[str, Method]:
+    img_tier = "small" if published else "tiny"
+    gen_r = 100 if published else 30
+    return {m.key: m for m in (
+        Method("fedavg", "FedAvg within group", "fedavg", {}, 50),
+        Method("lgfedavg", "LG-FedAvg", "lgfedavg", {}, 50),
+        Method("gefl-cvae", f"GeFL, CVAE ({img_tier})", "gefl",
+               {"generator": "cvae", "generator_tier": img_tier, "gen_rounds": gen_r}, gen_r + 50),
+        # The published DCGAN keeps training during target rounds; the budget schedule freezes it.
+        Method("gefl-dcgan", f"GeFL, DCGAN ({img_tier})", "gefl",
+               {"generator": "dcgan", "generator_tier": img_tier, "gen_rounds": gen_r,
+                "train_generator_in_target": published}, gen_r + 50),
+        Method("geflf-cvae", "GeFL-F, CVAE-F (small)", "geflf",
+               {"generator": "cvae", "generator_tier": "small", "warmup_rounds": 20, "gen_rounds": gen_r},
+               20 + gen_r + 50),
+        Method("fedvtc", "FedVTC (VTC small, p = 64)", "fedvtc", {"generator_tier": "small"}, 50,
+               shares_features=True),
+    )}
+
+
+def table2_methods(rounds: int) -> dict[str, Method]:
+    vtc = {"generator_tier": "small"}
+    return {m.key: m for m in (
+        Method("local", "Local", "local", {}, rounds, True),
+        Method("fedproto", "FedProto", "fedproto", {}, rounds, True),
+        Method("geflf-cvae", "GeFL-F, CVAE-F (small)", "geflf",
+               {"generator": "cvae", "generator_tier": "small", "warmup_rounds": rounds // 5,
+                "gen_rounds": rounds // 5}, rounds + 2 * (rounds // 5), True),
+        Method("fedvtc", "FedVTC", "fedvtc", vtc, rounds, True),
+        Method("fedvtc-nodm", "FedVTC w/o DM", "fedvtc", {**vtc, "dm": False}, rounds, True),
+        Method("fedvtc-head", "FedVTC head-only fine-tuning", "fedvtc", {**vtc, "finetune": "head"}, rounds, True),
+        Method("fedvtc-nokl", "FedVTC w/o KL", "fedvtc", {**vtc, "kl": False}, rounds, True),
+    )}
+
+
+def table3_methods() -> dict[str, Method]:
+    return {m.key: m for m in (
+        Method("fedavg", "FedAvg within group", "fedavg", {}, 10),
+        Method("lgfedavg", "LG-FedAvg", "lgfedavg", {}, 10),
+        Method("fedproto", "FedProto", "fedproto", {}, 10, True),
+        Method("gefl-cvae", "GeFL, CVAE (tiny)", "gefl",
+               {"generator": "cvae", "generator_tier": "tiny", "gen_rounds": 5}, 15),
+        Method("gefl-dcgan", "GeFL, DCGAN (tiny)", "gefl",
+               {"generator": "dcgan", "generator_tier": "tiny", "gen_rounds": 5}, 15),
+        Method("geflf-cvae", "GeFL-F, CVAE-F (small)", "geflf",
+               {"generator": "cvae", "generator_tier": "small", "warmup_rounds": 5, "gen_rounds": 5}, 20),
+        Method("fedvtc", "FedVTC (small)", "fedvtc", {"generator_tier": "small"}, 10, True),
+    )}
+
+
+@contextmanager
+def forced_plan(precision: str | None) -> Iterator[None]:
+    """Override every device plan's upload precision (the planner derives it from the uplink)."""
+    orig = fleet_mod.plan
+    if precision is None:
+        yield
+        return
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        return dataclasses.replace(orig(*args, **kwargs), upload_precision=precision)
+
+    fleet_mod.plan = patched
+    try:
+        yield
+    finally:
+        fleet_mod.plan = orig
+
+
+def build_config(m: Method, seed: int, *, devices: int = 10, alpha: float | None = None,
+                 fraction: float = 0.1, eval_every: int = 5) -> FleetConfig:
+    cfg = load_fleet(BASE)
+    archs = P64_ARCHS if m.shares_features else GEFL_ARCHS
+    group = DeviceGroup(profile=cfg.devices[0].profile, count=devices, archs=archs, id_prefix="client")
+    part = cfg.partition
+    if alpha is not None:
+        part = PartitionSection(kind="dirichlet", alpha=alpha, fraction=fraction, local_test_fraction=0.2)
+    run = dataclasses.replace(cfg.run, method=m.method, seed=seed, rounds=m.rounds, eval_every=eval_every,
+                              name=f"generative-{m.key}")
+    return dataclasses.replace(cfg, run=run, devices=(group,), partition=part, method=dict(m.config),
+                               source=str(BASE))
+
+
+def run_cell(cfg: FleetConfig, precision: str | None = None) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    with forced_plan(precision):
+        res = simulate(cfg)
+    out = build_results(res)
+    rounds = cfg.run.rounds
+    return {
+        "method": cfg.run.method, "config": cfg.method, "seed": cfg.run.seed, "rounds": rounds,
+        "precision": precision or "plan",
+        "mean_best_acc": out["summary"]["mean_best_acc_global"],
+        "mean_final_acc": out["summary"]["mean_final_acc_global"],
+        "mean_final_acc_local": out["summary"]["mean_final_acc_local"],
+        "per_model_best": {d["id"]: d["best_acc_global"] for d in out["devices"]},
+        "bytes_up_per_device_round": out["summary"]["mean_bytes_up_per_round"],
+        "bytes_down_per_device_round": out["summary"]["mean_bytes_down_per_round"],
+        "acc_curve": [sum(x for x in col if x is not None) / max(1, sum(x is not None for x in col))
+                      if any(x is not None for x in col) else None
+                      for col in zip(*(d["acc_global"] for d in out["devices"]), strict=True)],
+        "wall_seconds": time.perf_counter() - t0,
+    }
+
+
+def _cells(table: str, methods: dict[str, Method], keys: list[str], seeds: list[int], force: bool,
+           make: Callable[[Method, int], tuple[FleetConfig, str | None]], tag: str = "") -> dict[str, list[dict]]:
+    cells: dict[str, list[dict]] = {}
+    for key in keys:
+        m = methods[key]
+        for seed in seeds:
+            path = OUT / table / f"{key}{tag}-s{seed}-r{m.rounds}.json"
+            print(f"[{time.strftime('%H:%M:%S')}] {table} {key}{tag} seed {seed} ...", flush=True)
+            cfg, prec = make(m, seed)
+
+            def compute(c: FleetConfig = cfg, p: str | None = prec) -> dict[str, Any]:
+                return run_cell(c, p)
+
+            cells.setdefault(key, []).append(cached_cell(path, compute, force=force))
+    return cells
+
+
+def _pct(values: list[float | None]) -> tuple[float, float]:
+    return mean_std([100 * v for v in values if v is not None])
+
+
+def table1(args: argparse.Namespace) -> str:
+    methods = table1_methods(args.published)
+    keys = args.methods or list(methods)
+    tag = "-published" if args.published else ""
+    def protocol(m: Method, s: int) -> tuple[FleetConfig, str | None]:
+        return build_config(m, s), None
+
+    cells = _cells("table1", methods, keys, args.seeds, args.force, protocol, tag)
+    fedavg = _pct([c["mean_best_acc"] for c in cells.get("fedavg", [])])[0] if "fedavg" in cells else None
+    header = ["method", "fedge best acc (%)", "published (%)", "vs FedAvg", "KiB up/device/round", "wall (min)",
+              "seeds"]
+    rows = []
+    for key, cs in cells.items():
+        m, s = _pct([c["mean_best_acc"] for c in cs])
+        pub = PUBLISHED.get(key)
+        rows.append([methods[key].label, f"{m:.2f} ± {s:.2f}", f"{pub:.2f}" if pub else "-",
+                     f"{m - fedavg:+.2f}" if fedavg is not None and key != "fedavg" else "-",
+                     f"{cs[0]['bytes_up_per_device_round'] / 1024:.1f}",
+                     f"{mean_std([c['wall_seconds'] for c in cs])[0] / 60:.1f}", " ".join(str(c["seed"]) for c in cs)])
+    _plot_curves(cells, methods, OUT / f"table1{tag}.png", "Table 1: GeFL protocol, FMNIST")
+    print(text_table(header, rows))
+    cmd = "python benchmarks/generative.py table1" + (" --published" if args.published else "")
+    return f"""
+### Table 1 — GeFL protocol, Fashion-MNIST{' (published schedules)' if args.published else ''}
+
+K = 10, IID 10 % of the training set (600 images per device), CNN-1 … CNN-10 with BN, SGD lr 0.1,
+batch 64, T_s = 1 synthetic + T_r = 5 real epochs. Metric: mean over the ten models of each one's best
+accuracy on the 10k test set (evaluated every 5 rounds and after the last), mean ± std over the seeds
+listed. Generator tier in the method name; schedules in `benchmarks/generative.py`.
+
+{markdown_table(header, rows)}
+
+Command: `{cmd}`; plot `benchmarks/results/generative/table1{tag}.png`.
+"""
+
+
+def table2(args: argparse.Namespace) -> str:
+    methods = table2_methods(args.t2_rounds)
+    keys = args.methods or list(methods)
+    header = ["method", "α", "global acc (%)", "local acc (%)", "KiB up/device/round", "seeds"]
+    rows = []
+    for alpha in (0.1, 1.0):
+        def skewed(m: Method, s: int, a: float = alpha) -> tuple[FleetConfig, str | None]:
+            return build_config(m, s, devices=20, alpha=a, fraction=0.2), None
+
+        cells = _cells("table2", methods, keys, args.seeds, args.force, skewed, tag=f"-a{alpha}")
+        for key, cs in cells.items():
+            g = _pct([c["mean_final_acc"] for c in cs])
+            loc = _pct([c["mean_final_acc_local"] for c in cs])
+            rows.append([methods[key].label, f"{alpha}", f"{g[0]:.2f} ± {g[1]:.2f}", f"{loc[0]:.2f} ± {loc[1]:.2f}",
+                         f"{cs[0]['bytes_up_per_device_round'] / 1024:.1f}", " ".join(str(c["seed"]) for c in cs)])
+    print(text_table(header, rows))
+    return f"""
+### Table 2 — label skew, Fashion-MNIST
+
+20 devices (CNN-1 … CNN-10 with a 64-d embedding, twice), Dirichlet α over 20 % of the training set,
+20 % of each share held out as its local test split; {args.t2_rounds} rounds. Final accuracy on the
+global 10k test set and on each device's local split, averaged over devices.
+
+{markdown_table(header, rows)}
+
+Command: `python benchmarks/generative.py table2 --t2-rounds {args.t2_rounds}`.
+"""
+
+
+def table3(args: argparse.Namespace) -> str:
+    methods = table3_methods()
+    keys = args.methods or list(methods)
+    header = ["method", "fp32 KiB", "fp16 KiB", "int8 KiB", "fp32 acc", "fp16 Δ", "int8 Δ"]
+    by: dict[str, dict[str, list[dict]]] = {}
+    for prec in ("fp32", "fp16", "int8"):
+        def at_precision(m: Method, s: int, p: str = prec) -> tuple[FleetConfig, str | None]:
+            return build_config(m, s), p
+
+        cells = _cells("table3", methods, keys, args.seeds, args.force, at_precision, tag=f"-{prec}")
+        for key, cs in cells.items():
+            by.setdefault(key, {})[prec] = cs
+    rows = []
+    for key, per in by.items():
+        acc = {p: _pct([c["mean_final_acc"] for c in cs])[0] for p, cs in per.items()}
+        kib = {p: cs[0]["bytes_up_per_device_round"] / 1024 for p, cs in per.items()}
+        rows.append([methods[key].label, *(f"{kib[p]:.1f}" for p in ("fp32", "fp16", "int8")), f"{acc['fp32']:.2f}",
+                     f"{acc['fp16'] - acc['fp32']:+.2f}", f"{acc['int8'] - acc['fp32']:+.2f}"])
+    print(text_table(header, rows))
+    return f"""
+### Table 3 — uplink traffic and the accuracy cost of upload precision
+
+The table-1 fleet with short schedules (rounds in `table3_methods`), every device forced to the
+given upload precision. KiB = encoded uplink bytes per device per round (training rounds, averaged
+over all phases); Δ = final mean accuracy minus the fp32 run's, in points.
+
+{markdown_table(header, rows)}
+
+Command: `python benchmarks/generative.py table3`.
+"""
+
+
+def _plot_curves(cells: dict[str, list[dict]], methods: dict[str, Method], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, cs in cells.items():
+        pts = [(r, 100 * a) for r, a in enumerate(cs[0]["acc_curve"]) if a is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=methods[key].label)
+    ax.set_xlabel("round")
+    ax.set_ylabel("mean global test accuracy (%)")
+    ax.set_title(title + " (first seed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("tables", nargs="+", choices=["table1", "table2", "table3", "all"])
+    ap.add_argument("--methods", nargs="+", help="row keys (default: every row of the table)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--published", action="store_true", help="table 1 with the published round counts")
+    ap.add_argument("--t2-rounds", type=int, default=30, help="table 2 training rounds")
+    ap.add_argument("--force", action="store_true", help="recompute cells that already have results")
+    ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/results.md")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: these small nets train ~10x faster single-threaded on a "
+                         "busy 2-core machine; run two processes with different --methods to use both cores)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    tables = ["table1", "table2", "table3"] if "all" in args.tables else args.tables
+    sections = {t: {"table1": table1, "table2": table2, "table3": table3}[t](args) for t in tables}
+    summary = OUT / "sections.json"
+    known = json.loads(summary.read_text()) if summary.is_file() else {}
+    known.update(sections)
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    summary.write_text(json.dumps(known, indent=1))
+    if not args.no_docs:
+        body = "## Generative methods (GeFL, GeFL-F, FedVTC)\n" + "\n".join(known[k] for k in sorted(known))
+        write_docs_section("generative", body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""Generators, GeFL and GeFL-F: specs, checkpoints, phases, aggregation, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from generative_helpers import skewed_fleet
+
+from fedge.common.rounds import EXTRACTOR_ARTIFACT, DeviceInfo, RoundInfo
+from fedge.coordinator.strategies import strategy
+from fedge.coordinator.validation import Rejected, check_arrays
+from fedge.edge.generators import GeneratorSpec, build_generator, load_generator
+from fedge.edge.generators.grid import write_sample_grids
+from fedge.edge.generators.spec import GENERATOR_PREFIX, generator_artifact
+from fedge.edge.methods.base import model_arrays
+from fedge.edge.models.checkpoint import load_checkpoint, save_checkpoint
+from fedge.errors import CheckpointError, ConfigError
+
+SHAPES = {"image": (1, 32, 32), "feature": (3, 16, 16)}
+
+
+@pytest.mark.parametrize("kind", ["cvae", "dcgan", "vtc"])
+@pytest.mark.parametrize("tier", ["tiny", "small"])
+@pytest.mark.parametrize("level", ["image", "feature"])
+def test_spec_shapes_match_torch_modules(kind: str, tier: str, level: str) -> None:
+    if kind == "vtc" and level == "feature":
+        pytest.skip("the VTC decoder only produces images")
+    spec = GeneratorSpec(kind, SHAPES[level], tier=tier, latent_dim=32 if kind == "vtc" else 0)
+    gen = build_generator(spec)
+    assert {k: tuple(v.shape) for k, v in gen.state_dict().items()} == spec.param_shapes()
+    assert sum(p.numel() for p in gen.parameters()) == spec.num_params()
+    if kind != "vtc":
+        out = gen.sample(torch.tensor([0, 3, 9]), torch.Generator().manual_seed(0))
+        assert tuple(out.shape) == (3, *SHAPES[level])
+        assert bool(torch.isfinite(out).all())
+
+
+def test_paper_tier_has_the_published_sizes() -> None:
+    # methods.md: CVAE at 32x32 ~22 M parameters, DCGAN ~3 M + 2.6 M, CVAE-F ~5.5 M.
+    assert 21e6 < GeneratorSpec("cvae", (1, 32, 32), tier="paper").num_params() < 23e6
+    assert 5.3e6 < GeneratorSpec("dcgan", (1, 32, 32), tier="paper").num_params() < 6.0e6
+    assert 5.2e6 < GeneratorSpec("cvae", (3, 16, 16), tier="paper").num_params() < 5.8e6
+    # tiers get smaller
+    sizes = [GeneratorSpec("cvae", (1, 32, 32), tier=t).num_params() for t in ("tiny", "small", "paper")]
+    assert sizes == sorted(sizes) and sizes[2] > 50 * sizes[0]
+
+
+def test_generator_checkpoint_round_trips(tmp_path) -> None:
+    for spec in (GeneratorSpec("cvae", (1, 32, 32), tier="tiny"), GeneratorSpec("dcgan", (3, 16, 16), tier="tiny")):
+        gen = build_generator(spec, seed=3)
+        with torch.no_grad():  # move BN statistics away from their defaults so they are checked too
+            for m in gen.modules():
+                if isinstance(m, torch.nn.BatchNorm2d):
+                    m.running_mean.uniform_(-1, 1)  # type: ignore[union-attr]
+        path = save_checkpoint(gen, tmp_path / f"{spec.kind}.safetensors")
+        back = load_checkpoint(path)
+        assert type(back) is type(gen) and back.spec == spec
+        for k, v in gen.state_dict().items():
+            assert torch.equal(v, back.state_dict()[k]), k
+        labels = torch.arange(10)
+        gen.eval()
+        back.eval()
+        a = gen.sample(labels, torch.Generator().manual_seed(1))
+        b = back.sample(labels, torch.Generator().manual_seed(1))
+        assert torch.equal(a, b)
+
+
+def test_generator_checkpoint_for_the_wrong_shape_is_refused(tmp_path) -> None:
+    feat = build_generator(GeneratorSpec("cvae", (3, 16, 16), tier="tiny"))
+    path = save_checkpoint(feat, tmp_path / "feature-cvae.safetensors")
+    want = GeneratorSpec("cvae", (1, 32, 32), tier="tiny")
+    with pytest.raises(CheckpointError, match=r"\(3, 16, 16\).*needs a cvae generator for \(1, 32, 32\)"):
+        load_generator(path, expect=want)
+    # ... and a GeFL device configured with it fails at start-up with the same error
+    with pytest.raises(CheckpointError, match="needs a cvae generator"):
+        skewed_fleet("gefl", rounds=2, method_config={"gen_rounds": 1, "generator_tier": "tiny",
+                                                      "generator_checkpoint": str(path)})
+    # weights that do not fit the stored architecture are refused by the checkpoint loader
+    tensors = {k: v.clone() for k, v in feat.state_dict().items()}
+    tensors["mu.weight"] = torch.zeros(3, 3)
+    import safetensors.torch
+
+    from fedge.edge.models.checkpoint import read_checkpoint_meta
+
+    bad = tmp_path / "bad.safetensors"
+    safetensors.torch.save_file(tensors, str(bad), metadata=read_checkpoint_meta(path))
+    with pytest.raises(CheckpointError, match="wrong shapes"):
+        load_generator(bad)
+
+
+def test_generator_tier_comes_from_the_plan_and_method_overrides_it() -> None:
+    fleet = skewed_fleet("gefl", rounds=3, method_config={"gen_rounds": 1}, plan={"generator_tier": "tiny"})
+    assert {m.gen_tier for m in fleet.methods()} == {"tiny"}
+    fleet = skewed_fleet("gefl", rounds=3, method_config={"gen_rounds": 1, "generator_tier": "small"},
+                         plan={"generator_tier": "tiny"})
+    assert {m.gen_tier for m in fleet.methods()} == {"small"}
+    with pytest.raises(ConfigError, match="no generator tier"):
+        skewed_fleet("gefl", rounds=3, method_config={"gen_rounds": 1}, plan={"generator_tier": "none"})
+    with pytest.raises(ConfigError, match="leaves no target rounds"):
+        strategy("gefl")({"gen_rounds": 5}, num_classes=10, rounds=5)
+
+
+def test_gefl_averages_the_generator_over_all_devices_then_trains_targets() -> None:
+    cfg = {"gen_rounds": 1, "generator_tier": "tiny", "gen_epochs": 1}
+    fleet = skewed_fleet("gefl", rounds=2, method_config=cfg, epochs=1)
+    uploads: dict[str, dict[str, np.ndarray]] = {}
+    strat = fleet.engine.strategy
+    orig = strat.accumulate
+
+    def spy(device, arrays, info):
+        uploads[device.device_id] = dict(arrays)
+        orig(device, arrays, info)
+
+    strat.accumulate = spy  # type: ignore[method-assign]
+    rep = fleet.engine.run_round(1)
+    assert rep.phase == "generator" and not rep.rejected and len(rep.accepted) == 4
+    art = generator_artifact("cvae", "tiny", "image")
+    glob = fleet.engine.globals[art]
+    spec = GeneratorSpec("cvae", (1, 32, 32), tier="tiny")
+    names = {GENERATOR_PREFIX + k for k in spec.upload_shapes()}
+    assert {GENERATOR_PREFIX + k for k in glob} == names == set(uploads["d0"])
+    n = {a.device.device_id: a.device.num_samples for a in fleet.agents}
+    for name in ("enc.0.weight", "dec_in.bias", "enc.1.running_var"):
+        expected = sum(n[d] * uploads[d][GENERATOR_PREFIX + name].astype(np.float64) for d in n) / sum(n.values())
+        np.testing.assert_allclose(glob[name], expected, rtol=1e-5, atol=1e-7)
+    # target round: every device loads the average, trains its own net, shares the extractor (LG-FedAvg)
+    before = [model_arrays(m.ctx.model) for m in fleet.methods()]
+    rep = fleet.engine.run_round(2)
+    assert rep.phase == "target" and not rep.rejected
+    assert all("syn_loss" in rep.info[d] for d in n)  # one synthetic epoch happened
+    for m, b in zip(fleet.methods(), before, strict=True):
+        assert m.generator_loaded
+        np.testing.assert_array_equal(model_arrays(m.generator)["enc.0.weight"], glob["enc.0.weight"])
+        assert not np.array_equal(model_arrays(m.ctx.model)["head.weight"], b["head.weight"])
+    assert EXTRACTOR_ARTIFACT in fleet.engine.globals
+
+
+def test_generator_upload_of_the_wrong_tier_is_rejected() -> None:
+    strat = strategy("gefl")({"gen_rounds": 2, "generator_tier": "tiny"}, num_classes=10, rounds=3)
+    dev = DeviceInfo("d0", "cnn3-p32", "test", num_samples=10, feature_dim=32)
+    small = build_generator(GeneratorSpec("cvae", (1, 32, 32), tier="small"))
+    arrays = {GENERATOR_PREFIX + k: v for k, v in model_arrays(small).items()}
+    with pytest.raises(Rejected, match="shape"):
+        check_arrays(arrays, strat.expected_update(dev, 1), "d0")
+    tiny = build_generator(GeneratorSpec("cvae", (1, 32, 32), tier="tiny"))
+    check_arrays({GENERATOR_PREFIX + k: v for k, v in model_arrays(tiny).items()}, strat.expected_update(dev, 1), "d0")
+
+
+def test_geflf_freezes_the_averaged_extractor_and_trains_heads_on_features(tmp_path) -> None:
+    cfg = {"warmup_rounds": 1, "gen_rounds": 1, "generator_tier": "tiny", "gen_epochs": 1}
+    fleet = skewed_fleet("geflf", rounds=3, method_config=cfg, epochs=1)
+    phases = [fleet.engine.run_round(r).phase for r in (1, 2, 3)]
+    assert phases == ["warmup", "generator", "head"]
+    ext = fleet.engine.globals[EXTRACTOR_ARTIFACT]
+    fleet.engine.run_round(4)  # final: apply + evaluate
+    for m in fleet.methods():
+        mine = model_arrays(m.ctx.model, ["extractor."])
+        for k, v in ext.items():
+            np.testing.assert_array_equal(mine[k], v)  # frozen at the warm-up average
+        assert m.generator_loaded and m.gen_spec.out_shape == (3, 16, 16)
+    # head-phase uploads carry no extractor and no generator
+    rep = fleet.engine.reports[2]
+    assert not rep.rejected and len(rep.accepted) == 4
+    grids = write_sample_grids(fleet.methods(), tmp_path, per_class=2)
+    assert [g.name for g in grids] == [generator_artifact("cvae", "tiny", "feature") + ".png"]
+    ckpt = tmp_path / "checkpoints" / "generators" / (generator_artifact("cvae", "tiny", "feature") + ".safetensors")
+    assert load_generator(ckpt).spec.out_shape == (3, 16, 16)
+
+
+def test_gefl_rounds_are_deterministic() -> None:
+    cfg = {"gen_rounds": 1, "generator_tier": "tiny", "gen_epochs": 1}
+    glob = []
+    for _ in range(2):
+        fleet = skewed_fleet("gefl", rounds=2, method_config=cfg, epochs=1)
+        fleet.engine.run_round(1)
+        fleet.engine.run_round(2)
+        glob.append(fleet.engine.globals)
+    for art, arrays in glob[0].items():
+        for k, v in arrays.items():
+            np.testing.assert_array_equal(v, glob[1][art][k])
+
+
+def test_method_settings_are_validated() -> None:
+    with pytest.raises(ConfigError, match="generator must be"):
+        skewed_fleet("gefl", rounds=3, method_config={"gen_rounds": 1, "generator": "ddpm"})
+    with pytest.raises(ConfigError, match="gen_epochs"):
+        skewed_fleet("gefl", rounds=3, method_config={"gen_rounds": 1, "gen_epochs": "5"})
+    _ = RoundInfo  # (imported for type context)
