@@ -22,13 +22,14 @@ N: median round wall time over the training rounds, coordinator CPU seconds
 and updates received per second. Writes ``benchmarks/results/fleet_scale.json``.
 
     .venv/bin/python benchmarks/fleet_scale.py                # N = 10, 100, 1000
-    .venv/bin/python benchmarks/fleet_scale.py --sizes 10,100 --rounds 3
+    .venv/bin/python benchmarks/fleet_scale.py --sizes 10,100 --rounds 3 --repeat 1
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -51,21 +52,17 @@ from fedge.common.messages import Message
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo
 from fedge.common.tensorcodec import read_header
 from fedge.mqtt.broker import LOOPBACK, MosquittoProcess, loopback_config
-from fedge.mqtt.client import _no_delay
+from fedge.mqtt.client import new_paho_client, no_delay
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
 
 CLASSES, DIM = 10, 64  # FedProto-sized: prototypes (C, p) + counts (C,)
 RESULTS = Path(__file__).parent / "results" / "fleet_scale.json"
-PAHO_V2 = hasattr(paho, "CallbackAPIVersion")
 
 
 def _new_client(client_id: str) -> paho.Client:
-    if PAHO_V2:
-        c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv311)
-    else:
-        c = paho.Client(client_id=client_id, protocol=paho.MQTTv311)
-    # TCP_NODELAY like fedge's own client (fedge.mqtt.client): the floor must not pay Nagle delays fedge avoids.
-    c.on_socket_open = _no_delay
+    c = new_paho_client(client_id, clean_session=True)  # a bare paho client, 1.6 or 2.x
+    # TCP_NODELAY like fedge's own client: the floor must not pay Nagle delays fedge avoids.
+    c.on_socket_open = no_delay
     return c
 
 
@@ -194,7 +191,8 @@ def sizes() -> dict[str, int]:
 # -- fedge: real coordinator process + protocol devices --------------------------------------------
 
 def run_fedge(port: int, n: int, rounds: int, workdir: Path) -> dict[str, Any]:
-    fleet = f"scale{n}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    fleet = f"scale{n}-{workdir.name}"
     t = FleetTopics(fleet)
     ids = [f"dev-{i:04d}" for i in range(n)]
     # Every update a device will send, encoded before the clock starts.
@@ -242,29 +240,53 @@ def coordinator_main(args: argparse.Namespace) -> None:
     rss_start = _rss_kb()
     transport = MqttCoordinatorTransport(BrokerSettings(port=args.port), args.fleet).start()
     strat = FedProtoStrategy({}, num_classes=CLASSES, rounds=args.rounds)
+    # keep_reports=1 as in a long-running coordinator (fedge coordinator run keeps 8): the history is on disk.
     engine = RoundEngine(strat, transport, EngineConfig(fleet=args.fleet, method="fedproto", min_devices=args.n,
-                                                       quorum_timeout_s=600), state_dir=args.state_dir)
+                                                       quorum_timeout_s=600, keep_reports=1),
+                         state_dir=args.state_dir)
     engine.await_quorum()  # registration is not part of a round
-    cpu0, rss0 = _cpu(), _rss_kb()
+    cpu0, rss0, t0 = _cpu(), _rss_kb(), time.perf_counter()
     cpu_rounds: list[float] = []
+    rss_rounds: list[float] = []
+    agg_bytes: list[int] = []
+
+    ends: list[float] = []
 
     def on_round(rep: Any) -> None:
+        # Wall time between consecutive round ends: announce, collect, aggregate, publish *and* the
+        # checkpoint (RoundReport.seconds stops before the checkpoint is written).
+        ends.append(time.perf_counter())
         cpu_rounds.append(_cpu())
+        rss_rounds.append(_rss_kb() / 1024)
+        # The strategy's running sums: all the aggregation keeps, whatever N is.
+        agg_bytes.append(sum(v.nbytes for v in vars(strat).values() if isinstance(v, np.ndarray)))
 
-    reports = engine.run(on_round=on_round)
+    accepted: list[int] = []
+    rejected = 0
+
+    def count(rep: Any) -> None:
+        nonlocal rejected
+        accepted.append(len(rep.accepted))
+        rejected += sum(rep.rejected.values())
+        on_round(rep)
+
+    engine.run(on_round=count)
     transport.close()
-    train = [r for r in reports if r.phase != "final"]
-    assert all(len(r.accepted) == args.n for r in reports), [len(r.accepted) for r in reports]
+    assert all(a == args.n for a in accepted), accepted
+    train = accepted[:-1]  # the last round is the final (metrics-only) one
+    wall = [b - a for a, b in zip([t0, *ends], ends, strict=False)]
     result = {
-        "round_seconds": [r.seconds for r in train],
-        "final_round_seconds": reports[-1].seconds,
+        "round_seconds": wall[:len(train)],
+        "final_round_seconds": wall[-1],
         "cpu_seconds_per_round": [b - a for a, b in zip([cpu0, *cpu_rounds], cpu_rounds, strict=False)][:len(train)],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_at_start_mb": rss_start / 1024,
         "rss_before_rounds_mb": rss0 / 1024,
         "rss_after_rounds_mb": _rss_kb() / 1024,
+        "rss_after_each_round_mb": rss_rounds,
+        "aggregate_state_bytes": max(agg_bytes),
         "torch_imported": "torch" in sys.modules,
-        "rejected": sum(sum(r.rejected.values()) for r in reports),
+        "rejected": rejected,
     }
     Path(args.out).write_text(json.dumps(result))
 
@@ -272,7 +294,8 @@ def coordinator_main(args: argparse.Namespace) -> None:
 # -- the floor: bare paho clients, same number and sizes of messages -------------------------------
 
 def run_floor(port: int, n: int, rounds: int, workdir: Path, sz: dict[str, int]) -> dict[str, Any]:
-    base = f"floor/{n}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    base = f"floor/{n}/{workdir.name}"
     ids = [f"dev-{i:04d}" for i in range(n)]
     payloads = [os.urandom(sz["update"]) for _ in range(n)]
     answered = [-1] * n
@@ -362,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     fl.add_argument("--global-bytes", type=int, required=True)
     fl.add_argument("--descriptor-bytes", type=int, required=True)
     p.add_argument("--sizes", default="10,100,1000", help="fleet sizes (comma-separated)")
-    p.add_argument("--rounds", type=int, default=3, help="training rounds per run (median reported)")
+    p.add_argument("--rounds", type=int, default=5, help="training rounds per run (median reported)")
+    p.add_argument("--repeat", type=int, default=3, help="alternating floor/fedge runs per N (rounds pooled)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     if args.role == "_coordinator":
@@ -381,11 +405,22 @@ def main(argv: list[str] | None = None) -> int:
             broker = MosquittoProcess(port=None, max_message_bytes=1 << 20)
             broker.config_path.write_text(loopback_config(broker.port, max_message_bytes=1 << 20))
             broker.start()
+            # Floor and fedge alternate, --repeat times each, and their rounds are pooled: on a shared
+            # machine the load drifts, and back-to-back single runs would hand the drift to one side.
+            floors, fedges = [], []
             try:
-                floor = run_floor(broker.port, n, args.rounds, Path(tmp), sz)
-                fedge = run_fedge(broker.port, n, args.rounds, Path(tmp))
+                for rep in range(args.repeat):
+                    floors.append(run_floor(broker.port, n, args.rounds, Path(tmp) / f"r{rep}", sz))
+                    fedges.append(run_fedge(broker.port, n, args.rounds, Path(tmp) / f"r{rep}"))
             finally:
                 broker.close()
+            floor = {k: [x for f in floors for x in f[k]] for k in ("round_seconds", "cpu_seconds_per_round")}
+            floor["peak_rss_mb"] = max(f["peak_rss_mb"] for f in floors)
+            fedge = {k: [x for f in fedges for x in f[k]] for k in ("round_seconds", "cpu_seconds_per_round")}
+            fedge["runs"] = fedges
+            fedge["peak_rss_mb"] = max(f["peak_rss_mb"] for f in fedges)
+            fedge["aggregate_state_bytes"] = max(f["aggregate_state_bytes"] for f in fedges)
+            growth = statistics.median(f["rss_after_rounds_mb"] - f["rss_before_rounds_mb"] for f in fedges)
             f_med = statistics.median(floor["round_seconds"])
             e_med = statistics.median(fedge["round_seconds"])
             rows.append({
@@ -398,18 +433,21 @@ def main(argv: list[str] | None = None) -> int:
                 "coordinator_cpu_s_per_round": statistics.median(fedge["cpu_seconds_per_round"]),
                 "floor_collector_cpu_s_per_round": statistics.median(floor["cpu_seconds_per_round"]),
                 "coordinator_peak_rss_mb": fedge["peak_rss_mb"],
-                "coordinator_rss_growth_mb": fedge["rss_after_rounds_mb"] - fedge["rss_before_rounds_mb"],
+                "coordinator_rss_growth_mb": growth,
+                "aggregate_state_bytes": fedge["aggregate_state_bytes"],
                 "fedge": fedge,
                 "floor": floor,
             })
             print(f"N={n}: fedge {e_med:.3f} s/round, floor {f_med:.3f} s/round", file=sys.stderr, flush=True)
     doc = {
         "benchmark": "fleet_scale",
-        "command": "python benchmarks/fleet_scale.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python benchmarks/fleet_scale.py", *(argv if argv is not None else sys.argv[1:])]),
         "rounds": args.rounds,
+        "repeat": args.repeat,
         "message_bytes": sz,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "paho": paho.__version__
-                    if hasattr(paho, "__version__") else "?", "platform": platform.platform()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "paho": importlib.metadata.version("paho-mqtt"), "platform": platform.platform(),
+                    "load_average_at_end": os.getloadavg()},
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -421,12 +459,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ["N", "floor s/round", "fedge s/round", "ratio", "updates/s", "coord CPU s/round", "coord peak RSS MB",
-            "RSS growth MB"]
+            "RSS growth MB", "aggregate B"]
     lines = [head]
     for r in rows:
         lines.append([str(r["n"]), f"{r['floor_round_s']:.3f}", f"{r['fedge_round_s']:.3f}", f"{r['ratio']:.2f}",
                       f"{r['fedge_updates_per_s']:.0f}", f"{r['coordinator_cpu_s_per_round']:.3f}",
-                      f"{r['coordinator_peak_rss_mb']:.0f}", f"{r['coordinator_rss_growth_mb']:.1f}"])
+                      f"{r['coordinator_peak_rss_mb']:.0f}", f"{r['coordinator_rss_growth_mb']:.1f}",
+                      str(r["aggregate_state_bytes"])])
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in lines)
 

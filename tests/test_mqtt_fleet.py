@@ -28,6 +28,7 @@ from fedge.edge.agent import DeviceAgent
 from fedge.errors import PayloadError
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.chunking import split
+from fedge.mqtt.client import new_paho_client
 from fedge.mqtt.simulate import start_fleet
 from fedge.mqtt.topics import FleetTopics
 from fedge.mqtt.transport import TransportSettings
@@ -278,7 +279,7 @@ def test_hostile_payloads_are_rejected_and_counted_and_the_run_is_unharmed(tmp_p
     victim, other = "rpi4-2gb-1", "rpi4-2gb-2"
     captured: dict[int, bytes] = {}
     attacked = threading.Event()
-    rogue = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="rogue")
+    rogue = new_paho_client("rogue", clean_session=True)  # a raw paho client (1.6 or 2.x)
 
     def rogue_update(rnd: int, **tensors: np.ndarray) -> bytes:
         return Message("update", "rogue", rnd, fleet, tensors=tensors).to_bytes()

@@ -15,7 +15,7 @@ import math
 import os
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,10 @@ class EngineConfig:
     max_round_s: float = 0.0  # 0: no upper bound
     # Devices allowed to register (None: any device that says hello).
     allowed_devices: frozenset[str] | None = None
+    # Round reports kept in memory (0: all). With a state dir every report is in reports.jsonl, so a
+    # long-running coordinator keeps only the last few: per-device report entries would otherwise grow
+    # its memory by ~1 KB per device per round.
+    keep_reports: int = 0
 
 
 class RoundEngine:
@@ -89,11 +93,14 @@ class RoundEngine:
         self.globals: dict[str, Arrays] = {}
         self.reports: list[RoundReport] = []
         self.completed = 0
-        self._reports_saved = 0  # reports already appended to REPORTS_FILE
+        self._report_lines = 0  # reports appended to REPORTS_FILE so far
         self.run_id = uuid.uuid4().hex  # lets devices tell a new run from a resumed one
         self.global_rounds: dict[str, int] = {}  # artifact -> round that produced the published version
         self.latency: dict[str, dict[str, float]] = {}  # phase -> device -> seconds announce→update
-        self._recent_ids: OrderedDict[str, None] = OrderedDict()  # accepted msg ids (replay guard)
+        # Message ids accepted in this round and the previous one (replay guard; older rounds are
+        # refused by their round number anyway).
+        self._recent_ids: set[str] = set()
+        self._previous_ids: set[str] = set()
         self._last_missing: set[str] = set()
         self._pending_rejects: Counter[str] = Counter()  # hellos refused between rounds
         self.state_dir = Path(state_dir) if state_dir else None
@@ -218,7 +225,7 @@ class RoundEngine:
                 continue
             seen.add(msg.sender)
             pending.discard(msg.sender)
-            self._remember_id(msg.msg_id)
+            self._recent_ids.add(msg.msg_id)
             if item.received > 0:
                 self.latency.setdefault(info.phase, {})[msg.sender] = max(0.0, item.received - announced_at)
             if not info.is_final:
@@ -239,9 +246,16 @@ class RoundEngine:
             self._publish(self.strategy.finish_round(rnd), rnd)
         report.seconds = time.perf_counter() - t0
         self.reports.append(report)
+        self._previous_ids, self._recent_ids = self._recent_ids, set()
         self.completed = rnd
         self._save_state()
+        self._trim_reports()
         return report
+
+    def _trim_reports(self) -> None:
+        keep = self.config.keep_reports
+        if keep and len(self.reports) > keep:
+            del self.reports[: len(self.reports) - keep]
 
     def _validate(self, item: Inbound, rnd: int, seen: set[str], *, final: bool) -> Message:
         if item.reject is not None:
@@ -269,16 +283,11 @@ class RoundEngine:
             raise Rejected("future", f"{msg.sender} sent round {msg.round} during round {rnd}")
         if msg.sender in seen:
             raise Rejected("duplicate", f"{msg.sender} already sent its update for round {rnd}")
-        if msg.msg_id in self._recent_ids:
+        if msg.msg_id in self._recent_ids or msg.msg_id in self._previous_ids:
             raise Rejected("replay", f"{msg.sender} reused message id {msg.msg_id}")
         spec = {} if final else self.strategy.expected_update(self.devices[msg.sender], rnd)
         check_arrays(msg.tensors, spec, msg.sender)
         return msg
-
-    def _remember_id(self, msg_id: str, keep: int = 100_000) -> None:
-        self._recent_ids[msg_id] = None
-        while len(self._recent_ids) > keep:
-            self._recent_ids.popitem(last=False)
 
     def _publish(self, artifacts: dict[str, Arrays], rnd: int) -> None:
         for name, arrays in artifacts.items():
@@ -317,18 +326,18 @@ class RoundEngine:
         _atomic_write(self.state_dir / "globals.safetensors", encode(Payload(tensors)))
         # Reports are appended, not rewritten: rewriting every round's per-device report each round
         # costs O(rounds x devices) per round (seconds at 1000 devices).
-        with open(self.state_dir / REPORTS_FILE, "ab") as f:
-            for r in self.reports[self._reports_saved:]:
-                f.write(json.dumps(asdict(r), separators=(",", ":")).encode() + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self._reports_saved = len(self.reports)
+        if self.reports:  # called once per round, right after that round's report was added
+            with open(self.state_dir / REPORTS_FILE, "ab") as f:
+                f.write(json.dumps(asdict(self.reports[-1]), separators=(",", ":")).encode() + b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self._report_lines += 1
         state = {
             "completed": self.completed,
             "method": self.config.method,
             "devices": [d.to_dict() for d in self.devices.values()],
             "strategy": self.strategy.state_dict(),
-            "reports_saved": self._reports_saved,
+            "reports_saved": self._report_lines,
             "artifacts": sorted(self.globals),
             "run_id": self.run_id,
             "global_rounds": self.global_rounds,
@@ -350,14 +359,13 @@ class RoundEngine:
         self.completed = int(state["completed"])
         self.devices = {d["device_id"]: DeviceInfo.from_dict(d) for d in state["devices"]}
         self.strategy.load_state_dict(state.get("strategy", {}))
-        self.reports = [RoundReport(**r) for r in state.get("reports", [])]  # state.json of older releases
-        if "reports_saved" in state:
-            self.reports = self._load_reports(int(state["reports_saved"]))
-        self._reports_saved = len(self.reports)
+        self._report_lines = int(state.get("reports_saved", 0))
+        self.reports = self._load_reports(self._report_lines)
         self.run_id = str(state.get("run_id") or self.run_id)
         self.global_rounds = {str(k): int(v) for k, v in state.get("global_rounds", {}).items()}
         self.latency = state.get("latency", {})
         self._last_missing = set(self.reports[-1].missing) if self.reports else set()
+        self._trim_reports()
         flat = decode((self.state_dir / "globals.safetensors").read_bytes()).tensors
         self.globals = {}
         for key, arr in flat.items():

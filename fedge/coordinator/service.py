@@ -23,6 +23,9 @@ from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+# Round reports a long-running coordinator keeps in memory; all of them are in STATE_DIR/reports.jsonl.
+KEEP_REPORTS = 8
+
 
 @dataclass(frozen=True)
 class SchedulePolicy:
@@ -51,7 +54,7 @@ class SchedulePolicy:
             global_precision=global_precision, min_devices=self.min_devices, quorum_fraction=self.quorum_fraction,
             expected_devices=expected_devices, quorum_timeout_s=self.quorum_timeout_s,
             deadline_slack=self.deadline_slack, min_round_s=self.min_round_s, max_round_s=self.max_round_s,
-            allowed_devices=allowed,
+            allowed_devices=allowed, keep_reports=KEEP_REPORTS,
         )
 
 

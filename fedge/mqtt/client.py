@@ -1,7 +1,7 @@
 """A small, careful wrapper around paho-mqtt that works with paho 1.6 and 2.x.
 
 * paho 2.x needs ``CallbackAPIVersion``; paho 1.6.1 (Raspberry Pi OS bookworm) does
-  not have it. :func:`_new_paho_client` picks the right constructor and the
+  not have it. :func:`new_paho_client` picks the right constructor and the
   callbacks below accept both signatures.
 * paho's network thread must never block, so every callback only puts an event
   on a queue; a dispatcher thread owned by :class:`MqttClient` runs the user's
@@ -124,14 +124,15 @@ MessageHandler = Callable[[Received], None]
 ConnectHandler = Callable[[bool], None]  # argument: session_present
 
 
-def _new_paho_client(client_id: str, clean_session: bool) -> paho.Client:
+def new_paho_client(client_id: str, clean_session: bool) -> paho.Client:
+    """A paho client speaking MQTT 3.1.1, with the 2.x callback API where paho has one."""
     if PAHO_V2:
         return paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean_session,
                            protocol=paho.MQTTv311)
     return paho.Client(client_id=client_id, clean_session=clean_session, protocol=paho.MQTTv311)
 
 
-def _no_delay(client: paho.Client, userdata: Any, sock: Any) -> None:
+def no_delay(client: paho.Client, userdata: Any, sock: Any) -> None:
     """Disable Nagle's algorithm: fedge's control messages are small, and paho leaves it on, which
     costs a delayed-ACK wait (~40 ms) per small publish."""
     with contextlib.suppress(OSError, AttributeError):
@@ -171,7 +172,7 @@ class MqttClient:
         self._refused: str | None = None
         self._dispatcher: threading.Thread | None = None
         self.connects = 0  # successful connections so far (1 + reconnects)
-        c = self._client = _new_paho_client(client_id, clean_session)
+        c = self._client = new_paho_client(client_id, clean_session)
         if settings.username is not None:
             c.username_pw_set(settings.username, settings.password)
         if settings.tls:
@@ -187,7 +188,7 @@ class MqttClient:
         c.on_connect = self._paho_connect
         c.on_disconnect = self._paho_disconnect
         c.on_message = self._paho_message
-        c.on_socket_open = _no_delay
+        c.on_socket_open = no_delay
 
     # -- paho callbacks: run on paho's thread, never block -----------------------------------
     def _paho_connect(self, client: paho.Client, userdata: Any, flags: Any, rc: Any, *args: Any) -> None:
