@@ -56,6 +56,7 @@ fraction = 0.25
 lr = 0.05
 local_epochs = 1
 
+{method_table}
 [[devices]]
 profile = "rpi4-2gb"
 count = 2
@@ -68,9 +69,13 @@ arch = "tier-xs"
 """
 
 
+# A generator method in two rounds: one generator round, one target round (tiny CVAE, one epoch).
+METHOD_TABLES = {"gefl": '[method]\ngenerator = "cvae"\ngenerator_tier = "tiny"\ngen_rounds = 1\ngen_epochs = 1\n'}
+
+
 def fleet_config(tmp: Path, method: str, fleet: str) -> FleetConfig:
     path = tmp / f"{fleet}.toml"
-    path.write_text(FLEET_TOML.format(method=method, fleet=fleet))
+    path.write_text(FLEET_TOML.format(method=method, fleet=fleet, method_table=METHOD_TABLES.get(method, "")))
     return load_fleet(path)
 
 
@@ -123,7 +128,8 @@ def run_over_mqtt(cfg: FleetConfig, broker: MosquittoProcess, engine_cfg: Engine
         stop()
 
 
-@pytest.mark.parametrize("method", ["fedproto", "fedavg"])
+@pytest.mark.parametrize("method", ["fedproto", "fedavg",
+                                    pytest.param("gefl", marks=pytest.mark.slow)])  # ~1 min on 2 cores
 def test_mqtt_fleet_equals_in_process(tmp_path: Path, mosquitto: MosquittoProcess, method: str) -> None:
     ref = reference(tmp_path, method)
     run = run_over_mqtt(fleet_config(tmp_path, method, f"eq-{method}"), mosquitto)
@@ -217,7 +223,6 @@ def test_hung_device_misses_the_deadline_and_its_late_update_is_dropped(tmp_path
     assert final.rejected == {"late": 1} and len(final.accepted) == 4
 
 
-@pytest.mark.slow
 def test_coordinator_killed_and_restarted_resumes_to_the_same_state(tmp_path: Path,
                                                                      mosquitto: MosquittoProcess) -> None:
     ref = reference(tmp_path, "fedproto")
