@@ -89,7 +89,13 @@ def _run(args: argparse.Namespace) -> int:
     transport = MqttDeviceTransport(settings, cfg.run.fleet, dev.info.device_id, wire)
     agent = DeviceAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every)
     service = EdgeService(agent, transport, EdgeOptions(exit_after_final=not args.keep_running))
-    signal.signal(signal.SIGTERM, lambda *_: service.stop())
+    stopped = []
+
+    def on_term(*_: object) -> None:  # systemd's stop: leave cleanly (offline status, disconnect)
+        stopped.append(True)
+        service.stop()
+
+    signal.signal(signal.SIGTERM, on_term)
     # Connect in the background: a device that boots before its broker keeps retrying with back-off.
     transport.start(wait=False)
     print(f"{dev.info.device_id}: {dev.info.profile}, {dev.info.arch}, {dev.info.num_samples} samples, "
@@ -102,4 +108,4 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         transport.close()
     print(f"{dev.info.device_id}: {rounds} rounds handled, {service.failures} retried", file=sys.stderr)
-    return 0 if service.finished or args.keep_running else 1
+    return 0 if service.finished or stopped or args.keep_running else 1

@@ -126,7 +126,9 @@ class EmbeddedBroker:
         # Broker.start() returns once the listener is bound, so no port probe is needed (amqtt
         # would log a probe that sends no CONNECT as an error).
         if not ready.wait(timeout_s) or self._error is not None:
-            raise TransportError(f"the embedded MQTT broker did not start on {self.host}:{self.port}: {self._error}")
+            raise TransportError(f"the embedded MQTT broker did not start on {self.host}:{self.port}: {self._error}",
+                                 hint="is another broker using the port? pick another with --port (0: any free "
+                                      "port) or connect to it with --broker")
         log.info("embedded MQTT broker (amqtt) on %s", self.url)
         return self
 

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import paho.mqtt.client as paho
@@ -53,7 +53,7 @@ class BrokerSettings:
     tls: bool = False
     ca_file: str | None = None
     keepalive_s: int = 15
-    reconnect_min_s: float = 0.5
+    reconnect_min_s: float = 1.0
     reconnect_max_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -180,9 +180,10 @@ class MqttClient:
             c.tls_set_context(ctx)
         if will is not None:
             c.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
-        # Jitter the first back-off step so a fleet spreads its reconnects after a broker restart.
-        c.reconnect_delay_set(min_delay=max(1, round(settings.reconnect_min_s * (1 + random.random()))),
-                              max_delay=max(1, round(settings.reconnect_max_s)))
+        # Jitter the first back-off step (min..2*min) so a fleet spreads its reconnects after a broker
+        # restart. paho annotates the delays as int but computes with them as numbers.
+        c.reconnect_delay_set(min_delay=cast(int, settings.reconnect_min_s * (1 + random.random())),
+                              max_delay=cast(int, settings.reconnect_max_s))
         c.max_inflight_messages_set(max_inflight)
         c.max_queued_messages_set(0)  # 0 = unbounded: QoS 1 publishes queue while disconnected
         c.on_connect = self._paho_connect
