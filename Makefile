@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/fedge simulate examples/demo.toml --out runs/demo
+	$(BIN)/fedge simulate examples/demo.toml --transport mqtt --out runs/demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check fedge tests benchmarks

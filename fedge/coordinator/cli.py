@@ -18,7 +18,6 @@ from fedge.errors import ConfigError
 log = logging.getLogger(__name__)
 
 # Classes per data set; a coordinator must not need the data itself to know this.
-_CLASSES = {"digits": 10, "mnist": 10, "fmnist": 10, "cifar10": 10}
 
 
 def add_broker_arguments(p: argparse.ArgumentParser, *, required: bool = False) -> None:
@@ -90,9 +89,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from fedge.coordinator.service import CoordinatorService, SchedulePolicy
     from fedge.coordinator.strategies import strategy
+    from fedge.edge.data.datasets import NUM_CLASSES
     from fedge.mqtt.transport import MqttCoordinatorTransport, TransportSettings
-    from fedge.sim.config import load_fleet
-    from fedge.sim.fleet import device_ids
+    from fedge.sim.config import device_ids, load_fleet
 
     cfg = load_fleet(args.config)
     if args.rounds is not None:
@@ -104,12 +103,7 @@ def _run(args: argparse.Namespace) -> int:
     engine_cfg = policy.engine_config(fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
                                       allowed=None if args.any_device else frozenset(ids),
                                       max_update_bytes=args.max_update_bytes)
-    num_classes = _CLASSES.get(cfg.run.dataset)
-    if num_classes is None:
-        from fedge.edge.data.datasets import load_dataset
-
-        num_classes = load_dataset(cfg.run.dataset, train=False).num_classes
-    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=num_classes, rounds=cfg.run.rounds)
+    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=NUM_CLASSES[cfg.run.dataset], rounds=cfg.run.rounds)
 
     embedded: Any = None
     if args.broker is None:

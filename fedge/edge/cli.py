@@ -46,14 +46,14 @@ def _device(cfg_path: str, device_id: str, profile: str | None) -> tuple[Any, An
     """(fleet config, SimDevice) of ``device_id``, with its profile's round-time budget in the hello."""
     from fedge.profiles import load_profile
     from fedge.sim.config import load_fleet
-    from fedge.sim.fleet import build_devices, device_ids, load_fleet_data
+    from fedge.sim.fleet import build_device, device_ids, load_fleet_data
 
     cfg = load_fleet(cfg_path)
     ids = [i for i, _ in device_ids(cfg)]
     if device_id not in ids:
         raise ConfigError(f"{cfg_path} has no device {device_id!r}",
                           hint=f"its devices are {', '.join(ids[:8])}{' ...' if len(ids) > 8 else ''}")
-    dev = next(d for d in build_devices(cfg, load_fleet_data(cfg)) if d.info.device_id == device_id)
+    dev = build_device(cfg, load_fleet_data(cfg), ids.index(device_id))
     if profile is not None and profile != dev.info.profile:
         raise ConfigError(f"{device_id} has profile {dev.info.profile!r} in {cfg_path}, not {profile!r}")
     try:

@@ -129,6 +129,19 @@ class FleetConfig:
         return sum(g.count for g in self.devices)
 
 
+def device_ids(cfg: FleetConfig) -> list[tuple[str, int]]:
+    """(device id, group index) for every device, in fleet order."""
+    out = []
+    for gi, g in enumerate(cfg.devices):
+        prefix = g.id_prefix or g.profile.rsplit("/", 1)[-1].removesuffix(".toml")
+        out += [(f"{prefix}-{i + 1}", gi) for i in range(g.count)]
+    ids = [i for i, _ in out]
+    dup = {i for i in ids if ids.count(i) > 1}
+    if dup:
+        raise ConfigError(f"{cfg.source}: duplicate device ids {sorted(dup)}", hint="give groups distinct id_prefix")
+    return out
+
+
 def parse_fleet(data: dict[str, Any], *, source: str = "<memory>") -> FleetConfig:
     """Build a :class:`FleetConfig` from a parsed TOML document."""
     data = dict(data)

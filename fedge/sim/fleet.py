@@ -17,7 +17,7 @@ from fedge.edge.models.zoo import build_model
 from fedge.edge.training import TrainConfig
 from fedge.errors import ConfigError
 from fedge.profiles import load_profile, plan
-from fedge.sim.config import FleetConfig
+from fedge.sim.config import FleetConfig, device_ids
 
 log = logging.getLogger(__name__)
 
@@ -54,70 +54,60 @@ def load_fleet_data(cfg: FleetConfig) -> FleetData:
     return FleetData(train, test, local_splits(parts, part.local_test_fraction, run.seed))
 
 
-def device_ids(cfg: FleetConfig) -> list[tuple[str, int]]:
-    """(device id, group index) for every device, in fleet order."""
-    out = []
-    for gi, g in enumerate(cfg.devices):
-        prefix = g.id_prefix or g.profile.rsplit("/", 1)[-1].removesuffix(".toml")
-        out += [(f"{prefix}-{i + 1}", gi) for i in range(g.count)]
-    ids = [i for i, _ in out]
-    dup = {i for i in ids if ids.count(i) > 1}
-    if dup:
-        raise ConfigError(f"{cfg.source}: duplicate device ids {sorted(dup)}", hint="give groups distinct id_prefix")
-    return out
-
-
 def build_devices(cfg: FleetConfig, data: FleetData) -> list[SimDevice]:
     """Build every device's model and method half from its profile's plan."""
-    cls = device_method(cfg.run.method)
-    devices: list[SimDevice] = []
-    counters: dict[int, int] = {}
-    for idx, (dev_id, gi) in enumerate(device_ids(cfg)):
-        group = cfg.devices[gi]
-        profile_ref = group.profile
-        if profile_ref.endswith(".toml") and not profile_ref.startswith("/"):
-            profile_ref = str(cfg.base_dir / profile_ref)
-        profile = load_profile(profile_ref)
-        p = plan(profile, embed_dim=cfg.run.embed_dim, samples=max(1, len(data.splits[idx].train)))
-        k = counters.get(gi, 0)
-        counters[gi] = k + 1
-        arch_name = group.arch or (group.archs[k % len(group.archs)] if group.archs else p.arch)
-        # GeFL CNNs carry their embedding in the name (cnn3 = published sizes, cnn3-p64 = shared p).
-        spec = arch_by_name(arch_name, embed_dim=cfg.run.embed_dim if arch_name.startswith("tier-") else None)
-        model = build_model(spec, seed=cfg.run.seed * 1000 + idx, num_classes=data.train.num_classes)
-        split = data.splits[idx]
-        tc = TrainConfig(
-            lr=cfg.train.lr,
-            batch_size=cfg.train.batch_size or p.batch_size,
-            local_epochs=cfg.train.local_epochs or p.local_epochs,
-            momentum=cfg.train.momentum,
-            weight_decay=cfg.train.weight_decay,
-        )
-        ctx = DeviceContext(
-            device_id=dev_id,
-            model=model,
-            train=data.train.subset(split.train),
-            local_test=data.train.subset(split.test),
-            train_cfg=tc,
-            upload_precision=p.upload_precision,
-            seed=cfg.run.seed * 1000 + idx,
-            method_config=dict(cfg.method),
-            global_test=data.test,
-            profile=profile.name,
-            plan=p.to_dict(),
-        )
-        info = DeviceInfo(
-            device_id=dev_id,
-            arch=model.spec.name,
-            profile=profile.name,
-            upload_precision=p.upload_precision,
-            num_samples=len(split.train),
-            feature_dim=model.spec.feature_dim,
-            extra={"params": model.spec.num_params()},
-        )
-        devices.append(SimDevice(info, cls(ctx), p.to_dict()))
+    devices = [build_device(cfg, data, idx) for idx in range(cfg.num_devices)]
     _check_feature_dims(cfg, devices)
     return devices
+
+
+def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
+    """Build device number ``idx`` (fleet order) alone, as a real device does from the fleet config."""
+    cls = device_method(cfg.run.method)
+    ids = device_ids(cfg)
+    dev_id, gi = ids[idx]
+    group = cfg.devices[gi]
+    k = sum(1 for _, g in ids[:idx] if g == gi)  # position within its group
+    profile_ref = group.profile
+    if profile_ref.endswith(".toml") and not profile_ref.startswith("/"):
+        profile_ref = str(cfg.base_dir / profile_ref)
+    profile = load_profile(profile_ref)
+    split = data.splits[idx]
+    p = plan(profile, embed_dim=cfg.run.embed_dim, samples=max(1, len(split.train)))
+    arch_name = group.arch or (group.archs[k % len(group.archs)] if group.archs else p.arch)
+    # GeFL CNNs carry their embedding in the name (cnn3 = published sizes, cnn3-p64 = shared p).
+    spec = arch_by_name(arch_name, embed_dim=cfg.run.embed_dim if arch_name.startswith("tier-") else None)
+    model = build_model(spec, seed=cfg.run.seed * 1000 + idx, num_classes=data.train.num_classes)
+    tc = TrainConfig(
+        lr=cfg.train.lr,
+        batch_size=cfg.train.batch_size or p.batch_size,
+        local_epochs=cfg.train.local_epochs or p.local_epochs,
+        momentum=cfg.train.momentum,
+        weight_decay=cfg.train.weight_decay,
+    )
+    ctx = DeviceContext(
+        device_id=dev_id,
+        model=model,
+        train=data.train.subset(split.train),
+        local_test=data.train.subset(split.test),
+        train_cfg=tc,
+        upload_precision=p.upload_precision,
+        seed=cfg.run.seed * 1000 + idx,
+        method_config=dict(cfg.method),
+        global_test=data.test,
+        profile=profile.name,
+        plan=p.to_dict(),
+    )
+    info = DeviceInfo(
+        device_id=dev_id,
+        arch=model.spec.name,
+        profile=profile.name,
+        upload_precision=p.upload_precision,
+        num_samples=len(split.train),
+        feature_dim=model.spec.feature_dim,
+        extra={"params": model.spec.num_params()},
+    )
+    return SimDevice(info, cls(ctx), p.to_dict())
 
 
 def _check_feature_dims(cfg: FleetConfig, devices: list[SimDevice]) -> None:

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 DATASETS = ("fmnist", "mnist", "cifar10", "digits")
+# Classes per data set, known without loading it (the coordinator sizes its aggregates with it).
+NUM_CLASSES: dict[str, int] = {"fmnist": 10, "mnist": 10, "cifar10": 10, "digits": 10}
 
 FMNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                   "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
