@@ -40,7 +40,13 @@ def run_cell(method: str, seed: int, rounds: int) -> dict[str, Any]:
     cfg = load_fleet(CONFIG)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, method=method, seed=seed, rounds=rounds))
     t0 = time.perf_counter()
-    res = build_results(simulate(cfg))
+
+    def progress(rep: RoundReport) -> None:
+        accs = [m["acc_global"] for m in rep.metrics.values() if "acc_global" in m]
+        mean = 100 * sum(accs) / len(accs) if accs else float("nan")
+        print(f"  round {rep.round}: {rep.seconds:.1f} s, mean acc {mean:.2f} %", flush=True)
+
+    res = build_results(simulate(cfg, on_round=progress))
     return {
         "method": method, "seed": seed, "rounds": rounds,
         "mean_best_acc": res["summary"]["mean_best_acc_global"],
@@ -62,8 +68,9 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     tag = f"r{args.rounds}"
     cells: dict[str, list[dict[str, Any]]] = {}
-    for method in args.methods:
-        for seed in args.seeds:
+    # Seed-major order: a partial run still has every method for the first seeds.
+    for seed in args.seeds:
+        for method in args.methods:
             path = RESULTS / "baselines" / f"{method}-seed{seed}-{tag}.json"
             print(f"[{time.strftime('%H:%M:%S')}] {method} seed {seed} ...", flush=True)
             cell = cached_cell(path, functools.partial(run_cell, method, seed, args.rounds), force=args.force)
