@@ -120,3 +120,25 @@ def test_local_splits_hold_out_a_fraction() -> None:
     for p, s in zip(parts, splits, strict=True):
         assert len(s.test) == 50 and len(s.train) == 200
         assert set(s.train) | set(s.test) == set(p) and not set(s.train) & set(s.test)
+
+
+def _write_idx(path: Path, arr: np.ndarray) -> None:
+    header = bytes([0, 0, 8, arr.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + arr.astype(np.uint8).tobytes())
+
+
+def test_mnist_from_a_torchvision_layout_directory(tmp_path: Path) -> None:
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (5, 28, 28)), np.array([3, 1, 4, 1, 5])
+    _write_idx(raw / "t10k-images-idx3-ubyte.gz", images)
+    _write_idx(raw / "t10k-labels-idx1-ubyte.gz", labels)
+    ds = load_dataset("mnist", train=False, data_dir=tmp_path)
+    assert ds.x.shape == (5, 1, 32, 32) and ds.y.tolist() == [3, 1, 4, 1, 5]
+    np.testing.assert_allclose(ds.x, preprocess(images, NORMALIZATION["mnist"]))
+    with pytest.raises(DataError, match="no train-images-idx3-ubyte"):
+        load_dataset("mnist", train=True, data_dir=tmp_path)
+    with pytest.raises(DataError, match="mnist needs --data-dir"):
+        load_dataset("mnist", train=False)
