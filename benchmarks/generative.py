@@ -96,7 +96,7 @@ def table2_methods(rounds: int) -> dict[str, Method]:
         Method("fedproto", "FedProto", "fedproto", {}, rounds, True),
         Method("geflf-cvae", "GeFL-F, CVAE-F (small)", "geflf",
                {"generator": "cvae", "generator_tier": "small", "warmup_rounds": rounds // 5,
-                "gen_rounds": rounds // 5}, rounds + 2 * (rounds // 5), True),
+                "gen_rounds": rounds // 5, "gen_weight_decay": 0.0}, rounds + 2 * (rounds // 5), True),
         Method("fedvtc", "FedVTC", "fedvtc", vtc, rounds, True),
         Method("fedvtc-nodm", "FedVTC w/o DM", "fedvtc", {**vtc, "dm": False}, rounds, True),
         Method("fedvtc-head", "FedVTC head-only fine-tuning", "fedvtc", {**vtc, "finetune": "head"}, rounds, True),
