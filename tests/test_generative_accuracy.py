@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 from generative_helpers import skewed_fleet
 
+pytestmark = pytest.mark.slow  # ~20-30 s per case on a shared 2-core machine
+
 # Partitions: two label shards per device (two or three classes each), or Dirichlet(0.3).
 SHARDS = {"shards_per_device": 2}
 DIRICHLET = {"alpha": 0.3}

@@ -56,9 +56,17 @@ class GeneratorAverage:
         self.level = level
         self.num_classes = num_classes
         self.groups = GroupedMean()
+        self._warned: set[str] = set()
 
     def tier(self, device: DeviceInfo) -> str:
-        t = self.config.get("generator_tier") or device.extra.get("generator_tier") or DEFAULT_GENERATOR_TIER
+        t = self.config.get("generator_tier") or device.extra.get("generator_tier")
+        if not t:
+            if device.device_id not in self._warned:
+                self._warned.add(device.device_id)
+                log.warning("%s: no generator_tier in [method] or in its hello; assuming %r (a device whose "
+                            "plan says otherwise will be rejected for wrong shapes)", device.device_id,
+                            DEFAULT_GENERATOR_TIER)
+            t = DEFAULT_GENERATOR_TIER
         return check_tier(str(t))
 
     def artifact(self, device: DeviceInfo) -> str:
