@@ -15,6 +15,7 @@ from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.aggregate import GroupedMean
 from fedge.coordinator.strategies.baselines import FedAvgStrategy, LGFedAvgStrategy, weight_spec
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+from fedge.edge.generators.config import cfg_bool, cfg_int, generator_kind
 from fedge.edge.generators.spec import (
     DEFAULT_GENERATOR_TIER,
     GENERATOR_PREFIX,
@@ -25,20 +26,6 @@ from fedge.edge.generators.spec import (
 from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-def config_int(config: dict[str, Any], key: str, default: int, minimum: int = 0) -> int:
-    v = config.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(f"[method] {key} must be an integer >= {minimum}, got {v!r}")
-    return v
-
-
-def config_bool(config: dict[str, Any], key: str, default: bool) -> bool:
-    v = config.get(key, default)
-    if not isinstance(v, bool):
-        raise ConfigError(f"[method] {key} must be true or false, got {v!r}")
-    return v
 
 
 class GeneratorAverage:
@@ -105,17 +92,15 @@ class GeFLStrategy(Strategy):
 
     def __init__(self, config: dict[str, Any], *, num_classes: int, rounds: int) -> None:
         super().__init__(config, num_classes=num_classes, rounds=rounds)
-        kind = config.get("generator", "cvae")
-        if kind not in ("cvae", "dcgan"):
-            raise ConfigError(f"[method] generator must be cvae or dcgan, got {kind!r}")
-        self.gen_rounds = config_int(config, "gen_rounds", 100)
+        kind = generator_kind(config)
+        self.gen_rounds = cfg_int(config, "gen_rounds", 100)
         if self.gen_rounds >= rounds:
             raise ConfigError(
                 f"gefl: [run] rounds = {rounds} leaves no target rounds after {self.gen_rounds} generator rounds",
                 hint="set [run] rounds = gen_rounds + target rounds (published: 100 + 50 = 150)",
             )
-        self.train_gen_in_target = config_bool(config, "train_generator_in_target", kind == "dcgan")
-        self.avg_extractor = config_bool(config, "avg_extractor", True)
+        self.train_gen_in_target = cfg_bool(config, "train_generator_in_target", kind == "dcgan")
+        self.avg_extractor = cfg_bool(config, "avg_extractor", True)
         self.gens = GeneratorAverage(config, kind, "image", num_classes)
         inner = LGFedAvgStrategy if self.avg_extractor else FedAvgStrategy
         self.weights: FedAvgStrategy = inner(config, num_classes=num_classes, rounds=rounds)

@@ -12,8 +12,9 @@ from typing import Any
 
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.strategies.baselines import EXTRACTOR_PREFIX, FedAvgStrategy, LGFedAvgStrategy, weight_spec
-from fedge.coordinator.strategies.gefl import GeneratorAverage, config_int, split_generator
+from fedge.coordinator.strategies.gefl import GeneratorAverage, split_generator
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+from fedge.edge.generators.config import cfg_int, generator_kind
 from fedge.errors import ConfigError
 
 
@@ -24,11 +25,9 @@ class GeFLFStrategy(Strategy):
 
     def __init__(self, config: dict[str, Any], *, num_classes: int, rounds: int) -> None:
         super().__init__(config, num_classes=num_classes, rounds=rounds)
-        kind = config.get("generator", "cvae")
-        if kind not in ("cvae", "dcgan"):
-            raise ConfigError(f"[method] generator must be cvae or dcgan, got {kind!r}")
-        self.warmup_rounds = config_int(config, "warmup_rounds", 20)
-        self.gen_rounds = config_int(config, "gen_rounds", 100)
+        kind = generator_kind(config)
+        self.warmup_rounds = cfg_int(config, "warmup_rounds", 20)
+        self.gen_rounds = cfg_int(config, "gen_rounds", 100)
         if self.warmup_rounds + self.gen_rounds >= rounds:
             raise ConfigError(
                 f"geflf: [run] rounds = {rounds} leaves no head rounds after {self.warmup_rounds} warm-up and "

@@ -36,11 +36,12 @@ import torch
 from torch import nn
 
 from fedge.common.rounds import RoundInfo
+from fedge.edge.generators.config import cfg_bool, cfg_float, cfg_int
 from fedge.edge.generators.modules import VTCDecoder, build_generator
 from fedge.edge.generators.spec import VTC_STATS_ARTIFACT, GeneratorSpec
 from fedge.edge.generators.train import uniform_labels
 from fedge.edge.methods.base import Arrays, DeviceContext, DeviceMethod
-from fedge.edge.methods.gefl import cfg_bool, cfg_float, cfg_int, device_tier
+from fedge.edge.methods.gefl import device_tier
 from fedge.edge.training import batches, class_feature_stats, train_epochs
 from fedge.errors import ConfigError
 

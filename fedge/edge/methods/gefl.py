@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, RoundInfo, group_artifact
+from fedge.edge.generators.config import GEFL_GENERATORS, cfg_bool, cfg_float, cfg_int, generator_kind
 from fedge.edge.generators.modules import ConditionalGenerator, build_generator, load_generator
 from fedge.edge.generators.spec import (
     DEFAULT_GENERATOR_TIER,
@@ -43,41 +44,6 @@ from fedge.edge.training import train_epochs
 from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-GEFL_GENERATORS = ("cvae", "dcgan")
-
-
-def cfg_bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
-    """A boolean ``[method]`` setting; refuses strings like "false" that TOML users may write."""
-    v = cfg.get(key, default)
-    if not isinstance(v, bool):
-        raise ConfigError(f"[method] {key} must be true or false, got {v!r}")
-    return v
-
-
-def cfg_int(cfg: dict[str, Any], key: str, default: int, minimum: int = 0) -> int:
-    """An integer ``[method]`` setting of at least ``minimum``."""
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(f"[method] {key} must be an integer >= {minimum}, got {v!r}")
-    return v
-
-
-def cfg_float(cfg: dict[str, Any], key: str, default: float, minimum: float = 0.0) -> float:
-    """A non-negative float ``[method]`` setting."""
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int | float) or v < minimum:
-        raise ConfigError(f"[method] {key} must be a number >= {minimum}, got {v!r}")
-    return float(v)
-
-
-def generator_kind(cfg: dict[str, Any]) -> str:
-    kind = cfg.get("generator", "cvae")
-    if kind not in GEFL_GENERATORS:
-        raise ConfigError(f"[method] generator must be one of {', '.join(GEFL_GENERATORS)}, got {kind!r}",
-                          hint="DDPM is not implemented in fedge")
-    return str(kind)
-
 
 def device_tier(ctx: DeviceContext) -> str:
     """Generator tier: ``[method] generator_tier`` if set, else the plan's, else "small"."""

@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, RoundInfo, group_artifact
+from fedge.edge.generators.config import cfg_float, cfg_int, generator_kind
 from fedge.edge.methods.base import Arrays, DeviceContext, load_arrays, model_arrays
 from fedge.edge.methods.baselines import LGFedAvgDevice
-from fedge.edge.methods.gefl import GenerativeMixin, cfg_float, cfg_int, generator_kind
+from fedge.edge.methods.gefl import GenerativeMixin
 from fedge.edge.models.zoo import EXTRACTOR
 from fedge.edge.training import train_epochs
 

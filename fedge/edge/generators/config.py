@@ -1,0 +1,42 @@
+"""``[method]`` settings of the generative methods, parsed the same way by both halves (no torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedge.errors import ConfigError
+
+GEFL_GENERATORS = ("cvae", "dcgan")
+
+
+def cfg_bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    """A boolean ``[method]`` setting; refuses strings like "false" that TOML users may write."""
+    v = cfg.get(key, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"[method] {key} must be true or false, got {v!r}")
+    return v
+
+
+def cfg_int(cfg: dict[str, Any], key: str, default: int, minimum: int = 0) -> int:
+    """An integer ``[method]`` setting of at least ``minimum``."""
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ConfigError(f"[method] {key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def cfg_float(cfg: dict[str, Any], key: str, default: float, minimum: float = 0.0) -> float:
+    """A number ``[method]`` setting of at least ``minimum``."""
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int | float) or v < minimum:
+        raise ConfigError(f"[method] {key} must be a number >= {minimum}, got {v!r}")
+    return float(v)
+
+
+def generator_kind(cfg: dict[str, Any]) -> str:
+    """``[method] generator`` of GeFL / GeFL-F (default "cvae")."""
+    kind = cfg.get("generator", "cvae")
+    if kind not in GEFL_GENERATORS:
+        raise ConfigError(f"[method] generator must be one of {', '.join(GEFL_GENERATORS)}, got {kind!r}",
+                          hint="DDPM is not implemented in fedge")
+    return str(kind)
