@@ -69,22 +69,26 @@ class Method:
     shares_features: bool = False
 
 
-def table1_methods(published: bool) -> dict[str, Method]:
+def table1_methods(published: bool, quick: bool = False) -> dict[str, Method]:
+    """Rows of table 1. Budget (default): 30 generator rounds, tiny image generators; ``published``:
+    the published 100 and the small tier; ``quick``: 10 generator / 5 warm-up / 20 training rounds."""
     img_tier = "small" if published else "tiny"
-    gen_r = 100 if published else 30
+    gen_r = 100 if published else (10 if quick else 30)
+    warm = 5 if quick else 20
+    train = 20 if quick else 50
     return {m.key: m for m in (
-        Method("fedavg", "FedAvg within group", "fedavg", {}, 50),
-        Method("lgfedavg", "LG-FedAvg", "lgfedavg", {}, 50),
+        Method("fedavg", "FedAvg within group", "fedavg", {}, train),
+        Method("lgfedavg", "LG-FedAvg", "lgfedavg", {}, train),
         Method("gefl-cvae", f"GeFL, CVAE ({img_tier})", "gefl",
-               {"generator": "cvae", "generator_tier": img_tier, "gen_rounds": gen_r}, gen_r + 50),
+               {"generator": "cvae", "generator_tier": img_tier, "gen_rounds": gen_r}, gen_r + train),
         # The published DCGAN keeps training during target rounds; the budget schedule freezes it.
         Method("gefl-dcgan", f"GeFL, DCGAN ({img_tier})", "gefl",
                {"generator": "dcgan", "generator_tier": img_tier, "gen_rounds": gen_r,
-                "train_generator_in_target": published}, gen_r + 50),
+                "train_generator_in_target": published}, gen_r + train),
         Method("geflf-cvae", "GeFL-F, CVAE-F (small)", "geflf",
-               {"generator": "cvae", "generator_tier": "small", "warmup_rounds": 20, "gen_rounds": gen_r},
-               20 + gen_r + 50),
-        Method("fedvtc", "FedVTC (VTC small, p = 64)", "fedvtc", {"generator_tier": "small"}, 50,
+               {"generator": "cvae", "generator_tier": "small", "warmup_rounds": warm, "gen_rounds": gen_r},
+               warm + gen_r + train),
+        Method("fedvtc", "FedVTC (VTC small, p = 64)", "fedvtc", {"generator_tier": "small"}, train,
                shares_features=True),
     )}
 
@@ -195,9 +199,9 @@ def _pct(values: list[float | None]) -> tuple[float, float]:
 
 
 def table1(args: argparse.Namespace) -> str:
-    methods = table1_methods(args.published)
+    methods = table1_methods(args.published, args.quick)
     keys = args.methods or list(methods)
-    tag = "-published" if args.published else ""
+    tag = "-published" if args.published else ("-quick" if args.quick else "")
     def protocol(m: Method, s: int) -> tuple[FleetConfig, str | None]:
         return build_config(m, s), None
 
@@ -215,9 +219,11 @@ def table1(args: argparse.Namespace) -> str:
                      f"{mean_std([c['wall_seconds'] for c in cs])[0] / 60:.1f}", " ".join(str(c["seed"]) for c in cs)])
     _plot_curves(cells, methods, OUT / f"table1{tag}.png", "Table 1: GeFL protocol, FMNIST")
     print(text_table(header, rows))
-    cmd = "python benchmarks/generative.py table1" + (" --published" if args.published else "")
+    cmd = "python benchmarks/generative.py table1" + (" --published" if args.published else "") + (
+        " --quick" if args.quick else "") + f" --seeds {' '.join(map(str, args.seeds))}"
     return f"""
-### Table 1 — GeFL protocol, Fashion-MNIST{' (published schedules)' if args.published else ''}
+### Table 1 — GeFL protocol, Fashion-MNIST{' (published schedules)' if args.published else ''}{
+    ' — QUICK schedule (10 generator / 5 warm-up / 20 training rounds), not the protocol' if args.quick else ''}
 
 K = 10, IID 10 % of the training set (600 images per device), CNN-1 … CNN-10 with BN, SGD lr 0.1,
 batch 64, T_s = 1 synthetic + T_r = 5 real epochs. Metric: mean over the ten models of each one's best
@@ -318,6 +324,8 @@ def main() -> int:
     ap.add_argument("--methods", nargs="+", help="row keys (default: every row of the table)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--published", action="store_true", help="table 1 with the published round counts")
+    ap.add_argument("--quick", action="store_true",
+                    help="table 1 with 10 generator / 5 warm-up / 20 training rounds (a shared-machine smoke run)")
     ap.add_argument("--t2-rounds", type=int, default=30, help="table 2 training rounds")
     ap.add_argument("--force", action="store_true", help="recompute cells that already have results")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/results.md")
