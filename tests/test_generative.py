@@ -187,3 +187,20 @@ def test_method_settings_are_validated() -> None:
     with pytest.raises(ConfigError, match="gen_epochs"):
         skewed_fleet("gefl", rounds=3, method_config={"gen_rounds": 1, "gen_epochs": "5"})
     _ = RoundInfo  # (imported for type context)
+
+
+def test_generator_upload_bytes_follow_the_upload_precision() -> None:
+    """The engine counts encoded bytes: a tiny CVAE (0.36 M floats) costs ~4/2/1 bytes a float."""
+    cfg = {"gen_rounds": 1, "generator_tier": "tiny", "gen_epochs": 1}
+    spec = GeneratorSpec("cvae", (1, 32, 32), tier="tiny")
+    floats = sum(int(np.prod(s)) for s in spec.upload_shapes().values())
+    per_float = {}
+    for precision in ("fp32", "fp16", "int8"):
+        fleet = skewed_fleet("gefl", rounds=2, method_config=cfg, epochs=1, precision=precision,
+                             archs=("cnn3-p32", "cnn1-p32"))
+        rep = fleet.engine.run_round(1)
+        assert not rep.rejected
+        per_float[precision] = max(rep.bytes_up.values()) / floats
+    assert 4.0 <= per_float["fp32"] < 4.1
+    assert 2.0 <= per_float["fp16"] < 2.1
+    assert 1.0 <= per_float["int8"] < 1.1
