@@ -5,8 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from fedge.mqtt.broker import MosquittoProcess, mosquitto_binary
+
+# One intra-op thread for the whole session: float reductions then happen in the same order on
+# every machine and whichever test files run, so seeded training gives the same numbers.
+torch.set_num_threads(1)
 
 
 @pytest.fixture
