@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 from common import RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section
 
 from fedge.coordinator.engine import RoundReport
@@ -66,9 +67,13 @@ def main() -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--force", action="store_true", help="recompute cells that already have results")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: several OpenMP threads per process thrash on a "
+                         "shared machine, and one thread makes the numbers reproducible)")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/results.md")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
     tag = f"r{args.rounds}"
     cells: dict[str, list[dict[str, Any]]] = {}
     # Seed-major order: a partial run still has every method for the first seeds.
