@@ -1,10 +1,12 @@
 """Conditional generators for generative knowledge transfer (GeFL, GeFL-F, FedVTC).
 
 :mod:`~fedge.edge.generators.spec` is torch-free (the coordinator sizes and
-checks uploads with it); the torch side (modules, training, image grids) is
-imported only where torch is installed, and registers its classes with the
-checkpoint loader so generators save and load like models::
+checks uploads with it), and importing this package imports nothing else, so
+the coordinator never loads torch. The torch side lives in
+:mod:`~fedge.edge.generators.modules`, whose classes the checkpoint loader
+registers on first use, so generators save and load like models::
 
+    from fedge.edge.generators.modules import build_generator
     g = build_generator(GeneratorSpec("cvae", (1, 32, 32), tier="small"))
     save_checkpoint(g, "gen.safetensors")
     g2 = load_checkpoint("gen.safetensors", expect=ConditionalGenerator)
@@ -21,21 +23,3 @@ from fedge.edge.generators.spec import (
 )
 
 __all__ = ["DEFAULT_GENERATOR_TIER", "GENERATOR_KINDS", "GENERATOR_TIERS", "GeneratorSpec", "check_tier"]
-
-try:  # the coordinator may run without torch: it needs only the spec above
-    import torch  # noqa: F401
-except ImportError:  # pragma: no cover - exercised on torch-less coordinator installs
-    pass
-else:
-    from fedge.edge.generators.modules import (
-        CVAE,
-        ConditionalDCGAN,
-        ConditionalGenerator,
-        VTCDecoder,
-        build_generator,
-        load_generator,
-        register_builders,
-    )
-
-    register_builders()
-    __all__ += ["CVAE", "ConditionalDCGAN", "ConditionalGenerator", "VTCDecoder", "build_generator", "load_generator"]

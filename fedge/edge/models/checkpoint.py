@@ -11,7 +11,6 @@ name (models, generators, decoders) can be saved this way.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -40,8 +39,10 @@ def _ensure_builtin_builders() -> None:
         from fedge.edge.models.zoo import build_fedgenet
 
         register_builder("FedgeNet", build_fedgenet)
-    with contextlib.suppress(ImportError):  # generators register themselves on import
-        import fedge.edge.generators  # noqa: F401
+    if "CVAE" not in _BUILDERS:
+        from fedge.edge.generators.modules import register_builders
+
+        register_builders()
 
 
 def save_checkpoint(module: nn.Module, path: str | os.PathLike[str],
