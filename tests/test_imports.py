@@ -1,0 +1,19 @@
+"""The coordinator side must not load torch (a broker-side box need not carry it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_coordinator_side_does_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "import fedge.coordinator.engine, fedge.coordinator.strategies, fedge.coordinator.cli\n"
+        "import fedge.sim.config, fedge.profiles, fedge.mqtt.transport\n"
+        "from fedge.coordinator.strategies import STRATEGIES\n"
+        "assert {'local', 'fedavg', 'lgfedavg', 'fedproto', 'gefl', 'geflf', 'fedvtc'} <= set(STRATEGIES)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
