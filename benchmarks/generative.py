@@ -236,7 +236,9 @@ listed. Generator tier in the method name; schedules in `benchmarks/generative.p
 
 {markdown_table(header, rows)}
 
-Command: `{cmd}`; plot `benchmarks/results/generative/table1{tag}.png`.
+Command: `{cmd}`; plot `benchmarks/results/generative/table1{tag}.png`. Wall times are per cell, one
+process per cell (torch single-threaded) on a 2-core machine shared with other jobs, so they are upper bounds.
+FedVTC runs on `cnnK-p64` (a 64-d embedding before the head), the others on the published CNNs.
 """
 
 
