@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from test_export_support import ARCH, digits, leftovers, trained
+from export_helpers import ARCH, digits, leftovers, trained
 
 from fedge.edge.models.checkpoint import save_checkpoint
 from fedge.errors import ExportError, ProfileError

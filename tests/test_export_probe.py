@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import export_helpers  # noqa: F401  (one torch thread, like the other export tests)
 import pytest
-import test_export_support  # noqa: F401  (one torch thread, like the other export tests)
 
 from fedge.errors import ConfigError
 from fedge.export.probe import ProbeResult, detect_hardware, measured_profile, probe, write_measured_profile

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from export_helpers import digits, raw_digits, trained
 from PIL import Image
-from test_export_support import digits, raw_digits, trained
 
 from fedge.cli import main
 from fedge.common.preprocess import NORMALIZATION, preprocess
