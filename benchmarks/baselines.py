@@ -95,7 +95,9 @@ def main() -> int:
         pub = PUBLISHED.get(method)
         summary[method] = {"mean": m, "std": s, "seconds_per_round": spr, "seeds": [c["seed"] for c in cs],
                            "published": pub, "bytes_up_per_device_round": cs[0]["bytes_up_per_device_round"]}
-        rows.append([LABELS.get(method, method), f"{m:.2f} ± {s:.2f}", f"{pub:.2f}" if pub else "-",
+        # One seed has no spread: print the value alone rather than a misleading "± 0.00".
+        acc = f"{m:.2f} ± {s:.2f}" if len(cs) > 1 else f"{m:.2f}"
+        rows.append([LABELS.get(method, method), acc, f"{pub:.2f}" if pub else "-",
                      f"{m - pub:+.2f}" if pub else "-", f"{spr:.1f}",
                      f"{cs[0]['bytes_up_per_device_round'] / 1024:.1f}", str(len(cs))])
     header = ["method", "fedge (%)", "published (%)", "gap", "s/round", "KiB up/device/round", "seeds"]
