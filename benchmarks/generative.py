@@ -16,10 +16,14 @@ generative section of ``docs/results.md``.
 3. ``table3``: uplink bytes per device per round and final accuracy of every method at
    fp32 / fp16 / int8 upload precision (the table-1 fleet, shortened schedules).
 
-Budget schedules (default) are chosen so table 1 completes in about 3 hours on 2 cores
-(see ``docs/methods.md``): image generators at the "tiny" tier, the feature generator at
-"small", 30 generator rounds instead of the published 100; ``--published`` uses the
-published round counts and the "small" image tier instead.
+Budget schedule (default): image generators at the "tiny" tier, the feature generator at
+"small", 30 generator rounds instead of the published 100; ``--published`` uses the published
+round counts and the "small" image tier; ``--quick`` 10 generator / 5 warm-up / 20 training
+rounds. Measured on the shared 2-core machine (quick schedule, one process per cell, torch
+single-threaded): FedAvg 6.4 min, GeFL-CVAE 11.5, GeFL-DCGAN 13.6, GeFL-F 10.4, FedVTC 34.8.
+Extrapolated, one seed of the budget schedule takes ~3.4 h in one process, so the 3-seed table 1
+needs ~5 h with two processes on an idle machine — FedVTC (decoder + DM + fine-tuning every
+round) dominates; its ``generator_tier = "tiny"`` or fewer rounds are the levers.
 
     python benchmarks/generative.py table1                  # all methods, seeds 0 1 2
     python benchmarks/generative.py table1 --seeds 0 --methods gefl-cvae fedvtc
