@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport, InMemoryDeviceTransport
+from fedge.common.inmemory import InMemoryBus
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.coordinator.strategies import strategy
@@ -16,6 +16,7 @@ from fedge.edge.data.partition import iid_fraction
 from fedge.edge.methods import DeviceContext, device_method
 from fedge.edge.models import build_model
 from fedge.edge.training import TrainConfig
+from fedge.sim.simulate import connect_inprocess
 
 
 @dataclass
@@ -33,25 +34,17 @@ def tiny_fleet(method: str, archs: list[str], *, rounds: int = 2, precision: str
                method_config: dict | None = None, seed: int = 0) -> Fleet:
     train, test = digits()
     parts = iid_fraction(train.y, len(archs), 0.5, seed)
-    bus = InMemoryBus()
-    agents = []
+    pairs = []
     for i, (arch, idx) in enumerate(zip(archs, parts, strict=True)):
         model = build_model(arch, seed=seed * 1000 + i)
         ctx = DeviceContext(f"d{i}", model, train.subset(idx[20:]), train.subset(idx[:20]),
                             TrainConfig(lr=0.05, batch_size=32, local_epochs=1), precision, seed=seed * 1000 + i,
                             method_config=method_config or {}, global_test=test)
         info = DeviceInfo(f"d{i}", model.spec.name, "test", precision, len(idx) - 20, model.spec.feature_dim)
-        agent = DeviceAgent(device_method(method)(ctx), InMemoryDeviceTransport(bus), info)
-        agent.hello()
-        agents.append(agent)
-
-    def pump() -> None:
-        for a in agents:
-            a.step()
-
-    bus.pump = pump
+        pairs.append((device_method(method)(ctx), info))
+    bus, coord, agents = connect_inprocess(pairs)
     strat = strategy(method)(method_config or {}, num_classes=10, rounds=rounds)
-    engine = RoundEngine(strat, InMemoryCoordinatorTransport(bus), EngineConfig(method=method))
+    engine = RoundEngine(strat, coord, EngineConfig(method=method))
     return Fleet(bus, agents, engine)
 
 

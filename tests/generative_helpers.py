@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport, InMemoryDeviceTransport
+from fedge.common.inmemory import InMemoryBus
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.coordinator.strategies import strategy
@@ -18,6 +18,7 @@ from fedge.edge.data.partition import dirichlet, shards
 from fedge.edge.methods import DeviceContext, device_method
 from fedge.edge.models import build_model
 from fedge.edge.training import TrainConfig
+from fedge.sim.simulate import connect_inprocess
 
 # Small CNNs train ~10x faster single-threaded than with two threads on a busy 2-core machine.
 torch.set_num_threads(1)
@@ -61,9 +62,8 @@ def skewed_fleet(method: str, *, rounds: int, method_config: dict[str, Any] | No
         train = train.subset(keep)
     parts = (dirichlet(train.y, len(archs), alpha, seed) if alpha is not None
              else shards(train.y, len(archs), shards_per_device, seed))
-    bus = InMemoryBus()
-    agents = []
     cfg = method_config or {}
+    pairs = []
     for i, (arch, idx) in enumerate(zip(archs, parts, strict=True)):
         model = build_model(arch, seed=seed * 1000 + i)
         n_test = max(2, len(idx) // 10)
@@ -71,14 +71,7 @@ def skewed_fleet(method: str, *, rounds: int, method_config: dict[str, Any] | No
                             TrainConfig(lr=0.05, batch_size=32, local_epochs=epochs), precision,
                             seed=seed * 1000 + i, method_config=dict(cfg), global_test=test, plan=dict(plan or {}))
         info = DeviceInfo(f"d{i}", model.spec.name, "test", precision, len(idx) - n_test, model.spec.feature_dim)
-        agent = DeviceAgent(device_method(method)(ctx), InMemoryDeviceTransport(bus), info)
-        agent.hello()
-        agents.append(agent)
-
-    def pump() -> None:
-        for a in agents:
-            a.step()
-
-    bus.pump = pump
+        pairs.append((device_method(method)(ctx), info))
+    bus, coord, agents = connect_inprocess(pairs)
     strat = strategy(method)(dict(cfg), num_classes=10, rounds=rounds)
-    return GenFleet(bus, agents, RoundEngine(strat, InMemoryCoordinatorTransport(bus), EngineConfig(method=method)))
+    return GenFleet(bus, agents, RoundEngine(strat, coord, EngineConfig(method=method)))

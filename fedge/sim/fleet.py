@@ -105,7 +105,8 @@ def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
         upload_precision=p.upload_precision,
         num_samples=len(split.train),
         feature_dim=model.spec.feature_dim,
-        extra={"params": model.spec.num_params()},
+        # The coordinator sizes generator uploads from the device's planned generator tier.
+        extra={"params": model.spec.num_params(), "generator_tier": p.generator_tier},
     )
     return SimDevice(info, cls(ctx), p.to_dict())
 

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport, InMemoryDeviceTransport
+from fedge.common.rounds import DeviceInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
 from fedge.coordinator.strategies import strategy
 from fedge.edge.agent import DeviceAgent
+from fedge.edge.methods.base import DeviceMethod
 from fedge.edge.models.checkpoint import save_checkpoint
 from fedge.errors import ConfigError
 from fedge.sim.config import FleetConfig
@@ -38,13 +40,13 @@ def register_transport(name: str, factory: TransportFactory) -> None:
     _TRANSPORTS[name] = factory
 
 
-def _inprocess(cfg: FleetConfig, devices: list[SimDevice]) -> tuple[CoordinatorTransport, list[DeviceAgent],
-                                                                   Callable[[], None]]:
+def connect_inprocess(devices: Sequence[tuple[DeviceMethod, DeviceInfo]], *, fleet: str = "default",
+                      eval_every: int = 1) -> tuple[InMemoryBus, InMemoryCoordinatorTransport, list[DeviceAgent]]:
+    """Wire device halves to an in-memory bus: each says hello, and the coordinator's ``collect``
+    steps them synchronously in this order (deterministic rounds)."""
     bus = InMemoryBus()
-    agents = [
-        DeviceAgent(d.method, InMemoryDeviceTransport(bus), d.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every)
-        for d in devices
-    ]
+    agents = [DeviceAgent(method, InMemoryDeviceTransport(bus), info, fleet=fleet, eval_every=eval_every)
+              for method, info in devices]
     for a in agents:
         a.hello()
 
@@ -53,7 +55,14 @@ def _inprocess(cfg: FleetConfig, devices: list[SimDevice]) -> tuple[CoordinatorT
             a.step()
 
     bus.pump = pump
-    return InMemoryCoordinatorTransport(bus), agents, lambda: None
+    return bus, InMemoryCoordinatorTransport(bus), agents
+
+
+def _inprocess(cfg: FleetConfig, devices: list[SimDevice]) -> tuple[CoordinatorTransport, list[DeviceAgent],
+                                                                   Callable[[], None]]:
+    _, coord, agents = connect_inprocess([(d.method, d.info) for d in devices], fleet=cfg.run.fleet,
+                                         eval_every=cfg.run.eval_every)
+    return coord, agents, lambda: None
 
 
 register_transport("inprocess", _inprocess)
