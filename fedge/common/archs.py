@@ -20,6 +20,7 @@ Every network is ``head ∘ embed ∘ body ∘ extractor``:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -52,6 +53,15 @@ TIER_CHANNELS: dict[str, tuple[int, ...]] = {
     "xl": (64, 128, 256),
 }
 TIERS: tuple[str, ...] = tuple(TIER_CHANNELS)
+
+
+def trainable_params(shapes: dict[str, tuple[int, ...]]) -> int:
+    """Elements of a state dict's trainable tensors (BN running statistics excluded)."""
+    return sum(
+        math.prod(shape)
+        for name, shape in shapes.items()
+        if not name.endswith(("running_mean", "running_var", "num_batches_tracked"))
+    )
 
 
 @dataclass(frozen=True)
@@ -135,15 +145,7 @@ class ArchSpec:
 
     def num_params(self) -> int:
         """Trainable parameters (BN running statistics excluded)."""
-        total = 0
-        for name, shape in self.param_shapes().items():
-            if name.endswith(("running_mean", "running_var", "num_batches_tracked")):
-                continue
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return trainable_params(self.param_shapes())
 
     def macs(self) -> int:
         """Multiply-accumulates of one forward pass on one image."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from fedge.common.archs import trainable_params
 from fedge.errors import ConfigError
 
 GENERATOR_KINDS: tuple[str, ...] = ("cvae", "dcgan", "vtc")
@@ -181,15 +182,7 @@ class GeneratorSpec:
 
     def num_params(self) -> int:
         """Trainable parameters (BN running statistics excluded)."""
-        total = 0
-        for name, shape in self.param_shapes().items():
-            if name.endswith(("running_mean", "running_var", "num_batches_tracked")):
-                continue
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return trainable_params(self.param_shapes())
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
