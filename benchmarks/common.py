@@ -12,10 +12,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DOCS_RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results.md"
 
 
-def cached_cell(path: Path, compute: Callable[[], dict[str, Any]], *, force: bool = False) -> dict[str, Any]:
-    """Return the JSON at ``path`` if present (resume after interruption), else compute and save it."""
+def cached_cell(path: Path, compute: Callable[[], dict[str, Any]], *, force: bool = False,
+                expect: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return the JSON at ``path`` if present (resume after interruption), else compute and save it.
+
+    ``expect``: entries the saved cell must hold (e.g. its method config); a cell saved under
+    other settings is stale and is recomputed rather than silently reported.
+    """
     if path.is_file() and not force:
-        return dict(json.loads(path.read_text()))
+        saved = dict(json.loads(path.read_text()))
+        stale = {k: saved.get(k) for k, v in (expect or {}).items() if saved.get(k) != v}
+        if not stale:
+            return saved
+        print(f"  {path.name} was computed with other settings {stale}; recomputing", flush=True)
     out = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

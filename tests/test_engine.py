@@ -116,3 +116,30 @@ def test_rejected_updates_are_counted_and_do_not_touch_the_aggregate() -> None:
                                "duplicate": 1}
     assert sorted(report.accepted) == ["d0", "d1"]
     assert np.all(np.isfinite(fleet.engine.globals[PROTOTYPES_ARTIFACT]["protos"]))
+
+
+def test_evaluation_is_cached_until_the_model_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rounds that leave the model untouched (GeFL's generator phase) must not re-run the test sets."""
+    import fedge.edge.methods.base as base
+
+    fleet = tiny_fleet("fedavg", ["cnn4"])
+    method = fleet.agents[0].method
+    passes: list[int] = []
+    real = base.accuracy
+
+    def counting(model: Any, x: np.ndarray, y: np.ndarray) -> float:
+        passes.append(len(y))
+        return real(model, x, y)
+
+    monkeypatch.setattr(base, "accuracy", counting)
+    first = method.evaluate()
+    assert len(passes) == 2  # local split and global test set
+    assert method.evaluate() == first and len(passes) == 2  # unchanged model: served from the cache
+    # A BatchNorm running statistic is state too: changing only it must invalidate the cache.
+    bn = method.ctx.model.extractor[1]
+    bn.running_mean += 0.5
+    assert base.state_digest(method.ctx.model) != method._eval_cache[0]
+    second = method.evaluate()
+    assert len(passes) == 4
+    assert second["acc_global"] == pytest.approx(real(method.ctx.model, method.ctx.global_test.x,
+                                                      method.ctx.global_test.y))

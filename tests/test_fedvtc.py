@@ -163,3 +163,25 @@ def test_ablation_switches_change_what_trains() -> None:
             assert changed and all(k.startswith("head.") for k in changed), changed
         assert before  # (the model existed before the round)
     _ = torch
+
+
+def test_decoder_epochs_limit_decoder_training_to_the_last_alternations() -> None:
+    with pytest.raises(ConfigError, match=r"decoder_epochs \(4\) exceeds .*local_epochs = 3"):
+        skewed_fleet("fedvtc", rounds=1, epochs=3, method_config={"decoder_epochs": 4})
+    with pytest.raises(ConfigError, match="decoder_epochs must be an integer >= 1"):
+        skewed_fleet("fedvtc", rounds=1, epochs=3, method_config={"decoder_epochs": 0})
+    for k in (3, 1):
+        fleet = skewed_fleet("fedvtc", rounds=1, epochs=3, method_config={"generator_tier": "tiny",
+                                                                         "decoder_epochs": k})
+        m = fleet.methods()[0]
+        order: list[str] = []
+        dec = m._decoder_epoch
+
+        def count_dec(dec=dec, order=order) -> float:
+            order.append("decoder")
+            return dec()
+
+        m._decoder_epoch = count_dec
+        fleet.engine.run_round(1)
+        assert order == ["decoder"] * k
+        assert m.decoder_trained

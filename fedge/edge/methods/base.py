@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -69,11 +70,20 @@ class DeviceMethod(ABC):
         """Train locally; return (arrays to upload, JSON-able info)."""
 
     def evaluate(self) -> dict[str, float]:
-        """Accuracy of the current model on the global test set and the local test split."""
+        """Accuracy of the current model on the global test set and the local test split.
+
+        Cached on a digest of the model's state: rounds that leave the model untouched (the
+        generator phases of GeFL and GeFL-F) cost no second pass over the test sets.
+        """
         ctx = self.ctx
+        digest = state_digest(ctx.model)
+        cached = getattr(self, "_eval_cache", None)
+        if cached is not None and cached[0] == digest:
+            return dict(cached[1])
         out = {"acc_local": accuracy(ctx.model, ctx.local_test.x, ctx.local_test.y)}
         if ctx.global_test is not None:
             out["acc_global"] = accuracy(ctx.model, ctx.global_test.x, ctx.global_test.y)
+        self._eval_cache = (digest, dict(out))
         return out
 
 
@@ -96,6 +106,15 @@ def model_arrays(model: torch.nn.Module, prefixes: Iterable[str] | None = None,
         and (pre is None or k.startswith(pre))
         and not (exc and k.startswith(exc))
     }
+
+
+def state_digest(model: torch.nn.Module) -> bytes:
+    """A digest of every state-dict entry (weights and BN statistics): equal iff the model is unchanged."""
+    h = hashlib.blake2b(digest_size=16)
+    for k, v in model.state_dict().items():
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.digest()
 
 
 def load_arrays(model: torch.nn.Module, arrays: Arrays) -> None:

@@ -13,7 +13,8 @@ No official code exists; this follows the method as described (see
   aggregate, generate, fine-tune).
 * ``train_round``: ``local_epochs`` alternations of one model epoch (cross-entropy
   + the KL term pulling class-y features toward N(c^y, σ²); ``kl = false``
-  removes it) and one decoder epoch (reconstruction ‖ψ_k(g_k(x) + σ_k ⊙ ε) − x‖²
+  removes it) and one decoder epoch (in the last ``decoder_epochs`` alternations;
+  default all) (reconstruction ‖ψ_k(g_k(x) + σ_k ⊙ ε) − x‖²
   + distribution matching on latents drawn from the global distribution;
   ``dm = false`` removes it). Model and decoder never train in the same step.
 * Upload: per-class feature means (C, p), the within-class σ_k (p,) and class
@@ -90,6 +91,13 @@ class FedVTCDevice(DeviceMethod):
         self.kl_weight = cfg_float(cfg, "kl_weight", 1.0)
         self.dm_weight = cfg_float(cfg, "dm_weight", 1.0)
         self.alternations = ctx.train_cfg.local_epochs
+        # The decoder persists across rounds, so it need not train after every model epoch:
+        # it trains after the last ``decoder_epochs`` of them (it dominates a round's cost).
+        self.decoder_epochs = cfg_int(cfg, "decoder_epochs", self.alternations, 1)
+        if self.decoder_epochs > self.alternations:
+            raise ConfigError(f"[method] decoder_epochs ({self.decoder_epochs}) exceeds the alternations per "
+                              f"round ([train] local_epochs = {self.alternations})",
+                              hint="set decoder_epochs <= local_epochs")
         spec = ctx.model.spec
         self.tier = device_tier(ctx)
         self.dec_spec = GeneratorSpec("vtc", (spec.in_channels, spec.image_size, spec.image_size), tier=self.tier,
@@ -249,10 +257,11 @@ class FedVTCDevice(DeviceMethod):
         one_epoch = dataclasses.replace(ctx.train_cfg, local_epochs=1)
         extra = self._kl_loss if (self.kl and self.g_protos is not None) else None
         losses, dec_losses = [], []
-        for _ in range(self.alternations):
+        for i in range(self.alternations):
             losses.append(train_epochs(ctx.model, ctx.train.x, ctx.train.y, one_epoch, ctx.rng, extra_loss=extra))
-            self._refresh_local_sigma()
-            dec_losses.append(self._decoder_epoch())
+            if i >= self.alternations - self.decoder_epochs:
+                self._refresh_local_sigma()
+                dec_losses.append(self._decoder_epoch())
         protos, sigma, counts = self._refresh_local_sigma()
         return ({"protos": protos, "sigma": sigma, "counts": counts},
                 {"loss": float(np.mean(losses)), "dec_loss": float(np.mean(dec_losses))})

@@ -24,12 +24,11 @@ import numpy as np
 import torch
 
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, RoundInfo, group_artifact
-from fedge.edge.generators.config import cfg_float, cfg_int, generator_kind
+from fedge.edge.generators.config import generator_kind
 from fedge.edge.methods.base import Arrays, DeviceContext, load_arrays, model_arrays
 from fedge.edge.methods.baselines import LGFedAvgDevice
 from fedge.edge.methods.gefl import GenerativeMixin
 from fedge.edge.models.zoo import EXTRACTOR
-from fedge.edge.training import train_epochs
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +52,6 @@ class GeFLFDevice(GenerativeMixin, LGFedAvgDevice):
         super().__init__(ctx)
         cfg = ctx.method_config
         self._init_generator(generator_kind(cfg), ctx.model.spec.stem_shape)
-        self.synthetic_epochs = cfg_int(cfg, "synthetic_epochs", 1)
-        self.real_epochs = cfg_int(cfg, "real_epochs", ctx.train_cfg.local_epochs, 1)
-        self.synthetic_ratio = cfg_float(cfg, "synthetic_ratio", 1.0)
         self._feats: np.ndarray | None = None  # real stem features, valid while the extractor is frozen
 
     def _head_params(self) -> list[torch.nn.Parameter]:
@@ -103,15 +99,7 @@ class GeFLFDevice(GenerativeMixin, LGFedAvgDevice):
             logits = model.from_stem(zb)
             return logits, logits
 
-        extra: dict[str, Any] = {}
-        params = self._head_params()
-        if self.generator_loaded and self.synthetic_epochs > 0:
-            n = max(2, round(self.synthetic_ratio * len(ctx.train)))
-            zs, ys = self._synthetic(n)
-            extra["syn_loss"] = train_epochs(model, zs, ys, ctx.train_cfg, ctx.rng, epochs=self.synthetic_epochs,
-                                             params=params, forward=forward)
-        extra["loss"] = train_epochs(model, feats, ctx.train.y, ctx.train_cfg, ctx.rng, epochs=self.real_epochs,
-                                     params=params, forward=forward)
+        extra = self._train_target(feats, ctx.train.y, lambda z: z, params=self._head_params(), forward=forward)
         return model_arrays(model, exclude=[EXTRACTOR]), extra
 
 
