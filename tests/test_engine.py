@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from fleet_helpers import Fleet, tiny_fleet, weights
 
 from fedge.common.messages import Message
@@ -137,9 +138,11 @@ def test_evaluation_is_cached_until_the_model_changes(monkeypatch: pytest.Monkey
     assert method.evaluate() == first and len(passes) == 2  # unchanged model: served from the cache
     # A BatchNorm running statistic is state too: changing only it must invalidate the cache.
     bn = method.ctx.model.extractor[1]
-    bn.running_mean += 0.5
+    assert isinstance(bn, torch.nn.BatchNorm2d) and bn.running_mean is not None
+    bn.running_mean.add_(0.5)
     assert base.state_digest(method.ctx.model) != method._eval_cache[0]
     second = method.evaluate()
     assert len(passes) == 4
-    assert second["acc_global"] == pytest.approx(real(method.ctx.model, method.ctx.global_test.x,
-                                                      method.ctx.global_test.y))
+    test = method.ctx.global_test
+    assert test is not None
+    assert second["acc_global"] == pytest.approx(real(method.ctx.model, test.x, test.y))
