@@ -12,19 +12,28 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DOCS_RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results.md"
 
 
-def cached_cell(path: Path, compute: Callable[[], dict[str, Any]], *, force: bool = False,
-                expect: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Return the JSON at ``path`` if present (resume after interruption), else compute and save it.
+def load_cell(path: Path, expect: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The JSON cell at ``path``, or None if it is missing or was computed with other settings.
 
     ``expect``: entries the saved cell must hold (e.g. its method config); a cell saved under
-    other settings is stale and is recomputed rather than silently reported.
+    other settings is stale, so it is recomputed rather than silently reported.
     """
-    if path.is_file() and not force:
-        saved = dict(json.loads(path.read_text()))
-        stale = {k: saved.get(k) for k, v in (expect or {}).items() if saved.get(k) != v}
-        if not stale:
-            return saved
-        print(f"  {path.name} was computed with other settings {stale}; recomputing", flush=True)
+    if not path.is_file():
+        return None
+    saved = dict(json.loads(path.read_text()))
+    stale = {k: saved.get(k) for k, v in (expect or {}).items() if saved.get(k) != v}
+    if stale:
+        print(f"  {path.name} was computed with other settings {stale}", flush=True)
+        return None
+    return saved
+
+
+def cached_cell(path: Path, compute: Callable[[], dict[str, Any]], *, force: bool = False,
+                expect: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return the saved cell at ``path`` (resume after interruption), else compute and save it."""
+    saved = None if force else load_cell(path, expect)
+    if saved is not None:
+        return saved
     out = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section
+from common import RESULTS, cached_cell, load_cell, markdown_table, mean_std, text_table, write_docs_section
 
 import fedge.sim.fleet as fleet_mod
 from fedge.sim.config import DeviceGroup, FleetConfig, PartitionSection, load_fleet
@@ -89,7 +89,7 @@ def table1_methods(published: bool, quick: bool = False) -> dict[str, Method]:
     warm = 5 if quick else 20
     train = 20 if quick else 50
     gen = {"generator_tier": img_tier, "gen_rounds": gen_r, "gen_epochs": gen_e}
-    vtc = {"generator_tier": "small"} if published else {"generator_tier": "tiny", "decoder_epochs": 1}
+    vtc = {"generator_tier": "small"} if published else VTC_BUDGET
     return {m.key: m for m in (
         Method("fedavg", "FedAvg within group", "fedavg", {}, train),
         Method("lgfedavg", "LG-FedAvg", "lgfedavg", {}, train),
@@ -104,14 +104,19 @@ def table1_methods(published: bool, quick: bool = False) -> dict[str, Method]:
     )}
 
 
+# FedVTC outside table 1's --published schedule: the tiny decoder, trained once per round.
+VTC_BUDGET: dict[str, Any] = {"generator_tier": "tiny", "decoder_epochs": 1}
+
+
 def table2_methods(rounds: int) -> dict[str, Method]:
-    vtc = {"generator_tier": "small"}
+    vtc = VTC_BUDGET
     return {m.key: m for m in (
         Method("local", "Local", "local", {}, rounds, True),
         Method("fedproto", "FedProto", "fedproto", {}, rounds, True),
         Method("geflf-cvae", "GeFL-F, CVAE-F (small)", "geflf",
                {"generator": "cvae", "generator_tier": "small", "warmup_rounds": rounds // 5,
-                "gen_rounds": rounds // 5, "gen_weight_decay": 0.0}, rounds + 2 * (rounds // 5), True),
+                "gen_rounds": rounds // 5, "gen_epochs": 10, "gen_weight_decay": 0.0}, rounds + 2 * (rounds // 5),
+               True),
         Method("fedvtc", "FedVTC", "fedvtc", vtc, rounds, True),
         Method("fedvtc-nodm", "FedVTC w/o DM", "fedvtc", {**vtc, "dm": False}, rounds, True),
         Method("fedvtc-head", "FedVTC head-only fine-tuning", "fedvtc", {**vtc, "finetune": "head"}, rounds, True),
@@ -130,7 +135,7 @@ def table3_methods() -> dict[str, Method]:
                {"generator": "dcgan", "generator_tier": "tiny", "gen_rounds": 5}, 15),
         Method("geflf-cvae", "GeFL-F, CVAE-F (small)", "geflf",
                {"generator": "cvae", "generator_tier": "small", "warmup_rounds": 5, "gen_rounds": 5}, 20),
-        Method("fedvtc", "FedVTC (small)", "fedvtc", {"generator_tier": "small"}, 10, True),
+        Method("fedvtc", "FedVTC (tiny)", "fedvtc", VTC_BUDGET, 10, True),
     )}
 
 
@@ -188,21 +193,27 @@ def run_cell(cfg: FleetConfig, precision: str | None = None) -> dict[str, Any]:
     }
 
 
-def _cells(table: str, methods: dict[str, Method], keys: list[str], seeds: list[int], force: bool,
+def _cells(table: str, methods: dict[str, Method], keys: list[str], args: argparse.Namespace,
            make: Callable[[Method, int], tuple[FleetConfig, str | None]], tag: str = "") -> dict[str, list[dict]]:
+    """Every (method, seed) cell of a table: loaded if saved with the same settings, else computed
+    (``--report-only``: skipped)."""
     cells: dict[str, list[dict]] = {}
     for key in keys:
         m = methods[key]
-        for seed in seeds:
+        for seed in args.seeds:
             path = OUT / table / f"{key}{tag}-s{seed}-r{m.rounds}.json"
-            print(f"[{time.strftime('%H:%M:%S')}] {table} {key}{tag} seed {seed} ...", flush=True)
             cfg, prec = make(m, seed)
+            expect = {"config": dict(cfg.method), "rounds": cfg.run.rounds, "precision": prec or "plan"}
+            if args.report_only:
+                if (cell := load_cell(path, expect)) is not None:
+                    cells.setdefault(key, []).append(cell)
+                continue
+            print(f"[{time.strftime('%H:%M:%S')}] {table} {key}{tag} seed {seed} ...", flush=True)
 
             def compute(c: FleetConfig = cfg, p: str | None = prec) -> dict[str, Any]:
                 return run_cell(c, p)
 
-            expect = {"config": dict(cfg.method), "rounds": cfg.run.rounds, "precision": prec or "plan"}
-            cells.setdefault(key, []).append(cached_cell(path, compute, force=force, expect=expect))
+            cells.setdefault(key, []).append(cached_cell(path, compute, force=args.force, expect=expect))
     return cells
 
 
@@ -217,7 +228,9 @@ def table1(args: argparse.Namespace) -> str:
     def protocol(m: Method, s: int) -> tuple[FleetConfig, str | None]:
         return build_config(m, s), None
 
-    cells = _cells("table1", methods, keys, args.seeds, args.force, protocol, tag)
+    cells = _cells("table1", methods, keys, args, protocol, tag)
+    if not cells:
+        return ""
     fedavg = _pct([c["mean_best_acc"] for c in cells.get("fedavg", [])])[0] if "fedavg" in cells else None
     header = ["method", "fedge best acc (%)", "published (%)", "vs FedAvg", "KiB up/device/round", "wall (min)",
               "seeds"]
@@ -255,17 +268,23 @@ def table2(args: argparse.Namespace) -> str:
     keys = args.methods or list(methods)
     header = ["method", "α", "global acc (%)", "local acc (%)", "KiB up/device/round", "seeds"]
     rows = []
-    for alpha in (0.1, 1.0):
+    for alpha in args.alphas:
         def skewed(m: Method, s: int, a: float = alpha) -> tuple[FleetConfig, str | None]:
-            return build_config(m, s, devices=20, alpha=a, fraction=0.2), None
+            # Final accuracy is the metric: evaluate once, after the last round (20 devices × 10k images
+            # per evaluation would otherwise cost as much as the training).
+            return build_config(m, s, devices=20, alpha=a, fraction=0.2, eval_every=m.rounds), None
 
-        cells = _cells("table2", methods, keys, args.seeds, args.force, skewed, tag=f"-a{alpha}")
+        cells = _cells("table2", methods, keys, args, skewed, tag=f"-a{alpha}")
         for key, cs in cells.items():
             g = _pct([c["mean_final_acc"] for c in cs])
             loc = _pct([c["mean_final_acc_local"] for c in cs])
             rows.append([methods[key].label, f"{alpha}", f"{g[0]:.2f} ± {g[1]:.2f}", f"{loc[0]:.2f} ± {loc[1]:.2f}",
                          f"{cs[0]['bytes_up_per_device_round'] / 1024:.1f}", " ".join(str(c["seed"]) for c in cs)])
+    if not rows:
+        return ""
     print(text_table(header, rows))
+    cmd = (f"python benchmarks/generative.py table2 --t2-rounds {args.t2_rounds} "
+           f"--alphas {' '.join(map(str, args.alphas))} --seeds {' '.join(map(str, args.seeds))}")
     return f"""
 ### Table 2 — label skew, Fashion-MNIST
 
@@ -275,7 +294,7 @@ global 10k test set and on each device's local split, averaged over devices.
 
 {markdown_table(header, rows)}
 
-Command: `python benchmarks/generative.py table2 --t2-rounds {args.t2_rounds}`.
+Command: `{cmd}`.
 """
 
 
@@ -286,17 +305,21 @@ def table3(args: argparse.Namespace) -> str:
     by: dict[str, dict[str, list[dict]]] = {}
     for prec in ("fp32", "fp16", "int8"):
         def at_precision(m: Method, s: int, p: str = prec) -> tuple[FleetConfig, str | None]:
-            return build_config(m, s), p
+            return build_config(m, s, eval_every=m.rounds), p  # final accuracy only
 
-        cells = _cells("table3", methods, keys, args.seeds, args.force, at_precision, tag=f"-{prec}")
+        cells = _cells("table3", methods, keys, args, at_precision, tag=f"-{prec}")
         for key, cs in cells.items():
             by.setdefault(key, {})[prec] = cs
+    if not by:
+        return ""
     rows = []
     for key, per in by.items():
         acc = {p: _pct([c["mean_final_acc"] for c in cs])[0] for p, cs in per.items()}
         kib = {p: cs[0]["bytes_up_per_device_round"] / 1024 for p, cs in per.items()}
-        rows.append([methods[key].label, *(f"{kib[p]:.1f}" for p in ("fp32", "fp16", "int8")), f"{acc['fp32']:.2f}",
-                     f"{acc['fp16'] - acc['fp32']:+.2f}", f"{acc['int8'] - acc['fp32']:+.2f}"])
+        base = acc.get("fp32")
+        rows.append([methods[key].label, *(f"{kib[p]:.1f}" if p in kib else "-" for p in ("fp32", "fp16", "int8")),
+                     f"{base:.2f}" if base is not None else "-",
+                     *(f"{acc[p] - base:+.2f}" if base is not None and p in acc else "-" for p in ("fp16", "int8"))])
     print(text_table(header, rows))
     return f"""
 ### Table 3 — uplink traffic and the accuracy cost of upload precision
@@ -340,8 +363,11 @@ def main() -> int:
     ap.add_argument("--published", action="store_true", help="table 1 with the published round counts")
     ap.add_argument("--quick", action="store_true",
                     help="table 1 with 10 generator / 5 warm-up / 20 training rounds (a shared-machine smoke run)")
-    ap.add_argument("--t2-rounds", type=int, default=30, help="table 2 training rounds")
+    ap.add_argument("--t2-rounds", type=int, default=20, help="table 2 training rounds")
+    ap.add_argument("--alphas", nargs="+", type=float, default=[0.1, 1.0], help="table 2 Dirichlet α values")
     ap.add_argument("--force", action="store_true", help="recompute cells that already have results")
+    ap.add_argument("--report-only", action="store_true",
+                    help="tabulate the saved cells (and write the docs) without computing missing ones")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/results.md")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: these small nets train ~10x faster single-threaded on a "
@@ -358,7 +384,7 @@ def main() -> int:
                 for t in tables}
     summary = OUT / "sections.json"
     known = json.loads(summary.read_text()) if summary.is_file() else {}
-    known.update(sections)
+    known.update({k: v for k, v in sections.items() if v})  # a table with no finished cell stays "not run"
     summary.parent.mkdir(parents=True, exist_ok=True)
     summary.write_text(json.dumps(known, indent=1))
     if not args.no_docs:
