@@ -1,0 +1,149 @@
+"""How much do GeFL's synthetic samples help a target network, and how should they be scheduled?
+
+A cheap proxy of GeFL's target phase (minutes instead of hours), used to choose table 1's
+generator budget in ``benchmarks/generative.py``. Under the GeFL protocol's IID split, a
+federated generator averaged over the 10 devices approximates one trained on their pooled
+data, so this script:
+
+1. trains one conditional generator (CVAE or DCGAN, a given tier) for ``--gen-epochs`` on
+   the pooled 6,000 training images of the protocol's 10 devices (IID 10 %, seed 0);
+2. for three devices (CNN-1, CNN-5, CNN-8 on their own 600 images) runs 20 target rounds
+   without federation (FedAvg within group is local training here) under each schedule:
+
+   * ``local``: T_r = 5 real epochs per round, no synthetic data;
+   * ``seq:R``: GeFL's published order, T_s = 1 epoch on R×600 fresh synthetic samples, then
+     T_r = 5 real epochs; ``seq2:R`` with T_s = 2;
+   * ``mix:R``: T_r = 5 epochs over the union of R×600 fresh synthetic and the real samples;
+
+3. reports each schedule's mean (over the three models) of the best accuracy on the first
+   3,000 test images, evaluated every 4 rounds, plus a synthetic-only check: CNN-5 trained
+   10 epochs on 6,000 generated images alone.
+
+    python benchmarks/synthetic_schedule.py --kind cvae --tier tiny --gen-epochs 40 \\
+        --schedules local seq:1 seq:3 seq2:1 mix:1
+
+Results go to ``benchmarks/results/synthetic_schedule/<kind>-<tier>-e<epochs>-wd<wd>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, text_table
+
+from fedge.edge.data.datasets import load_dataset
+from fedge.edge.data.partition import iid_fraction
+from fedge.edge.generators.modules import ConditionalGenerator, build_generator
+from fedge.edge.generators.spec import GeneratorSpec
+from fedge.edge.generators.train import GeneratorTrainer, sample_dataset
+from fedge.edge.models.zoo import build_model
+from fedge.edge.training import TrainConfig, accuracy, train_epochs
+
+DEVICES = ((0, "cnn1"), (4, "cnn5"), (7, "cnn8"))  # (device index, architecture)
+
+
+def parse_schedule(text: str) -> tuple[str, int, float]:
+    """``local`` | ``seq:R`` | ``seqK:R`` | ``mix:R`` -> (mode, synthetic epochs, ratio)."""
+    if text == "local":
+        return "local", 0, 0.0
+    mode, _, ratio = text.partition(":")
+    try:
+        r = float(ratio)
+    except ValueError:
+        raise SystemExit(f"bad schedule {text!r}: expected local, seq:R, seqK:R or mix:R") from None
+    if mode == "mix":
+        return "mix", 0, r
+    if mode.startswith("seq") and (mode[3:] == "" or mode[3:].isdigit()):
+        return "seq", int(mode[3:] or 1), r
+    raise SystemExit(f"bad schedule {text!r}: expected local, seq:R, seqK:R or mix:R")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kind", choices=["cvae", "dcgan"], default="cvae")
+    ap.add_argument("--tier", choices=["tiny", "small", "paper"], default="tiny")
+    ap.add_argument("--gen-epochs", type=int, default=40)
+    ap.add_argument("--weight-decay", type=float, default=None, help="generator weight decay (default: published)")
+    ap.add_argument("--schedules", nargs="+", default=["local", "seq:1", "mix:1"])
+    ap.add_argument("--rounds", type=int, default=20)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    schedules = {s: parse_schedule(s) for s in args.schedules}
+
+    train, test = load_dataset("fmnist", train=True), load_dataset("fmnist", train=False)
+    parts = iid_fraction(train.y, 10, 0.1, 0)
+    pool = np.concatenate(parts)
+    mean, std = float(train.norm.mean), float(train.norm.std)
+    gen = build_generator(GeneratorSpec(args.kind, (1, 32, 32), tier=args.tier, num_classes=10), seed=0)
+    trainer = GeneratorTrainer(gen, weight_decay=args.weight_decay)
+    t0 = time.perf_counter()
+    gen_loss = trainer.fit(np.clip(train.x[pool] * std + mean, 0, 1).astype(np.float32), train.y[pool],
+                           epochs=args.gen_epochs, batch_size=64, rng=np.random.default_rng(0),
+                           gen=torch.Generator().manual_seed(0))
+    gen_seconds = time.perf_counter() - t0
+    x_test, y_test = test.x[:3000], test.y[:3000]
+    cfg = TrainConfig()
+
+    def synthetic(g: ConditionalGenerator, n: int, tg: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+        xs, ys = sample_dataset(g, n, np.arange(10), tg)
+        return ((xs - mean) / std).astype(np.float32), ys
+
+    probe = build_model("cnn5", seed=0)
+    xs, ys = synthetic(gen, 6000, torch.Generator().manual_seed(0))
+    train_epochs(probe, xs, ys, cfg, np.random.default_rng(0), epochs=10)
+    synthetic_only = accuracy(probe, x_test, y_test)
+
+    results: dict[str, Any] = {}
+    for name, (mode, syn_epochs, ratio) in schedules.items():
+        t0 = time.perf_counter()
+        best = []
+        for idx, arch in DEVICES:
+            model = build_model(arch, seed=0)
+            rng, tg = np.random.default_rng(1), torch.Generator().manual_seed(1)
+            x, y = train.x[parts[idx]], train.y[parts[idx]]
+            top = 0.0
+            for rnd in range(args.rounds):
+                if mode == "local":
+                    train_epochs(model, x, y, cfg, rng)
+                else:
+                    xs, ys = synthetic(gen, round(ratio * len(y)), tg)
+                    if mode == "seq":
+                        train_epochs(model, xs, ys, cfg, rng, epochs=syn_epochs)
+                        train_epochs(model, x, y, cfg, rng)
+                    else:
+                        train_epochs(model, np.concatenate([xs, x]), np.concatenate([ys, y]), cfg, rng)
+                if rnd % 4 == 3:
+                    top = max(top, accuracy(model, x_test, y_test))
+            best.append(top)
+        results[name] = {"per_model_best": dict(zip([a for _, a in DEVICES], best, strict=True)),
+                         "mean_best": float(np.mean(best)), "seconds": time.perf_counter() - t0}
+        print(f"{name}: {np.round(best, 3).tolist()} mean {np.mean(best):.4f}", flush=True)
+
+    wd = "pub" if args.weight_decay is None else f"{args.weight_decay:g}"
+    out = {"kind": args.kind, "tier": args.tier, "gen_epochs": args.gen_epochs, "weight_decay": wd,
+           "gen_loss": gen_loss, "gen_seconds": gen_seconds, "synthetic_only_cnn5": synthetic_only,
+           "rounds": args.rounds, "schedules": results}
+    path = RESULTS / "synthetic_schedule" / f"{args.kind}-{args.tier}-e{args.gen_epochs}-wd{wd}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    local = results.get("local", {}).get("mean_best")
+    rows = [[k, f"{100 * v['mean_best']:.2f}", f"{100 * (v['mean_best'] - local):+.2f}" if local else "-"]
+            for k, v in results.items()]
+    print(f"{args.kind}/{args.tier}, {args.gen_epochs} pooled epochs: synthetic-only CNN-5 "
+          f"{100 * synthetic_only:.1f} %")
+    print(text_table(["schedule", "mean best acc (%)", "vs local"], rows))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
