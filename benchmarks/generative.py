@@ -16,14 +16,13 @@ generative section of ``docs/results.md``.
 3. ``table3``: uplink bytes per device per round and final accuracy of every method at
    fp32 / fp16 / int8 upload precision (the table-1 fleet, shortened schedules).
 
-Budget schedule (default): image generators at the "tiny" tier, the feature generator at
-"small", 30 generator rounds instead of the published 100; ``--published`` uses the published
-round counts and the "small" image tier; ``--quick`` 10 generator / 5 warm-up / 20 training
-rounds. Measured on the shared 2-core machine (quick schedule, one process per cell, torch
-single-threaded): FedAvg 6.4 min, GeFL-CVAE 11.5, GeFL-DCGAN 13.6, GeFL-F 10.4, FedVTC 34.8.
-Extrapolated, one seed of the budget schedule takes ~3.4 h in one process, so the 3-seed table 1
-needs ~5 h with two processes on an idle machine — FedVTC (decoder + DM + fine-tuning every
-round) dominates; its ``generator_tier = "tiny"`` or fewer rounds are the levers.
+Budget schedule (default; see ``table1_methods``): image generators at the "tiny" tier, the
+feature generator at "small", 30 generator rounds of 10 local epochs, FedVTC's decoder at "tiny"
+trained once per round. ``--published`` uses the published round counts and the "small" image
+tier; ``--quick`` 10 generator / 5 warm-up / 20 training rounds. Cell wall times measured with
+seed 0 while 2-3 cells shared the 2 cores (so upper bounds): FedAvg 7.2 min, LG-FedAvg 7.0,
+GeFL-CVAE 18.8, GeFL-CVAE without extractor averaging 28.3 (three processes), GeFL-F 24.0,
+FedVTC 15.8. Generator rounds cost no evaluation (the model is unchanged; evaluation is cached).
 
     python benchmarks/generative.py table1                  # all methods, seeds 0 1 2
     python benchmarks/generative.py table1 --seeds 0 --methods gefl-cvae fedvtc
@@ -94,6 +93,9 @@ def table1_methods(published: bool, quick: bool = False) -> dict[str, Method]:
         Method("fedavg", "FedAvg within group", "fedavg", {}, train),
         Method("lgfedavg", "LG-FedAvg", "lgfedavg", {}, train),
         Method("gefl-cvae", f"GeFL, CVAE ({img_tier})", "gefl", {"generator": "cvae", **gen}, gen_r + train),
+        # The same without averaging the common extractor (FedAvg within the group under the generator).
+        Method("gefl-cvae-noavg", f"GeFL, CVAE ({img_tier}), avg_extractor = false", "gefl",
+               {"generator": "cvae", **gen, "avg_extractor": False}, gen_r + train),
         Method("gefl-dcgan", f"GeFL, DCGAN ({img_tier})", "gefl",
                {"generator": "dcgan", **gen, "train_generator_in_target": published}, gen_r + train),
         Method("geflf-cvae", "GeFL-F, CVAE-F (small)", "geflf",
