@@ -33,8 +33,10 @@ from fedge.profiles.planner import (
 
 # Peak-RSS growth / estimate over the planner's batches (8-64), torch 2.14 on x86_64, one thread,
 # on a loaded 2-core machine: 0.84-0.99 for tier-xl, 0.96-0.99 for tier-m at batch 8, 1.02-1.13 for
-# tier-xs (its small-channel convs allocate im2col buffers the formula does not count). Stated tolerance:
-RSS_TOLERANCE = (0.75, 1.25)
+# tier-xs (its small-channel convs allocate im2col buffers the formula does not count). Another boot
+# of the same machine type measured about 10 MiB less for both (0.71-0.74 for tier-xs, 0.69-0.75 for
+# tier-xl at batch 64): the runtime's fixed workspace differs between machines. Stated tolerance:
+RSS_TOLERANCE = (0.6, 1.25)
 # Saved activations / activation_elems x batch: 0.86 (xs) to 0.91 (xl): in-place ReLU shares BN's output.
 SAVED_TOLERANCE = (0.8, 1.0)
 
