@@ -140,6 +140,7 @@ def test_evaluation_is_cached_until_the_model_changes(monkeypatch: pytest.Monkey
     bn = method.ctx.model.extractor[1]
     assert isinstance(bn, torch.nn.BatchNorm2d) and bn.running_mean is not None
     bn.running_mean.add_(0.5)
+    assert method._eval_cache is not None
     assert base.state_digest(method.ctx.model) != method._eval_cache[0]
     second = method.evaluate()
     assert len(passes) == 4

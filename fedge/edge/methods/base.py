@@ -56,6 +56,7 @@ class DeviceMethod(ABC):
 
     def __init__(self, ctx: DeviceContext) -> None:
         self.ctx = ctx
+        self._eval_cache: tuple[bytes, dict[str, float]] | None = None  # (state digest, metrics)
         torch.manual_seed(ctx.seed)
 
     def needed_artifacts(self, info: RoundInfo) -> list[str]:
@@ -77,9 +78,8 @@ class DeviceMethod(ABC):
         """
         ctx = self.ctx
         digest = state_digest(ctx.model)
-        cached = getattr(self, "_eval_cache", None)
-        if cached is not None and cached[0] == digest:
-            return dict(cached[1])
+        if self._eval_cache is not None and self._eval_cache[0] == digest:
+            return dict(self._eval_cache[1])
         out = {"acc_local": accuracy(ctx.model, ctx.local_test.x, ctx.local_test.y)}
         if ctx.global_test is not None:
             out["acc_global"] = accuracy(ctx.model, ctx.global_test.x, ctx.global_test.y)

@@ -13,10 +13,10 @@ No official code exists; this follows the method as described (see
   aggregate, generate, fine-tune).
 * ``train_round``: ``local_epochs`` alternations of one model epoch (cross-entropy
   + the KL term pulling class-y features toward N(c^y, σ²); ``kl = false``
-  removes it) and one decoder epoch (in the last ``decoder_epochs`` alternations;
-  default all) (reconstruction ‖ψ_k(g_k(x) + σ_k ⊙ ε) − x‖²
-  + distribution matching on latents drawn from the global distribution;
-  ``dm = false`` removes it). Model and decoder never train in the same step.
+  removes it), each of the last ``decoder_epochs`` (default: all) followed by one
+  decoder epoch: reconstruction ‖ψ_k(g_k(x) + σ_k ⊙ ε) − x‖² + distribution
+  matching on latents drawn from the global distribution (``dm = false`` removes
+  it). Model and decoder never train in the same step.
 * Upload: per-class feature means (C, p), the within-class σ_k (p,) and class
   counts (C,) — nothing else.
 
@@ -260,9 +260,11 @@ class FedVTCDevice(DeviceMethod):
         for i in range(self.alternations):
             losses.append(train_epochs(ctx.model, ctx.train.x, ctx.train.y, one_epoch, ctx.rng, extra_loss=extra))
             if i >= self.alternations - self.decoder_epochs:
-                self._refresh_local_sigma()
+                stats = self._refresh_local_sigma()
                 dec_losses.append(self._decoder_epoch())
-        protos, sigma, counts = self._refresh_local_sigma()
+        # The last alternation always ends with a decoder epoch, which leaves the model (weights and
+        # BN statistics, in eval mode) untouched: the statistics computed before it are the upload.
+        protos, sigma, counts = stats
         return ({"protos": protos, "sigma": sigma, "counts": counts},
                 {"loss": float(np.mean(losses)), "dec_loss": float(np.mean(dec_losses))})
 
