@@ -22,15 +22,27 @@ data, so this script:
     python benchmarks/synthetic_schedule.py --kind cvae --tier tiny --gen-epochs 40 \\
         --schedules local seq:1 seq:3 seq2:1 mix:1
 
-Results go to ``benchmarks/results/synthetic_schedule/<kind>-<tier>-e<epochs>-wd<wd>.json``.
+``--level feature`` is the same proxy for GeFL-F: a stem (the 3×16×16 extractor every CNN-K
+shares) is trained for 5 epochs on the pooled images and frozen, as GeFL-F's warm-up would leave
+it; the generator (CVAE-F, DCGAN-F or DDPM-F) trains on its pooled features; each device then
+trains only its head (``FedgeNet.from_stem``) on features. ``local`` there is GeFL-F without a
+generator. DDPM samples with ``--ddpm-steps`` DDIM steps and guidance ``--ddpm-guidance``.
+
+    python benchmarks/synthetic_schedule.py --level feature --kind ddpm --tier small \
+        --gen-epochs 40 --schedules local seq:1
+
+Results go to ``benchmarks/results/synthetic_schedule/<kind>-<tier>-e<epochs>-wd<wd>.json``
+(``feature-`` prefixed at the feature level).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +54,12 @@ from common import RESULTS, text_table
 
 from fedge.edge.data.datasets import load_dataset
 from fedge.edge.data.partition import iid_fraction
-from fedge.edge.generators.modules import ConditionalGenerator, build_generator
+from fedge.edge.generators.modules import ConditionalDDPM, ConditionalGenerator, build_generator
 from fedge.edge.generators.spec import GeneratorSpec
 from fedge.edge.generators.train import GeneratorTrainer, sample_dataset
-from fedge.edge.models.zoo import build_model
+from fedge.edge.methods.base import load_arrays, model_arrays
+from fedge.edge.methods.geflf import stem_features
+from fedge.edge.models.zoo import EXTRACTOR, FedgeNet, build_model
 from fedge.edge.training import TrainConfig, accuracy, train_epochs
 
 DEVICES = ((0, "cnn1"), (4, "cnn5"), (7, "cnn8"))  # (device index, architecture)
@@ -69,10 +83,14 @@ def parse_schedule(text: str) -> tuple[str, int, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kind", choices=["cvae", "dcgan"], default="cvae")
+    ap.add_argument("--kind", choices=["cvae", "dcgan", "ddpm"], default="cvae")
+    ap.add_argument("--level", choices=["image", "feature"], default="image")
+    ap.add_argument("--ddpm-steps", type=int, default=20)
+    ap.add_argument("--ddpm-guidance", type=float, default=0.0)
     ap.add_argument("--tier", choices=["tiny", "small", "paper"], default="tiny")
     ap.add_argument("--gen-epochs", type=int, default=40)
     ap.add_argument("--weight-decay", type=float, default=None, help="generator weight decay (default: published)")
+    ap.add_argument("--gen-lr", type=float, default=None, help="generator learning rate (default: the kind's)")
     ap.add_argument("--schedules", nargs="+", default=["local", "seq:1", "mix:1"])
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
@@ -83,23 +101,50 @@ def main() -> int:
     parts = iid_fraction(train.y, 10, 0.1, 0)
     pool = np.concatenate(parts)
     mean, std = float(train.norm.mean), float(train.norm.std)
-    gen = build_generator(GeneratorSpec(args.kind, (1, 32, 32), tier=args.tier, num_classes=10), seed=0)
-    trainer = GeneratorTrainer(gen, weight_decay=args.weight_decay)
-    t0 = time.perf_counter()
-    gen_loss = trainer.fit(np.clip(train.x[pool] * std + mean, 0, 1).astype(np.float32), train.y[pool],
-                           epochs=args.gen_epochs, batch_size=64, rng=np.random.default_rng(0),
-                           gen=torch.Generator().manual_seed(0))
-    gen_seconds = time.perf_counter() - t0
     x_test, y_test = test.x[:3000], test.y[:3000]
     cfg = TrainConfig()
+    feature = args.level == "feature"
+    stem: FedgeNet | None = None
+    if feature:  # the frozen common extractor GeFL-F's warm-up would leave: here trained on the pool
+        stem = build_model("cnn5", seed=0)
+        train_epochs(stem, train.x[pool], train.y[pool], cfg, np.random.default_rng(0), epochs=5)
+        gen_x = stem_features(stem, train.x[pool])
+    else:
+        gen_x = np.clip(train.x[pool] * std + mean, 0, 1).astype(np.float32)
+    gen = build_generator(GeneratorSpec(args.kind, tuple(gen_x.shape[1:]), tier=args.tier, num_classes=10), seed=0)
+    if isinstance(gen, ConditionalDDPM):
+        gen.sample_steps, gen.guidance = args.ddpm_steps, args.ddpm_guidance
+    trainer = GeneratorTrainer(gen, lr=args.gen_lr, weight_decay=args.weight_decay)
+    t0 = time.perf_counter()
+    gen_loss = trainer.fit(gen_x, train.y[pool], epochs=args.gen_epochs, batch_size=64,
+                           rng=np.random.default_rng(0), gen=torch.Generator().manual_seed(0))
+    gen_seconds = time.perf_counter() - t0
 
     def synthetic(g: ConditionalGenerator, n: int, tg: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
         xs, ys = sample_dataset(g, n, np.arange(10), tg)
-        return ((xs - mean) / std).astype(np.float32), ys
+        return (xs if feature else ((xs - mean) / std)).astype(np.float32), ys
 
-    probe = build_model("cnn5", seed=0)
+    def target(arch: str) -> tuple[FedgeNet, Callable[..., float], Callable[[np.ndarray], np.ndarray]]:
+        """A device's model, its training function and the map from images to its training inputs."""
+        model = build_model(arch, seed=0)
+        if stem is None:
+            return model, functools.partial(train_epochs, model), lambda x: x
+        load_arrays(model, model_arrays(stem, [EXTRACTOR]))
+        heads = [p for n, p in model.named_parameters() if not n.startswith(EXTRACTOR)]
+
+        def fwd(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = model.from_stem(z)
+            return logits, logits
+
+        return (model, functools.partial(train_epochs, model, params=heads, forward=fwd),
+                lambda x: stem_features(model, x))
+
+    probe, probe_train, _ = target("cnn5")
     xs, ys = synthetic(gen, 6000, torch.Generator().manual_seed(0))
-    train_epochs(probe, xs, ys, cfg, np.random.default_rng(0), epochs=10)
+    t0 = time.perf_counter()
+    _ = sample_dataset(gen, 600, np.arange(10), torch.Generator().manual_seed(0))
+    sample_seconds_600 = time.perf_counter() - t0
+    probe_train(xs, ys, cfg, np.random.default_rng(0), epochs=10)
     synthetic_only = accuracy(probe, x_test, y_test)
 
     results: dict[str, Any] = {}
@@ -107,20 +152,20 @@ def main() -> int:
         t0 = time.perf_counter()
         best = []
         for idx, arch in DEVICES:
-            model = build_model(arch, seed=0)
+            model, fit, inputs = target(arch)
             rng, tg = np.random.default_rng(1), torch.Generator().manual_seed(1)
-            x, y = train.x[parts[idx]], train.y[parts[idx]]
+            x, y = inputs(train.x[parts[idx]]), train.y[parts[idx]]
             top = 0.0
             for rnd in range(args.rounds):
                 if mode == "local":
-                    train_epochs(model, x, y, cfg, rng)
+                    fit(x, y, cfg, rng)
                 else:
                     xs, ys = synthetic(gen, round(ratio * len(y)), tg)
                     if mode == "seq":
-                        train_epochs(model, xs, ys, cfg, rng, epochs=syn_epochs)
-                        train_epochs(model, x, y, cfg, rng)
+                        fit(xs, ys, cfg, rng, epochs=syn_epochs)
+                        fit(x, y, cfg, rng)
                     else:
-                        train_epochs(model, np.concatenate([xs, x]), np.concatenate([ys, y]), cfg, rng)
+                        fit(np.concatenate([xs, x]), np.concatenate([ys, y]), cfg, rng)
                 if rnd % 4 == 3:
                     top = max(top, accuracy(model, x_test, y_test))
             best.append(top)
@@ -129,17 +174,24 @@ def main() -> int:
         print(f"{name}: {np.round(best, 3).tolist()} mean {np.mean(best):.4f}", flush=True)
 
     wd = "pub" if args.weight_decay is None else f"{args.weight_decay:g}"
-    out = {"kind": args.kind, "tier": args.tier, "gen_epochs": args.gen_epochs, "weight_decay": wd,
-           "gen_loss": gen_loss, "gen_seconds": gen_seconds, "synthetic_only_cnn5": synthetic_only,
+    out = {"level": args.level, "kind": args.kind, "tier": args.tier, "gen_epochs": args.gen_epochs,
+           "weight_decay": wd, "gen_lr": args.gen_lr, "gen_params": gen.spec.num_params(), "gen_loss": gen_loss,
+           "gen_seconds": gen_seconds,
+           "sample_seconds_600": sample_seconds_600, "synthetic_only_cnn5": synthetic_only,
            "rounds": args.rounds, "schedules": results}
-    path = RESULTS / "synthetic_schedule" / f"{args.kind}-{args.tier}-e{args.gen_epochs}-wd{wd}.json"
+    if args.kind == "ddpm":
+        out["ddpm"] = {"steps": args.ddpm_steps, "guidance": args.ddpm_guidance}
+    name = f"{args.kind}-{args.tier}-e{args.gen_epochs}-wd{wd}" + (f"-lr{args.gen_lr:g}" if args.gen_lr else "")
+    if args.kind == "ddpm":
+        name += f"-s{args.ddpm_steps}-w{args.ddpm_guidance:g}"
+    path = RESULTS / "synthetic_schedule" / f"{'feature-' if feature else ''}{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     local = results.get("local", {}).get("mean_best")
     rows = [[k, f"{100 * v['mean_best']:.2f}", f"{100 * (v['mean_best'] - local):+.2f}" if local else "-"]
             for k, v in results.items()]
-    print(f"{args.kind}/{args.tier}, {args.gen_epochs} pooled epochs: synthetic-only CNN-5 "
-          f"{100 * synthetic_only:.1f} %")
+    print(f"{args.level} {args.kind}/{args.tier}, {args.gen_epochs} pooled epochs ({gen_seconds:.0f} s; 600 samples "
+          f"in {sample_seconds_600:.1f} s): synthetic-only CNN-5 {100 * synthetic_only:.1f} %")
     print(text_table(["schedule", "mean best acc (%)", "vs local"], rows))
     print(f"wrote {path}")
     return 0

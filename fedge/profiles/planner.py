@@ -79,7 +79,7 @@ class GeneratorAllowance:
     what: str
 
 
-# The largest generator of each tier over every kind (CVAE, DCGAN, VTC) and level
+# The largest generator of each tier over every kind (CVAE, DCGAN, DDPM-F, VTC) and level
 # (1x32x32 images, 3x16x16 features), rounded up: parameters from the CVAE on images,
 # saved activations from the DCGAN on images (generator and discriminator). A test
 # recomputes both from fedge.edge.generators, so the allowance cannot fall behind.

@@ -25,7 +25,7 @@ class GeFLFStrategy(Strategy):
 
     def __init__(self, config: dict[str, Any], *, num_classes: int, rounds: int) -> None:
         super().__init__(config, num_classes=num_classes, rounds=rounds)
-        kind = generator_kind(config)
+        kind = generator_kind(config, "feature")
         self.warmup_rounds = cfg_int(config, "warmup_rounds", 20)
         self.gen_rounds = cfg_int(config, "gen_rounds", 100)
         if self.warmup_rounds + self.gen_rounds >= rounds:

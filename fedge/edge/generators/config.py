@@ -6,7 +6,8 @@ from typing import Any
 
 from fedge.errors import ConfigError
 
-GEFL_GENERATORS = ("cvae", "dcgan")
+GEFL_GENERATORS = ("cvae", "dcgan")  # image level (GeFL)
+GEFLF_GENERATORS = ("cvae", "dcgan", "ddpm")  # feature level (GeFL-F): DDPM-F too
 
 
 def cfg_bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
@@ -33,10 +34,12 @@ def cfg_float(cfg: dict[str, Any], key: str, default: float, minimum: float = 0.
     return float(v)
 
 
-def generator_kind(cfg: dict[str, Any]) -> str:
-    """``[method] generator`` of GeFL / GeFL-F (default "cvae")."""
+def generator_kind(cfg: dict[str, Any], level: str = "image") -> str:
+    """``[method] generator`` of GeFL (``level = "image"``) or GeFL-F (``"feature"``), default "cvae"."""
     kind = cfg.get("generator", "cvae")
-    if kind not in GEFL_GENERATORS:
-        raise ConfigError(f"[method] generator must be one of {', '.join(GEFL_GENERATORS)}, got {kind!r}",
-                          hint="DDPM is not implemented in fedge")
+    allowed = GEFLF_GENERATORS if level == "feature" else GEFL_GENERATORS
+    if kind not in allowed:
+        hint = ("fedge's DDPM is feature-level only (DDPM-F): use method = \"geflf\""
+                if kind == "ddpm" else f"use one of {', '.join(allowed)}")
+        raise ConfigError(f"[method] generator must be one of {', '.join(allowed)}, got {kind!r}", hint=hint)
     return str(kind)

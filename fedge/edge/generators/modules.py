@@ -8,13 +8,14 @@ as non-negative maps (ReLU, like the stem's own ReLU + max-pool output).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from typing import Any
 
 import torch
 from torch import nn
 
-from fedge.edge.generators.spec import GeneratorSpec
+from fedge.edge.generators.spec import DDPM_TRAIN_STEPS, GeneratorSpec, gn_groups
 from fedge.errors import CheckpointError
 
 
@@ -160,6 +161,152 @@ class ConditionalDCGAN(ConditionalGenerator):
         return self.generate(z, labels)
 
 
+def cosine_alpha_bar(steps: int) -> torch.Tensor:
+    """ᾱ_t of the cosine noise schedule (Nichol & Dhariwal 2021), betas clipped at 0.999, (steps,)."""
+    t = torch.linspace(0, steps, steps + 1, dtype=torch.float64) / steps
+    f = torch.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
+    ab = f[1:] / f[0]
+    betas = (1 - ab / torch.cat([torch.ones(1, dtype=ab.dtype), ab[:-1]])).clamp(max=0.999)
+    return torch.cumprod(1 - betas, 0).float()
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """(B,) integer steps -> (B, dim) sinusoidal embedding (Transformer / DDPM style)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=torch.float32) / max(half, 1))
+    args = t.float()[:, None] * freqs[None]
+    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=1)
+    return nn.functional.pad(emb, (0, dim - 2 * half))
+
+
+class _ResBlock(nn.Module):
+    """GroupNorm-SiLU-conv twice, with the time + class embedding added in between."""
+
+    def __init__(self, cin: int, cout: int, emb: int) -> None:
+        super().__init__()
+        self.n1 = nn.GroupNorm(gn_groups(cin), cin)
+        self.c1 = nn.Conv2d(cin, cout, 3, 1, 1)
+        self.emb = nn.Linear(emb, cout)
+        self.n2 = nn.GroupNorm(gn_groups(cout), cout)
+        self.c2 = nn.Conv2d(cout, cout, 3, 1, 1)
+        self.skip: nn.Module = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        h = self.c1(nn.functional.silu(self.n1(x))) + self.emb(e)[:, :, None, None]
+        return self.skip(x) + self.c2(nn.functional.silu(self.n2(h)))
+
+
+class _RunningNorm(nn.Module):
+    """Per-channel running mean and variance of the training data (like BN's, momentum 0.1).
+
+    Buffers, not weights: they are uploaded and averaged with the generator exactly as BN
+    statistics are, so every device maps samples back to the same scale.
+    """
+
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+
+    def __init__(self, channels: int, momentum: float = 0.1) -> None:
+        super().__init__()
+        self.momentum = momentum
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        self.running_mean.lerp_(x.mean(dim=(0, 2, 3)), self.momentum)
+        self.running_var.lerp_(x.var(dim=(0, 2, 3), unbiased=False), self.momentum)
+
+    def _stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.running_mean[:, None, None], torch.sqrt(self.running_var + 1e-5)[:, None, None]
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats()
+        return (x - mean) / std
+
+    def denormalize(self, x: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats()
+        return x * std + mean
+
+
+class ConditionalDDPM(ConditionalGenerator):
+    """Class-conditional DDPM with classifier-free guidance (GeFL's DDPM, used as DDPM-F).
+
+    Trained with the ε-prediction loss on the cosine schedule, the label replaced by the
+    "no label" token with probability ``p_uncond`` (classifier-free guidance, Ho & Salimans
+    2022). Sampled with deterministic DDIM over ``sample_steps`` evenly spaced steps and
+    guidance weight ``guidance`` (GeFL's w: ε = (1 + w) ε(x, y) − w ε(x, ∅); 0 is purely
+    conditional and needs one denoiser pass per step, any other value two). Both are
+    sampling settings, not architecture: the device sets them from ``[method] ddpm_steps``
+    and ``ddpm_guidance``.
+    """
+
+    alpha_bar: torch.Tensor
+
+    def __init__(self, spec: GeneratorSpec) -> None:
+        super().__init__(spec)
+        w, c, k = spec.base_width, spec.out_shape[0], spec.num_classes
+        emb = 4 * w
+        self.data_norm = _RunningNorm(c)
+        self.t_mlp = nn.Sequential(nn.Linear(w, emb), nn.SiLU(), nn.Linear(emb, emb))
+        self.y_emb = nn.Embedding(k + 1, emb)
+        # A learned map per class, fed in as extra input channels: convolutions are translation
+        # equivariant, so a channel-wise embedding alone cannot say *where* a class's features are.
+        self.y_map = nn.Embedding(k + 1, c * spec.side * spec.side)
+        self.inc = nn.Conv2d(2 * c, w, 3, 1, 1)
+        self.down = nn.Conv2d(w, 2 * w, 4, 2, 1)
+        self.mid1 = _ResBlock(2 * w, 2 * w, emb)
+        self.mid2 = _ResBlock(2 * w, 2 * w, emb)
+        self.up = nn.ConvTranspose2d(2 * w, w, 4, 2, 1)
+        self.out_block = _ResBlock(2 * w, w, emb)
+        self.out_norm = nn.GroupNorm(gn_groups(w), w)
+        self.out = nn.Conv2d(w, c, 3, 1, 1)
+        self.register_buffer("alpha_bar", cosine_alpha_bar(DDPM_TRAIN_STEPS), persistent=False)
+        self.p_uncond = 0.1
+        self.sample_steps = 20
+        self.guidance = 0.0
+
+    def eps(self, x_t: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Predicted noise of ``x_t`` (B, C, S, S) at steps ``t`` (B,) for labels ``y`` (B,; k = none)."""
+        e = self.t_mlp(timestep_embedding(t, self.spec.base_width)) + self.y_emb(y)
+        h0 = self.inc(torch.cat([x_t, self.y_map(y).view_as(x_t)], dim=1))
+        h = self.mid2(self.mid1(self.down(nn.functional.silu(h0)), e), e)
+        h = self.out_block(torch.cat([self.up(h), h0], dim=1), e)
+        return self.out(nn.functional.silu(self.out_norm(h)))
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
+        """The mean squared ε-prediction error on a batch (updates the running data statistics)."""
+        self.data_norm.update(x)
+        x0 = self.data_norm.normalize(x)
+        t = torch.randint(0, len(self.alpha_bar), (len(x),), generator=gen)
+        noise = torch.randn(x0.shape, generator=gen)
+        ab = self.alpha_bar[t][:, None, None, None]
+        x_t = ab.sqrt() * x0 + (1 - ab).sqrt() * noise
+        drop = torch.rand(len(x), generator=gen) < self.p_uncond
+        y_in = torch.where(drop, torch.full_like(y, self.spec.num_classes), y.long())
+        return nn.functional.mse_loss(self.eps(x_t, t, y_in), noise)
+
+    @torch.no_grad()
+    def sample(self, labels: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
+        n, steps = len(labels), max(1, self.sample_steps)
+        ts = torch.linspace(len(self.alpha_bar) - 1, 0, steps).round().long()
+        x = torch.randn((n, *self.spec.out_shape), generator=gen)
+        x0 = x
+        null = torch.full((n,), self.spec.num_classes, dtype=torch.long)
+        for i, t in enumerate(ts):
+            tt = t.expand(n)
+            eps = self.eps(x, tt, labels.long())
+            if self.guidance:
+                eps = (1 + self.guidance) * eps - self.guidance * self.eps(x, tt, null)
+            ab = self.alpha_bar[t]
+            ab_prev = self.alpha_bar[ts[i + 1]] if i + 1 < steps else torch.tensor(1.0)
+            # Clipping x̂_0 keeps the few-step DDIM path from overshooting (the usual practice).
+            x0 = ((x - (1 - ab).sqrt() * eps) / ab.sqrt()).clamp(-5.0, 5.0)
+            x = ab_prev.sqrt() * x0 + (1 - ab_prev).sqrt() * eps
+        out = self.data_norm.denormalize(x0)
+        return out.clamp(0.0, 1.0) if self.spec.out_shape[0] == 1 else torch.relu(out)
+
+
 class VTCDecoder(ConditionalGenerator):
     """FedVTC's decoder ψ: a latent v ∈ R^p (a feature-space point) -> an image.
 
@@ -188,7 +335,8 @@ class VTCDecoder(ConditionalGenerator):
         raise TypeError("a VTC decoder samples from latents: call it on v = c^y + σ ⊙ ε")
 
 
-_KINDS: dict[str, type[ConditionalGenerator]] = {"cvae": CVAE, "dcgan": ConditionalDCGAN, "vtc": VTCDecoder}
+_KINDS: dict[str, type[ConditionalGenerator]] = {
+    "cvae": CVAE, "dcgan": ConditionalDCGAN, "ddpm": ConditionalDDPM, "vtc": VTCDecoder}
 
 
 def build_generator(spec: GeneratorSpec | dict[str, Any], *, seed: int | None = None) -> ConditionalGenerator:

@@ -23,6 +23,21 @@ doubles the side), as in the GeFL code:
   strided conv, concatenated, strided convs with BN doubling the channels down
   to 4×4, then ``Conv(·→1, 4, 1, 0)``. With ``w = 128`` and 1×32×32 this is the
   published GeFL DCGAN (≈ 3.1 M + 2.6 M parameters, noise 100).
+* ``ddpm``: a class-conditional denoising diffusion model with classifier-free
+  guidance (GeFL's DDPM; GeFL-F's DDPM-F), **feature level only** (3×16×16 and
+  other small maps; at 32×32 its full-resolution activations would exceed the
+  tiers' memory allowances). Denoiser: a two-level U-Net — ``Conv3×3(2C → w)`` on
+  the noisy sample and a learned per-class map of the same shape (convolutions
+  alone cannot place class-specific structure),
+  a strided conv down to S/2 with ``2w`` channels, two residual blocks there,
+  a transposed conv back up, concatenated with the first conv's output, one
+  residual block to ``w`` and ``Conv3×3(w → C)``; residual blocks are GroupNorm,
+  SiLU, 3×3 conv, plus a projection of the time + class embedding (``4w``).
+  Per-channel running mean and variance of the data (``data_norm``, averaged
+  like BN statistics) map samples to and from the unit scale the diffusion assumes.
+  GeFL publishes no DDPM-F size; ``paper`` is fedge's choice (w = 32), ``small``
+  and ``tiny`` are ¼ and ⅛ of it, which keeps their saved activations (≈ 5.3k × w
+  per sample, mostly at full resolution) within the tiers' memory allowances.
 * ``vtc``: FedVTC's variational transposed-convolution decoder ψ:
   ``Linear(p → 4w·4·4)``, then transposed convs with BN+ReLU up to the image.
   FedVTC publishes no sizes; ``paper`` is fedge's choice (w = 64).
@@ -40,7 +55,7 @@ from typing import Any
 from fedge.common.archs import trainable_params
 from fedge.errors import ConfigError
 
-GENERATOR_KINDS: tuple[str, ...] = ("cvae", "dcgan", "vtc")
+GENERATOR_KINDS: tuple[str, ...] = ("cvae", "dcgan", "ddpm", "vtc")
 GENERATOR_TIERS: tuple[str, ...] = ("tiny", "small", "paper")
 DEFAULT_GENERATOR_TIER = "small"
 
@@ -48,8 +63,18 @@ DEFAULT_GENERATOR_TIER = "small"
 TIER_WIDTH: dict[str, dict[str, int]] = {
     "cvae": {"tiny": 8, "small": 16, "paper": 64},
     "dcgan": {"tiny": 16, "small": 32, "paper": 128},
+    "ddpm": {"tiny": 4, "small": 8, "paper": 32},  # sized to the tiers' activation allowances
     "vtc": {"tiny": 16, "small": 32, "paper": 64},
 }
+# The diffusion: a cosine noise schedule over this many steps (Nichol & Dhariwal 2021); sampling
+# takes a DDIM subsequence of them (``[method] ddpm_steps``).
+DDPM_TRAIN_STEPS = 1000
+DDPM_MAX_SIDE = 16  # feature maps only: see the module docstring
+
+
+def gn_groups(channels: int) -> int:
+    """GroupNorm groups of a DDPM layer: 8 when they divide the channels, else one."""
+    return 8 if channels % 8 == 0 else 1
 # Latent size: CVAE 16 (GeFL, MNIST/FMNIST), DCGAN noise 100 (GeFL); VTC's input is the feature size p.
 DEFAULT_LATENT = {"cvae": 16, "dcgan": 100}
 
@@ -80,6 +105,12 @@ class GeneratorSpec:
             raise ConfigError(
                 f"generator output {self.out_shape} is not (C, S, S) with S a power of two >= 8",
                 hint="generate 1x32x32 images or the 3x16x16 extractor output",
+            )
+        if self.kind == "ddpm" and h > DDPM_MAX_SIDE:
+            raise ConfigError(
+                f"the ddpm generator is feature-level only (at most {DDPM_MAX_SIDE}x{DDPM_MAX_SIDE}), "
+                f"got {self.out_shape}",
+                hint="use generator = \"ddpm\" with method = \"geflf\", or a cvae/dcgan generator for images",
             )
         if self.kind == "vtc" and self.latent_dim <= 0:
             raise ConfigError("a VTC decoder needs latent_dim = the model's feature size p")
@@ -133,6 +164,20 @@ class GeneratorSpec:
             shapes[f"{name}.weight"] = (cout, cin)
             shapes[f"{name}.bias"] = (cout,)
 
+        def conv_k(name: str, cin: int, cout: int, size: int) -> None:
+            shapes[f"{name}.weight"] = (cout, cin, size, size)
+            shapes[f"{name}.bias"] = (cout,)
+
+        def resblock(name: str, cin: int, cout: int, emb: int) -> None:
+            for norm, ch in (("n1", cin), ("n2", cout)):
+                shapes[f"{name}.{norm}.weight"] = (ch,)
+                shapes[f"{name}.{norm}.bias"] = (ch,)
+            conv_k(f"{name}.c1", cin, cout, 3)
+            linear(f"{name}.emb", emb, cout)
+            conv_k(f"{name}.c2", cout, cout, 3)
+            if cin != cout:
+                conv_k(f"{name}.skip", cin, cout, 1)
+
         if self.kind == "cvae":
             chans = self.cvae_channels()
             cin = c_out + k
@@ -166,6 +211,24 @@ class GeneratorSpec:
                 conv(f"disc.down.{3 * i}", down[i], down[i + 1])
                 bn(f"disc.down.{3 * i + 1}", down[i + 1])
             conv(f"disc.down.{3 * (len(down) - 1)}", down[-1], 1)
+        elif self.kind == "ddpm":
+            w = self.base_width
+            emb = 4 * w
+            shapes["data_norm.running_mean"] = (c_out,)
+            shapes["data_norm.running_var"] = (c_out,)
+            linear("t_mlp.0", w, emb)
+            linear("t_mlp.2", emb, emb)
+            shapes["y_emb.weight"] = (k + 1, emb)  # the last row is the "no label" token of guidance
+            shapes["y_map.weight"] = (k + 1, c_out * self.side * self.side)
+            conv_k("inc", 2 * c_out, w, 3)
+            conv("down", w, 2 * w)
+            resblock("mid1", 2 * w, 2 * w, emb)
+            resblock("mid2", 2 * w, 2 * w, emb)
+            conv("up", 2 * w, w, transposed=True)
+            resblock("out_block", 2 * w, w, emb)
+            shapes["out_norm.weight"] = (w,)
+            shapes["out_norm.bias"] = (w,)
+            conv_k("out", w, c_out, 3)
         else:  # vtc
             up = self.up_channels()
             linear("dec_in", self.latent, up[0] * 16)

@@ -51,7 +51,7 @@ class GeFLFDevice(GenerativeMixin, LGFedAvgDevice):
     def __init__(self, ctx: DeviceContext) -> None:
         super().__init__(ctx)
         cfg = ctx.method_config
-        self._init_generator(generator_kind(cfg), ctx.model.spec.stem_shape)
+        self._init_generator(generator_kind(cfg, "feature"), ctx.model.spec.stem_shape)
         self._feats: np.ndarray | None = None  # real stem features, valid while the extractor is frozen
 
     def _head_params(self) -> list[torch.nn.Parameter]:
