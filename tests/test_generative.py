@@ -258,7 +258,7 @@ def test_ddpm_learns_class_conditional_features() -> None:
     assert err < 0.5, err
 
 
-def test_geflf_with_ddpm_averages_the_denoiser_and_samples_features() -> None:
+def test_geflf_with_ddpm_averages_the_denoiser_and_samples_features(tmp_path) -> None:
     cfg = {"generator": "ddpm", "warmup_rounds": 1, "gen_rounds": 1, "generator_tier": "tiny", "gen_epochs": 1,
            "ddpm_steps": 5, "ddpm_guidance": 2.0}
     fleet = skewed_fleet("geflf", rounds=3, method_config=cfg, epochs=1)
@@ -273,3 +273,9 @@ def test_geflf_with_ddpm_averages_the_denoiser_and_samples_features() -> None:
     rep = fleet.engine.run_round(3)
     assert rep.phase == "head" and not rep.rejected
     assert all("syn_loss" in info for info in rep.info.values())
+    # the sample grid and checkpoint work as for the other generators
+    grids = write_sample_grids(fleet.methods(), tmp_path, per_class=2)
+    assert [g.name for g in grids] == [generator_artifact("ddpm", "tiny", "feature") + ".png"]
+    ckpt = tmp_path / "checkpoints" / "generators" / (generator_artifact("ddpm", "tiny", "feature") + ".safetensors")
+    back = load_generator(ckpt, expect=GeneratorSpec("ddpm", (3, 16, 16), tier="tiny"))
+    np.testing.assert_array_equal(model_arrays(back)["data_norm.running_var"], glob["data_norm.running_var"])
