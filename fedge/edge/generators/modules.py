@@ -292,10 +292,10 @@ class ConditionalDDPM(ConditionalGenerator):
         ts = torch.linspace(len(self.alpha_bar) - 1, 0, steps).round().long()
         x = torch.randn((n, *self.spec.out_shape), generator=gen)
         x0 = x
-        null = torch.full((n,), self.spec.num_classes, dtype=torch.long)
+        y, null = labels.long(), torch.full((n,), self.spec.num_classes, dtype=torch.long)
         for i, t in enumerate(ts):
             tt = t.expand(n)
-            eps = self.eps(x, tt, labels.long())
+            eps = self.eps(x, tt, y)
             if self.guidance:
                 eps = (1 + self.guidance) * eps - self.guidance * self.eps(x, tt, null)
             ab = self.alpha_bar[t]

@@ -71,12 +71,13 @@ TIER_WIDTH: dict[str, dict[str, int]] = {
 DDPM_TRAIN_STEPS = 1000
 DDPM_MAX_SIDE = 16  # feature maps only: see the module docstring
 
+# Latent size: CVAE 16 (GeFL, MNIST/FMNIST), DCGAN noise 100 (GeFL); VTC's input is the feature size p.
+DEFAULT_LATENT = {"cvae": 16, "dcgan": 100}
+
 
 def gn_groups(channels: int) -> int:
     """GroupNorm groups of a DDPM layer: 8 when they divide the channels, else one."""
     return 8 if channels % 8 == 0 else 1
-# Latent size: CVAE 16 (GeFL, MNIST/FMNIST), DCGAN noise 100 (GeFL); VTC's input is the feature size p.
-DEFAULT_LATENT = {"cvae": 16, "dcgan": 100}
 
 
 def _log2(n: int) -> int:
@@ -151,8 +152,8 @@ class GeneratorSpec:
         c_out = self.out_shape[0]
         k = self.num_classes
 
-        def conv(name: str, cin: int, cout: int, transposed: bool = False) -> None:
-            shapes[f"{name}.weight"] = (cin, cout, 4, 4) if transposed else (cout, cin, 4, 4)
+        def conv(name: str, cin: int, cout: int, transposed: bool = False, size: int = 4) -> None:
+            shapes[f"{name}.weight"] = (cin, cout, size, size) if transposed else (cout, cin, size, size)
             shapes[f"{name}.bias"] = (cout,)
 
         def bn(name: str, ch: int) -> None:
@@ -164,19 +165,15 @@ class GeneratorSpec:
             shapes[f"{name}.weight"] = (cout, cin)
             shapes[f"{name}.bias"] = (cout,)
 
-        def conv_k(name: str, cin: int, cout: int, size: int) -> None:
-            shapes[f"{name}.weight"] = (cout, cin, size, size)
-            shapes[f"{name}.bias"] = (cout,)
-
         def resblock(name: str, cin: int, cout: int, emb: int) -> None:
             for norm, ch in (("n1", cin), ("n2", cout)):
                 shapes[f"{name}.{norm}.weight"] = (ch,)
                 shapes[f"{name}.{norm}.bias"] = (ch,)
-            conv_k(f"{name}.c1", cin, cout, 3)
+            conv(f"{name}.c1", cin, cout, size=3)
             linear(f"{name}.emb", emb, cout)
-            conv_k(f"{name}.c2", cout, cout, 3)
+            conv(f"{name}.c2", cout, cout, size=3)
             if cin != cout:
-                conv_k(f"{name}.skip", cin, cout, 1)
+                conv(f"{name}.skip", cin, cout, size=1)
 
         if self.kind == "cvae":
             chans = self.cvae_channels()
@@ -220,7 +217,7 @@ class GeneratorSpec:
             linear("t_mlp.2", emb, emb)
             shapes["y_emb.weight"] = (k + 1, emb)  # the last row is the "no label" token of guidance
             shapes["y_map.weight"] = (k + 1, c_out * self.side * self.side)
-            conv_k("inc", 2 * c_out, w, 3)
+            conv("inc", 2 * c_out, w, size=3)
             conv("down", w, 2 * w)
             resblock("mid1", 2 * w, 2 * w, emb)
             resblock("mid2", 2 * w, 2 * w, emb)
@@ -228,7 +225,7 @@ class GeneratorSpec:
             resblock("out_block", 2 * w, w, emb)
             shapes["out_norm.weight"] = (w,)
             shapes["out_norm.bias"] = (w,)
-            conv_k("out", w, c_out, 3)
+            conv("out", w, c_out, size=3)
         else:  # vtc
             up = self.up_channels()
             linear("dec_in", self.latent, up[0] * 16)
