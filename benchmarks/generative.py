@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, cached_cell, load_cell, markdown_table, mean_std, text_table, write_docs_section
 
 import fedge.sim.fleet as fleet_mod
+from fedge.profiles import load_profile
 from fedge.sim.config import DeviceGroup, FleetConfig, PartitionSection, load_fleet
 from fedge.sim.report import build_results
 from fedge.sim.simulate import simulate
@@ -221,9 +222,9 @@ def _cells(table: str, methods: dict[str, Method], keys: list[str], args: argpar
                 if (cell := load_cell(path, expect)) is not None:
                     cells.setdefault(key, []).append(cell)
                 continue
-            print(f"[{time.strftime('%H:%M:%S')}] {table} {key}{tag} seed {seed} ...", flush=True)
-
-            def compute(c: FleetConfig = cfg, p: str | None = prec) -> dict[str, Any]:
+            def compute(c: FleetConfig = cfg, p: str | None = prec, label: str = f"{table} {key}{tag} seed {seed}",
+                        ) -> dict[str, Any]:
+                print(f"[{time.strftime('%H:%M:%S')}] {label} ...", flush=True)  # only cells actually run
                 return run_cell(c, p)
 
             cells.setdefault(key, []).append(cached_cell(path, compute, force=args.force, expect=expect))
@@ -364,16 +365,37 @@ def _table2_checks(alpha: float, cells: dict[str, list[dict]]) -> list[str]:
     return out
 
 
+def _protocol_precision() -> str:
+    """The upload precision the planner gives table 1's devices (their profile in ``BASE``)."""
+    cfg = load_fleet(BASE)
+    return fleet_mod.plan(load_profile(cfg.devices[0].profile), embed_dim=cfg.run.embed_dim,
+                          samples=600).upload_precision
+
+
 def table3(args: argparse.Namespace) -> str:
-    methods = table3_methods()
-    keys = args.methods or list(methods)
-    header = ["method", "fp32 KiB", "fp16 KiB", "int8 KiB", "fp32 acc", "fp16 Δ", "int8 Δ"]
+    """Uplink bytes per precision and its accuracy cost.
+
+    Short schedules (default): every precision is its own cell, final accuracy, one evaluation.
+    ``--long``: table 1's budget schedule and metric (mean best accuracy, evaluated every 5 rounds)
+    with paired seeds; the fp32 column *is* table 1's cells when the planner uploads at fp32 (checked),
+    so only fp16 and int8 are computed.
+    """
+    long = args.long
+    methods = table1_methods(False) if long else table3_methods()
+    keys = args.methods or [k for k in methods if k not in TABLE1_EXTRAS]
+    metric = "mean_best_acc" if long else "mean_final_acc"
+    reuse_table1 = long and _protocol_precision() == "fp32"
+    header = ["method", "fp32 KiB", "fp16 KiB", "int8 KiB", "fp32 acc", "fp16 Δ", "int8 Δ", "seeds"]
     by: dict[str, dict[str, list[dict]]] = {}
-    for prec in ("fp32", "fp16", "int8"):
+    for prec in ("fp32", *[p for p in args.precisions if p != "fp32"]):  # fp32 is every Δ's reference
         def at_precision(m: Method, s: int, p: str = prec) -> tuple[FleetConfig, str | None]:
+            if long:
+                return build_config(m, s), (None if reuse_table1 and p == "fp32" else p)
             return build_config(m, s, eval_every=m.rounds), p  # final accuracy only
 
-        cells = _cells("table3", methods, keys, args, at_precision, tag=f"-{prec}")
+        table, tag = ("table1", "") if reuse_table1 and prec == "fp32" else (
+            "table3-long" if long else "table3", f"-{prec}")
+        cells = _cells(table, methods, keys, args, at_precision, tag=tag)
         for key, cs in cells.items():
             by.setdefault(key, {})[prec] = cs
     if not by:
@@ -381,32 +403,49 @@ def table3(args: argparse.Namespace) -> str:
     rows = []
     outside: list[str] = []
     for key, per in by.items():
-        acc = {p: _pct([c["mean_final_acc"] for c in cs])[0] for p, cs in per.items()}
+        fp32 = {c["seed"]: 100 * c[metric] for c in per.get("fp32", [])}
         kib = {p: cs[0]["bytes_up_per_device_round"] / 1024 for p, cs in per.items()}
-        base = acc.get("fp32")
+        # Paired: each precision against fp32 on the same seed, averaged over the seeds both have.
+        delta = {p: mean_std([100 * c[metric] - fp32[c["seed"]] for c in cs if c["seed"] in fp32])
+                 for p, cs in per.items() if p != "fp32" and any(c["seed"] in fp32 for c in cs)}
+        others = [{c["seed"] for c in cs} for p, cs in per.items() if p != "fp32"]
+        seeds = sorted(set(fp32).intersection(*others)) if others else []
+        base = mean_std(list(fp32.values()))[0] if fp32 else None
         rows.append([methods[key].label, *(f"{kib[p]:.1f}" if p in kib else "-" for p in ("fp32", "fp16", "int8")),
                      f"{base:.2f}" if base is not None else "-",
-                     *(f"{acc[p] - base:+.2f}" if base is not None and p in acc else "-" for p in ("fp16", "int8"))])
-        for p in ("fp16", "int8"):
-            if base is not None and p in acc and abs(acc[p] - base) > 0.5:
-                outside.append(f"{methods[key].label} at {p} ({acc[p] - base:+.2f})")
+                     *(f"{delta[p][0]:+.2f}" + (f" ± {delta[p][1]:.2f}" if len(seeds) > 1 else "")
+                       if p in delta else "-" for p in ("fp16", "int8")), " ".join(map(str, seeds))])
+        for p, (d, _) in delta.items():
+            if abs(d) > 0.5:
+                outside.append(f"{methods[key].label} at {p} ({d:+.2f})")
     print(text_table(header, rows))
     check = ("Target (fp16 and int8 within 0.5 points of fp32): "
-             + (f"missed by {', '.join(outside)}." if outside else "met by every finished cell.")
-             + " One seed: a different precision also changes the training trajectory, so part of each Δ is "
-               "run-to-run noise.")
+             + (f"missed by {', '.join(outside)}." if outside else "met by every finished row.")
+             + (" Δ is paired by seed (mean ± std over the seeds listed)." if long else
+                " One seed: a different precision also changes the training trajectory, so part of each Δ is "
+                "run-to-run noise."))
+    if long:
+        title = "Table 3 (long) — the accuracy cost of upload precision on table 1's schedule"
+        intro = ("Table 1's fleet, schedule and metric (mean best accuracy, evaluated every 5 rounds), every device "
+                 "forced to the given upload precision" + ("; the fp32 column is table 1's own cells (the "
+                 "planner uploads fp32 on this fleet)." if reuse_table1 else "."))
+        cmd = f"python benchmarks/generative.py table3 --long --seeds {' '.join(map(str, args.seeds))}"
+    else:
+        title = "Table 3 — uplink traffic and the accuracy cost of upload precision"
+        intro = ("The table-1 fleet with short schedules (rounds in `table3_methods`), every device forced to the "
+                 "given upload precision; Δ = final mean accuracy minus the fp32 run's.")
+        cmd = "python benchmarks/generative.py table3"
     return f"""
-### Table 3 — uplink traffic and the accuracy cost of upload precision
+### {title}
 
-The table-1 fleet with short schedules (rounds in `table3_methods`), every device forced to the
-given upload precision. KiB = encoded uplink bytes per device per round (training rounds, averaged
-over all phases); Δ = final mean accuracy minus the fp32 run's, in points.
+{intro} KiB = encoded uplink bytes per device per round (training rounds, averaged over all phases);
+Δ in points.
 
 {markdown_table(header, rows)}
 
 {check}
 
-Command: `python benchmarks/generative.py table3`.
+Command: `{cmd}`.
 """
 
 
@@ -439,6 +478,10 @@ def main() -> int:
     ap.add_argument("--published", action="store_true", help="table 1 with the published round counts")
     ap.add_argument("--quick", action="store_true",
                     help="table 1 with 10 generator / 5 warm-up / 20 training rounds (a shared-machine smoke run)")
+    ap.add_argument("--long", action="store_true",
+                    help="table 3 on table 1's schedule and seeds (fp32 = table 1's cells) instead of short runs")
+    ap.add_argument("--precisions", nargs="+", choices=["fp32", "fp16", "int8"], default=["fp32", "fp16", "int8"],
+                    help="table 3 upload precisions to compute (fp32, the reference, is always included)")
     ap.add_argument("--t2-rounds", type=int, default=20, help="table 2 training rounds")
     ap.add_argument("--alphas", nargs="+", type=float, default=[0.1, 1.0], help="table 2 Dirichlet α values")
     ap.add_argument("--force", action="store_true", help="recompute cells that already have results")
@@ -456,8 +499,10 @@ def main() -> int:
     tables = ["table1", "table2", "table3"] if "all" in args.tables else args.tables
     # A --quick or --published table 1 is its own section, so it never stands in for the budget run.
     suffix = "-published" if args.published else ("-quick" if args.quick else "")
-    sections = {t + (suffix if t == "table1" else ""): {"table1": table1, "table2": table2, "table3": table3}[t](args)
-                for t in tables}
+    # Likewise table 3 on table 1's schedule (--long) next to the short one.
+    suffixes = {"table1": suffix, "table3": "-long" if args.long else ""}
+    runners = {"table1": table1, "table2": table2, "table3": table3}
+    sections = {t + suffixes.get(t, ""): runners[t](args) for t in tables}
     summary = OUT / "sections.json"
     known = json.loads(summary.read_text()) if summary.is_file() else {}
     known.update({k: v for k, v in sections.items() if v})  # a table with no finished cell stays "not run"

@@ -14,10 +14,12 @@ data, so this script:
    * ``seq:R``: GeFL's published order, T_s = 1 epoch on R×600 fresh synthetic samples, then
      T_r = 5 real epochs; ``seq2:R`` with T_s = 2;
    * ``mix:R``: T_r = 5 epochs over the union of R×600 fresh synthetic and the real samples;
+   * ``oracle:R``: ``seq:R`` with a perfect generator — the R×600 samples are drawn afresh from the
+     pooled *real* 6,000 (in the generator's space), the ceiling any generator could reach;
 
 3. reports each schedule's mean (over the three models) of the best accuracy on the first
    3,000 test images, evaluated every 4 rounds, plus a synthetic-only check: CNN-5 trained
-   10 epochs on 6,000 generated images alone.
+   10 epochs on 6,000 generated images alone (and, for scale, on the 6,000 pooled real ones).
 
     python benchmarks/synthetic_schedule.py --kind cvae --tier tiny --gen-epochs 40 \\
         --schedules local seq:1 seq:3 seq2:1 mix:1
@@ -32,7 +34,8 @@ generator. DDPM samples with ``--ddpm-steps`` DDIM steps and guidance ``--ddpm-g
         --gen-epochs 40 --schedules local seq:1
 
 Results go to ``benchmarks/results/synthetic_schedule/<kind>-<tier>-e<epochs>-wd<wd>.json``
-(``feature-`` prefixed at the feature level).
+(``feature-`` prefixed at the feature level); a later run with the same generator settings adds
+its schedules to that file (the generator is retrained identically from the same seeds).
 """
 
 from __future__ import annotations
@@ -66,19 +69,19 @@ DEVICES = ((0, "cnn1"), (4, "cnn5"), (7, "cnn8"))  # (device index, architecture
 
 
 def parse_schedule(text: str) -> tuple[str, int, float]:
-    """``local`` | ``seq:R`` | ``seqK:R`` | ``mix:R`` -> (mode, synthetic epochs, ratio)."""
+    """``local`` | ``seq:R`` | ``seqK:R`` | ``mix:R`` | ``oracle:R`` -> (mode, synthetic epochs, ratio)."""
     if text == "local":
         return "local", 0, 0.0
     mode, _, ratio = text.partition(":")
     try:
         r = float(ratio)
     except ValueError:
-        raise SystemExit(f"bad schedule {text!r}: expected local, seq:R, seqK:R or mix:R") from None
-    if mode == "mix":
-        return "mix", 0, r
+        raise SystemExit(f"bad schedule {text!r}: expected local, seq:R, seqK:R, mix:R or oracle:R") from None
+    if mode in ("mix", "oracle"):
+        return mode, int(mode == "oracle"), r
     if mode.startswith("seq") and (mode[3:] == "" or mode[3:].isdigit()):
         return "seq", int(mode[3:] or 1), r
-    raise SystemExit(f"bad schedule {text!r}: expected local, seq:R, seqK:R or mix:R")
+    raise SystemExit(f"bad schedule {text!r}: expected local, seq:R, seqK:R, mix:R or oracle:R")
 
 
 def main() -> int:
@@ -91,6 +94,7 @@ def main() -> int:
     ap.add_argument("--gen-epochs", type=int, default=40)
     ap.add_argument("--weight-decay", type=float, default=None, help="generator weight decay (default: published)")
     ap.add_argument("--gen-lr", type=float, default=None, help="generator learning rate (default: the kind's)")
+    ap.add_argument("--kl-weight", type=float, default=1.0, help="CVAE β: loss = sum-MSE + β KL (published: 1)")
     ap.add_argument("--schedules", nargs="+", default=["local", "seq:1", "mix:1"])
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
@@ -114,14 +118,18 @@ def main() -> int:
     gen = build_generator(GeneratorSpec(args.kind, tuple(gen_x.shape[1:]), tier=args.tier, num_classes=10), seed=0)
     if isinstance(gen, ConditionalDDPM):
         gen.sample_steps, gen.guidance = args.ddpm_steps, args.ddpm_guidance
-    trainer = GeneratorTrainer(gen, lr=args.gen_lr, weight_decay=args.weight_decay)
+    trainer = GeneratorTrainer(gen, lr=args.gen_lr, weight_decay=args.weight_decay, kl_weight=args.kl_weight)
     t0 = time.perf_counter()
     gen_loss = trainer.fit(gen_x, train.y[pool], epochs=args.gen_epochs, batch_size=64,
                            rng=np.random.default_rng(0), gen=torch.Generator().manual_seed(0))
     gen_seconds = time.perf_counter() - t0
 
-    def synthetic(g: ConditionalGenerator, n: int, tg: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
-        xs, ys = sample_dataset(g, n, np.arange(10), tg)
+    def synthetic(g: ConditionalGenerator | None, n: int, tg: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+        if g is None:  # the perfect generator: real pooled samples
+            pick = torch.randint(0, len(pool), (n,), generator=tg).numpy()
+            xs, ys = gen_x[pick], train.y[pool][pick]
+        else:
+            xs, ys = sample_dataset(g, n, np.arange(10), tg)
         return (xs if feature else ((xs - mean) / std)).astype(np.float32), ys
 
     def target(arch: str) -> tuple[FedgeNet, Callable[..., float], Callable[[np.ndarray], np.ndarray]]:
@@ -145,6 +153,11 @@ def main() -> int:
     sample_seconds_600 = (time.perf_counter() - t0) / 10
     probe_train(xs, ys, cfg, np.random.default_rng(0), epochs=10)
     synthetic_only = accuracy(probe, x_test, y_test)
+    # The same probe on the 6,000 pooled real samples: what "synthetic-only" would reach if the
+    # generator were perfect.
+    probe, probe_train, _ = target("cnn5")
+    probe_train(*synthetic(None, 6000, torch.Generator().manual_seed(0)), cfg, np.random.default_rng(0), epochs=10)
+    real_only = accuracy(probe, x_test, y_test)
 
     results: dict[str, Any] = {}
     for name, (mode, syn_epochs, ratio) in schedules.items():
@@ -159,8 +172,8 @@ def main() -> int:
                 if mode == "local":
                     fit(x, y, cfg, rng)
                 else:
-                    xs, ys = synthetic(gen, round(ratio * len(y)), tg)
-                    if mode == "seq":
+                    xs, ys = synthetic(None if mode == "oracle" else gen, round(ratio * len(y)), tg)
+                    if mode in ("seq", "oracle"):
                         fit(xs, ys, cfg, rng, epochs=syn_epochs)
                         fit(x, y, cfg, rng)
                     else:
@@ -177,19 +190,27 @@ def main() -> int:
            "weight_decay": wd, "gen_lr": args.gen_lr, "gen_params": gen.spec.num_params(), "gen_loss": gen_loss,
            "gen_seconds": gen_seconds,
            "sample_seconds_600": sample_seconds_600, "synthetic_only_cnn5": synthetic_only,
+           "pooled_real_only_cnn5": real_only,
            "rounds": args.rounds, "schedules": results}
     name = f"{args.kind}-{args.tier}-e{args.gen_epochs}-wd{wd}" + (f"-lr{args.gen_lr:g}" if args.gen_lr else "")
+    if args.kind == "cvae" and args.kl_weight != 1.0:
+        out["kl_weight"] = args.kl_weight
+        name += f"-b{args.kl_weight:g}"
     if args.kind == "ddpm":
         out["ddpm"] = {"steps": args.ddpm_steps, "guidance": args.ddpm_guidance}
         name += f"-s{args.ddpm_steps}-w{args.ddpm_guidance:g}"
     path = RESULTS / "synthetic_schedule" / f"{'feature-' if feature else ''}{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():  # same generator, other schedules: keep the schedules measured before
+        results = {**json.loads(path.read_text()).get("schedules", {}), **results}
+        out["schedules"] = results
     path.write_text(json.dumps(out, indent=1))
     local = results.get("local", {}).get("mean_best")
     rows = [[k, f"{100 * v['mean_best']:.2f}", f"{100 * (v['mean_best'] - local):+.2f}" if local else "-"]
             for k, v in results.items()]
     print(f"{args.level} {args.kind}/{args.tier}, {args.gen_epochs} pooled epochs ({gen_seconds:.0f} s; 600 samples "
-          f"in {sample_seconds_600:.1f} s): synthetic-only CNN-5 {100 * synthetic_only:.1f} %")
+          f"in {sample_seconds_600:.1f} s): synthetic-only CNN-5 {100 * synthetic_only:.1f} % "
+          f"(on 6,000 pooled real samples instead: {100 * real_only:.1f} %)")
     print(text_table(["schedule", "mean best acc (%)", "vs local"], rows))
     print(f"wrote {path}")
     return 0

@@ -26,8 +26,10 @@ class GeneratorTrainer:
     """Trains one CVAE, DCGAN or DDPM on local data; ``fit`` runs whole epochs."""
 
     def __init__(self, model: ConditionalGenerator, *, lr: float | None = None,
-                 weight_decay: float | None = None) -> None:
+                 weight_decay: float | None = None, kl_weight: float = 1.0) -> None:
         self.model = model
+        # β of a β-VAE (CVAE only): GeFL's loss is sum-MSE + KL, i.e. β = 1.
+        self.kl_weight = kl_weight
         if isinstance(model, CVAE):
             self.opts = [torch.optim.Adam(model.parameters(), lr=lr or 1e-3,
                                           weight_decay=1e-3 if weight_decay is None else weight_decay)]
@@ -73,7 +75,7 @@ class GeneratorTrainer:
         # GeFL: reduction="sum" MSE + the analytic KL to N(0, I), both summed over the batch.
         rec = nn.functional.mse_loss(recon, xb, reduction="sum")
         kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
-        loss = rec + kld
+        loss = rec + self.kl_weight * kld
         opt = self.opts[0]
         opt.zero_grad(set_to_none=True)
         loss.backward()
