@@ -33,6 +33,11 @@ generator. DDPM samples with ``--ddpm-steps`` DDIM steps and guidance ``--ddpm-g
     python benchmarks/synthetic_schedule.py --level feature --kind ddpm --tier small \\
         --gen-epochs 40 --schedules local seq:1
 
+``--federated R:E`` trains the generator as the fleet does instead of on the pool: each of the
+10 devices trains E local epochs on its own 600 samples (or features) from the global weights,
+the sample-weighted mean is the new global generator, R rounds — to tell how much of the pooled
+generator's benefit survives federated averaging (table 1's budget is ``30:10``).
+
 Results go to ``benchmarks/results/synthetic_schedule/<kind>-<tier>-e<epochs>-wd<wd>.json``
 (``feature-`` prefixed at the feature level); a later run with the same generator settings adds
 its schedules to that file (the generator is retrained identically from the same seeds).
@@ -41,7 +46,9 @@ its schedules to that file (the generator is retrained identically from the same
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
+import itertools
 import json
 import sys
 import time
@@ -55,6 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, text_table
 
+from fedge.coordinator.aggregate import WeightedMean
 from fedge.edge.data.datasets import load_dataset
 from fedge.edge.data.partition import iid_fraction
 from fedge.edge.generators.modules import ConditionalDDPM, ConditionalGenerator, build_generator
@@ -84,6 +92,38 @@ def parse_schedule(text: str) -> tuple[str, int, float]:
     raise SystemExit(f"bad schedule {text!r}: expected local, seq:R, seqK:R, mix:R or oracle:R")
 
 
+def parse_federated(text: str) -> tuple[int, int]:
+    """``R:E`` -> (rounds, local epochs)."""
+    try:
+        r, e = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"bad --federated {text!r}: expected ROUNDS:EPOCHS, e.g. 30:10") from None
+    if r < 1 or e < 1:
+        raise SystemExit(f"bad --federated {text!r}: rounds and epochs must be at least 1")
+    return r, e
+
+
+def federated_fit(gen: ConditionalGenerator, shards: list[tuple[np.ndarray, np.ndarray]], rounds: int,
+                  epochs: int, make_trainer: Callable[[ConditionalGenerator], GeneratorTrainer]) -> float:
+    """Train ``gen`` as the fleet would: each shard's copy trains ``epochs`` from the global weights
+    (keeping its own optimizer state, as GeFL's clients do), the sample-weighted mean becomes the
+    global generator; ``rounds`` times. Returns the last round's mean loss."""
+    clients = [copy.deepcopy(gen) for _ in shards]
+    trainers = [make_trainer(c) for c in clients]
+    rngs = [(np.random.default_rng(k), torch.Generator().manual_seed(k)) for k in range(len(shards))]
+    loss = float("nan")
+    for _ in range(rounds):
+        mean, losses = WeightedMean(), []
+        weights = model_arrays(gen)
+        for client, trainer, (x, y), (rng, tg) in zip(clients, trainers, shards, rngs, strict=True):
+            load_arrays(client, weights)
+            losses.append(trainer.fit(x, y, epochs=epochs, batch_size=64, rng=rng, gen=tg))
+            mean.add(model_arrays(client), len(y))
+        load_arrays(gen, mean.result())
+        loss = float(np.mean(losses))
+    return loss
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", choices=["cvae", "dcgan", "ddpm"], default="cvae")
@@ -95,6 +135,9 @@ def main() -> int:
     ap.add_argument("--weight-decay", type=float, default=None, help="generator weight decay (default: published)")
     ap.add_argument("--gen-lr", type=float, default=None, help="generator learning rate (default: the kind's)")
     ap.add_argument("--kl-weight", type=float, default=1.0, help="CVAE β: loss = sum-MSE + β KL (published: 1)")
+    ap.add_argument("--federated", metavar="R:E",
+                    help="train the generator federated over the 10 devices' shards (R rounds of E local epochs, "
+                         "FedAvg) instead of on the pool; --gen-epochs is then ignored")
     ap.add_argument("--schedules", nargs="+", default=["local", "seq:1", "mix:1"])
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
@@ -118,10 +161,17 @@ def main() -> int:
     gen = build_generator(GeneratorSpec(args.kind, tuple(gen_x.shape[1:]), tier=args.tier, num_classes=10), seed=0)
     if isinstance(gen, ConditionalDDPM):
         gen.sample_steps, gen.guidance = args.ddpm_steps, args.ddpm_guidance
-    trainer = GeneratorTrainer(gen, lr=args.gen_lr, weight_decay=args.weight_decay, kl_weight=args.kl_weight)
     t0 = time.perf_counter()
-    gen_loss = trainer.fit(gen_x, train.y[pool], epochs=args.gen_epochs, batch_size=64,
-                           rng=np.random.default_rng(0), gen=torch.Generator().manual_seed(0))
+    if args.federated:
+        rounds_e = parse_federated(args.federated)
+        sizes = np.cumsum([0, *(len(p) for p in parts)])
+        shards = [(gen_x[a:b], train.y[pool][a:b]) for a, b in itertools.pairwise(sizes)]
+        gen_loss = federated_fit(gen, shards, *rounds_e, lambda m: GeneratorTrainer(
+            m, lr=args.gen_lr, weight_decay=args.weight_decay, kl_weight=args.kl_weight))
+    else:
+        trainer = GeneratorTrainer(gen, lr=args.gen_lr, weight_decay=args.weight_decay, kl_weight=args.kl_weight)
+        gen_loss = trainer.fit(gen_x, train.y[pool], epochs=args.gen_epochs, batch_size=64,
+                               rng=np.random.default_rng(0), gen=torch.Generator().manual_seed(0))
     gen_seconds = time.perf_counter() - t0
 
     def synthetic(g: ConditionalGenerator | None, n: int, tg: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -187,12 +237,14 @@ def main() -> int:
 
     wd = "pub" if args.weight_decay is None else f"{args.weight_decay:g}"
     out = {"level": args.level, "kind": args.kind, "tier": args.tier, "gen_epochs": args.gen_epochs,
+           "federated": args.federated,
            "weight_decay": wd, "gen_lr": args.gen_lr, "gen_params": gen.spec.num_params(), "gen_loss": gen_loss,
            "gen_seconds": gen_seconds,
            "sample_seconds_600": sample_seconds_600, "synthetic_only_cnn5": synthetic_only,
            "pooled_real_only_cnn5": real_only,
            "rounds": args.rounds, "schedules": results}
-    name = f"{args.kind}-{args.tier}-e{args.gen_epochs}-wd{wd}" + (f"-lr{args.gen_lr:g}" if args.gen_lr else "")
+    budget = f"fed{args.federated.replace(':', 'x')}" if args.federated else f"e{args.gen_epochs}"
+    name = f"{args.kind}-{args.tier}-{budget}-wd{wd}" + (f"-lr{args.gen_lr:g}" if args.gen_lr else "")
     if args.kind == "cvae" and args.kl_weight != 1.0:
         out["kl_weight"] = args.kl_weight
         name += f"-b{args.kl_weight:g}"
@@ -208,7 +260,9 @@ def main() -> int:
     local = results.get("local", {}).get("mean_best")
     rows = [[k, f"{100 * v['mean_best']:.2f}", f"{100 * (v['mean_best'] - local):+.2f}" if local else "-"]
             for k, v in results.items()]
-    print(f"{args.level} {args.kind}/{args.tier}, {args.gen_epochs} pooled epochs ({gen_seconds:.0f} s; 600 samples "
+    trained = (f"federated {args.federated} (rounds:local epochs)" if args.federated
+               else f"{args.gen_epochs} pooled epochs")
+    print(f"{args.level} {args.kind}/{args.tier}, {trained} ({gen_seconds:.0f} s; 600 samples "
           f"in {sample_seconds_600:.1f} s): synthetic-only CNN-5 {100 * synthetic_only:.1f} % "
           f"(on 6,000 pooled real samples instead: {100 * real_only:.1f} %)")
     print(text_table(["schedule", "mean best acc (%)", "vs local"], rows))
