@@ -14,7 +14,10 @@ generative section of ``docs/results.md``.
    α = 0.1 and 1.0 over 20 % of the training set: Local, FedProto, GeFL-F, FedVTC and its
    ablations (no DM, head-only fine-tuning, no KL); global-test and local-split accuracy.
 3. ``table3``: uplink bytes per device per round and final accuracy of every method at
-   fp32 / fp16 / int8 upload precision (the table-1 fleet, shortened schedules).
+   fp32 / fp16 / int8 upload precision (the table-1 fleet, shortened schedules). With
+   ``--long``: table 1's schedule and metric instead, Δ paired by seed; the fp32 column is
+   table 1's own cells (the planner uploads fp32 on that fleet), so only fp16 / int8 run
+   (``--precisions`` picks which, to split a run over two processes).
 
 Budget schedule (default; see ``table1_methods``): image generators at the "tiny" tier, the
 feature generator at "small", 30 generator rounds of 10 local epochs, FedVTC's decoder at "tiny"
@@ -26,6 +29,7 @@ FedVTC 15.8. Generator rounds cost no evaluation (the model is unchanged; evalua
 
     python benchmarks/generative.py table1                  # all methods, seeds 0 1 2
     python benchmarks/generative.py table1 --seeds 0 --methods gefl-cvae fedvtc
+    python benchmarks/generative.py table3 --long --methods lgfedavg --precisions int8
     python benchmarks/generative.py all --no-docs
 """
 
@@ -270,17 +274,27 @@ def table1(args: argparse.Namespace) -> str:
     _plot_curves(cells, methods, OUT / f"table1{tag}.png", "Table 1: GeFL protocol, FMNIST")
     generative = [k for k in cells if k not in ("fedavg", "lgfedavg", *TABLE1_ABLATIONS)]
     gains = {k: vs_fedavg(cells[k]) for k in generative}
-    met = [methods[k].label for k, g in gains.items() if g is not None and g >= 2.0]
-    missed = [f"{methods[k].label} ({g:+.2f})" for k, g in gains.items() if g is not None and g < 2.0]
-    best_key = max((k for k in cells if k not in TABLE1_ABLATIONS),
-                   key=lambda k: _pct([c["mean_best_acc"] for c in cells[k]])[0])
+    def seeds_note(key: str) -> str:
+        """Rows measured on fewer seeds than FedAvg say so: one seed is not a mean."""
+        seeds = sorted(c["seed"] for c in cells[key] if c["seed"] in fedavg)
+        if len(seeds) >= len(fedavg):
+            return ""
+        return f", seed{'s' * (len(seeds) > 1)} {' '.join(map(str, seeds))} only"
+
+    met = [f"{methods[k].label} ({g:+.2f}{seeds_note(k)})" for k, g in gains.items() if g is not None and g >= 2.0]
+    missed = [f"{methods[k].label} ({g:+.2f}{seeds_note(k)})" for k, g in gains.items() if g is not None and g < 2.0]
+    # The target is a mean over seeds: rows run on fewer seeds than FedAvg compete only if none has them all.
+    rows_best = [k for k in cells if k not in TABLE1_ABLATIONS]
+    rows_best = [k for k in rows_best if not seeds_note(k)] or rows_best
+    best_key = max(rows_best, key=lambda k: _pct([c["mean_best_acc"] for c in cells[k]])[0])
     best = _pct([c["mean_best_acc"] for c in cells[best_key]])[0]
     listed = [k for k in cells if k not in TABLE1_EXTRAS]
     hours = sum(c["wall_seconds"] for k in listed for c in cells[k]) / 3600
     ncells = sum(len(cells[k]) for k in listed)
     targets = (f"Targets, on the seeds each row shares with FedAvg: ≥ 2 points above FedAvg — met by "
                f"{', '.join(met) or 'none'}; missed by {', '.join(missed) or 'none'}. Best method "
-               f"{methods[best_key].label} at {best:.2f} (target ≥ 84.3: {'met' if best >= 84.3 else 'missed'}). "
+               f"{methods[best_key].label} at {best:.2f}{seeds_note(best_key)} "
+               f"(target ≥ 84.3: {'met' if best >= 84.3 else 'missed'}). "
                f"Time budget (target: table 1 within 3 h on 2 cores): the {ncells} cells of the issue's rows took "
                f"{hours:.1f} h of cell time, about {hours / 2:.1f} h of wall time with one cell per core "
                f"({'met' if hours / 2 <= 3 else 'missed'}; each cell's wall time was measured while other cells "
