@@ -127,6 +127,8 @@ def test_ablation_switches_change_what_trains() -> None:
         skewed_fleet("fedvtc", rounds=1, method_config={"finetune": "body"})
     with pytest.raises(ConfigError, match="dm"):
         skewed_fleet("fedvtc", rounds=1, method_config={"dm": "no"})
+    with pytest.raises(ConfigError, match=r"decoder_lr must be a number > 0, got 0"):
+        skewed_fleet("fedvtc", rounds=1, method_config={"decoder_lr": 0.0})
     calls = {"dm": 0, "kl": 0}
     for switch in ({"dm": False}, {"kl": False}, {"finetune": "head"}):
         fleet = skewed_fleet("fedvtc", rounds=2, epochs=1, method_config={"generator_tier": "tiny", **switch})

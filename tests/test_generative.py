@@ -190,6 +190,9 @@ def test_method_settings_are_validated() -> None:
         skewed_fleet("gefl", rounds=3, method_config={"gen_rounds": 1, "generator": "ddpm"})
     with pytest.raises(ConfigError, match="gen_epochs"):
         skewed_fleet("gefl", rounds=3, method_config={"gen_rounds": 1, "gen_epochs": "5"})
+    # a zero learning rate would silently freeze the generator
+    with pytest.raises(ConfigError, match=r"gen_lr must be a number > 0, got 0"):
+        skewed_fleet("gefl", rounds=3, method_config={"gen_rounds": 1, "gen_lr": 0})
     _ = RoundInfo  # (imported for type context)
 
 
@@ -229,6 +232,24 @@ def toy_features(n_per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray, n
     y = np.repeat(np.arange(10), n_per_class)
     x = np.maximum(means[y] + 0.2 * rng.standard_normal((len(y), 3, 16, 16)).astype(np.float32), 0)
     return x, y, means
+
+
+def test_cvae_kl_weight_scales_only_the_kl_term() -> None:
+    """β-VAE loss: sum-MSE + β·KL. One full batch from the same weights and noise, so the reported
+    loss is linear in β: β = 0.5 sits halfway between β = 0 (reconstruction only) and β = 1 (GeFL)."""
+    from fedge.edge.generators.train import GeneratorTrainer
+
+    x, y, _ = toy_features(4, seed=0)
+
+    def first_loss(beta: float) -> float:
+        gen = build_generator(GeneratorSpec("cvae", (3, 16, 16), tier="tiny"), seed=0)
+        return GeneratorTrainer(gen, kl_weight=beta).fit(x, y, epochs=1, batch_size=len(y),
+                                                         rng=np.random.default_rng(0),
+                                                         gen=torch.Generator().manual_seed(0))
+
+    rec, half, full = first_loss(0.0), first_loss(0.5), first_loss(1.0)
+    assert full > rec  # the KL term of an untrained encoder is positive
+    assert half == pytest.approx((rec + full) / 2, rel=1e-5)
 
 
 def test_ddpm_learns_class_conditional_features() -> None:

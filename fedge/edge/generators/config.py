@@ -26,11 +26,13 @@ def cfg_int(cfg: dict[str, Any], key: str, default: int, minimum: int = 0) -> in
     return v
 
 
-def cfg_float(cfg: dict[str, Any], key: str, default: float, minimum: float = 0.0) -> float:
-    """A number ``[method]`` setting of at least ``minimum``."""
+def cfg_float(cfg: dict[str, Any], key: str, default: float, minimum: float = 0.0, *,
+              positive: bool = False) -> float:
+    """A number ``[method]`` setting of at least ``minimum`` (``positive``: above 0, e.g. a learning rate)."""
     v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int | float) or v < minimum:
-        raise ConfigError(f"[method] {key} must be a number >= {minimum}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int | float) or v < minimum or (positive and v <= 0):
+        bound = "> 0" if positive else f">= {minimum}"
+        raise ConfigError(f"[method] {key} must be a number {bound}, got {v!r}")
     return float(v)
 
 

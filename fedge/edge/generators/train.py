@@ -31,19 +31,20 @@ class GeneratorTrainer:
         # β of a β-VAE (CVAE only): GeFL's loss is sum-MSE + KL, i.e. β = 1.
         self.kl_weight = kl_weight
         if isinstance(model, CVAE):
-            self.opts = [torch.optim.Adam(model.parameters(), lr=lr or 1e-3,
+            self.opts = [torch.optim.Adam(model.parameters(), lr=1e-3 if lr is None else lr,
                                           weight_decay=1e-3 if weight_decay is None else weight_decay)]
         elif isinstance(model, ConditionalDCGAN):
             betas = (0.5, 0.999)
             self.opts = [
-                torch.optim.Adam(model.disc.parameters(), lr=lr or 2e-4, betas=betas,
+                torch.optim.Adam(model.disc.parameters(), lr=2e-4 if lr is None else lr, betas=betas,
                                  weight_decay=weight_decay or 0.0),
-                torch.optim.Adam(model.gen.parameters(), lr=lr or 2e-4, betas=betas,
+                torch.optim.Adam(model.gen.parameters(), lr=2e-4 if lr is None else lr, betas=betas,
                                  weight_decay=weight_decay or 0.0),
             ]
         elif isinstance(model, ConditionalDDPM):
             # GeFL publishes no DDPM optimizer for FMNIST; Adam 1e-3 suits these small denoisers.
-            self.opts = [torch.optim.Adam(model.parameters(), lr=lr or 1e-3, weight_decay=weight_decay or 0.0)]
+            self.opts = [torch.optim.Adam(model.parameters(), lr=1e-3 if lr is None else lr,
+                                          weight_decay=weight_decay or 0.0)]
         else:
             raise TypeError(f"no trainer for {type(model).__name__}")
 

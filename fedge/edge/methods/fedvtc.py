@@ -103,7 +103,7 @@ class FedVTCDevice(DeviceMethod):
         self.dec_spec = GeneratorSpec("vtc", (spec.in_channels, spec.image_size, spec.image_size), tier=self.tier,
                                       num_classes=ctx.num_classes, latent_dim=spec.feature_dim)
         self.decoder: VTCDecoder = build_generator(self.dec_spec, seed=ctx.seed)  # type: ignore[assignment]
-        self.dec_opt = torch.optim.Adam(self.decoder.parameters(), lr=cfg_float(cfg, "decoder_lr", 1e-3))
+        self.dec_opt = torch.optim.Adam(self.decoder.parameters(), lr=cfg_float(cfg, "decoder_lr", 1e-3, positive=True))
         self.decoder_trained = False
         norm = ctx.train.norm
         self.mean, self.std = float(norm.mean), float(norm.std)

@@ -93,7 +93,7 @@ class GenerativeMixin:
             self.generator.sample_steps = cfg_int(cfg, "ddpm_steps", 20, 1)
             self.generator.guidance = cfg_float(cfg, "ddpm_guidance", 0.0)
         self.gen_trainer = GeneratorTrainer(
-            self.generator, lr=None if lr is None else cfg_float(cfg, "gen_lr", 0.0),
+            self.generator, lr=None if lr is None else cfg_float(cfg, "gen_lr", 0.0, positive=True),
             weight_decay=None if wd is None else cfg_float(cfg, "gen_weight_decay", 0.0))
         self.gen_epochs = cfg_int(cfg, "gen_epochs", 5, 1)
         self.gen_batch = cfg_int(cfg, "gen_batch_size", self.ctx.train_cfg.batch_size, 2)
