@@ -442,7 +442,8 @@ def table3(args: argparse.Namespace) -> str:
     check = ("Target (fp16 and int8 within 0.5 points of fp32): "
              + (f"missed by {', '.join(outside)}." if outside else "met by every finished row.")
              + (" A Δ above fp32 is no cost; rounding is not expected to help training, so such a Δ mostly "
-                "measures how far the training trajectory moves when the precision changes." if any("above fp32" in o for o in outside) else "")
+                "measures how far the training trajectory moves when the precision changes."
+                if any("above fp32" in o for o in outside) else "")
              + (" Δ is paired by seed (mean ± std over the seeds listed)." if long else
                 " One seed: a different precision also changes the training trajectory, so part of each Δ is "
                 "run-to-run noise."))
