@@ -19,7 +19,7 @@ data, so this script:
 
 3. reports each schedule's mean (over the three models) of the best accuracy on the first
    3,000 test images, evaluated every 4 rounds, plus a synthetic-only check: CNN-5 trained
-   10 epochs on 6,000 generated images alone (and, for scale, on the 6,000 pooled real ones).
+   10 epochs on 6,000 generated images alone (and, for scale, on 6,000 draws from the pooled real ones).
 
     python benchmarks/synthetic_schedule.py --kind cvae --tier tiny --gen-epochs 40 \\
         --schedules local seq:1 seq:3 seq2:1 mix:1
@@ -147,6 +147,7 @@ def main() -> int:
     train, test = load_dataset("fmnist", train=True), load_dataset("fmnist", train=False)
     parts = iid_fraction(train.y, 10, 0.1, 0)
     pool = np.concatenate(parts)
+    pool_y = train.y[pool]  # the pooled labels, in the order of gen_x and the shards
     mean, std = float(train.norm.mean), float(train.norm.std)
     x_test, y_test = test.x[:3000], test.y[:3000]
     cfg = TrainConfig()
@@ -154,7 +155,7 @@ def main() -> int:
     stem: FedgeNet | None = None
     if feature:  # the frozen common extractor GeFL-F's warm-up would leave: here trained on the pool
         stem = build_model("cnn5", seed=0)
-        train_epochs(stem, train.x[pool], train.y[pool], cfg, np.random.default_rng(0), epochs=5)
+        train_epochs(stem, train.x[pool], pool_y, cfg, np.random.default_rng(0), epochs=5)
         gen_x = stem_features(stem, train.x[pool])
     else:
         gen_x = np.clip(train.x[pool] * std + mean, 0, 1).astype(np.float32)
@@ -165,19 +166,19 @@ def main() -> int:
     if args.federated:
         rounds_e = parse_federated(args.federated)
         sizes = np.cumsum([0, *(len(p) for p in parts)])
-        shards = [(gen_x[a:b], train.y[pool][a:b]) for a, b in itertools.pairwise(sizes)]
+        shards = [(gen_x[a:b], pool_y[a:b]) for a, b in itertools.pairwise(sizes)]
         gen_loss = federated_fit(gen, shards, *rounds_e, lambda m: GeneratorTrainer(
             m, lr=args.gen_lr, weight_decay=args.weight_decay, kl_weight=args.kl_weight))
     else:
         trainer = GeneratorTrainer(gen, lr=args.gen_lr, weight_decay=args.weight_decay, kl_weight=args.kl_weight)
-        gen_loss = trainer.fit(gen_x, train.y[pool], epochs=args.gen_epochs, batch_size=64,
+        gen_loss = trainer.fit(gen_x, pool_y, epochs=args.gen_epochs, batch_size=64,
                                rng=np.random.default_rng(0), gen=torch.Generator().manual_seed(0))
     gen_seconds = time.perf_counter() - t0
 
     def synthetic(g: ConditionalGenerator | None, n: int, tg: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
         if g is None:  # the perfect generator: real pooled samples
             pick = torch.randint(0, len(pool), (n,), generator=tg).numpy()
-            xs, ys = gen_x[pick], train.y[pool][pick]
+            xs, ys = gen_x[pick], pool_y[pick]
         else:
             xs, ys = sample_dataset(g, n, np.arange(10), tg)
         return (xs if feature else ((xs - mean) / std)).astype(np.float32), ys
@@ -203,8 +204,8 @@ def main() -> int:
     sample_seconds_600 = (time.perf_counter() - t0) / 10
     probe_train(xs, ys, cfg, np.random.default_rng(0), epochs=10)
     synthetic_only = accuracy(probe, x_test, y_test)
-    # The same probe on the 6,000 pooled real samples: what "synthetic-only" would reach if the
-    # generator were perfect.
+    # The same probe on 6,000 draws (with replacement) from the pooled real samples: what
+    # "synthetic-only" would reach if the generator were perfect.
     probe, probe_train, _ = target("cnn5")
     probe_train(*synthetic(None, 6000, torch.Generator().manual_seed(0)), cfg, np.random.default_rng(0), epochs=10)
     real_only = accuracy(probe, x_test, y_test)
@@ -264,7 +265,7 @@ def main() -> int:
                else f"{args.gen_epochs} pooled epochs")
     print(f"{args.level} {args.kind}/{args.tier}, {trained} ({gen_seconds:.0f} s; 600 samples "
           f"in {sample_seconds_600:.1f} s): synthetic-only CNN-5 {100 * synthetic_only:.1f} % "
-          f"(on 6,000 pooled real samples instead: {100 * real_only:.1f} %)")
+          f"(on 6,000 draws from the pooled real samples instead: {100 * real_only:.1f} %)")
     print(text_table(["schedule", "mean best acc (%)", "vs local"], rows))
     print(f"wrote {path}")
     return 0
