@@ -148,6 +148,9 @@ def table2_methods(rounds: int) -> dict[str, Method]:
         # tier, to test whether the budget decoder is what holds FedVTC back at α = 0.1.
         Method("fedvtc-small", "FedVTC (VTC small, decoder every epoch)", "fedvtc", {"generator_tier": "small"},
                rounds, True),
+        # fedge's variant: reconstruction noise at 0.1 σ_k instead of σ_k, so the decoder keeps the
+        # within-class detail and samples around a prototype differ (docs/methods.md).
+        Method("fedvtc-rn", "FedVTC, reconstruction noise 0.1 σ", "fedvtc", {**vtc, "recon_noise": 0.1}, rounds, True),
     )}
 
 

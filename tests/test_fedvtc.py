@@ -187,3 +187,30 @@ def test_decoder_epochs_limit_decoder_training_to_the_last_alternations() -> Non
         fleet.engine.run_round(1)
         assert order == ["decoder"] * k
         assert m.decoder_trained
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.25])
+def test_recon_noise_scales_the_noise_the_decoder_reconstructs_from(scale: float) -> None:
+    """v = g(x) + s·σ_k ⊙ ε: every latent the decoder sees lies s σ_k-noise away from a real feature."""
+    with pytest.raises(ConfigError, match=r"recon_noise must be a number >= 0"):
+        skewed_fleet("fedvtc", rounds=1, method_config={"recon_noise": -0.5})
+    fleet = skewed_fleet("fedvtc", rounds=1, epochs=1,
+                         method_config={"generator_tier": "tiny", "dm": False, "recon_noise": scale})
+    m = fleet.methods()[0]
+    fleet.engine.run_round(1)  # sets σ_k
+    seen: list[torch.Tensor] = []
+    hook = m.decoder.register_forward_pre_hook(lambda _mod, args: seen.append(args[0].detach().clone()))
+    m._decoder_epoch()
+    hook.remove()
+    m.ctx.model.eval()
+    with torch.no_grad():
+        z = m.ctx.model.features(torch.from_numpy(m.ctx.train.x))  # (N, p): the frozen model's features
+    v = torch.cat(seen)
+    assert v.shape == z.shape  # one latent per real sample per epoch
+    nearest = torch.cdist(v, z).argmin(1)
+    resid = (v - z[nearest]) / m.local_sigma.clamp(min=1e-6)  # in units of σ_k per dimension
+    if scale == 0:
+        assert float(resid.abs().max()) < 1e-4
+    else:
+        assert abs(float(resid.std()) - scale) < 0.05 * scale + 0.01
+        assert len(set(nearest.tolist())) == len(z)  # each real sample reconstructed once

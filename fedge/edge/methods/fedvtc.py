@@ -14,7 +14,8 @@ No official code exists; this follows the method as described (see
 * ``train_round``: ``local_epochs`` alternations of one model epoch (cross-entropy
   + the KL term pulling class-y features toward N(c^y, σ²); ``kl = false``
   removes it), each of the last ``decoder_epochs`` (default: all) followed by one
-  decoder epoch: reconstruction ‖ψ_k(g_k(x) + σ_k ⊙ ε) − x‖² + distribution
+  decoder epoch: reconstruction ‖ψ_k(g_k(x) + s σ_k ⊙ ε) − x‖² (s = ``recon_noise``,
+  default 1 as published) + distribution
   matching on latents drawn from the global distribution (``dm = false`` removes
   it). Model and decoder never train in the same step.
 * Upload: per-class feature means (C, p), the within-class σ_k (p,) and class
@@ -90,6 +91,10 @@ class FedVTCDevice(DeviceMethod):
         self.synthetic_ratio = cfg_float(cfg, "synthetic_ratio", 1.0)
         self.kl_weight = cfg_float(cfg, "kl_weight", 1.0)
         self.dm_weight = cfg_float(cfg, "dm_weight", 1.0)
+        # v = z + s·σ_k ⊙ ε during reconstruction; the paper's s = 1. With noise as wide as the class
+        # itself, ψ learns to ignore where in the class v lies and decodes one template per class;
+        # a smaller s keeps the within-class detail, so samples around c^y differ (docs/methods.md).
+        self.recon_noise = cfg_float(cfg, "recon_noise", 1.0)
         self.alternations = ctx.train_cfg.local_epochs
         # The decoder persists across rounds, so it need not train after every model epoch:
         # it trains after the last ``decoder_epochs`` of them (it dominates a round's cost).
@@ -229,7 +234,7 @@ class FedVTCDevice(DeviceMethod):
                     continue
                 with torch.no_grad():
                     z = model.features(xt[idx])  # (B, p)
-                v = z + sigma_k * torch.randn(z.shape, generator=ctx.torch_gen)
+                v = z + self.recon_noise * sigma_k * torch.randn(z.shape, generator=ctx.torch_gen)
                 # L_rc: squared error summed over pixels, averaged over the batch (the VAE convention).
                 loss = (self.decoder(v) - self.x01[idx]).pow(2).flatten(1).sum(1).mean()
                 if use_dm:
