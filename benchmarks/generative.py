@@ -151,6 +151,10 @@ def table2_methods(rounds: int) -> dict[str, Method]:
         # fedge's variant: reconstruction noise at 0.1 σ_k instead of σ_k, so the decoder keeps the
         # within-class detail and samples around a prototype differ (docs/methods.md).
         Method("fedvtc-rn", "FedVTC, reconstruction noise 0.1 σ", "fedvtc", {**vtc, "recon_noise": 0.1}, rounds, True),
+        # fedge's variant: decode only the classes the device holds (a class it never saw decodes into
+        # a mislabelled look-alike of its own; docs/methods.md).
+        Method("fedvtc-local", "FedVTC, synthetic labels = local", "fedvtc", {**vtc, "synthetic_labels": "local"},
+               rounds, True),
     )}
 
 

@@ -100,6 +100,22 @@ def test_a_class_missing_on_every_device_is_never_synthesized() -> None:
         assert x.shape == (300, 1, 32, 32) and np.all(np.isfinite(x))
 
 
+def test_synthetic_labels_local_decodes_only_the_devices_own_classes() -> None:
+    with pytest.raises(ConfigError, match="synthetic_labels must be 'global' or 'local', got 'all'"):
+        skewed_fleet("fedvtc", rounds=1, method_config={"synthetic_labels": "all"})
+    fleet = skewed_fleet("fedvtc", rounds=2, epochs=1, method_config={"generator_tier": "tiny",
+                                                                       "synthetic_labels": "local"})
+    fleet.engine.run_round(1)
+    fleet.engine.run_round(2)
+    for m in fleet.methods():
+        own = set(np.unique(m.ctx.train.y).tolist())
+        assert len(own) < 10 and len(m.g_classes) == 10  # three label shards: a few classes each
+        _, y = m.synthesize(400)
+        assert set(y.tolist()) == own  # every own class, nothing else
+        counts = np.bincount(y, minlength=10)[sorted(own)]
+        assert counts.min() > 0.5 * 400 / len(own)  # uniform over them, not the device's skew
+
+
 def test_statistics_with_nan_are_rejected_and_do_not_reach_the_aggregate() -> None:
     fleet = skewed_fleet("fedvtc", rounds=1, epochs=1, method_config={"generator_tier": "tiny"})
     bad = fleet.agents[1].method

@@ -5,8 +5,9 @@ No official code exists; this follows the method as described (see
 
 * ``apply_global``: with the global prototypes c^y, global σ and class counts
   of the previous round, decode synthetic images x' = ψ_k(v), v = c^y + σ ⊙ ε
-  (labels uniform over the classes some device holds, as many as the device's
-  real samples, fresh every round) and fine-tune the *whole* model f_k on them
+  (labels uniform over the classes some device holds — ``synthetic_labels =
+  "local"``: over this device's own classes — as many as the device's real
+  samples, fresh every round) and fine-tune the *whole* model f_k on them
   with cross-entropy (``finetune = "head"``: only the classifier head h_k, the
   ablation). It runs here, before the agent evaluates, so the reported accuracy
   is that of the fine-tuned model — the paper's order (train, upload,
@@ -95,6 +96,14 @@ class FedVTCDevice(DeviceMethod):
         # itself, ψ learns to ignore where in the class v lies and decodes one template per class;
         # a smaller s keeps the within-class detail, so samples around c^y differ (docs/methods.md).
         self.recon_noise = cfg_float(cfg, "recon_noise", 1.0)
+        # Which labels the decoder is asked for (fine-tuning and DM): "global" — every class some device
+        # holds (the paper) — or "local" — the classes this device holds. A class the device has never
+        # seen decodes into a look-alike of its own classes, i.e. a mislabelled local image; under strong
+        # label skew that noise can undo a small device's training (docs/methods.md).
+        self.synthetic_labels = str(cfg.get("synthetic_labels", "global"))
+        if self.synthetic_labels not in ("global", "local"):
+            raise ConfigError(f"[method] synthetic_labels must be 'global' or 'local', got {self.synthetic_labels!r}")
+        self.local_classes = np.flatnonzero(np.bincount(ctx.train.y, minlength=ctx.num_classes) > 0)
         self.alternations = ctx.train_cfg.local_epochs
         # The decoder persists across rounds, so it need not train after every model epoch:
         # it trains after the last ``decoder_epochs`` of them (it dominates a round's cost).
@@ -118,6 +127,7 @@ class FedVTCDevice(DeviceMethod):
         self.g_sigma: torch.Tensor | None = None  # (p,)
         self.g_scale = torch.ones(1)  # (p,) the floored σ the KL and DM terms normalise by
         self.g_classes: np.ndarray = np.zeros(0, dtype=np.int64)  # classes with a global count > 0
+        self.s_classes: np.ndarray = self.g_classes  # the classes decoded for fine-tuning and DM
         self.g_mask: torch.Tensor | None = None  # (C,) bool
         log.info("%s: VTC decoder tier %s, %d parameters", ctx.device_id, self.tier, self.dec_spec.num_params())
 
@@ -134,11 +144,13 @@ class FedVTCDevice(DeviceMethod):
         self.g_sigma = torch.from_numpy(np.maximum(np.asarray(stats["sigma"], dtype=np.float32), SIGMA_FLOOR))
         self.g_scale = torch.clamp(self.g_sigma, min=SIGMA_REL_FLOOR * float(self.g_sigma.mean()))  # (p,)
         self.g_classes = np.flatnonzero(counts > 0)
+        self.s_classes = (self.g_classes if self.synthetic_labels == "global"
+                          else np.intersect1d(self.g_classes, self.local_classes))
         self.g_mask = torch.from_numpy(counts > 0)
         if len(self.g_classes) < self.ctx.num_classes:
             log.info("%s: classes %s are on no device; they get no synthetic samples", self.ctx.device_id,
                      sorted(set(range(self.ctx.num_classes)) - set(self.g_classes.tolist())))
-        if self.decoder_trained and len(self.g_classes) and self.finetune_epochs > 0:
+        if self.decoder_trained and len(self.s_classes) and self.finetune_epochs > 0:
             self._finetune()
 
     def _global_latents(self, labels: torch.Tensor) -> torch.Tensor:
@@ -152,8 +164,8 @@ class FedVTCDevice(DeviceMethod):
 
     @torch.no_grad()
     def synthesize(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """``n`` decoded images (normalized, as the model sees data) with uniform global-class labels."""
-        labels = uniform_labels(n, self.g_classes, self.ctx.torch_gen)
+        """``n`` decoded images (normalized, as the model sees data), labels uniform over the decoded classes."""
+        labels = uniform_labels(n, self.s_classes, self.ctx.torch_gen)
         self.decoder.eval()
         xs = [self._normalize(self.decoder(self._global_latents(labels[i : i + 256])))
               for i in range(0, n, 256)]
@@ -203,7 +215,7 @@ class FedVTCDevice(DeviceMethod):
         """Distribution matching of decoded global latents (see the module docstring)."""
         assert self.g_protos is not None and self.g_sigma is not None
         model = self.ctx.model
-        labels = uniform_labels(batch, self.g_classes, self.ctx.torch_gen)
+        labels = uniform_labels(batch, self.s_classes, self.ctx.torch_gen)
         feats = model.features(self._normalize(self.decoder(self._global_latents(labels))))  # (B, p)
         r = (feats - self.g_protos[labels]) / self.g_scale  # (B, p): ~N(0, 1) if matched
         r = r.clamp(-10.0, 10.0)  # a decoder far off the global distribution must not swamp L_rc
@@ -225,7 +237,7 @@ class FedVTCDevice(DeviceMethod):
             p.requires_grad_(False)  # the model is frozen while ψ trains (gradients still flow through it)
         self.decoder.train()
         xt = torch.from_numpy(ctx.train.x)
-        use_dm = self.dm and self.g_protos is not None and len(self.g_classes) > 0
+        use_dm = self.dm and self.g_protos is not None and len(self.s_classes) > 0
         sigma_k = self.local_sigma if self.local_sigma is not None else torch.zeros(model.spec.feature_dim)
         total, count = 0.0, 0
         try:
