@@ -389,16 +389,15 @@ def _table2_checks(alpha: float, cells: dict[str, list[dict]]) -> list[str]:
     acc = {k: _pct([c["mean_final_acc"] for c in cs])[0] for k, cs in cells.items()}
     loc = {k: _pct([c["mean_final_acc_local"] for c in cs])[0] for k, cs in cells.items()}
     out = []
-    if "fedvtc-small" in cells and "fedproto" in cells:
-        # fedge's variant, paired with FedProto on the seeds both have.
-        proto = {c["seed"]: c for c in cells["fedproto"]}
-        pairs = [(c, proto[c["seed"]]) for c in cells["fedvtc-small"] if c["seed"] in proto]
+    proto = {c["seed"]: c for c in cells.get("fedproto", [])}
+    for key in (k for k in TABLE2_VARIANTS if k in cells):
+        # fedge's variants, paired with FedProto on the seeds both have.
+        pairs = [(c, proto[c["seed"]]) for c in cells[key] if c["seed"] in proto]
         if pairs:
             dg = 100 * sum(a["mean_final_acc"] - b["mean_final_acc"] for a, b in pairs) / len(pairs)
             dloc = 100 * sum(a["mean_final_acc_local"] - b["mean_final_acc_local"] for a, b in pairs) / len(pairs)
-            out.append(f"α = {alpha}: FedVTC with the small decoder trained every epoch (fedge's variant) − FedProto "
-                       f"= {dg:+.2f} points on the global test set, {dloc:+.2f} on the local splits (seeds "
-                       f"{' '.join(str(a['seed']) for a, _ in pairs)}).")
+            out.append(f"α = {alpha}: {key} (fedge's variant) − FedProto = {dg:+.2f} points on the global test set, "
+                       f"{dloc:+.2f} on the local splits (seeds {' '.join(str(a['seed']) for a, _ in pairs)}).")
     if "fedvtc" in acc and "fedproto" in acc:
         d = acc["fedvtc"] - acc["fedproto"]
         dl = loc["fedvtc"] - loc["fedproto"]
