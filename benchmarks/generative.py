@@ -261,6 +261,12 @@ def _pct(values: list[float | None]) -> tuple[float, float]:
     return mean_std([100 * v for v in values if v is not None])
 
 
+def _paired(cells: list[dict], ref: list[dict], metric: str) -> list[float]:
+    """``metric`` of each cell minus the reference cell of the same seed, in points, on the seeds both have."""
+    by_seed = {c["seed"]: 100 * c[metric] for c in ref}
+    return [100 * c[metric] - by_seed[c["seed"]] for c in cells if c["seed"] in by_seed]
+
+
 def table1(args: argparse.Namespace) -> str:
     methods = table1_methods(args.published, args.quick)
     keys = args.methods or list(methods)
@@ -275,7 +281,7 @@ def table1(args: argparse.Namespace) -> str:
 
     def vs_fedavg(cs: list[dict]) -> float | None:
         """Mean gain over FedAvg on the seeds both have (a paired comparison)."""
-        gains = [100 * c["mean_best_acc"] - fedavg[c["seed"]] for c in cs if c["seed"] in fedavg]
+        gains = _paired(cs, cells.get("fedavg", []), "mean_best_acc")
         return sum(gains) / len(gains) if gains else None
 
     header = ["method", "fedge best acc (%)", "published (%)", "vs FedAvg", "KiB up/device/round", "wall (min)",
@@ -389,15 +395,14 @@ def _table2_checks(alpha: float, cells: dict[str, list[dict]]) -> list[str]:
     acc = {k: _pct([c["mean_final_acc"] for c in cs])[0] for k, cs in cells.items()}
     loc = {k: _pct([c["mean_final_acc_local"] for c in cs])[0] for k, cs in cells.items()}
     out = []
-    proto = {c["seed"]: c for c in cells.get("fedproto", [])}
+    proto = cells.get("fedproto", [])
     for key in (k for k in TABLE2_VARIANTS if k in cells):
         # fedge's variants, paired with FedProto on the seeds both have.
-        pairs = [(c, proto[c["seed"]]) for c in cells[key] if c["seed"] in proto]
-        if pairs:
-            dg = 100 * sum(a["mean_final_acc"] - b["mean_final_acc"] for a, b in pairs) / len(pairs)
-            dloc = 100 * sum(a["mean_final_acc_local"] - b["mean_final_acc_local"] for a, b in pairs) / len(pairs)
-            out.append(f"α = {alpha}: {key} (fedge's variant) − FedProto = {dg:+.2f} points on the global test set, "
-                       f"{dloc:+.2f} on the local splits (seeds {' '.join(str(a['seed']) for a, _ in pairs)}).")
+        if dg := _paired(cells[key], proto, "mean_final_acc"):
+            dloc = _paired(cells[key], proto, "mean_final_acc_local")
+            seeds = sorted({c["seed"] for c in cells[key]} & {c["seed"] for c in proto})
+            out.append(f"α = {alpha}: {key} (fedge's variant) − FedProto = {mean_std(dg)[0]:+.2f} points on the global "
+                       f"test set, {mean_std(dloc)[0]:+.2f} on the local splits (seeds {' '.join(map(str, seeds))}).")
     if "fedvtc" in acc and "fedproto" in acc:
         d = acc["fedvtc"] - acc["fedproto"]
         dl = loc["fedvtc"] - loc["fedproto"]
@@ -458,7 +463,7 @@ def table3(args: argparse.Namespace) -> str:
         fp32 = {c["seed"]: 100 * c[metric] for c in per.get("fp32", [])}
         kib = {p: cs[0]["bytes_up_per_device_round"] / 1024 for p, cs in per.items()}
         # Paired: each precision against fp32 on the same seed, averaged over the seeds both have.
-        delta = {p: mean_std([100 * c[metric] - fp32[c["seed"]] for c in cs if c["seed"] in fp32])
+        delta = {p: mean_std(_paired(cs, per.get("fp32", []), metric))
                  for p, cs in per.items() if p != "fp32" and any(c["seed"] in fp32 for c in cs)}
         if long and not delta:  # only table 1's fp32 cell exists: nothing to compare yet
             not_run.append(methods[key].label)

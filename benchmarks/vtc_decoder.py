@@ -13,7 +13,8 @@ same config — and:
    global statistics exist in this setting, so no DM), from the same initial weights;
 3. after epochs 1, 5, 10, 20, 40, … reports the reconstruction error ‖ψ(g(x)) − x‖² (summed over
    pixels, mean over images) and the *diversity ratio*: for each class with ≥ 20 samples, the
-   per-pixel standard deviation over decodes of c_k^y + σ_k ⊙ ε (the device's own statistics)
+   per-pixel standard deviation over decodes of c_k^y + σ_k ⊙ ε (the device's own statistics,
+   ``fedge.edge.methods.fedvtc.local_statistics``)
    divided by the same over its real images, averaged over pixels and classes (1 = as varied as
    the data, 0 = one template per class).
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, text_table
 from generative import build_config, table2_methods
 
-from fedge.edge.methods.fedvtc import FedVTCDevice, local_statistics
+from fedge.edge.methods.fedvtc import FedVTCDevice
 from fedge.edge.training import train_epochs
 from fedge.sim.fleet import build_device, load_fleet_data
 
@@ -47,16 +48,17 @@ OUT = RESULTS / "vtc_decoder"
 MIN_CLASS = 20  # classes with fewer samples are left out of the diversity ratio
 
 
-def diversity(m: FedVTCDevice, gen: torch.Generator) -> tuple[float, float]:
-    """(reconstruction error, diversity ratio) of the device's decoder, as the module docstring defines."""
-    ctx = m.ctx
-    model = ctx.model
-    model.eval()
+def diversity(m: FedVTCDevice, z: torch.Tensor, stats: tuple[np.ndarray, np.ndarray, np.ndarray],
+              gen: torch.Generator) -> tuple[float, float]:
+    """(reconstruction error, diversity ratio) of the device's decoder, as the module docstring defines.
+
+    ``z``: the frozen model's features of the device's training images; ``stats``: its per-class
+    means, σ_k and class counts (``local_statistics``).
+    """
+    protos, sigma, counts = stats
+    y = m.ctx.train.y
     m.decoder.eval()
-    x, y = ctx.train.x, ctx.train.y
-    protos, sigma, counts = local_statistics(model, x, y, ctx.num_classes)
     with torch.no_grad():
-        z = model.features(torch.from_numpy(x))
         recon = m.decoder(z).numpy()
         v = torch.from_numpy(protos[y]) + torch.from_numpy(sigma) * torch.randn(z.shape, generator=gen)
         samples = m.decoder(v).numpy()
@@ -66,7 +68,6 @@ def diversity(m: FedVTCDevice, gen: torch.Generator) -> tuple[float, float]:
     for c in np.flatnonzero(counts >= MIN_CLASS):
         sel = y == c
         ratios.append(samples[sel].std(0).mean() / max(float(real[sel].std(0).mean()), 1e-8))
-    m.decoder.train()
     return err, float(np.mean(ratios)) if ratios else float("nan")
 
 
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = build_config(table2_methods(20)["fedvtc"], args.seed, devices=20, alpha=args.alpha, fraction=0.2)
     data = load_fleet_data(base)
     idx = args.device - 1  # client-N is the fleet's N-th device
-    checkpoints = [e for e in (1, 5, 10, 20, 40, 80, 160) if e <= args.epochs] + [args.epochs]
+    checkpoints = {e for e in (1, 5, 10, 20, 40, 80, 160) if e <= args.epochs} | {args.epochs}
     out: dict[str, Any] = {"alpha": args.alpha, "seed": args.seed, "device": f"client-{args.device}",
                            "tier": args.tier, "model_epochs": args.model_epochs, "runs": {}}
     for s in args.noise:
@@ -87,13 +88,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["class_counts"] = np.bincount(ctx.train.y, minlength=ctx.num_classes).tolist()
         t0 = time.perf_counter()
         train_epochs(ctx.model, ctx.train.x, ctx.train.y, ctx.train_cfg, ctx.rng, epochs=args.model_epochs)
-        m._refresh_local_sigma()  # σ_k of the frozen model, as the last alternation of a round sets it
+        stats = m._refresh_local_sigma()  # σ_k of the frozen model, as the last alternation of a round sets it
+        ctx.model.eval()
+        with torch.no_grad():
+            z = ctx.model.features(torch.from_numpy(ctx.train.x))  # the model stays frozen from here on
         gen = torch.Generator().manual_seed(args.seed)
         curve = []
         for ep in range(1, args.epochs + 1):
             m._decoder_epoch()
             if ep in checkpoints:
-                err, ratio = diversity(m, gen)
+                err, ratio = diversity(m, z, stats, gen)
                 curve.append({"epoch": ep, "recon_error": err, "diversity": ratio})
                 print(f"s = {s}: epoch {ep:3d}  recon error {err:6.1f}  diversity {ratio:.2f}", flush=True)
         out["runs"][str(s)] = {"curve": curve, "seconds": time.perf_counter() - t0}

@@ -127,7 +127,6 @@ class FedVTCDevice(DeviceMethod):
         self.g_sigma: torch.Tensor | None = None  # (p,)
         self.g_scale = torch.ones(1)  # (p,) the floored σ the KL and DM terms normalise by
         self.g_classes: np.ndarray = np.zeros(0, dtype=np.int64)  # classes with a global count > 0
-        self.s_classes: np.ndarray = self.g_classes  # the classes decoded for fine-tuning and DM
         self.g_mask: torch.Tensor | None = None  # (C,) bool
         log.info("%s: VTC decoder tier %s, %d parameters", ctx.device_id, self.tier, self.dec_spec.num_params())
 
@@ -144,14 +143,19 @@ class FedVTCDevice(DeviceMethod):
         self.g_sigma = torch.from_numpy(np.maximum(np.asarray(stats["sigma"], dtype=np.float32), SIGMA_FLOOR))
         self.g_scale = torch.clamp(self.g_sigma, min=SIGMA_REL_FLOOR * float(self.g_sigma.mean()))  # (p,)
         self.g_classes = np.flatnonzero(counts > 0)
-        self.s_classes = (self.g_classes if self.synthetic_labels == "global"
-                          else np.intersect1d(self.g_classes, self.local_classes))
         self.g_mask = torch.from_numpy(counts > 0)
         if len(self.g_classes) < self.ctx.num_classes:
             log.info("%s: classes %s are on no device; they get no synthetic samples", self.ctx.device_id,
                      sorted(set(range(self.ctx.num_classes)) - set(self.g_classes.tolist())))
         if self.decoder_trained and len(self.s_classes) and self.finetune_epochs > 0:
             self._finetune()
+
+    @property
+    def s_classes(self) -> np.ndarray:
+        """The classes decoded for fine-tuning and DM (``synthetic_labels``)."""
+        if self.synthetic_labels == "global":
+            return self.g_classes
+        return np.intersect1d(self.g_classes, self.local_classes)
 
     def _global_latents(self, labels: torch.Tensor) -> torch.Tensor:
         """v = c^y + σ ⊙ ε (B, p), ε from the device's torch generator."""
