@@ -28,7 +28,7 @@ import torch
 from common import RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section
 
 from fedge.coordinator.engine import RoundReport
-from fedge.sim.config import load_fleet
+from fedge.fleet.config import load_fleet
 from fedge.sim.report import build_results
 from fedge.sim.simulate import simulate
 

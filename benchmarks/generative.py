@@ -51,9 +51,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, cached_cell, load_cell, markdown_table, mean_std, text_table, write_docs_section
 
-import fedge.sim.fleet as fleet_mod
+import fedge.fleet.devices as fleet_mod
+from fedge.fleet.config import DeviceGroup, FleetConfig, PartitionSection, load_fleet
 from fedge.profiles import load_profile
-from fedge.sim.config import DeviceGroup, FleetConfig, PartitionSection, load_fleet
 from fedge.sim.report import build_results
 from fedge.sim.simulate import simulate
 

@@ -4,7 +4,7 @@ FedVTC fine-tunes each model on images its decoder ψ_k decodes from v = c^y + �
 ignores where in the class v lies, every sample of a class is the same template and the
 fine-tuning pass sees ~C distinct images, however many it draws. This script takes one device
 of table 2's fleet (``benchmarks/generative.py``: 20 devices, Dirichlet α over 20 % of
-Fashion-MNIST, CNN-K with p = 64) — the real device half, built by ``fedge.sim.fleet`` from the
+Fashion-MNIST, CNN-K with p = 64) — the real device half, built by ``fedge.fleet.devices`` from the
 same config — and:
 
 1. trains its model alone for ``--model-epochs`` (SGD, table 2's settings) and freezes it;
@@ -42,7 +42,7 @@ from generative import build_config, table2_methods
 
 from fedge.edge.methods.fedvtc import FedVTCDevice
 from fedge.edge.training import train_epochs
-from fedge.sim.fleet import build_device, load_fleet_data
+from fedge.fleet.devices import build_device, load_fleet_data
 
 OUT = RESULTS / "vtc_decoder"
 MIN_CLASS = 20  # classes with fewer samples are left out of the diversity ratio

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from fedge.edge.training import class_feature_stats
-from fedge.sim.config import parse_fleet
+from fedge.fleet.config import parse_fleet
 from fedge.sim.simulate import SimResult, simulate
 
 

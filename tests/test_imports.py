@@ -10,7 +10,7 @@ def test_coordinator_side_does_not_import_torch() -> None:
     code = (
         "import sys\n"
         "import fedge.coordinator.engine, fedge.coordinator.strategies, fedge.coordinator.cli\n"
-        "import fedge.sim.config, fedge.profiles, fedge.mqtt.transport\n"
+        "import fedge.fleet.config, fedge.profiles, fedge.mqtt.transport\n"
         "from fedge.coordinator.strategies import STRATEGIES\n"
         "assert {'local', 'fedavg', 'lgfedavg', 'fedproto', 'gefl', 'geflf', 'fedvtc'} <= set(STRATEGIES)\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"

@@ -26,14 +26,14 @@ from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
 from fedge.coordinator.strategies import strategy
 from fedge.edge.agent import DeviceAgent
 from fedge.errors import PayloadError
+from fedge.fleet.config import FleetConfig, load_fleet
+from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.chunking import split
 from fedge.mqtt.client import new_paho_client
 from fedge.mqtt.simulate import start_fleet
 from fedge.mqtt.topics import FleetTopics
 from fedge.mqtt.transport import TransportSettings
-from fedge.sim.config import FleetConfig, load_fleet
-from fedge.sim.fleet import SimDevice, build_devices, load_fleet_data
 from fedge.sim.simulate import _TRANSPORTS as sim_transports
 from fedge.sim.simulate import simulate
 

@@ -8,8 +8,8 @@ import pytest
 
 from fedge.cli import main
 from fedge.errors import ConfigError
-from fedge.sim.config import device_ids, load_fleet, parse_fleet
-from fedge.sim.fleet import build_devices, load_fleet_data
+from fedge.fleet.config import device_ids, load_fleet, parse_fleet
+from fedge.fleet.devices import build_devices, load_fleet_data
 
 GOOD = """
 [run]

@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _config(args: argparse.Namespace) -> int:
     from fedge.broker.config import write_broker_config
-    from fedge.sim.config import device_ids, load_fleet
+    from fedge.fleet.config import device_ids, load_fleet
 
     cfg = load_fleet(args.fleet)
     ids = [i for i, _ in device_ids(cfg)]

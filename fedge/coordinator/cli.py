@@ -1,6 +1,6 @@
 """``fedge coordinator run``: the coordinator service over MQTT.
 
-This is the command layer: it may import the fleet config (:mod:`fedge.sim.config`)
+This is the command layer: it may import the fleet config (:mod:`fedge.fleet.config`)
 and the MQTT package lazily, which the coordinator library itself never does.
 """
 
@@ -90,8 +90,8 @@ def _run(args: argparse.Namespace) -> int:
     from fedge.coordinator.service import CoordinatorService, SchedulePolicy
     from fedge.coordinator.strategies import strategy
     from fedge.edge.data.datasets import NUM_CLASSES
+    from fedge.fleet.config import device_ids, load_fleet
     from fedge.mqtt.transport import MqttCoordinatorTransport, TransportSettings
-    from fedge.sim.config import device_ids, load_fleet
 
     cfg = load_fleet(args.config)
     if args.rounds is not None:

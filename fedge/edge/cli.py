@@ -44,9 +44,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _device(cfg_path: str, device_id: str, profile: str | None) -> tuple[Any, Any]:
     """(fleet config, SimDevice) of ``device_id``, with its profile's round-time budget in the hello."""
+    from fedge.fleet.config import load_fleet
+    from fedge.fleet.devices import build_device, device_ids, load_fleet_data
     from fedge.profiles import load_profile
-    from fedge.sim.config import load_fleet
-    from fedge.sim.fleet import build_device, device_ids, load_fleet_data
 
     cfg = load_fleet(cfg_path)
     ids = [i for i, _ in device_ids(cfg)]

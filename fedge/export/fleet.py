@@ -167,8 +167,8 @@ class _DeviceData:
             self._why = f"the run's fleet config {config!r} is not available"
             return {}
         try:
-            from fedge.sim.config import load_fleet
-            from fedge.sim.fleet import device_ids, load_fleet_data
+            from fedge.fleet.config import load_fleet
+            from fedge.fleet.devices import device_ids, load_fleet_data
 
             cfg = load_fleet(str(config))
             data = load_fleet_data(cfg)

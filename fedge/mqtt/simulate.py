@@ -17,11 +17,11 @@ from collections.abc import Callable
 from fedge.common.transport import CoordinatorTransport
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.service import EdgeService
+from fedge.fleet.config import FleetConfig
+from fedge.fleet.devices import SimDevice
 from fedge.mqtt.broker import EmbeddedBroker
 from fedge.mqtt.client import BrokerSettings
 from fedge.mqtt.transport import MqttCoordinatorTransport, MqttDeviceTransport, TransportSettings
-from fedge.sim.config import FleetConfig
-from fedge.sim.fleet import SimDevice
 from fedge.sim.simulate import register_transport
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedge.sim.config import FleetConfig, load_fleet
+from fedge.fleet.config import FleetConfig, load_fleet
 
 if TYPE_CHECKING:
     from fedge.coordinator.engine import RoundReport
@@ -87,7 +87,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from fedge.sim.fleet import class_histograms, load_fleet_data
+    from fedge.fleet.devices import class_histograms, load_fleet_data
 
     args.rounds = args.method = args.seed = None
     cfg = _override(args)

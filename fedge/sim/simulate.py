@@ -24,8 +24,8 @@ from fedge.edge.agent import DeviceAgent
 from fedge.edge.methods.base import DeviceMethod
 from fedge.edge.models.checkpoint import save_checkpoint
 from fedge.errors import ConfigError
-from fedge.sim.config import FleetConfig
-from fedge.sim.fleet import SimDevice, build_devices, load_fleet_data
+from fedge.fleet.config import FleetConfig
+from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from fedge.edge.methods import DeviceContext, DeviceMethod, device_method
 from fedge.edge.models.zoo import build_model
 from fedge.edge.training import TrainConfig
 from fedge.errors import ConfigError
+from fedge.fleet.config import FleetConfig, device_ids
 from fedge.profiles import load_profile, plan
-from fedge.sim.config import FleetConfig, device_ids
 
 log = logging.getLogger(__name__)
 
