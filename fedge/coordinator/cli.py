@@ -17,8 +17,6 @@ from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Classes per data set; a coordinator must not need the data itself to know this.
-
 
 def add_broker_arguments(p: argparse.ArgumentParser, *, required: bool = False) -> None:
     """``--broker/--username/--password/--password-file/--tls/--ca`` (shared with ``fedge edge run``)."""
@@ -89,8 +87,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from fedge.coordinator.service import CoordinatorService, SchedulePolicy
     from fedge.coordinator.strategies import strategy
-    from fedge.edge.data.datasets import NUM_CLASSES
     from fedge.fleet.config import device_ids, load_fleet
+    from fedge.fleet.slots import fleet_classes
     from fedge.mqtt.transport import MqttCoordinatorTransport, TransportSettings
 
     cfg = load_fleet(args.config)
@@ -103,7 +101,8 @@ def _run(args: argparse.Namespace) -> int:
     engine_cfg = policy.engine_config(fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
                                       allowed=None if args.any_device else frozenset(ids),
                                       max_update_bytes=args.max_update_bytes)
-    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=NUM_CLASSES[cfg.run.dataset], rounds=cfg.run.rounds)
+    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=len(fleet_classes(cfg)),
+                                     rounds=cfg.run.rounds)
 
     embedded: Any = None
     if args.broker is None:
