@@ -21,7 +21,7 @@ from fedge.edge.methods import DeviceContext, DeviceMethod, device_method
 from fedge.edge.models.zoo import build_model
 from fedge.edge.training import TrainConfig
 from fedge.fleet.config import FleetConfig, device_ids
-from fedge.fleet.slots import check_feature_dims, data_dir, device_slot, fleet_splits
+from fedge.fleet.slots import check_feature_dims, device_slot, fleet_data_dir, fleet_splits
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ class SimDevice:
 def load_fleet_data(cfg: FleetConfig) -> FleetData:
     """Load the data set and partition it over the fleet, deterministically by seed."""
     run = cfg.run
-    train = load_dataset(run.dataset, train=True, data_dir=data_dir(cfg), seed=run.seed)
-    test = load_dataset(run.dataset, train=False, data_dir=data_dir(cfg), seed=run.seed)
+    train = load_dataset(run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=run.seed)
+    test = load_dataset(run.dataset, train=False, data_dir=fleet_data_dir(cfg), seed=run.seed)
     return FleetData(train, test, fleet_splits(cfg, train.y))
 
 

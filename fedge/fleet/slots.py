@@ -87,7 +87,7 @@ def fleet_classes(cfg: FleetConfig) -> tuple[str, ...]:
     return CLASS_NAMES[cfg.run.dataset]
 
 
-def data_dir(cfg: FleetConfig) -> str | None:
+def fleet_data_dir(cfg: FleetConfig) -> str | None:
     """``[run] data_dir`` resolved against the config's directory (None: the data set's default place)."""
     return str(cfg.base_dir / cfg.run.data_dir) if cfg.run.data_dir else None
 
@@ -107,7 +107,7 @@ def fleet_splits(cfg: FleetConfig, labels: np.ndarray) -> list[DeviceSplit]:
 
 def train_labels(cfg: FleetConfig) -> np.ndarray:
     """The fleet's training labels (the images are not loaded)."""
-    return load_labels(cfg.run.dataset, train=True, data_dir=data_dir(cfg), seed=cfg.run.seed)
+    return load_labels(cfg.run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=cfg.run.seed)
 
 
 def device_profile(cfg: FleetConfig, group: int) -> Profile:
