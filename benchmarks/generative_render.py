@@ -97,7 +97,7 @@ def table1(cells: Cells, methods: dict[str, Method], *, seeds: list[int], publis
 K = 10, IID 10 % of the training set (600 images per device), CNN-1 … CNN-10 with BN, SGD lr 0.1,
 batch 64, T_s = 1 synthetic + T_r = 5 real epochs. Metric: mean over the ten models of each one's best
 accuracy on the 10k test set (evaluated every 5 rounds and after the last), mean ± std over the seeds
-listed. Generator tier in the method name; schedules in `benchmarks/generative.py`.
+listed. Generator tier in the method name; schedules in `benchmarks/generative_rows.py`.
 
 {markdown_table(header, rows)}
 
