@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, text_table
-from generative import build_config, table2_methods
+from generative_rows import build_config, table2_methods
 
 from fedge.edge.methods.fedvtc import FedVTCDevice
 from fedge.edge.training import train_epochs

@@ -1,12 +1,16 @@
-"""Small fleets built by hand (no profiles) for engine-level tests."""
+"""Small fleets built by hand (no profiles) for engine-level tests, and what the tests share about fleets:
+the digits data set (loaded once) and the capture of every upload a fleet's devices send."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from fedge.common.inmemory import InMemoryBus
+from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.coordinator.strategies import strategy
@@ -26,8 +30,36 @@ class Fleet:
     engine: RoundEngine
 
 
+_DIGITS: tuple[Dataset, Dataset] | None = None
+
+
 def digits() -> tuple[Dataset, Dataset]:
-    return load_dataset("digits", train=True), load_dataset("digits", train=False)
+    """The digits train and test sets, loaded once per test session."""
+    global _DIGITS
+    if _DIGITS is None:
+        _DIGITS = (load_dataset("digits", train=True), load_dataset("digits", train=False))
+    return _DIGITS
+
+
+class Upload(NamedTuple):
+    """One update as a device sent it: the encoded bytes and their decoded message."""
+
+    data: bytes
+    msg: Message
+
+
+def capture_uploads(agents: Sequence[DeviceAgent]) -> list[Upload]:
+    """Wrap each agent's ``send_update`` so every upload is also kept (in sending order) in the returned list."""
+    seen: list[Upload] = []
+    for a in agents:
+        orig = a.transport.send_update
+
+        def send(data: bytes, orig: Callable[[bytes], None] = orig) -> None:
+            seen.append(Upload(data, Message.from_bytes(data)))
+            orig(data)
+
+        a.transport.send_update = send  # type: ignore[method-assign]
+    return seen
 
 
 def tiny_fleet(method: str, archs: list[str], *, rounds: int = 2, precision: str = "fp32",

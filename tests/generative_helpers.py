@@ -7,13 +7,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from fleet_helpers import digits
 
 from fedge.common.inmemory import InMemoryBus
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.coordinator.strategies import strategy
 from fedge.edge.agent import DeviceAgent
-from fedge.edge.data.datasets import Dataset, load_dataset
 from fedge.edge.data.partition import dirichlet, shards
 from fedge.edge.methods import DeviceContext, device_method
 from fedge.edge.models import build_model
@@ -24,16 +24,6 @@ from fedge.sim.inprocess import connect_inprocess
 torch.set_num_threads(1)
 
 ARCHS = ("cnn3-p32", "cnn2-p32", "cnn4-p32", "cnn1-p32")
-
-_DIGITS: tuple[Dataset, Dataset] | None = None
-
-
-def digits() -> tuple[Dataset, Dataset]:
-    global _DIGITS
-    if _DIGITS is None:
-        _DIGITS = (load_dataset("digits", train=True), load_dataset("digits", train=False))
-    return _DIGITS
-
 
 @dataclass
 class GenFleet:

@@ -2,38 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from fleet_helpers import Fleet, tiny_fleet, weights
+from fleet_helpers import capture_uploads, tiny_fleet, weights
 
 from fedge.common.messages import Message
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, PROTOTYPES_ARTIFACT, group_artifact
 from fedge.edge.methods.base import model_arrays
 
 
-def _capture_uploads(fleet: Fleet) -> list[dict[str, Any]]:
-    """Wrap each agent's send_update to keep the decoded uploads."""
-    seen: list[dict[str, Any]] = []
-    for a in fleet.agents:
-        orig = a.transport.send_update
-
-        def send(data: bytes, orig: Callable[[bytes], None] = orig) -> None:
-            seen.append({"bytes": data, "msg": Message.from_bytes(data)})
-            orig(data)
-
-        a.transport.send_update = send  # type: ignore[method-assign]
-    return seen
-
-
 def test_fedavg_within_group_equals_hand_computed_average() -> None:
     fleet = tiny_fleet("fedavg", ["tier-xs", "tier-xs", "tier-s"], rounds=1)
-    uploads = _capture_uploads(fleet)
+    uploads = capture_uploads(fleet.agents)
     fleet.engine.run_round(1)
-    by = {u["msg"].sender: u["msg"] for u in uploads}
+    by = {u.msg.sender: u.msg for u in uploads}
     n0, n1 = fleet.agents[0].device.num_samples, fleet.agents[1].device.num_samples
     glob = fleet.engine.globals[group_artifact("tier-xs")]
     for name, w0 in by["d0"].tensors.items():
@@ -63,11 +48,11 @@ def test_lgfedavg_shares_extractor_across_groups() -> None:
 
 def test_fedproto_prototypes_are_count_weighted() -> None:
     fleet = tiny_fleet("fedproto", ["tier-xs", "tier-s", "tier-xs"], rounds=1)
-    uploads = _capture_uploads(fleet)
+    uploads = capture_uploads(fleet.agents)
     fleet.engine.run_round(1)
-    msgs = [u["msg"] for u in uploads]
-    counts = sum(m.tensors["counts"] for m in msgs)
-    sums = sum(m.tensors["protos"].astype(np.float64) * m.tensors["counts"][:, None] for m in msgs)
+    msgs = [u.msg for u in uploads]
+    counts = np.sum([m.tensors["counts"] for m in msgs], axis=0)
+    sums = np.sum([m.tensors["protos"].astype(np.float64) * m.tensors["counts"][:, None] for m in msgs], axis=0)
     glob = fleet.engine.globals[PROTOTYPES_ARTIFACT]
     np.testing.assert_array_equal(glob["counts"], counts)
     np.testing.assert_allclose(glob["protos"], sums / counts[:, None], rtol=1e-5, atol=1e-6)
@@ -76,11 +61,11 @@ def test_fedproto_prototypes_are_count_weighted() -> None:
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 def test_bytes_counted_are_the_encoded_sizes(precision: str) -> None:
     fleet = tiny_fleet("fedavg", ["tier-xs", "tier-xs"], rounds=1, precision=precision)
-    uploads = _capture_uploads(fleet)
+    uploads = capture_uploads(fleet.agents)
     reports = fleet.engine.run()
-    sent = {u["msg"].sender: len(u["bytes"]) for u in uploads if u["msg"].round == 1}
+    sent = {u.msg.sender: len(u.data) for u in uploads if u.msg.round == 1}
     assert reports[0].bytes_up == sent
-    d0_sent = [len(u["bytes"]) for u in uploads if u["msg"].sender == "d0"]
+    d0_sent = [len(u.data) for u in uploads if u.msg.sender == "d0"]
     assert [t.bytes_up for t in fleet.agents[0].traffic] == d0_sent
     # downlink of round 2 = round descriptor + the group artifact, as published
     down = len(fleet.bus.round_msg or b"") + len(fleet.bus.globals[group_artifact("tier-xs")])

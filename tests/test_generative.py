@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fleet_helpers import capture_uploads
 from generative_helpers import skewed_fleet
 
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, DeviceInfo, RoundInfo
@@ -154,6 +155,7 @@ def test_generator_upload_of_the_wrong_tier_is_rejected() -> None:
 def test_geflf_freezes_the_averaged_extractor_and_trains_heads_on_features(tmp_path) -> None:
     cfg = {"warmup_rounds": 1, "gen_rounds": 1, "generator_tier": "tiny", "gen_epochs": 1}
     fleet = skewed_fleet("geflf", rounds=3, method_config=cfg, epochs=1)
+    uploads = capture_uploads(fleet.agents)
     phases = [fleet.engine.run_round(r).phase for r in (1, 2, 3)]
     assert phases == ["warmup", "generator", "head"]
     ext = fleet.engine.globals[EXTRACTOR_ARTIFACT]
@@ -163,9 +165,17 @@ def test_geflf_freezes_the_averaged_extractor_and_trains_heads_on_features(tmp_p
         for k, v in ext.items():
             np.testing.assert_array_equal(mine[k], v)  # frozen at the warm-up average
         assert m.generator_loaded and m.gen_spec.out_shape == (3, 16, 16)
-    # head-phase uploads carry no extractor and no generator
+    # head-phase uploads carry no extractor and no generator: the rest of each model's weights only
     rep = fleet.engine.reports[2]
     assert not rep.rejected and len(rep.accepted) == 4
+    by_round = {r: {u.msg.sender: set(u.msg.tensors) for u in uploads if u.msg.round == r} for r in (1, 3)}
+    for m in fleet.methods():
+        own = set(model_arrays(m.ctx.model))
+        extractor = {k for k in own if k.startswith("extractor.")}
+        assert extractor and extractor <= by_round[1][m.ctx.device_id]  # the warm-up shares the extractor
+        head = by_round[3][m.ctx.device_id]
+        assert head and head <= own - extractor, sorted(head - (own - extractor))
+        assert not any(k.startswith(GENERATOR_PREFIX) for k in head)
     grids = write_sample_grids(fleet.methods(), tmp_path, per_class=2)
     assert [g.name for g in grids] == [generator_artifact("cvae", "tiny", "feature") + ".png"]
     ckpt = tmp_path / "checkpoints" / "generators" / (generator_artifact("cvae", "tiny", "feature") + ".safetensors")

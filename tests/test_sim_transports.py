@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from import_helpers import modules_loaded
 
 from fedge.errors import ConfigError
 from fedge.fleet.config import parse_fleet
@@ -28,12 +26,5 @@ def test_every_entry_names_a_runner() -> None:
 def test_choosing_inprocess_never_loads_mqtt() -> None:
     """Nothing registers itself by being imported: the simulator and its in-process runner load
     neither paho nor the MQTT runner."""
-    code = (
-        "import sys\n"
-        "import fedge.sim.simulate\n"
-        "from fedge.sim.transports import transport_runner\n"
-        "transport_runner('inprocess')\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('paho', 'fedge.mqtt', 'fedge.sim.over_mqtt'))))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    code = "import fedge.sim.simulate\nfrom fedge.sim.transports import transport_runner\ntransport_runner('inprocess')"
+    assert modules_loaded(code, "paho", "fedge.mqtt", "fedge.sim.over_mqtt") == []

@@ -1,1 +1,1 @@
-"""The whole fleet on one machine: fleet configs, the simulator, reports."""
+"""The whole fleet on one machine: the simulator, its transports (a table), reports."""

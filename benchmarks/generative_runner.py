@@ -1,0 +1,74 @@
+"""Running the generative benchmark's cells: one simulation per (row, seed, precision), saved as JSON
+under ``benchmarks/results/generative/`` as soon as it finishes, so an interrupted run resumes."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common import RESULTS, cached_cell, load_cell
+from generative_rows import Method
+
+from fedge.fleet.config import FleetConfig
+from fedge.sim.report import build_results
+from fedge.sim.simulate import simulate
+
+OUT = RESULTS / "generative"
+Make = Callable[[Method, int], tuple[FleetConfig, str | None]]  # a row and a seed -> its config and precision
+
+
+def with_precision(cfg: FleetConfig, precision: str | None) -> FleetConfig:
+    """``cfg`` with every device uploading at ``precision`` (None: what the planner derives from the uplink)."""
+    if precision is None:
+        return cfg
+    return dataclasses.replace(cfg, devices=tuple(dataclasses.replace(g, upload_precision=precision)
+                                                  for g in cfg.devices))
+
+
+def run_cell(cfg: FleetConfig, precision: str | None = None) -> dict[str, Any]:
+    """Simulate one cell and keep what the tables report (accuracies, bytes, the accuracy curve, wall time)."""
+    t0 = time.perf_counter()
+    res = simulate(with_precision(cfg, precision))
+    out = build_results(res)
+    rounds = cfg.run.rounds
+    return {
+        "method": cfg.run.method, "config": cfg.method, "seed": cfg.run.seed, "rounds": rounds,
+        "precision": precision or "plan",
+        "mean_best_acc": out["summary"]["mean_best_acc_global"],
+        "mean_final_acc": out["summary"]["mean_final_acc_global"],
+        "mean_final_acc_local": out["summary"]["mean_final_acc_local"],
+        "per_model_best": {d["id"]: d["best_acc_global"] for d in out["devices"]},
+        "bytes_up_per_device_round": out["summary"]["mean_bytes_up_per_round"],
+        "bytes_down_per_device_round": out["summary"]["mean_bytes_down_per_round"],
+        "acc_curve": [sum(x for x in col if x is not None) / max(1, sum(x is not None for x in col))
+                      if any(x is not None for x in col) else None
+                      for col in zip(*(d["acc_global"] for d in out["devices"]), strict=True)],
+        "wall_seconds": time.perf_counter() - t0,
+    }
+
+
+def collect(table: str, methods: dict[str, Method], keys: list[str], seeds: list[int],
+            make: Make, *, tag: str = "", force: bool = False,
+            report_only: bool = False) -> dict[str, list[dict]]:
+    """Every (method, seed) cell of a table: loaded if saved with the same settings, else computed
+    (``report_only``: skipped). ``make`` gives a row's fleet config and upload precision for a seed."""
+    cells: dict[str, list[dict]] = {}
+    for key in keys:
+        m = methods[key]
+        for seed in seeds:
+            path = OUT / table / f"{key}{tag}-s{seed}-r{m.rounds}.json"
+            cfg, prec = make(m, seed)
+            expect = {"config": dict(cfg.method), "rounds": cfg.run.rounds, "precision": prec or "plan"}
+            if report_only:
+                if (cell := load_cell(path, expect)) is not None:
+                    cells.setdefault(key, []).append(cell)
+                continue
+            def compute(c: FleetConfig = cfg, p: str | None = prec, label: str = f"{table} {key}{tag} seed {seed}",
+                        ) -> dict[str, Any]:
+                print(f"[{time.strftime('%H:%M:%S')}] {label} ...", flush=True)  # only cells actually run
+                return run_cell(c, p)
+
+            cells.setdefault(key, []).append(cached_cell(path, compute, force=force, expect=expect))
+    return cells
