@@ -8,9 +8,8 @@ import torch
 from generative_helpers import skewed_fleet
 
 from fedge.common.messages import Message
-from fedge.common.rounds import DeviceInfo
+from fedge.common.rounds import VTC_STATS_ARTIFACT, DeviceInfo
 from fedge.coordinator.strategies import strategy
-from fedge.edge.generators.spec import VTC_STATS_ARTIFACT
 from fedge.edge.methods.base import model_arrays
 from fedge.errors import ConfigError
 

@@ -7,13 +7,18 @@ import pytest
 import torch
 from generative_helpers import skewed_fleet
 
-from fedge.common.rounds import EXTRACTOR_ARTIFACT, DeviceInfo, RoundInfo
+from fedge.common.generators import GeneratorSpec
+from fedge.common.rounds import (
+    EXTRACTOR_ARTIFACT,
+    GENERATOR_PREFIX,
+    DeviceInfo,
+    RoundInfo,
+    generator_artifact,
+)
 from fedge.coordinator.strategies import strategy
 from fedge.coordinator.validation import Rejected, check_arrays
-from fedge.edge.generators import GeneratorSpec
 from fedge.edge.generators.grid import write_sample_grids
 from fedge.edge.generators.modules import build_generator, load_generator
-from fedge.edge.generators.spec import GENERATOR_PREFIX, generator_artifact
 from fedge.edge.methods.base import model_arrays
 from fedge.edge.models.checkpoint import load_checkpoint, save_checkpoint
 from fedge.errors import CheckpointError, ConfigError

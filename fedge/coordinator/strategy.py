@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from fedge.common.rounds import DeviceInfo
+from fedge.common.rounds import TRAIN_PHASE, DeviceInfo
 
 Arrays = dict[str, np.ndarray]
 # name -> (shape, dtype kind) where kind is "float" or "int"
@@ -37,7 +37,7 @@ class Strategy(ABC):
 
     def phase(self, rnd: int) -> str:
         """Phase name of training round ``rnd`` (1-based)."""
-        return "train"
+        return TRAIN_PHASE
 
     def round_config(self, rnd: int) -> dict[str, Any]:
         """Method-specific settings announced with round ``rnd``."""

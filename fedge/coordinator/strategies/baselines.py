@@ -7,11 +7,16 @@ from typing import Any
 import numpy as np
 
 from fedge.common.archs import arch_by_name
-from fedge.common.rounds import EXTRACTOR_ARTIFACT, PROTOTYPES_ARTIFACT, DeviceInfo, group_artifact
+from fedge.common.rounds import (
+    EXTRACTOR_ARTIFACT,
+    EXTRACTOR_PREFIX,
+    PROTOTYPES_ARTIFACT,
+    DeviceInfo,
+    class_stats_spec,
+    group_artifact,
+)
 from fedge.coordinator.aggregate import GroupedMean, WeightedMean
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
-
-EXTRACTOR_PREFIX = "extractor."
 
 
 def weight_spec(arch: str) -> UpdateSpec:
@@ -104,5 +109,4 @@ class FedProtoStrategy(Strategy):
         return {PROTOTYPES_ARTIFACT: {"protos": protos.astype(np.float32), "counts": self.counts.copy()}}
 
     def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
-        p = device.feature_dim
-        return {"protos": ((self.num_classes, p), "float"), "counts": ((self.num_classes,), "int")}
+        return class_stats_spec(self.num_classes, device.feature_dim)

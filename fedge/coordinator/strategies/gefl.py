@@ -11,18 +11,18 @@ import logging
 from typing import Any
 
 from fedge.common.archs import arch_by_name
-from fedge.common.rounds import DeviceInfo
+from fedge.common.generators import DEFAULT_GENERATOR_TIER, GeneratorSpec, check_tier
+from fedge.common.rounds import (
+    GENERATOR_PHASE,
+    GENERATOR_PREFIX,
+    TARGET_PHASE,
+    DeviceInfo,
+    generator_artifact,
+)
+from fedge.common.settings import cfg_bool, cfg_int, generator_kind
 from fedge.coordinator.aggregate import GroupedMean
 from fedge.coordinator.strategies.baselines import FedAvgStrategy, LGFedAvgStrategy, weight_spec
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
-from fedge.edge.generators.config import cfg_bool, cfg_int, generator_kind
-from fedge.edge.generators.spec import (
-    DEFAULT_GENERATOR_TIER,
-    GENERATOR_PREFIX,
-    GeneratorSpec,
-    check_tier,
-    generator_artifact,
-)
 from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class GeFLStrategy(Strategy):
         self.weights: FedAvgStrategy = inner(config, num_classes=num_classes, rounds=rounds)
 
     def phase(self, rnd: int) -> str:
-        return "generator" if rnd <= self.gen_rounds else "target"
+        return GENERATOR_PHASE if rnd <= self.gen_rounds else TARGET_PHASE
 
     def begin_round(self, rnd: int) -> None:
         self.gens.reset()
@@ -120,12 +120,12 @@ class GeFLStrategy(Strategy):
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
         out = self.gens.results()
-        if self.phase(rnd) == "target":
+        if self.phase(rnd) == TARGET_PHASE:
             out.update(self.weights.finish_round(rnd))
         return out
 
     def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
-        if self.phase(rnd) == "generator":
+        if self.phase(rnd) == GENERATOR_PHASE:
             return self.gens.expected(device)
         spec = weight_spec(device.arch)
         if self.train_gen_in_target:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedge.common.rounds import DeviceInfo
-from fedge.coordinator.strategies.baselines import EXTRACTOR_PREFIX, FedAvgStrategy, LGFedAvgStrategy, weight_spec
+from fedge.common.rounds import EXTRACTOR_PREFIX, GENERATOR_PHASE, HEAD_PHASE, WARMUP_PHASE, DeviceInfo
+from fedge.common.settings import cfg_int, generator_kind
+from fedge.coordinator.strategies.baselines import FedAvgStrategy, LGFedAvgStrategy, weight_spec
 from fedge.coordinator.strategies.gefl import GeneratorAverage, split_generator
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
-from fedge.edge.generators.config import cfg_int, generator_kind
 from fedge.errors import ConfigError
 
 
@@ -40,8 +40,8 @@ class GeFLFStrategy(Strategy):
 
     def phase(self, rnd: int) -> str:
         if rnd <= self.warmup_rounds:
-            return "warmup"
-        return "generator" if rnd <= self.warmup_rounds + self.gen_rounds else "head"
+            return WARMUP_PHASE
+        return GENERATOR_PHASE if rnd <= self.warmup_rounds + self.gen_rounds else HEAD_PHASE
 
     def begin_round(self, rnd: int) -> None:
         self.gens.reset()
@@ -60,16 +60,16 @@ class GeFLFStrategy(Strategy):
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
         phase = self.phase(rnd)
-        if phase == "warmup":
+        if phase == WARMUP_PHASE:
             return self.warmup.finish_round(rnd)
-        if phase == "generator":
+        if phase == GENERATOR_PHASE:
             return self.gens.results()
         return self.heads.finish_round(rnd)
 
     def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
         phase = self.phase(rnd)
-        if phase == "warmup":
+        if phase == WARMUP_PHASE:
             return weight_spec(device.arch)
-        if phase == "generator":
+        if phase == GENERATOR_PHASE:
             return self.gens.expected(device)
         return {k: v for k, v in weight_spec(device.arch).items() if not k.startswith(EXTRACTOR_PREFIX)}

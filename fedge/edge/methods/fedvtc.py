@@ -38,10 +38,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedge.common.rounds import RoundInfo
-from fedge.edge.generators.config import cfg_bool, cfg_float, cfg_int
+from fedge.common.generators import GeneratorSpec
+from fedge.common.rounds import VTC_STATS_ARTIFACT, RoundInfo
+from fedge.common.settings import cfg_bool, cfg_float, cfg_int
 from fedge.edge.generators.modules import VTCDecoder, build_generator
-from fedge.edge.generators.spec import VTC_STATS_ARTIFACT, GeneratorSpec
 from fedge.edge.generators.train import uniform_labels
 from fedge.edge.methods.base import Arrays, DeviceContext, DeviceMethod
 from fedge.edge.methods.gefl import device_tier

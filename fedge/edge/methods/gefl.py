@@ -29,16 +29,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedge.common.rounds import EXTRACTOR_ARTIFACT, RoundInfo, group_artifact
-from fedge.edge.generators.config import GEFL_GENERATORS, cfg_bool, cfg_float, cfg_int, generator_kind
-from fedge.edge.generators.modules import ConditionalDDPM, ConditionalGenerator, build_generator, load_generator
-from fedge.edge.generators.spec import (
-    DEFAULT_GENERATOR_TIER,
+from fedge.common.generators import DEFAULT_GENERATOR_TIER, GeneratorSpec, check_tier
+from fedge.common.rounds import (
+    EXTRACTOR_ARTIFACT,
+    GENERATOR_PHASE,
     GENERATOR_PREFIX,
-    GeneratorSpec,
-    check_tier,
+    RoundInfo,
     generator_artifact,
+    group_artifact,
 )
+from fedge.common.settings import GEFL_GENERATORS, cfg_bool, cfg_float, cfg_int, generator_kind
+from fedge.edge.generators.modules import ConditionalDDPM, ConditionalGenerator, build_generator, load_generator
 from fedge.edge.generators.train import GeneratorTrainer, sample_dataset
 from fedge.edge.methods.base import Arrays, DeviceContext, DeviceMethod, load_arrays, model_arrays
 from fedge.edge.training import train_epochs
@@ -186,12 +187,12 @@ class GeFLDevice(GenerativeMixin, DeviceMethod):
         return self._x_gen
 
     def needed_artifacts(self, info: RoundInfo) -> list[str]:
-        if info.phase == "generator":
+        if info.phase == GENERATOR_PHASE:
             return [self.gen_artifact]
         out = [EXTRACTOR_ARTIFACT] if self.avg_extractor else []
         out.append(group_artifact(self.ctx.model.spec.name))
         # A frozen generator is fetched once, not every round (it would dominate the downlink).
-        if self.train_gen_in_target or not self.generator_loaded or info.phase == "generator":
+        if self.train_gen_in_target or not self.generator_loaded or info.phase == GENERATOR_PHASE:
             out.append(self.gen_artifact)
         return out
 
@@ -203,7 +204,7 @@ class GeFLDevice(GenerativeMixin, DeviceMethod):
 
     def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
         ctx = self.ctx
-        if info.phase == "generator":
+        if info.phase == GENERATOR_PHASE:
             arrays, gloss = self._train_generator(self._real_in_gen_space(), ctx.train.y)
             return arrays, {"gen_loss": gloss, "generator_tier": self.gen_tier}
         extra: dict[str, Any] = dict(self._train_target(ctx.train.x, ctx.train.y, self.from_gen_space))
