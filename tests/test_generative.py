@@ -15,13 +15,13 @@ from fedge.common.rounds import (
     RoundInfo,
     generator_artifact,
 )
-from fedge.coordinator.strategies import strategy
 from fedge.coordinator.validation import Rejected, check_arrays
 from fedge.edge.generators.grid import write_sample_grids
 from fedge.edge.generators.modules import build_generator, load_generator
 from fedge.edge.methods.base import model_arrays
 from fedge.edge.models.checkpoint import load_checkpoint, save_checkpoint
 from fedge.errors import CheckpointError, ConfigError
+from fedge.fleet.methods import method_entry
 
 SHAPES = {"image": (1, 32, 32), "feature": (3, 16, 16)}
 
@@ -107,7 +107,7 @@ def test_generator_tier_comes_from_the_plan_and_method_overrides_it() -> None:
     with pytest.raises(ConfigError, match="no generator tier"):
         skewed_fleet("gefl", rounds=3, method_config={"gen_rounds": 1}, plan={"generator_tier": "none"})
     with pytest.raises(ConfigError, match="leaves no target rounds"):
-        strategy("gefl")({"gen_rounds": 5}, num_classes=10, rounds=5)
+        method_entry("gefl").build_strategy({"gen_rounds": 5}, num_classes=10, rounds=5)
 
 
 def test_gefl_averages_the_generator_over_all_devices_then_trains_targets() -> None:
@@ -146,7 +146,7 @@ def test_gefl_averages_the_generator_over_all_devices_then_trains_targets() -> N
 
 
 def test_generator_upload_of_the_wrong_tier_is_rejected() -> None:
-    strat = strategy("gefl")({"gen_rounds": 2, "generator_tier": "tiny"}, num_classes=10, rounds=3)
+    strat = method_entry("gefl").build_strategy({"gen_rounds": 2, "generator_tier": "tiny"}, num_classes=10, rounds=3)
     dev = DeviceInfo("d0", "cnn3-p32", "test", num_samples=10, feature_dim=32)
     small = build_generator(GeneratorSpec("cvae", (1, 32, 32), tier="small"))
     arrays = {GENERATOR_PREFIX + k: v for k, v in model_arrays(small).items()}

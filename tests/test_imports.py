@@ -11,8 +11,9 @@ def test_coordinator_side_does_not_import_torch() -> None:
         "import sys\n"
         "import fedge.coordinator.engine, fedge.coordinator.strategies, fedge.coordinator.cli\n"
         "import fedge.fleet.config, fedge.profiles, fedge.mqtt.transport\n"
-        "from fedge.coordinator.strategies import STRATEGIES\n"
-        "assert {'local', 'fedavg', 'lgfedavg', 'fedproto', 'gefl', 'geflf', 'fedvtc'} <= set(STRATEGIES)\n"
+        "from fedge.fleet.methods import METHODS\n"
+        "assert {'local', 'fedavg', 'lgfedavg', 'fedproto', 'gefl', 'geflf', 'fedvtc'} <= set(METHODS)\n"
+        "for entry in METHODS.values(): entry.coordinator_half()\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -58,6 +58,9 @@ from fedge.errors import ConfigError
 GENERATOR_KINDS: tuple[str, ...] = ("cvae", "dcgan", "ddpm", "vtc")
 GENERATOR_TIERS: tuple[str, ...] = ("tiny", "small", "paper")
 DEFAULT_GENERATOR_TIER = "small"
+# What a generator generates: the model's input images (GeFL, FedVTC) or the stem's feature maps (GeFL-F).
+IMAGE_LEVEL = "image"
+FEATURE_LEVEL = "feature"
 
 # Base width w per kind and tier. "paper": the published GeFL sizes (CVAE 64, DCGAN d = 128).
 TIER_WIDTH: dict[str, dict[str, int]] = {

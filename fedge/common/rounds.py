@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fedge.common.generators import IMAGE_LEVEL
+
 # -- phase names (``RoundInfo.phase``) ----------------------------------------------------------
 TRAIN_PHASE = "train"  # the single phase of Local, FedAvg, LG-FedAvg, FedProto and FedVTC
 WARMUP_PHASE = "warmup"  # GeFL-F: LG-FedAvg on the full model
@@ -86,7 +88,7 @@ def group_artifact(arch: str) -> str:
     return f"group-{arch}"
 
 
-def generator_artifact(kind: str, tier: str, level: str = "image") -> str:
+def generator_artifact(kind: str, tier: str, level: str = IMAGE_LEVEL) -> str:
     """Artifact holding the generator averaged over the devices with the same kind, tier and level.
 
     Devices can only average generators of identical shape, so a fleet whose

@@ -88,9 +88,9 @@ def _run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from fedge.coordinator.service import CoordinatorService, SchedulePolicy
-    from fedge.coordinator.strategies import strategy
     from fedge.edge.data.datasets import NUM_CLASSES
     from fedge.fleet.config import device_ids, load_fleet
+    from fedge.fleet.methods import method_entry
     from fedge.mqtt.transport import MqttCoordinatorTransport, TransportSettings
 
     cfg = load_fleet(args.config)
@@ -103,7 +103,8 @@ def _run(args: argparse.Namespace) -> int:
     engine_cfg = policy.engine_config(fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
                                       allowed=None if args.any_device else frozenset(ids),
                                       max_update_bytes=args.max_update_bytes)
-    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=NUM_CLASSES[cfg.run.dataset], rounds=cfg.run.rounds)
+    strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=NUM_CLASSES[cfg.run.dataset],
+                                                         rounds=cfg.run.rounds)
 
     embedded: Any = None
     if args.broker is None:

@@ -12,11 +12,12 @@ from fedge.common.archs import arch_by_name
 from fedge.common.rounds import DeviceInfo
 from fedge.edge.data.datasets import Dataset, load_dataset
 from fedge.edge.data.partition import DeviceSplit, dirichlet, iid_fraction, local_splits, shards
-from fedge.edge.methods import DeviceContext, DeviceMethod, device_method
+from fedge.edge.methods import DeviceContext, DeviceMethod
 from fedge.edge.models.zoo import build_model
 from fedge.edge.training import TrainConfig
 from fedge.errors import ConfigError
 from fedge.fleet.config import FleetConfig, device_ids
+from fedge.fleet.methods import method_entry
 from fedge.profiles import load_profile, plan
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def build_devices(cfg: FleetConfig, data: FleetData) -> list[SimDevice]:
 
 def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
     """Build device number ``idx`` (fleet order) alone, as a real device does from the fleet config."""
-    cls = device_method(cfg.run.method)
+    entry = method_entry(cfg.run.method)
     ids = device_ids(cfg)
     dev_id, gi = ids[idx]
     group = cfg.devices[gi]
@@ -93,7 +94,7 @@ def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
         train_cfg=tc,
         upload_precision=p.upload_precision,
         seed=cfg.run.seed * 1000 + idx,
-        method_config=dict(cfg.method),
+        method_config=cfg.method_config,
         global_test=data.test,
         profile=profile.name,
         plan=p.to_dict(),
@@ -108,13 +109,11 @@ def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
         # The coordinator sizes generator uploads from the device's planned generator tier.
         extra={"params": model.spec.num_params(), "generator_tier": p.generator_tier},
     )
-    return SimDevice(info, cls(ctx), p.to_dict())
+    return SimDevice(info, entry.build_device(ctx), p.to_dict())
 
 
 def _check_feature_dims(cfg: FleetConfig, devices: list[SimDevice]) -> None:
-    from fedge.coordinator.strategies import strategy
-
-    if strategy(cfg.run.method).shares_features:
+    if method_entry(cfg.run.method).shares_features:
         dims = {d.info.feature_dim for d in devices}
         if len(dims) > 1:
             raise ConfigError(

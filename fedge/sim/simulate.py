@@ -19,13 +19,13 @@ from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport, InM
 from fedge.common.rounds import DeviceInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
-from fedge.coordinator.strategies import strategy
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.methods.base import DeviceMethod
 from fedge.edge.models.checkpoint import save_checkpoint
 from fedge.errors import ConfigError
 from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
+from fedge.fleet.methods import method_entry
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
     t0 = time.perf_counter()
     data = load_fleet_data(cfg)
     devices = build_devices(cfg, data)
-    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=data.train.num_classes, rounds=cfg.run.rounds)
+    strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=data.train.num_classes,
+                                                         rounds=cfg.run.rounds)
     coord, agents, cleanup = _TRANSPORTS[transport](cfg, devices)
     try:
         engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from fedge.common.archs import arch_by_name
+from fedge.common.methods import FedAvgSettings, FedProtoSettings, LGFedAvgSettings, LocalSettings
 from fedge.common.rounds import (
     EXTRACTOR_ARTIFACT,
     EXTRACTOR_PREFIX,
@@ -15,6 +16,7 @@ from fedge.common.rounds import (
     class_stats_spec,
     group_artifact,
 )
+from fedge.common.settings import MethodSettings
 from fedge.coordinator.aggregate import GroupedMean, WeightedMean
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
 
@@ -32,6 +34,7 @@ class LocalStrategy(Strategy):
     """No aggregation: devices upload nothing but metrics."""
 
     name = "local"
+    settings_type = LocalSettings
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
         pass
@@ -47,6 +50,7 @@ class FedAvgStrategy(Strategy):
     """Sample-weighted average of full weights within each architecture group."""
 
     name = "fedavg"
+    settings_type: ClassVar[type[MethodSettings]] = FedAvgSettings
 
     def begin_round(self, rnd: int) -> None:
         self.groups = GroupedMean()
@@ -65,6 +69,7 @@ class LGFedAvgStrategy(FedAvgStrategy):
     """The extractor averaged over all devices; everything else within the group."""
 
     name = "lgfedavg"
+    settings_type: ClassVar[type[MethodSettings]] = LGFedAvgSettings
 
     def begin_round(self, rnd: int) -> None:
         super().begin_round(rnd)
@@ -88,7 +93,7 @@ class FedProtoStrategy(Strategy):
     """Count-weighted mean of per-class prototypes over all devices."""
 
     name = "fedproto"
-    shares_features = True
+    settings_type = FedProtoSettings
 
     def begin_round(self, rnd: int) -> None:
         self.sums: np.ndarray | None = None

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from fedge.common.methods import FedVTCSettings
 from fedge.common.rounds import VTC_STATS_ARTIFACT, DeviceInfo, class_stats_spec
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
 
@@ -37,7 +38,7 @@ class FedVTCStrategy(Strategy):
     """FedVTC: count-weighted prototypes and pooled σ over every device."""
 
     name = "fedvtc"
-    shares_features = True
+    settings_type = FedVTCSettings
 
     def begin_round(self, rnd: int) -> None:
         self.n = np.zeros(self.num_classes, dtype=np.float64)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fedge.common.methods import FedAvgSettings, GeFLFSettings, LGFedAvgSettings
 from fedge.common.rounds import EXTRACTOR_PREFIX, GENERATOR_PHASE, HEAD_PHASE, WARMUP_PHASE, DeviceInfo
-from fedge.common.settings import cfg_int, generator_kind
 from fedge.coordinator.strategies.baselines import FedAvgStrategy, LGFedAvgStrategy, weight_spec
 from fedge.coordinator.strategies.gefl import GeneratorAverage, split_generator
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
@@ -22,21 +22,22 @@ class GeFLFStrategy(Strategy):
     """GeFL-F: see the module docstring."""
 
     name = "geflf"
+    settings_type = GeFLFSettings
+    settings: GeFLFSettings
 
-    def __init__(self, config: dict[str, Any], *, num_classes: int, rounds: int) -> None:
-        super().__init__(config, num_classes=num_classes, rounds=rounds)
-        kind = generator_kind(config, "feature")
-        self.warmup_rounds = cfg_int(config, "warmup_rounds", 20)
-        self.gen_rounds = cfg_int(config, "gen_rounds", 100)
+    def __init__(self, settings: GeFLFSettings | None = None, *, num_classes: int, rounds: int) -> None:
+        super().__init__(settings, num_classes=num_classes, rounds=rounds)
+        self.warmup_rounds = self.settings.warmup_rounds
+        self.gen_rounds = self.settings.gen_rounds
         if self.warmup_rounds + self.gen_rounds >= rounds:
             raise ConfigError(
                 f"geflf: [run] rounds = {rounds} leaves no head rounds after {self.warmup_rounds} warm-up and "
                 f"{self.gen_rounds} generator rounds",
                 hint="set [run] rounds = warmup_rounds + gen_rounds + head rounds (published: 20 + 100 + 50 = 170)",
             )
-        self.gens = GeneratorAverage(config, kind, "feature", num_classes)
-        self.warmup = LGFedAvgStrategy(config, num_classes=num_classes, rounds=rounds)
-        self.heads = FedAvgStrategy(config, num_classes=num_classes, rounds=rounds)
+        self.gens = GeneratorAverage(self.settings, num_classes)
+        self.warmup = LGFedAvgStrategy(LGFedAvgSettings(), num_classes=num_classes, rounds=rounds)
+        self.heads = FedAvgStrategy(FedAvgSettings(), num_classes=num_classes, rounds=rounds)
 
     def phase(self, rnd: int) -> str:
         if rnd <= self.warmup_rounds:

@@ -18,13 +18,14 @@ Three phases, as published for MNIST/FMNIST (20 + 100 + 50 rounds):
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from fedge.common.methods import GeFLFSettings
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, GENERATOR_PHASE, WARMUP_PHASE, RoundInfo, group_artifact
-from fedge.common.settings import generator_kind
+from fedge.common.settings import MethodSettings
 from fedge.edge.methods.base import Arrays, DeviceContext, load_arrays, model_arrays
 from fedge.edge.methods.baselines import LGFedAvgDevice
 from fedge.edge.methods.gefl import GenerativeMixin
@@ -46,12 +47,12 @@ class GeFLFDevice(GenerativeMixin, LGFedAvgDevice):
     """GeFL-F with a CVAE-F or DCGAN-F feature generator (``[method] generator``)."""
 
     name = "geflf"
-    level = "feature"
+    settings_type: ClassVar[type[MethodSettings]] = GeFLFSettings
+    settings: GeFLFSettings
 
     def __init__(self, ctx: DeviceContext) -> None:
         super().__init__(ctx)
-        cfg = ctx.method_config
-        self._init_generator(generator_kind(cfg, "feature"), ctx.model.spec.stem_shape)
+        self._init_generator(ctx.model.spec.stem_shape)
         self._feats: np.ndarray | None = None  # real stem features, valid while the extractor is frozen
 
     def _head_params(self) -> list[torch.nn.Parameter]:
