@@ -63,11 +63,18 @@ def test_methods_without_keys_refuse_any() -> None:
     (GeFLFSettings, {"ddpm_guidance": "2"}, "ddpm_guidance must be a number >= 0, got '2'"),
     (FedVTCSettings, {"kl_weight": -0.1}, "kl_weight must be a number >= 0, got -0.1"),
     (FedVTCSettings, {"finetune": 1}, "finetune must be a string, got 1"),
+    (FedVTCSettings, {"decoder_lr": float("nan")}, "decoder_lr must be a number > 0, got nan"),
+    (FedVTCSettings, {"recon_noise": float("inf")}, "recon_noise must be a number >= 0, got inf"),
 ])
 def test_wrong_types_and_out_of_range_values_are_named(cls: type[MethodSettings], table: dict[str, object],
                                                        message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(f"x.toml: [method] {message}")):
         cls.parse(table, source="x.toml")
+
+
+def test_a_method_table_that_is_not_a_table_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"x\.toml: \[method\] must be a table, got list"):
+        GeFLSettings.parse([("gen_rounds", 1)], source="x.toml")  # type: ignore[arg-type]
 
 
 def test_settings_are_frozen_typed_and_resolve_their_defaults() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -91,12 +92,14 @@ class MethodSettings:
     @classmethod
     def parse(cls, table: Mapping[str, Any] | None = None, *, source: str = "") -> Self:
         """Build the settings from a ``[method]`` table; unknown keys are a :class:`ConfigError`."""
+        where = f"{source}: " if source else ""
+        if table is not None and not isinstance(table, Mapping):
+            raise ConfigError(f"{where}[method] must be a table, got {type(table).__name__}")
         table = dict(table or {})
         keys = cls.fields_by_key()
         unknown = [k for k in table if k not in keys]
         if unknown:
             key = unknown[0]
-            where = f"{source}: " if source else ""
             if not keys:
                 raise ConfigError(f"{where}[method] unknown key {key!r}: method {cls.method!r} takes no [method] keys",
                                   hint="remove the [method] table")
@@ -145,8 +148,9 @@ def _check(key: str, value: Any, tp: Any, info: SettingInfo) -> Any:
         return value
     if base is float:
         floor = info.minimum if info.minimum is not None else 0.0
-        if (isinstance(value, bool) or not isinstance(value, int | float) or value < floor
-                or (info.positive and value <= 0)):
+        # TOML has nan and inf; neither is a usable rate, weight or ratio (nan also passes every < test).
+        if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+                or value < floor or (info.positive and value <= 0)):
             bound = "> 0" if info.positive else f">= {floor:g}"
             raise ConfigError(f"[method] {key} must be a number {bound}, got {value!r}")
         return float(value) if isinstance(value, int) else value
