@@ -239,7 +239,7 @@ def coordinator_main(args: argparse.Namespace) -> None:
 
     rss_start = _rss_kb()
     transport = MqttCoordinatorTransport(BrokerSettings(port=args.port), args.fleet).start()
-    strat = FedProtoStrategy({}, num_classes=CLASSES, rounds=args.rounds)
+    strat = FedProtoStrategy(num_classes=CLASSES, rounds=args.rounds)
     # keep_reports=1 as in a long-running coordinator (fedge coordinator run keeps 8): the history is on disk.
     engine = RoundEngine(strat, transport, EngineConfig(fleet=args.fleet, method="fedproto", min_devices=args.n,
                                                        quorum_timeout_s=600, keep_reports=1),

@@ -62,11 +62,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, text_table
 
+from fedge.common.generators import GeneratorSpec
 from fedge.coordinator.aggregate import WeightedMean
 from fedge.edge.data.datasets import load_dataset
 from fedge.edge.data.partition import iid_fraction
 from fedge.edge.generators.modules import ConditionalDDPM, ConditionalGenerator, build_generator
-from fedge.edge.generators.spec import GeneratorSpec
 from fedge.edge.generators.train import GeneratorTrainer, sample_dataset
 from fedge.edge.methods.base import load_arrays, model_arrays
 from fedge.edge.methods.geflf import stem_features

@@ -12,12 +12,12 @@ from fleet_helpers import digits
 from fedge.common.inmemory import InMemoryBus
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.engine import EngineConfig, RoundEngine
-from fedge.coordinator.strategies import strategy
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.data.partition import dirichlet, shards
-from fedge.edge.methods import DeviceContext, device_method
+from fedge.edge.methods import DeviceContext
 from fedge.edge.models import build_model
 from fedge.edge.training import TrainConfig
+from fedge.fleet.methods import method_entry
 from fedge.sim.inprocess import connect_inprocess
 
 # Small CNNs train ~10x faster single-threaded than with two threads on a busy 2-core machine.
@@ -52,16 +52,17 @@ def skewed_fleet(method: str, *, rounds: int, method_config: dict[str, Any] | No
         train = train.subset(keep)
     parts = (dirichlet(train.y, len(archs), alpha, seed) if alpha is not None
              else shards(train.y, len(archs), shards_per_device, seed))
-    cfg = method_config or {}
+    entry = method_entry(method)
+    settings = entry.parse(method_config)  # once, for both halves, as a fleet config does
     pairs = []
     for i, (arch, idx) in enumerate(zip(archs, parts, strict=True)):
         model = build_model(arch, seed=seed * 1000 + i)
         n_test = max(2, len(idx) // 10)
         ctx = DeviceContext(f"d{i}", model, train.subset(idx[n_test:]), train.subset(idx[:n_test]),
                             TrainConfig(lr=0.05, batch_size=32, local_epochs=epochs), precision,
-                            seed=seed * 1000 + i, method_config=dict(cfg), global_test=test, plan=dict(plan or {}))
+                            seed=seed * 1000 + i, method_config=settings, global_test=test, plan=dict(plan or {}))
         info = DeviceInfo(f"d{i}", model.spec.name, "test", precision, len(idx) - n_test, model.spec.feature_dim)
-        pairs.append((device_method(method)(ctx), info))
+        pairs.append((entry.build_device(ctx), info))
     bus, coord, agents = connect_inprocess(pairs)
-    strat = strategy(method)(dict(cfg), num_classes=10, rounds=rounds)
+    strat = entry.build_strategy(settings, num_classes=10, rounds=rounds)
     return GenFleet(bus, agents, RoundEngine(strat, coord, EngineConfig(method=method)))

@@ -8,11 +8,10 @@ import torch
 from fleet_helpers import capture_uploads
 from generative_helpers import skewed_fleet
 
-from fedge.common.rounds import DeviceInfo
-from fedge.coordinator.strategies import strategy
-from fedge.edge.generators.spec import VTC_STATS_ARTIFACT
+from fedge.common.rounds import VTC_STATS_ARTIFACT, DeviceInfo
 from fedge.edge.methods.base import model_arrays
 from fedge.errors import ConfigError
+from fedge.fleet.methods import method_entry
 
 ARCHS_MIXED = ("cnn3-p32", "cnn1-p32", "cnn9-p32", "cnn4-p32")
 
@@ -47,7 +46,7 @@ def test_uploads_contain_only_statistics(precision: str) -> None:
 def test_aggregated_prototypes_and_sigma_equal_a_hand_computation() -> None:
     rng = np.random.default_rng(0)
     c, p = 3, 4
-    strat = strategy("fedvtc")({}, num_classes=c, rounds=1)
+    strat = method_entry("fedvtc").build_strategy({}, num_classes=c, rounds=1)
     strat.begin_round(1)
     raw: dict[int, list[np.ndarray]] = {y: [] for y in range(c)}
     for k, counts in enumerate([(5, 0, 7), (2, 9, 0), (4, 3, 6)]):

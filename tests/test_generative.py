@@ -8,16 +8,21 @@ import torch
 from fleet_helpers import capture_uploads
 from generative_helpers import skewed_fleet
 
-from fedge.common.rounds import EXTRACTOR_ARTIFACT, DeviceInfo, RoundInfo
-from fedge.coordinator.strategies import strategy
+from fedge.common.generators import GeneratorSpec
+from fedge.common.rounds import (
+    EXTRACTOR_ARTIFACT,
+    GENERATOR_PREFIX,
+    DeviceInfo,
+    RoundInfo,
+    generator_artifact,
+)
 from fedge.coordinator.validation import Rejected, check_arrays
-from fedge.edge.generators import GeneratorSpec
 from fedge.edge.generators.grid import write_sample_grids
 from fedge.edge.generators.modules import build_generator, load_generator
-from fedge.edge.generators.spec import GENERATOR_PREFIX, generator_artifact
 from fedge.edge.methods.base import model_arrays
 from fedge.edge.models.checkpoint import load_checkpoint, save_checkpoint
 from fedge.errors import CheckpointError, ConfigError
+from fedge.fleet.methods import method_entry
 
 SHAPES = {"image": (1, 32, 32), "feature": (3, 16, 16)}
 
@@ -103,7 +108,7 @@ def test_generator_tier_comes_from_the_plan_and_method_overrides_it() -> None:
     with pytest.raises(ConfigError, match="no generator tier"):
         skewed_fleet("gefl", rounds=3, method_config={"gen_rounds": 1}, plan={"generator_tier": "none"})
     with pytest.raises(ConfigError, match="leaves no target rounds"):
-        strategy("gefl")({"gen_rounds": 5}, num_classes=10, rounds=5)
+        method_entry("gefl").build_strategy({"gen_rounds": 5}, num_classes=10, rounds=5)
 
 
 def test_gefl_averages_the_generator_over_all_devices_then_trains_targets() -> None:
@@ -142,7 +147,7 @@ def test_gefl_averages_the_generator_over_all_devices_then_trains_targets() -> N
 
 
 def test_generator_upload_of_the_wrong_tier_is_rejected() -> None:
-    strat = strategy("gefl")({"gen_rounds": 2, "generator_tier": "tiny"}, num_classes=10, rounds=3)
+    strat = method_entry("gefl").build_strategy({"gen_rounds": 2, "generator_tier": "tiny"}, num_classes=10, rounds=3)
     dev = DeviceInfo("d0", "cnn3-p32", "test", num_samples=10, feature_dim=32)
     small = build_generator(GeneratorSpec("cvae", (1, 32, 32), tier="small"))
     arrays = {GENERATOR_PREFIX + k: v for k, v in model_arrays(small).items()}

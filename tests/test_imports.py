@@ -22,8 +22,9 @@ def test_coordinator_side_does_not_import_torch() -> None:
     code = (
         "import fedge.coordinator.engine, fedge.coordinator.strategies, fedge.coordinator.cli\n"
         "import fedge.fleet.config, fedge.fleet.slots, fedge.profiles, fedge.mqtt.transport\n"
-        "from fedge.coordinator.strategies import STRATEGIES\n"
-        "assert {'local', 'fedavg', 'lgfedavg', 'fedproto', 'gefl', 'geflf', 'fedvtc'} <= set(STRATEGIES)\n"
+        "from fedge.fleet.methods import METHODS\n"
+        "assert {'local', 'fedavg', 'lgfedavg', 'fedproto', 'gefl', 'geflf', 'fedvtc'} <= set(METHODS)\n"
+        "for entry in METHODS.values(): entry.coordinator_half()\n"
     )
     assert modules_loaded(code, "torch") == []
 

@@ -23,11 +23,11 @@ from fedge.common.messages import Message
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo
 from fedge.common.tensorcodec import decode
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
-from fedge.coordinator.strategies import strategy
 from fedge.edge.agent import DeviceAgent
 from fedge.errors import PayloadError
 from fedge.fleet.config import FleetConfig, load_fleet
 from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
+from fedge.fleet.methods import method_entry
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.chunking import split
 from fedge.mqtt.client import new_paho_client
@@ -81,7 +81,8 @@ def fleet_config(tmp: Path, method: str, fleet: str) -> FleetConfig:
 
 def build(cfg: FleetConfig) -> tuple[list[SimDevice], Any]:
     data = load_fleet_data(cfg)
-    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=data.train.num_classes, rounds=cfg.run.rounds)
+    strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=data.train.num_classes,
+                                                         rounds=cfg.run.rounds)
     return build_devices(cfg, data), strat
 
 

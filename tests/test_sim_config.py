@@ -56,6 +56,13 @@ def test_good_config_loads(tmp_path: Path) -> None:
         (GOOD.replace("count = 2", "count = 0"), ["[devices[0]]", "count must be >= 1"]),
         (GOOD.replace("count = 2", "count = 2\ncolor = 1"), ["[devices[0]]", "unknown key 'color'"]),
         ("[run]\nmethod='local'\nrounds=1\n", ["no [[devices]] tables"]),
+        # [method] is parsed by the run's method when the config loads: a typo is not a silent default.
+        (GOOD + "[method]\nlamda = 0.5\n", ["[method] unknown key 'lamda' for method 'fedproto'",
+                                             "did you mean 'lambda'?", "valid keys: lambda, inference, head_protos"]),
+        (GOOD + '[method]\nlambda = "big"\n', ["[method] lambda must be a number >= 0, got 'big'"]),
+        (GOOD + '[method]\ninference = "nearest"\n', ["inference must be 'head' or 'prototype', got 'nearest'"]),
+        (GOOD.replace('method = "fedproto"', 'method = "fedavg"') + "[method]\nlambda = 1\n",
+         ["unknown key 'lambda'", "method 'fedavg' takes no [method] keys"]),
         ("[run\nmethod=", ["invalid TOML"]),
     ],
 )
@@ -79,9 +86,9 @@ def test_unknown_profile_and_method_are_errors_before_training(tmp_path: Path) -
     data = load_fleet_data(cfg)
     with pytest.raises(ConfigError, match="rpi9"):
         build_devices(cfg, data)
-    cfg = load_fleet(_write(tmp_path, GOOD.replace('method = "fedproto"', 'method = "fedsgd"')))
+    # An unknown method is refused even earlier: its [method] table cannot be parsed without it.
     with pytest.raises(ConfigError, match="unknown method 'fedsgd'"):
-        build_devices(cfg, data)
+        load_fleet(_write(tmp_path, GOOD.replace('method = "fedproto"', 'method = "fedsgd"')))
 
 
 def test_prototype_methods_need_one_feature_size(tmp_path: Path) -> None:

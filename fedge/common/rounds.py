@@ -1,11 +1,24 @@
-"""The round descriptor and the registry record shared by both halves of every method."""
+"""The vocabulary both halves of every method share: rounds, devices, phases, artifacts.
+
+Everything here is plain data (no torch): the coordinator half names the same
+phases, artifacts and upload keys as the device half by importing them from
+here, never from :mod:`fedge.edge`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-FINAL_PHASE = "final"
+from fedge.common.generators import IMAGE_LEVEL
+
+# -- phase names (``RoundInfo.phase``) ----------------------------------------------------------
+TRAIN_PHASE = "train"  # the single phase of Local, FedAvg, LG-FedAvg, FedProto and FedVTC
+WARMUP_PHASE = "warmup"  # GeFL-F: LG-FedAvg on the full model
+GENERATOR_PHASE = "generator"  # GeFL, GeFL-F: the federated generator trains
+TARGET_PHASE = "target"  # GeFL: each device's network on synthetic, then real samples
+HEAD_PHASE = "head"  # GeFL-F: everything after the frozen extractor
+FINAL_PHASE = "final"  # after the last training round: apply, evaluate, upload metrics only
 
 
 @dataclass(frozen=True)
@@ -60,10 +73,39 @@ class DeviceInfo:
         return cls(**d)
 
 
+# -- artifact names (global state the coordinator publishes) ------------------------------------
+EXTRACTOR_ARTIFACT = "extractor"  # the common stem averaged over every device (LG-FedAvg, GeFL, GeFL-F)
+PROTOTYPES_ARTIFACT = "prototypes"  # FedProto's global per-class feature means and counts
+VTC_STATS_ARTIFACT = "vtc-stats"  # FedVTC's global prototypes, σ and class counts
+
+# -- upload key prefixes ---------------------------------------------------------------------------
+EXTRACTOR_PREFIX = "extractor."  # state-dict entries of the common stem (FedgeNet.extractor)
+GENERATOR_PREFIX = "generator."  # generator weights in an upload (models use extractor./body./...)
+
+
 def group_artifact(arch: str) -> str:
     """Artifact holding the weights averaged within an architecture group."""
     return f"group-{arch}"
 
 
-EXTRACTOR_ARTIFACT = "extractor"
-PROTOTYPES_ARTIFACT = "prototypes"
+def generator_artifact(kind: str, tier: str, level: str = IMAGE_LEVEL) -> str:
+    """Artifact holding the generator averaged over the devices with the same kind, tier and level.
+
+    Devices can only average generators of identical shape, so a fleet whose
+    plans give different generator tiers trains one generator per tier.
+    """
+    return f"generator-{level}-{kind}-{tier}"
+
+
+# -- class statistics (FedProto, FedVTC) ----------------------------------------------------------
+# An upload of per-class feature statistics: name -> (shape, dtype kind), as the validator checks it.
+StatsSpec = dict[str, tuple[tuple[int, ...], str]]
+
+
+def class_stats_spec(num_classes: int, feature_dim: int, *, with_sigma: bool = False) -> StatsSpec:
+    """What a device uploads of its features: ``protos`` (C, p) class means, ``counts`` (C,) samples
+    per class, and with ``with_sigma`` (FedVTC) ``sigma`` (p,), the pooled within-class std."""
+    spec: StatsSpec = {"protos": ((num_classes, feature_dim), "float"), "counts": ((num_classes,), "int")}
+    if with_sigma:
+        spec["sigma"] = ((feature_dim,), "float")
+    return spec

@@ -55,8 +55,8 @@ def _run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from fedge.coordinator.service import CoordinatorService, SchedulePolicy
-    from fedge.coordinator.strategies import strategy
     from fedge.fleet.config import device_ids, load_fleet
+    from fedge.fleet.methods import method_entry
     from fedge.fleet.slots import fleet_classes
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.transport import MqttCoordinatorTransport, TransportSettings
@@ -71,8 +71,8 @@ def _run(args: argparse.Namespace) -> int:
     engine_cfg = policy.engine_config(fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
                                       allowed=None if args.any_device else frozenset(ids),
                                       max_update_bytes=args.max_update_bytes)
-    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=len(fleet_classes(cfg)),
-                                     rounds=cfg.run.rounds)
+    strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
+                                                         rounds=cfg.run.rounds)
 
     embedded: Any = None
     if args.broker is None:

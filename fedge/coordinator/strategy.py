@@ -7,7 +7,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from fedge.common.rounds import DeviceInfo
+from fedge.common.rounds import TRAIN_PHASE, DeviceInfo
+from fedge.common.settings import MethodSettings
 
 Arrays = dict[str, np.ndarray]
 # name -> (shape, dtype kind) where kind is "float" or "int"
@@ -23,11 +24,11 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
-    # True when devices exchange feature-space statistics, so every device needs the same p.
-    shares_features: ClassVar[bool] = False
+    settings_type: ClassVar[type[MethodSettings]]  # the method's [method] descriptor
+    settings: MethodSettings  # subclasses narrow the type
 
-    def __init__(self, config: dict[str, Any], *, num_classes: int, rounds: int) -> None:
-        self.config = config
+    def __init__(self, settings: MethodSettings | None = None, *, num_classes: int, rounds: int) -> None:
+        self.settings = self.settings_type.given(settings, type(self).__name__)
         self.num_classes = num_classes
         self.rounds = rounds
 
@@ -37,7 +38,7 @@ class Strategy(ABC):
 
     def phase(self, rnd: int) -> str:
         """Phase name of training round ``rnd`` (1-based)."""
-        return "train"
+        return TRAIN_PHASE
 
     def round_config(self, rnd: int) -> dict[str, Any]:
         """Method-specific settings announced with round ``rnd``."""
@@ -64,3 +65,4 @@ class Strategy(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027
         """Restore :meth:`state_dict`."""
+

@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedge.common.catalog import DATASETS
+from fedge.common.settings import MethodSettings
 from fedge.common.tensorcodec import PRECISIONS
 from fedge.common.tomlconf import build, read_toml
 from fedge.errors import ConfigError
+from fedge.fleet.methods import method_entry
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,12 @@ class FleetConfig:
     train: TrainSection = field(default_factory=TrainSection)
     method: dict[str, Any] = field(default_factory=dict)
     source: str = "<memory>"
+    # The [method] table parsed once, by the run's method (both halves read it): unknown keys, wrong
+    # types and out-of-range values fail here, at load time.
+    method_config: MethodSettings = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method_config", method_entry(self.run.method).parse(self.method))
 
     @property
     def base_dir(self) -> Path:

@@ -17,10 +17,11 @@ import numpy as np
 from fedge.common.rounds import DeviceInfo
 from fedge.edge.data.datasets import Dataset, load_dataset
 from fedge.edge.data.partition import DeviceSplit
-from fedge.edge.methods import DeviceContext, DeviceMethod, device_method
+from fedge.edge.methods import DeviceContext, DeviceMethod
 from fedge.edge.models.zoo import build_model
 from fedge.edge.training import TrainConfig
 from fedge.fleet.config import FleetConfig, device_ids
+from fedge.fleet.methods import method_entry
 from fedge.fleet.slots import check_feature_dims, device_slot, fleet_data_dir, fleet_splits
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def build_devices(cfg: FleetConfig, data: FleetData) -> list[SimDevice]:
 
 def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
     """Build device number ``idx`` (fleet order) alone, as a real device does from the fleet config."""
-    cls = device_method(cfg.run.method)
+    entry = method_entry(cfg.run.method)
     split = data.splits[idx]
     slot = device_slot(cfg, idx, data.train.y, split)
     p = slot.plan
@@ -79,19 +80,17 @@ def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
         train_cfg=tc,
         upload_precision=slot.upload_precision,
         seed=cfg.run.seed * 1000 + idx,
-        method_config=dict(cfg.method),
+        method_config=cfg.method_config,
         global_test=data.test,
         profile=slot.profile,
         plan=p.to_dict(),
     )
-    return SimDevice(slot.info(), cls(ctx), p.to_dict())
+    return SimDevice(slot.info(), entry.build_device(ctx), p.to_dict())
 
 
 def _check_feature_dims(cfg: FleetConfig, devices: list[SimDevice]) -> None:
-    from fedge.coordinator.strategies import strategy
-
     check_feature_dims(cfg, (d.info.feature_dim for d in devices),
-                       shares_features=strategy(cfg.run.method).shares_features)
+                       shares_features=method_entry(cfg.run.method).shares_features)
 
 
 def class_histograms(cfg: FleetConfig, data: FleetData) -> list[tuple[str, np.ndarray, np.ndarray]]:

@@ -71,7 +71,7 @@ UPLOAD_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}
 # -- generators ----------------------------------------------------------------
 @dataclass(frozen=True)
 class GeneratorAllowance:
-    """What the largest generator of a tier needs (:mod:`fedge.edge.generators.spec` builds them)."""
+    """What the largest generator of a tier needs (:mod:`fedge.common.generators` describes them)."""
 
     params: int
     activation_elems: int
@@ -82,7 +82,7 @@ class GeneratorAllowance:
 # The largest generator of each tier over every kind (CVAE, DCGAN, DDPM-F, VTC) and level
 # (1x32x32 images, 3x16x16 features), rounded up: parameters from the CVAE on images,
 # saved activations from the DCGAN on images (generator and discriminator). A test
-# recomputes both from fedge.edge.generators, so the allowance cannot fall behind.
+# recomputes both from the real generators, so the allowance cannot fall behind.
 GENERATOR_ALLOWANCES: dict[str, GeneratorAllowance] = {
     "tiny": GeneratorAllowance(360_000, 32_000, "1/8-width generators"),
     "small": GeneratorAllowance(1_420_000, 64_000, "1/4-width generators"),

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
-from fedge.coordinator.strategies import strategy
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.models.checkpoint import save_checkpoint
 from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
+from fedge.fleet.methods import method_entry
 from fedge.sim.transports import transport_runner
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
     t0 = time.perf_counter()
     data = load_fleet_data(cfg)
     devices = build_devices(cfg, data)
-    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=data.train.num_classes, rounds=cfg.run.rounds)
+    strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=data.train.num_classes,
+                                                         rounds=cfg.run.rounds)
     coord, agents, cleanup = connect(cfg, devices)
     try:
         engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method))

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from fedge.common.archs import arch_by_name
-from fedge.common.rounds import EXTRACTOR_ARTIFACT, PROTOTYPES_ARTIFACT, DeviceInfo, group_artifact
+from fedge.common.methods import FedAvgSettings, FedProtoSettings, LGFedAvgSettings, LocalSettings
+from fedge.common.rounds import (
+    EXTRACTOR_ARTIFACT,
+    EXTRACTOR_PREFIX,
+    PROTOTYPES_ARTIFACT,
+    DeviceInfo,
+    class_stats_spec,
+    group_artifact,
+)
+from fedge.common.settings import MethodSettings
 from fedge.coordinator.aggregate import GroupedMean, WeightedMean
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
-
-EXTRACTOR_PREFIX = "extractor."
 
 
 def weight_spec(arch: str) -> UpdateSpec:
@@ -27,6 +34,7 @@ class LocalStrategy(Strategy):
     """No aggregation: devices upload nothing but metrics."""
 
     name = "local"
+    settings_type = LocalSettings
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
         pass
@@ -42,6 +50,7 @@ class FedAvgStrategy(Strategy):
     """Sample-weighted average of full weights within each architecture group."""
 
     name = "fedavg"
+    settings_type: ClassVar[type[MethodSettings]] = FedAvgSettings
 
     def begin_round(self, rnd: int) -> None:
         self.groups = GroupedMean()
@@ -60,6 +69,7 @@ class LGFedAvgStrategy(FedAvgStrategy):
     """The extractor averaged over all devices; everything else within the group."""
 
     name = "lgfedavg"
+    settings_type: ClassVar[type[MethodSettings]] = LGFedAvgSettings
 
     def begin_round(self, rnd: int) -> None:
         super().begin_round(rnd)
@@ -83,7 +93,7 @@ class FedProtoStrategy(Strategy):
     """Count-weighted mean of per-class prototypes over all devices."""
 
     name = "fedproto"
-    shares_features = True
+    settings_type = FedProtoSettings
 
     def begin_round(self, rnd: int) -> None:
         self.sums: np.ndarray | None = None
@@ -104,5 +114,4 @@ class FedProtoStrategy(Strategy):
         return {PROTOTYPES_ARTIFACT: {"protos": protos.astype(np.float32), "counts": self.counts.copy()}}
 
     def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
-        p = device.feature_dim
-        return {"protos": ((self.num_classes, p), "float"), "counts": ((self.num_classes,), "int")}
+        return class_stats_spec(self.num_classes, device.feature_dim)

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from fedge.common.rounds import DeviceInfo
+from fedge.common.methods import FedVTCSettings
+from fedge.common.rounds import VTC_STATS_ARTIFACT, DeviceInfo, class_stats_spec
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
-from fedge.edge.generators.spec import VTC_STATS_ARTIFACT
 
 
 def pooled_statistics(n: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -38,7 +38,7 @@ class FedVTCStrategy(Strategy):
     """FedVTC: count-weighted prototypes and pooled σ over every device."""
 
     name = "fedvtc"
-    shares_features = True
+    settings_type = FedVTCSettings
 
     def begin_round(self, rnd: int) -> None:
         self.n = np.zeros(self.num_classes, dtype=np.float64)
@@ -64,5 +64,4 @@ class FedVTCStrategy(Strategy):
                                      "counts": self.n.astype(np.int64)}}
 
     def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
-        p, c = device.feature_dim, self.num_classes
-        return {"protos": ((c, p), "float"), "sigma": ((p,), "float"), "counts": ((c,), "int")}
+        return class_stats_spec(self.num_classes, device.feature_dim, with_sigma=True)

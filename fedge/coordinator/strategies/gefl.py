@@ -11,18 +11,18 @@ import logging
 from typing import Any
 
 from fedge.common.archs import arch_by_name
-from fedge.common.rounds import DeviceInfo
+from fedge.common.generators import DEFAULT_GENERATOR_TIER, IMAGE_LEVEL, GeneratorSpec, check_tier
+from fedge.common.methods import FedAvgSettings, GeFLSettings, GenerativeSettings, LGFedAvgSettings
+from fedge.common.rounds import (
+    GENERATOR_PHASE,
+    GENERATOR_PREFIX,
+    TARGET_PHASE,
+    DeviceInfo,
+    generator_artifact,
+)
 from fedge.coordinator.aggregate import GroupedMean
 from fedge.coordinator.strategies.baselines import FedAvgStrategy, LGFedAvgStrategy, weight_spec
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
-from fedge.edge.generators.config import cfg_bool, cfg_int, generator_kind
-from fedge.edge.generators.spec import (
-    DEFAULT_GENERATOR_TIER,
-    GENERATOR_PREFIX,
-    GeneratorSpec,
-    check_tier,
-    generator_artifact,
-)
 from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -37,16 +37,16 @@ class GeneratorAverage:
     the device's hello (``DeviceInfo.extra``), else the default tier.
     """
 
-    def __init__(self, config: dict[str, Any], kind: str, level: str, num_classes: int) -> None:
-        self.config = config
-        self.kind = kind
-        self.level = level
+    def __init__(self, settings: GenerativeSettings, num_classes: int) -> None:
+        self.fleet_tier = settings.generator_tier
+        self.kind = settings.generator
+        self.level = settings.level
         self.num_classes = num_classes
         self.groups = GroupedMean()
         self._warned: set[str] = set()
 
     def tier(self, device: DeviceInfo) -> str:
-        t = self.config.get("generator_tier") or device.extra.get("generator_tier")
+        t = self.fleet_tier or device.extra.get("generator_tier")
         if not t:
             if device.device_id not in self._warned:
                 self._warned.add(device.device_id)
@@ -61,7 +61,7 @@ class GeneratorAverage:
 
     def spec(self, device: DeviceInfo) -> GeneratorSpec:
         arch = arch_by_name(device.arch)
-        shape = ((arch.in_channels, arch.image_size, arch.image_size) if self.level == "image"
+        shape = ((arch.in_channels, arch.image_size, arch.image_size) if self.level == IMAGE_LEVEL
                  else arch.stem_shape)
         return GeneratorSpec(self.kind, shape, tier=self.tier(device), num_classes=self.num_classes)
 
@@ -89,24 +89,28 @@ class GeFLStrategy(Strategy):
     """GeFL: generator rounds, then target rounds (see the module docstring)."""
 
     name = "gefl"
+    settings_type = GeFLSettings
+    settings: GeFLSettings
 
-    def __init__(self, config: dict[str, Any], *, num_classes: int, rounds: int) -> None:
-        super().__init__(config, num_classes=num_classes, rounds=rounds)
-        kind = generator_kind(config)
-        self.gen_rounds = cfg_int(config, "gen_rounds", 100)
+    def __init__(self, settings: GeFLSettings | None = None, *, num_classes: int, rounds: int) -> None:
+        super().__init__(settings, num_classes=num_classes, rounds=rounds)
+        cfg = self.settings
+        self.gen_rounds = cfg.gen_rounds
         if self.gen_rounds >= rounds:
             raise ConfigError(
                 f"gefl: [run] rounds = {rounds} leaves no target rounds after {self.gen_rounds} generator rounds",
                 hint="set [run] rounds = gen_rounds + target rounds (published: 100 + 50 = 150)",
             )
-        self.train_gen_in_target = cfg_bool(config, "train_generator_in_target", kind == "dcgan")
-        self.avg_extractor = cfg_bool(config, "avg_extractor", True)
-        self.gens = GeneratorAverage(config, kind, "image", num_classes)
-        inner = LGFedAvgStrategy if self.avg_extractor else FedAvgStrategy
-        self.weights: FedAvgStrategy = inner(config, num_classes=num_classes, rounds=rounds)
+        self.train_gen_in_target = cfg.generator_trains_in_target
+        self.avg_extractor = cfg.avg_extractor
+        self.gens = GeneratorAverage(cfg, num_classes)
+        # The target networks: LG-FedAvg (the published avg_FE = 1) or FedAvg within the group.
+        self.weights: FedAvgStrategy = (
+            LGFedAvgStrategy(LGFedAvgSettings(), num_classes=num_classes, rounds=rounds) if self.avg_extractor
+            else FedAvgStrategy(FedAvgSettings(), num_classes=num_classes, rounds=rounds))
 
     def phase(self, rnd: int) -> str:
-        return "generator" if rnd <= self.gen_rounds else "target"
+        return GENERATOR_PHASE if rnd <= self.gen_rounds else TARGET_PHASE
 
     def begin_round(self, rnd: int) -> None:
         self.gens.reset()
@@ -120,12 +124,12 @@ class GeFLStrategy(Strategy):
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
         out = self.gens.results()
-        if self.phase(rnd) == "target":
+        if self.phase(rnd) == TARGET_PHASE:
             out.update(self.weights.finish_round(rnd))
         return out
 
     def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
-        if self.phase(rnd) == "generator":
+        if self.phase(rnd) == GENERATOR_PHASE:
             return self.gens.expected(device)
         spec = weight_spec(device.arch)
         if self.train_gen_in_target:

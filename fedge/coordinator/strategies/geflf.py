@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedge.common.rounds import DeviceInfo
-from fedge.coordinator.strategies.baselines import EXTRACTOR_PREFIX, FedAvgStrategy, LGFedAvgStrategy, weight_spec
+from fedge.common.methods import FedAvgSettings, GeFLFSettings, LGFedAvgSettings
+from fedge.common.rounds import EXTRACTOR_PREFIX, GENERATOR_PHASE, HEAD_PHASE, WARMUP_PHASE, DeviceInfo
+from fedge.coordinator.strategies.baselines import FedAvgStrategy, LGFedAvgStrategy, weight_spec
 from fedge.coordinator.strategies.gefl import GeneratorAverage, split_generator
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
-from fedge.edge.generators.config import cfg_int, generator_kind
 from fedge.errors import ConfigError
 
 
@@ -22,26 +22,27 @@ class GeFLFStrategy(Strategy):
     """GeFL-F: see the module docstring."""
 
     name = "geflf"
+    settings_type = GeFLFSettings
+    settings: GeFLFSettings
 
-    def __init__(self, config: dict[str, Any], *, num_classes: int, rounds: int) -> None:
-        super().__init__(config, num_classes=num_classes, rounds=rounds)
-        kind = generator_kind(config, "feature")
-        self.warmup_rounds = cfg_int(config, "warmup_rounds", 20)
-        self.gen_rounds = cfg_int(config, "gen_rounds", 100)
+    def __init__(self, settings: GeFLFSettings | None = None, *, num_classes: int, rounds: int) -> None:
+        super().__init__(settings, num_classes=num_classes, rounds=rounds)
+        self.warmup_rounds = self.settings.warmup_rounds
+        self.gen_rounds = self.settings.gen_rounds
         if self.warmup_rounds + self.gen_rounds >= rounds:
             raise ConfigError(
                 f"geflf: [run] rounds = {rounds} leaves no head rounds after {self.warmup_rounds} warm-up and "
                 f"{self.gen_rounds} generator rounds",
                 hint="set [run] rounds = warmup_rounds + gen_rounds + head rounds (published: 20 + 100 + 50 = 170)",
             )
-        self.gens = GeneratorAverage(config, kind, "feature", num_classes)
-        self.warmup = LGFedAvgStrategy(config, num_classes=num_classes, rounds=rounds)
-        self.heads = FedAvgStrategy(config, num_classes=num_classes, rounds=rounds)
+        self.gens = GeneratorAverage(self.settings, num_classes)
+        self.warmup = LGFedAvgStrategy(LGFedAvgSettings(), num_classes=num_classes, rounds=rounds)
+        self.heads = FedAvgStrategy(FedAvgSettings(), num_classes=num_classes, rounds=rounds)
 
     def phase(self, rnd: int) -> str:
         if rnd <= self.warmup_rounds:
-            return "warmup"
-        return "generator" if rnd <= self.warmup_rounds + self.gen_rounds else "head"
+            return WARMUP_PHASE
+        return GENERATOR_PHASE if rnd <= self.warmup_rounds + self.gen_rounds else HEAD_PHASE
 
     def begin_round(self, rnd: int) -> None:
         self.gens.reset()
@@ -60,16 +61,16 @@ class GeFLFStrategy(Strategy):
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
         phase = self.phase(rnd)
-        if phase == "warmup":
+        if phase == WARMUP_PHASE:
             return self.warmup.finish_round(rnd)
-        if phase == "generator":
+        if phase == GENERATOR_PHASE:
             return self.gens.results()
         return self.heads.finish_round(rnd)
 
     def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
         phase = self.phase(rnd)
-        if phase == "warmup":
+        if phase == WARMUP_PHASE:
             return weight_spec(device.arch)
-        if phase == "generator":
+        if phase == GENERATOR_PHASE:
             return self.gens.expected(device)
         return {k: v for k, v in weight_spec(device.arch).items() if not k.startswith(EXTRACTOR_PREFIX)}

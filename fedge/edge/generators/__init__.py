@@ -1,25 +1,13 @@
-"""Conditional generators for generative knowledge transfer (GeFL, GeFL-F, FedVTC).
+"""Conditional generators for generative knowledge transfer (GeFL, GeFL-F, FedVTC): the torch side.
 
-:mod:`~fedge.edge.generators.spec` is torch-free (the coordinator sizes and
-checks uploads with it), and importing this package imports nothing else, so
-the coordinator never loads torch. The torch side lives in
-:mod:`~fedge.edge.generators.modules`, whose classes the checkpoint loader
-registers on first use, so generators save and load like models::
+The architectures are plain data in :mod:`fedge.common.generators` (torch-free:
+the coordinator sizes and checks uploads with them). This package builds and
+trains them: :mod:`~fedge.edge.generators.modules` (the torch modules; importing
+it registers their checkpoint builders, so generators save and load like
+models), :mod:`~fedge.edge.generators.train` and :mod:`~fedge.edge.generators.grid`::
 
-    from fedge.edge.generators.modules import build_generator
+    from fedge.edge.generators.modules import build_generator, load_generator
     g = build_generator(GeneratorSpec("cvae", (1, 32, 32), tier="small"))
     save_checkpoint(g, "gen.safetensors")
-    g2 = load_checkpoint("gen.safetensors", expect=ConditionalGenerator)
+    g2 = load_generator("gen.safetensors", expect=g.spec)
 """
-
-from __future__ import annotations
-
-from fedge.edge.generators.spec import (
-    DEFAULT_GENERATOR_TIER,
-    GENERATOR_KINDS,
-    GENERATOR_TIERS,
-    GeneratorSpec,
-    check_tier,
-)
-
-__all__ = ["DEFAULT_GENERATOR_TIER", "GENERATOR_KINDS", "GENERATOR_TIERS", "GeneratorSpec", "check_tier"]

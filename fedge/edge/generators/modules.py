@@ -1,4 +1,4 @@
-"""Torch modules of the generators, built from :class:`~fedge.edge.generators.spec.GeneratorSpec`.
+"""Torch modules of the generators, built from :class:`~fedge.common.generators.GeneratorSpec`.
 
 Outputs live in the generator's own space: images in [0, 1] (sigmoid; the
 device converts to and from the data set's normalization), extractor features
@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedge.edge.generators.spec import DDPM_TRAIN_STEPS, GeneratorSpec, gn_groups
+from fedge.common.generators import DDPM_TRAIN_STEPS, GeneratorSpec, gn_groups
+from fedge.edge.models.checkpoint import load_checkpoint, register_builder
 from fedge.errors import CheckpointError
 
 
@@ -56,7 +57,7 @@ class ConditionalGenerator(nn.Module):
 
 
 class CVAE(ConditionalGenerator):
-    """Conditional VAE (GeFL's CVAE; see :mod:`fedge.edge.generators.spec` for the layout)."""
+    """Conditional VAE (GeFL's CVAE; see :mod:`fedge.common.generators` for the layout)."""
 
     def __init__(self, spec: GeneratorSpec) -> None:
         super().__init__(spec)
@@ -359,12 +360,10 @@ def _builder(cls: type[ConditionalGenerator]) -> Any:
     return build
 
 
-def register_builders() -> None:
-    """Let :func:`fedge.edge.models.checkpoint.load_checkpoint` rebuild every generator class."""
-    from fedge.edge.models.checkpoint import register_builder
-
-    for cls in _KINDS.values():
-        register_builder(cls.__name__, _builder(cls))
+# Importing this module lets :func:`~fedge.edge.models.checkpoint.load_checkpoint` rebuild every
+# generator class: generators sit above the checkpoint format, which knows nothing of them.
+for _cls in _KINDS.values():
+    register_builder(_cls.__name__, _builder(_cls))
 
 
 def load_generator(path: str | os.PathLike[str], *, expect: GeneratorSpec | None = None) -> ConditionalGenerator:
@@ -374,8 +373,6 @@ def load_generator(path: str | os.PathLike[str], *, expect: GeneratorSpec | None
     architecture; this also catches a valid checkpoint of the *wrong* generator
     (say a 3×16×16 GeFL-F generator offered to an image-level GeFL device).
     """
-    from fedge.edge.models.checkpoint import load_checkpoint
-
     gen = load_checkpoint(path, expect=ConditionalGenerator)
     if expect is not None and gen.spec != expect:
         have, want = gen.spec, expect

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from fedge.common.rounds import RoundInfo
+from fedge.common.settings import MethodSettings
 from fedge.edge.data.datasets import Dataset
 from fedge.edge.models.zoo import FedgeNet
 from fedge.edge.training import TrainConfig, accuracy
@@ -30,7 +31,7 @@ class DeviceContext:
     train_cfg: TrainConfig
     upload_precision: str = "fp32"
     seed: int = 0
-    method_config: dict[str, Any] = field(default_factory=dict)
+    method_config: MethodSettings | None = None  # the parsed [method] table (None: the method's defaults)
     global_test: Dataset | None = None
     profile: str = "custom"
     plan: dict[str, Any] = field(default_factory=dict)
@@ -53,9 +54,12 @@ class DeviceMethod(ABC):
     """
 
     name: ClassVar[str]
+    settings_type: ClassVar[type[MethodSettings]]  # the method's [method] descriptor
+    settings: MethodSettings  # subclasses narrow the type
 
     def __init__(self, ctx: DeviceContext) -> None:
         self.ctx = ctx
+        self.settings = self.settings_type.given(ctx.method_config, type(self).__name__)
         self._eval_cache: tuple[bytes, dict[str, float]] | None = None  # (state digest, metrics)
         torch.manual_seed(ctx.seed)
 

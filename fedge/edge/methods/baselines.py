@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from fedge.common.methods import FedAvgSettings, FedProtoSettings, LGFedAvgSettings, LocalSettings
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, PROTOTYPES_ARTIFACT, RoundInfo, group_artifact
+from fedge.common.settings import MethodSettings
 from fedge.edge.methods.base import Arrays, DeviceMethod, load_arrays, model_arrays
 from fedge.edge.models.zoo import EXTRACTOR
 from fedge.edge.training import class_feature_stats, train_epochs
-from fedge.errors import ConfigError
 
 
 class LocalDevice(DeviceMethod):
     """No federation: train on local data only; uploads nothing but the sample count."""
 
     name = "local"
+    settings_type = LocalSettings
 
     def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
         loss = train_epochs(self.ctx.model, self.ctx.train.x, self.ctx.train.y, self.ctx.train_cfg, self.ctx.rng)
@@ -28,6 +30,7 @@ class FedAvgDevice(DeviceMethod):
     """FedAvg within an architecture group: upload all weights, get the group average back."""
 
     name = "fedavg"
+    settings_type: ClassVar[type[MethodSettings]] = FedAvgSettings
 
     def needed_artifacts(self, info: RoundInfo) -> list[str]:
         return [group_artifact(self.ctx.model.spec.name)]
@@ -49,6 +52,7 @@ class LGFedAvgDevice(FedAvgDevice):
     the rest of the network within the architecture group."""
 
     name = "lgfedavg"
+    settings_type: ClassVar[type[MethodSettings]] = LGFedAvgSettings
 
     def needed_artifacts(self, info: RoundInfo) -> list[str]:
         return [EXTRACTOR_ARTIFACT, *super().needed_artifacts(info)]
@@ -66,14 +70,14 @@ class FedProtoDevice(DeviceMethod):
     """
 
     name = "fedproto"
+    settings_type = FedProtoSettings
+    settings: FedProtoSettings
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
-        self.lam = float(ctx.method_config.get("lambda", 1.0))
-        self.inference = str(ctx.method_config.get("inference", "head"))
-        self.head_protos = float(ctx.method_config.get("head_protos", 0.0))
-        if self.inference not in ("head", "prototype"):
-            raise ConfigError(f"fedproto inference must be 'head' or 'prototype', got {self.inference!r}")
+        self.lam = self.settings.lam
+        self.inference = self.settings.inference
+        self.head_protos = self.settings.head_protos
         self.global_protos: torch.Tensor | None = None  # (C, p)
         self.proto_mask: torch.Tensor | None = None  # (C,) classes some device has seen
 

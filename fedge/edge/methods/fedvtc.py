@@ -38,10 +38,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedge.common.rounds import RoundInfo
-from fedge.edge.generators.config import cfg_bool, cfg_float, cfg_int
+from fedge.common.generators import GeneratorSpec
+from fedge.common.methods import FedVTCSettings
+from fedge.common.rounds import VTC_STATS_ARTIFACT, RoundInfo
 from fedge.edge.generators.modules import VTCDecoder, build_generator
-from fedge.edge.generators.spec import VTC_STATS_ARTIFACT, GeneratorSpec
 from fedge.edge.generators.train import uniform_labels
 from fedge.edge.methods.base import Arrays, DeviceContext, DeviceMethod
 from fedge.edge.methods.gefl import device_tier
@@ -78,46 +78,44 @@ class FedVTCDevice(DeviceMethod):
     """FedVTC: statistics up, a local decoder ψ_k, whole-model fine-tuning on decoded images."""
 
     name = "fedvtc"
+    settings_type = FedVTCSettings
+    settings: FedVTCSettings
 
     def __init__(self, ctx: DeviceContext) -> None:
         super().__init__(ctx)
-        cfg = ctx.method_config
-        self.dm = cfg_bool(cfg, "dm", True)
-        self.kl = cfg_bool(cfg, "kl", True)
-        self.finetune = str(cfg.get("finetune", "full"))
-        if self.finetune not in ("full", "head"):
-            raise ConfigError(f"[method] finetune must be 'full' or 'head', got {self.finetune!r}")
-        self.finetune_epochs = cfg_int(cfg, "finetune_epochs", 1)
-        self.finetune_real = cfg_bool(cfg, "finetune_real", True)
-        self.synthetic_ratio = cfg_float(cfg, "synthetic_ratio", 1.0)
-        self.kl_weight = cfg_float(cfg, "kl_weight", 1.0)
-        self.dm_weight = cfg_float(cfg, "dm_weight", 1.0)
+        cfg = self.settings
+        self.dm = cfg.dm
+        self.kl = cfg.kl
+        self.finetune = cfg.finetune
+        self.finetune_epochs = cfg.finetune_epochs
+        self.finetune_real = cfg.finetune_real
+        self.synthetic_ratio = cfg.synthetic_ratio
+        self.kl_weight = cfg.kl_weight
+        self.dm_weight = cfg.dm_weight
         # v = z + s·σ_k ⊙ ε during reconstruction; the paper's s = 1. With noise as wide as the class
         # itself, ψ learns to ignore where in the class v lies and decodes one template per class;
         # a smaller s keeps the within-class detail, so samples around c^y differ (docs/methods.md).
-        self.recon_noise = cfg_float(cfg, "recon_noise", 1.0)
+        self.recon_noise = cfg.recon_noise
         # Which labels the decoder is asked for (fine-tuning and DM): "global" — every class some device
         # holds (the paper) — or "local" — the classes this device holds. A class the device has never
         # seen decodes into a look-alike of its own classes, i.e. a mislabelled local image; under strong
         # label skew that noise can undo a small device's training (docs/methods.md).
-        self.synthetic_labels = str(cfg.get("synthetic_labels", "global"))
-        if self.synthetic_labels not in ("global", "local"):
-            raise ConfigError(f"[method] synthetic_labels must be 'global' or 'local', got {self.synthetic_labels!r}")
+        self.synthetic_labels = cfg.synthetic_labels
         self.local_classes = np.flatnonzero(np.bincount(ctx.train.y, minlength=ctx.num_classes) > 0)
         self.alternations = ctx.train_cfg.local_epochs
         # The decoder persists across rounds, so it need not train after every model epoch:
         # it trains after the last ``decoder_epochs`` of them (it dominates a round's cost).
-        self.decoder_epochs = cfg_int(cfg, "decoder_epochs", self.alternations, 1)
+        self.decoder_epochs = cfg.decoder_epochs_or(self.alternations)
         if self.decoder_epochs > self.alternations:
             raise ConfigError(f"[method] decoder_epochs ({self.decoder_epochs}) exceeds the alternations per "
                               f"round ([train] local_epochs = {self.alternations})",
                               hint="set decoder_epochs <= local_epochs")
         spec = ctx.model.spec
-        self.tier = device_tier(ctx)
+        self.tier = device_tier(ctx, cfg.generator_tier)
         self.dec_spec = GeneratorSpec("vtc", (spec.in_channels, spec.image_size, spec.image_size), tier=self.tier,
                                       num_classes=ctx.num_classes, latent_dim=spec.feature_dim)
         self.decoder: VTCDecoder = build_generator(self.dec_spec, seed=ctx.seed)  # type: ignore[assignment]
-        self.dec_opt = torch.optim.Adam(self.decoder.parameters(), lr=cfg_float(cfg, "decoder_lr", 1e-3, positive=True))
+        self.dec_opt = torch.optim.Adam(self.decoder.parameters(), lr=cfg.decoder_lr)
         self.decoder_trained = False
         norm = ctx.train.norm
         self.mean, self.std = float(norm.mean), float(norm.std)

@@ -29,16 +29,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedge.common.rounds import EXTRACTOR_ARTIFACT, RoundInfo, group_artifact
-from fedge.edge.generators.config import GEFL_GENERATORS, cfg_bool, cfg_float, cfg_int, generator_kind
-from fedge.edge.generators.modules import ConditionalDDPM, ConditionalGenerator, build_generator, load_generator
-from fedge.edge.generators.spec import (
-    DEFAULT_GENERATOR_TIER,
+from fedge.common.generators import DEFAULT_GENERATOR_TIER, GeneratorSpec, check_tier
+from fedge.common.methods import GeFLFSettings, GeFLSettings, GenerativeSettings
+from fedge.common.rounds import (
+    EXTRACTOR_ARTIFACT,
+    GENERATOR_PHASE,
     GENERATOR_PREFIX,
-    GeneratorSpec,
-    check_tier,
+    RoundInfo,
     generator_artifact,
+    group_artifact,
 )
+from fedge.edge.generators.modules import ConditionalDDPM, ConditionalGenerator, build_generator, load_generator
 from fedge.edge.generators.train import GeneratorTrainer, sample_dataset
 from fedge.edge.methods.base import Arrays, DeviceContext, DeviceMethod, load_arrays, model_arrays
 from fedge.edge.training import train_epochs
@@ -47,9 +48,9 @@ from fedge.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def device_tier(ctx: DeviceContext) -> str:
-    """Generator tier: ``[method] generator_tier`` if set, else the plan's, else "small"."""
-    tier = ctx.method_config.get("generator_tier") or ctx.plan.get("generator_tier") or DEFAULT_GENERATOR_TIER
+def device_tier(ctx: DeviceContext, fleet_tier: str | None) -> str:
+    """Generator tier: ``fleet_tier`` (``[method] generator_tier``) if set, else the plan's, else "small"."""
+    tier = fleet_tier or ctx.plan.get("generator_tier") or DEFAULT_GENERATOR_TIER
     if tier == "none":
         raise ConfigError(
             f"{ctx.device_id}: its plan has no generator tier (no generator fits its memory budget)",
@@ -73,36 +74,39 @@ class GenerativeMixin:
     """A device that owns a federated generator: building, training, loading, sampling."""
 
     ctx: DeviceContext
-    level = "image"  # "image": 1×32×32 inputs; "feature": the extractor's 3×16×16 output
+    settings: GenerativeSettings
 
-    def _init_generator(self, kind: str, out_shape: tuple[int, int, int]) -> None:
-        cfg = self.ctx.method_config
+    def _init_generator(self, out_shape: tuple[int, int, int]) -> None:
+        cfg = self.settings
+        kind = cfg.generator
         self.gen_kind = kind
-        self.gen_tier = device_tier(self.ctx)
+        self.gen_tier = device_tier(self.ctx, cfg.generator_tier)
         self.gen_spec = GeneratorSpec(kind, out_shape, tier=self.gen_tier, num_classes=self.ctx.num_classes)
-        ckpt = cfg.get("generator_checkpoint")
+        ckpt = cfg.generator_checkpoint
         # Start from a saved generator (same kind/shape/tier, checked) or from the fleet-wide seed.
         self.generator: ConditionalGenerator = (
             load_generator(ckpt, expect=self.gen_spec) if ckpt
-            else build_generator(self.gen_spec, seed=cfg_int(cfg, "generator_seed", 0)))
-        lr, wd = cfg.get("gen_lr"), cfg.get("gen_weight_decay")  # default: the published optimizer of the kind
+            else build_generator(self.gen_spec, seed=cfg.generator_seed))
+        # gen_lr, gen_weight_decay None: the published optimizer of the kind.
         # Under label skew the published CVAE weight decay (1e-3) erodes, on every device that lacks a
         # class, the weights only that class trains; the average then forgets it (measured on digits,
         # 2 classes per device: synthetic->real accuracy 0.19 with it, 0.83 without, after 12 rounds).
-        if isinstance(self.generator, ConditionalDDPM):  # sampling settings, not architecture
-            self.generator.sample_steps = cfg_int(cfg, "ddpm_steps", 20, 1)
-            self.generator.guidance = cfg_float(cfg, "ddpm_guidance", 0.0)
-        self.gen_trainer = GeneratorTrainer(
-            self.generator, lr=None if lr is None else cfg_float(cfg, "gen_lr", 0.0, positive=True),
-            weight_decay=None if wd is None else cfg_float(cfg, "gen_weight_decay", 0.0))
-        self.gen_epochs = cfg_int(cfg, "gen_epochs", 5, 1)
-        self.gen_batch = cfg_int(cfg, "gen_batch_size", self.ctx.train_cfg.batch_size, 2)
-        self.gen_artifact = generator_artifact(kind, self.gen_tier, self.level)
+        if isinstance(self.generator, ConditionalDDPM) and isinstance(cfg, GeFLFSettings):
+            # sampling settings, not architecture
+            self.generator.sample_steps = cfg.ddpm_steps
+            self.generator.guidance = cfg.ddpm_guidance
+        self.gen_trainer = GeneratorTrainer(self.generator, lr=cfg.gen_lr, weight_decay=cfg.gen_weight_decay)
+        self.gen_epochs = cfg.gen_epochs
+        self.gen_batch = cfg.gen_batch_size if cfg.gen_batch_size is not None else self.ctx.train_cfg.batch_size
+        if self.gen_batch < 2:  # BatchNorm needs two samples per batch
+            raise ConfigError(f"[method] gen_batch_size must be an integer >= 2, got {self.gen_batch}",
+                              hint="set [method] gen_batch_size (it defaults to the training batch size)")
+        self.gen_artifact = generator_artifact(kind, self.gen_tier, cfg.level)
         self.generator_loaded = False  # a global generator has been applied at least once
-        self.synthetic_epochs = cfg_int(cfg, "synthetic_epochs", 1)
-        self.real_epochs = cfg_int(cfg, "real_epochs", self.ctx.train_cfg.local_epochs, 1)
-        self.synthetic_ratio = cfg_float(cfg, "synthetic_ratio", 1.0)
-        log.info("%s: %s generator %s, tier %s, %d parameters", self.ctx.device_id, self.level, kind,
+        self.synthetic_epochs = cfg.synthetic_epochs
+        self.real_epochs = cfg.real_epochs_or(self.ctx.train_cfg.local_epochs)
+        self.synthetic_ratio = cfg.synthetic_ratio
+        log.info("%s: %s generator %s, tier %s, %d parameters", self.ctx.device_id, cfg.level, kind,
                  self.gen_tier, self.gen_spec.num_params())
 
     def _load_generator(self, artifacts: dict[str, Arrays]) -> bool:
@@ -160,15 +164,15 @@ class GeFLDevice(GenerativeMixin, DeviceMethod):
     """GeFL with an image-level CVAE or conditional DCGAN (``[method] generator``)."""
 
     name = "gefl"
+    settings_type = GeFLSettings
+    settings: GeFLSettings
 
     def __init__(self, ctx: DeviceContext) -> None:
         super().__init__(ctx)
-        cfg = ctx.method_config
-        kind = generator_kind(cfg)
         spec = ctx.model.spec
-        self._init_generator(kind, (spec.in_channels, spec.image_size, spec.image_size))
-        self.avg_extractor = cfg_bool(cfg, "avg_extractor", True)
-        self.train_gen_in_target = cfg_bool(cfg, "train_generator_in_target", kind == "dcgan")
+        self._init_generator((spec.in_channels, spec.image_size, spec.image_size))
+        self.avg_extractor = self.settings.avg_extractor
+        self.train_gen_in_target = self.settings.generator_trains_in_target
         norm = ctx.train.norm
         self.mean, self.std = float(norm.mean), float(norm.std)
         self._x_gen: np.ndarray | None = None
@@ -186,12 +190,12 @@ class GeFLDevice(GenerativeMixin, DeviceMethod):
         return self._x_gen
 
     def needed_artifacts(self, info: RoundInfo) -> list[str]:
-        if info.phase == "generator":
+        if info.phase == GENERATOR_PHASE:
             return [self.gen_artifact]
         out = [EXTRACTOR_ARTIFACT] if self.avg_extractor else []
         out.append(group_artifact(self.ctx.model.spec.name))
         # A frozen generator is fetched once, not every round (it would dominate the downlink).
-        if self.train_gen_in_target or not self.generator_loaded or info.phase == "generator":
+        if self.train_gen_in_target or not self.generator_loaded or info.phase == GENERATOR_PHASE:
             out.append(self.gen_artifact)
         return out
 
@@ -203,7 +207,7 @@ class GeFLDevice(GenerativeMixin, DeviceMethod):
 
     def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
         ctx = self.ctx
-        if info.phase == "generator":
+        if info.phase == GENERATOR_PHASE:
             arrays, gloss = self._train_generator(self._real_in_gen_space(), ctx.train.y)
             return arrays, {"gen_loss": gloss, "generator_tier": self.gen_tier}
         extra: dict[str, Any] = dict(self._train_target(ctx.train.x, ctx.train.y, self.from_gen_space))
@@ -214,4 +218,4 @@ class GeFLDevice(GenerativeMixin, DeviceMethod):
         return arrays, extra
 
 
-__all__ = ["GEFL_GENERATORS", "GeFLDevice", "GenerativeMixin"]
+__all__ = ["GeFLDevice", "GenerativeMixin", "device_tier"]

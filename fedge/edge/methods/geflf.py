@@ -18,13 +18,14 @@ Three phases, as published for MNIST/FMNIST (20 + 100 + 50 rounds):
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from fedge.common.rounds import EXTRACTOR_ARTIFACT, RoundInfo, group_artifact
-from fedge.edge.generators.config import generator_kind
+from fedge.common.methods import GeFLFSettings
+from fedge.common.rounds import EXTRACTOR_ARTIFACT, GENERATOR_PHASE, WARMUP_PHASE, RoundInfo, group_artifact
+from fedge.common.settings import MethodSettings
 from fedge.edge.methods.base import Arrays, DeviceContext, load_arrays, model_arrays
 from fedge.edge.methods.baselines import LGFedAvgDevice
 from fedge.edge.methods.gefl import GenerativeMixin
@@ -46,12 +47,12 @@ class GeFLFDevice(GenerativeMixin, LGFedAvgDevice):
     """GeFL-F with a CVAE-F or DCGAN-F feature generator (``[method] generator``)."""
 
     name = "geflf"
-    level = "feature"
+    settings_type: ClassVar[type[MethodSettings]] = GeFLFSettings
+    settings: GeFLFSettings
 
     def __init__(self, ctx: DeviceContext) -> None:
         super().__init__(ctx)
-        cfg = ctx.method_config
-        self._init_generator(generator_kind(cfg, "feature"), ctx.model.spec.stem_shape)
+        self._init_generator(ctx.model.spec.stem_shape)
         self._feats: np.ndarray | None = None  # real stem features, valid while the extractor is frozen
 
     def _head_params(self) -> list[torch.nn.Parameter]:
@@ -63,9 +64,9 @@ class GeFLFDevice(GenerativeMixin, LGFedAvgDevice):
         return self._feats
 
     def needed_artifacts(self, info: RoundInfo) -> list[str]:
-        if info.phase == "warmup":
+        if info.phase == WARMUP_PHASE:
             return super().needed_artifacts(info)
-        if info.phase == "generator":
+        if info.phase == GENERATOR_PHASE:
             return [EXTRACTOR_ARTIFACT, self.gen_artifact]
         out = [EXTRACTOR_ARTIFACT, group_artifact(self.ctx.model.spec.name)]
         if not self.generator_loaded:
@@ -75,7 +76,7 @@ class GeFLFDevice(GenerativeMixin, LGFedAvgDevice):
     def apply_global(self, info: RoundInfo, artifacts: dict[str, Arrays]) -> None:
         self._load_generator(artifacts)
         ext = artifacts.get(EXTRACTOR_ARTIFACT)
-        if ext and info.phase != "warmup" and self._feats is not None:
+        if ext and info.phase != WARMUP_PHASE and self._feats is not None:
             # Frozen extractor: the published one must equal ours; if not (a restart), recompute features.
             mine = model_arrays(self.ctx.model, [EXTRACTOR])
             if any(not np.array_equal(mine[k], v) for k, v in ext.items()):
@@ -86,10 +87,10 @@ class GeFLFDevice(GenerativeMixin, LGFedAvgDevice):
 
     def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
         ctx = self.ctx
-        if info.phase == "warmup":
+        if info.phase == WARMUP_PHASE:
             return super().train_round(info)
         feats = self._real_features()
-        if info.phase == "generator":
+        if info.phase == GENERATOR_PHASE:
             arrays, gloss = self._train_generator(feats, ctx.train.y)
             return arrays, {"gen_loss": gloss, "generator_tier": self.gen_tier}
         # head phase: (B, 3, 16, 16) features through body + embed + head only

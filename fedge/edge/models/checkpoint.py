@@ -6,7 +6,9 @@ A checkpoint loads without knowing the class in advance::
     model = load_checkpoint("cnn3.safetensors")   # a FedgeNet, built from the stored spec
 
 Anything with a ``build_args()`` method and a builder registered under its class
-name (models, generators, decoders) can be saved this way.
+name can be saved this way. Models are built in; other modules register their
+builders when they are imported (:mod:`fedge.edge.generators.modules` does, for
+generators and decoders), so this format depends on nothing above it.
 """
 
 from __future__ import annotations
@@ -39,10 +41,6 @@ def _ensure_builtin_builders() -> None:
         from fedge.edge.models.zoo import build_fedgenet
 
         register_builder("FedgeNet", build_fedgenet)
-    if "CVAE" not in _BUILDERS:
-        from fedge.edge.generators.modules import register_builders
-
-        register_builders()
 
 
 def save_checkpoint(module: nn.Module, path: str | os.PathLike[str],
@@ -86,7 +84,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, expect: type[nn.Module] | N
     if builder_name not in _BUILDERS:
         raise CheckpointError(
             f"{path}: unknown builder {builder_name!r}",
-            hint=f"known builders: {', '.join(sorted(_BUILDERS))}",
+            hint=f"known builders: {', '.join(sorted(_BUILDERS))} (a generator checkpoint loads with "
+                 "fedge.edge.generators.modules.load_generator)",
         )
     try:
         args = json.loads(meta.get("fedge.args", "{}"))

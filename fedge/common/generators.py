@@ -2,7 +2,7 @@
 
 Like :mod:`fedge.common.archs` for the model zoo: the coordinator validates
 uploaded generator weights against :meth:`GeneratorSpec.param_shapes` without
-importing torch, and :mod:`fedge.edge.generators.modules` builds the torch
+importing torch, and the device's :mod:`fedge.edge.generators.modules` builds the torch
 modules from the same spec (a test checks that the two agree).
 
 Three kinds, every convolution 4×4 with stride 2 and padding 1 (each halves or
@@ -58,6 +58,9 @@ from fedge.errors import ConfigError
 GENERATOR_KINDS: tuple[str, ...] = ("cvae", "dcgan", "ddpm", "vtc")
 GENERATOR_TIERS: tuple[str, ...] = ("tiny", "small", "paper")
 DEFAULT_GENERATOR_TIER = "small"
+# What a generator generates: the model's input images (GeFL, FedVTC) or the stem's feature maps (GeFL-F).
+IMAGE_LEVEL = "image"
+FEATURE_LEVEL = "feature"
 
 # Base width w per kind and tier. "paper": the published GeFL sizes (CVAE 64, DCGAN d = 128).
 TIER_WIDTH: dict[str, dict[str, int]] = {
@@ -261,17 +264,3 @@ def check_tier(tier: str) -> str:
     if tier not in GENERATOR_TIERS:
         raise ConfigError(f"unknown generator tier {tier!r}", hint=f"use one of {', '.join(GENERATOR_TIERS)}")
     return tier
-
-
-# -- artifact names shared by both halves of the generative methods -------------------------
-GENERATOR_PREFIX = "generator."  # upload key prefix of generator weights (models use extractor./body./...)
-VTC_STATS_ARTIFACT = "vtc-stats"  # FedVTC's global prototypes, σ and class counts
-
-
-def generator_artifact(kind: str, tier: str, level: str = "image") -> str:
-    """Artifact holding the generator averaged over the devices with the same kind, tier and level.
-
-    Devices can only average generators of identical shape, so a fleet whose
-    plans give different generator tiers trains one generator per tier.
-    """
-    return f"generator-{level}-{kind}-{tier}"

@@ -1,0 +1,169 @@
+"""The ``[method]`` settings of every method: one frozen, torch-free descriptor each.
+
+Both halves of a method read the same descriptor — the device half in
+:mod:`fedge.edge.methods`, the coordinator half in
+:mod:`fedge.coordinator.strategies` — and :mod:`fedge.fleet.methods` names
+the descriptor with the two halves, one line per method. Every default here is
+the published one unless its documentation says otherwise; ``docs/methods.md``
+shows these tables (generated from the declarations below, kept equal by a test).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fedge.common.generators import FEATURE_LEVEL, GENERATOR_TIERS, IMAGE_LEVEL
+from fedge.common.settings import MethodSettings, setting
+from fedge.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LocalSettings(MethodSettings):
+    """No federation: no keys."""
+
+    method: ClassVar[str] = "local"
+
+
+@dataclass(frozen=True)
+class FedAvgSettings(MethodSettings):
+    """FedAvg within an architecture group: no keys."""
+
+    method: ClassVar[str] = "fedavg"
+
+
+@dataclass(frozen=True)
+class LGFedAvgSettings(MethodSettings):
+    """LG-FedAvg: no keys."""
+
+    method: ClassVar[str] = "lgfedavg"
+
+
+@dataclass(frozen=True)
+class FedProtoSettings(MethodSettings):
+    """FedProto (Tan et al., AAAI 2022)."""
+
+    method: ClassVar[str] = "fedproto"
+    shares_features: ClassVar[bool] = True
+
+    lam: float = setting(1.0, "λ, the weight of ‖g(x) − c_y‖² toward the global prototypes", key="lambda")
+    inference: str = setting("head", "how a device classifies: its local head, or the nearest global prototype "
+                                     "as in the paper", choices=("head", "prototype"))
+    head_protos: float = setting(0.0, "w: also train the head on every global prototype, w · CE(h(c_y), y) "
+                                      "(fedge; 0 = the paper)")
+
+
+GEFL_GENERATORS = ("cvae", "dcgan")  # image level (GeFL)
+GEFLF_GENERATORS = ("cvae", "dcgan", "ddpm")  # feature level (GeFL-F): DDPM-F too
+
+_TIER_DOC = "generator size for every device (else each device's plan decides)"
+
+
+@dataclass(frozen=True)
+class GenerativeSettings(MethodSettings):
+    """What GeFL and GeFL-F share: the federated generator and the target schedule."""
+
+    level: ClassVar[str] = IMAGE_LEVEL  # generators of the 1×32×32 inputs (GeFL-F: of the 3×16×16 stem output)
+    generators: ClassVar[tuple[str, ...]] = GEFL_GENERATORS
+
+    generator: str = setting("cvae", 'generator kind: `"cvae"` or `"dcgan"` (fedge\'s DDPM is feature-level only)')
+    generator_tier: str | None = setting(None, _TIER_DOC, choices=GENERATOR_TIERS, shown="the plan's")
+    generator_seed: int = setting(0, "every device builds its generator from this seed, so the first average "
+                                     "is over identical starting points (fedge)")
+    generator_checkpoint: str | None = setting(None, "start from this saved generator (same kind, shape, tier "
+                                                     "and classes; fedge)", shown="none")
+    gen_rounds: int = setting(100, "generator rounds (GeFL `gen_wu_epochs`)")
+    gen_epochs: int = setting(5, "local generator epochs per round (GeFL `gen_local_ep`)", minimum=1)
+    gen_lr: float | None = setting(None, "generator learning rate (> 0)", positive=True,
+                                   shown="published (CVAE 1e-3, DCGAN 2e-4)")
+    gen_weight_decay: float | None = setting(None, "generator weight decay; set 0 under label skew",
+                                             shown="published (CVAE 1e-3, DCGAN 0)")
+    gen_batch_size: int | None = setting(None, "generator batch size", minimum=2, shown="`[train] batch_size`")
+    synthetic_epochs: int = setting(1, "T_s: epochs on synthetic samples per target round (GeFL `local_ep_gen`)")
+    real_epochs: int | None = setting(None, "T_r: epochs on real samples per target round (GeFL `local_ep`)",
+                                      minimum=1, shown="`[train] local_epochs`")
+    synthetic_ratio: float = setting(1.0, "synthetic samples per real sample (GeFL: one generated batch per "
+                                          "real batch)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.generator not in self.generators:
+            hint = ("fedge's DDPM is feature-level only (DDPM-F): use method = \"geflf\""
+                    if self.generator == "ddpm" else f"use one of {', '.join(self.generators)}")
+            raise ConfigError(f"[method] generator must be one of {', '.join(self.generators)}, "
+                              f"got {self.generator!r}", hint=hint)
+
+    def real_epochs_or(self, local_epochs: int) -> int:
+        """T_r: ``real_epochs`` if set, else the device's ``local_epochs``."""
+        return self.real_epochs if self.real_epochs is not None else local_epochs
+
+
+@dataclass(frozen=True)
+class GeFLSettings(GenerativeSettings):
+    """GeFL (Kang et al., arXiv 2412.18460): an image-level generator, then the target networks."""
+
+    method: ClassVar[str] = "gefl"
+
+    avg_extractor: bool = setting(True, "average the common extractor over every device in target rounds "
+                                        "(LG-FedAvg; GeFL `avg_FE = 1`); false: FedAvg within the group")
+    train_generator_in_target: bool | None = setting(None, "keep training the generator in target rounds "
+                                                           "(GeFL `freeze_gen`)",
+                                                     shown="false for CVAE, true for DCGAN")
+
+    @property
+    def generator_trains_in_target(self) -> bool:
+        """``train_generator_in_target``, else the published choice: only the DCGAN keeps training."""
+        if self.train_generator_in_target is not None:
+            return self.train_generator_in_target
+        return self.generator == "dcgan"
+
+
+@dataclass(frozen=True)
+class GeFLFSettings(GenerativeSettings):
+    """GeFL-F: LG-FedAvg warm-up, a feature generator on the frozen stem, then the heads."""
+
+    method: ClassVar[str] = "geflf"
+    level: ClassVar[str] = FEATURE_LEVEL
+    generators: ClassVar[tuple[str, ...]] = GEFLF_GENERATORS
+
+    generator: str = setting("cvae", 'generator kind: `"cvae"`, `"dcgan"` or `"ddpm"` (DDPM-F)')
+    warmup_rounds: int = setting(20, "LG-FedAvg warm-up rounds before the generator rounds (GeFL-F)")
+    ddpm_steps: int = setting(20, "DDIM sampling steps of the DDPM-F (fedge)", minimum=1)
+    ddpm_guidance: float = setting(0.0, "classifier-free guidance weight w of the DDPM-F (0: purely "
+                                        "conditional)")
+
+
+@dataclass(frozen=True)
+class FedVTCSettings(MethodSettings):
+    """FedVTC (arXiv 2508.01669): statistics up, a local decoder, fine-tuning on decoded images."""
+
+    method: ClassVar[str] = "fedvtc"
+    shares_features: ClassVar[bool] = True
+
+    generator_tier: str | None = setting(None, "decoder size (`vtc` row of the tier table)",
+                                         choices=GENERATOR_TIERS, shown="the plan's")
+    decoder_lr: float = setting(1e-3, "decoder learning rate (Adam, > 0)", positive=True)
+    decoder_epochs: int | None = setting(None, "decoder epochs per round, after the last model epochs "
+                                               "(at most `[train] local_epochs`)", minimum=1,
+                                         shown="`[train] local_epochs`")
+    dm: bool = setting(True, "distribution matching (ablation: false)")
+    kl: bool = setting(True, "the KL term toward the global class distribution (ablation: false)")
+    finetune: str = setting("full", "what fine-tuning on decoded images trains (`\"head\"`: the ablation)",
+                            choices=("full", "head"))
+    finetune_epochs: int = setting(1, "fine-tuning epochs per round")
+    finetune_real: bool = setting(True, "mix the device's real samples into the fine-tuning epoch")
+    synthetic_ratio: float = setting(1.0, "decoded images per real sample in fine-tuning")
+    kl_weight: float = setting(1.0, "weight of the KL term")
+    dm_weight: float = setting(1.0, "weight of the DM term")
+    recon_noise: float = setting(1.0, "s in v = g(x) + s σ_k ⊙ ε during reconstruction (1 as published)")
+    synthetic_labels: str = setting("global", "which classes are decoded: every class some device holds "
+                                              "(as published) or only the device's own",
+                                    choices=("global", "local"))
+
+    def decoder_epochs_or(self, local_epochs: int) -> int:
+        """``decoder_epochs`` if set, else every alternation (``local_epochs``)."""
+        return self.decoder_epochs if self.decoder_epochs is not None else local_epochs
+
+
+ALL_SETTINGS: tuple[type[MethodSettings], ...] = (
+    LocalSettings, FedAvgSettings, LGFedAvgSettings, FedProtoSettings, GeFLSettings, GeFLFSettings, FedVTCSettings)
