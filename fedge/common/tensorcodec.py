@@ -37,6 +37,10 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 SCALE_PREFIX = "__scale__/"
 
 
+class OversizeError(PayloadError):
+    """A payload is larger than the limit its receiver set."""
+
+
 @dataclass
 class Payload:
     """Named arrays plus string metadata: the unit that crosses every transport."""
@@ -137,7 +141,7 @@ def decode(data: bytes, *, max_bytes: int | None = None) -> Payload:
     ``max_bytes`` rejects oversize payloads before anything is parsed.
     """
     if max_bytes is not None and len(data) > max_bytes:
-        raise PayloadError(
+        raise OversizeError(
             f"payload of {len(data)} bytes exceeds the limit of {max_bytes} bytes",
             hint="raise the size limit or send at a lower upload precision",
         )

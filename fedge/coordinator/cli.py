@@ -87,7 +87,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from fedge.coordinator.service import CoordinatorService, SchedulePolicy
+    from fedge.coordinator.config import EngineConfig
+    from fedge.coordinator.service import KEEP_REPORTS, CoordinatorService
     from fedge.coordinator.strategies import strategy
     from fedge.edge.data.datasets import NUM_CLASSES
     from fedge.fleet.config import device_ids, load_fleet
@@ -97,12 +98,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
     ids = [i for i, _ in device_ids(cfg)]
-    policy = SchedulePolicy(min_devices=args.min_devices, quorum_fraction=args.quorum,
-                            quorum_timeout_s=args.quorum_timeout, deadline_slack=args.deadline_slack,
-                            round_timeout_s=args.round_timeout, min_round_s=args.min_round, max_round_s=args.max_round)
-    engine_cfg = policy.engine_config(fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
-                                      allowed=None if args.any_device else frozenset(ids),
-                                      max_update_bytes=args.max_update_bytes)
+    engine_cfg = EngineConfig(
+        fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
+        allowed_devices=None if args.any_device else frozenset(ids), max_update_bytes=args.max_update_bytes,
+        min_devices=args.min_devices, quorum_fraction=args.quorum, quorum_timeout_s=args.quorum_timeout,
+        deadline_slack=args.deadline_slack, round_timeout_s=args.round_timeout, min_round_s=args.min_round,
+        max_round_s=args.max_round, keep_reports=KEEP_REPORTS)
     strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=NUM_CLASSES[cfg.run.dataset], rounds=cfg.run.rounds)
 
     embedded: Any = None
