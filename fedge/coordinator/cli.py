@@ -131,7 +131,9 @@ def _run(args: argparse.Namespace) -> int:
 
         def on_round(rep: Any) -> None:
             rejected = ", ".join(f"{k} {v}" for k, v in sorted(rep.rejected.items())) or "none"
-            accs = [m["acc_global"] for m in rep.metrics.values() if "acc_global" in m]
+            # metrics passed the gate (finite numbers), but a printout must not be what stops a coordinator
+            accs = [float(a) for m in rep.metrics.values()
+                    if isinstance(a := m.get("acc_global"), int | float) and not isinstance(a, bool)]
             acc = f", mean acc {100 * sum(accs) / len(accs):.1f}%" if accs else ""
             missing = f", missing {', '.join(rep.missing)}" if rep.missing else ""
             print(f"round {rep.round}/{total} ({rep.phase}): {len(rep.accepted)} updates, rejected {rejected}"

@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from fedge.common.rounds import DeviceInfo
 from fedge.errors import ConfigError
 
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class DeviceSlotCheck:
+    """What the fleet config says one device is: its hello must announce exactly ``info``'s fields.
+
+    Built by the coordinator CLI from the fleet layer's per-device slot (the library takes it as
+    data and never computes it). ``classes``: the labels the device holds (None: unchecked); an
+    update may count samples only in those classes.
+    """
+
+    info: DeviceInfo
+    classes: tuple[int, ...] | None = None
+
+    def mismatches(self, hello: DeviceInfo) -> list[str]:
+        """How ``hello`` differs from this slot: one ``"field: expected X, got Y"`` per field."""
+        return [
+            f"{name}: expected {getattr(self.info, name)!r}, got {getattr(hello, name)!r}"
+            for name in ("device_id", "arch", "upload_precision", "num_samples", "feature_dim")
+            if getattr(self.info, name) != getattr(hello, name)
+        ]
 
 
 @dataclass(frozen=True)
@@ -36,6 +59,9 @@ class EngineConfig:
     max_round_s: float = 0.0  # 0: no upper bound
     # Devices allowed to register (None: any device that says hello).
     allowed_devices: frozenset[str] | None = None
+    # What each device of the fleet config is (None: unchecked): a hello that contradicts its
+    # device's slot is refused (reason hello-slot), and its updates count only its own classes.
+    slots: Mapping[str, DeviceSlotCheck] | None = None
     # Round reports kept in memory (0: all). With a state dir every report is in reports.jsonl, so a
     # long-running coordinator keeps only the last few: per-device report entries would otherwise grow
     # its memory by ~1 KB per device per round.

@@ -22,7 +22,7 @@ from fedge.common.messages import Message
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.config import DEFAULT_MAX_UPDATE_BYTES, EngineConfig
-from fedge.coordinator.gate import UpdateGate
+from fedge.coordinator.gate import Admitted, UpdateGate
 from fedge.coordinator.report import RoundReport
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
@@ -147,19 +147,17 @@ class RoundEngine:
         self.gate.begin_round(rnd, final=info.is_final)
         pending = set(expected)  # live: the transport stops once it is empty
 
-        item_bytes = 0  # size of the update being admitted (set before each admit)
-
-        def accept(msg: Message) -> None:
+        def accept(up: Admitted) -> None:
             if not info.is_final:
-                self.strategy.accumulate(self.devices[msg.sender], msg.tensors, msg.info)
-            report.accepted.append(msg.sender)
-            report.bytes_up[msg.sender] = item_bytes
-            report.bytes_down[msg.sender] = int(msg.info.get("bytes_down", 0))
-            report.metrics[msg.sender] = dict(msg.info.get("metrics", {}))
-            report.info[msg.sender] = {k: v for k, v in msg.info.items() if k not in ("metrics", "bytes_down")}
+                self.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
+            sender = up.msg.sender
+            report.accepted.append(sender)
+            report.bytes_up[sender] = up.size
+            report.bytes_down[sender] = up.bytes_down
+            report.metrics[sender] = up.metrics
+            report.info[sender] = up.info
 
         for item in self.transport.collect(rnd, pending, info.deadline):
-            item_bytes = len(item.data)
             if not self.gate.admit(item, accept, self.transport.hellos):
                 continue
             sender = report.accepted[-1]

@@ -15,19 +15,24 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from fedge.common.messages import Message
+from fedge.common.messages import MAX_INFO_BYTES, Message
 from fedge.common.rounds import DeviceInfo
-from fedge.common.tensorcodec import OversizeError
+from fedge.common.tensorcodec import OversizeError, TensorSpec, max_encoded_bytes
 from fedge.common.transport import Inbound
 from fedge.coordinator.config import EngineConfig
 from fedge.coordinator.strategy import Strategy
-from fedge.coordinator.validation import Rejected, check_arrays
+from fedge.coordinator.validation import Rejected, check_arrays, parse_device, parse_update_info
 from fedge.errors import PayloadError
 
 log = logging.getLogger(__name__)
 
-HELLO_MAX_BYTES = 1 << 20
+HELLO_MAX_BYTES = 64 * 1024  # a hello holds no tensors: its envelope and info.device
+# Header bytes allowed beyond an update's tensors: the envelope with its info, plus ~128 bytes of
+# header per tensor (name, dtype, shape, offsets).
+ENVELOPE_BYTES = MAX_INFO_BYTES + 4096
+HEADER_BYTES_PER_TENSOR = 256
 UNKNOWN_SENDER = "?"  # rejections whose sender nobody vouches for and the envelope does not name
 
 
@@ -41,6 +46,18 @@ def reason_of(exc: BaseException) -> str:
     if isinstance(exc, PayloadError):
         return "malformed"
     return "error"
+
+
+@dataclass
+class Admitted:
+    """An update that passed the gate, with its info split into checked parts."""
+
+    msg: Message
+    device: DeviceInfo
+    size: int
+    metrics: dict[str, float]
+    bytes_down: int
+    info: dict[str, Any]
 
 
 @dataclass
@@ -80,11 +97,10 @@ class UpdateGate:
         key = f"hello-{reason}" if what == "hello" else reason
         self.rejections.add(device, key)
         message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-        if reason == "error":  # not a check of ours: keep the traceback for whoever debugs it
-            log.warning("round %d: refused a %s from %s (%s): %s", self._round, what, device, key, message,
-                        exc_info=exc)
-        else:
-            log.warning("round %d: refused a %s from %s (%s): %s", self._round, what, device, key, message)
+        article = "an" if what[0] in "aeiou" else "a"
+        # reason "error" is not a check of ours: keep the traceback for whoever debugs it
+        log.warning("round %d: refused %s %s from %s (%s): %s", self._round, article, what, device, key, message,
+                    exc_info=exc if reason == "error" else None)
 
     def drain(self) -> Rejections:
         """The refusals counted so far; counting starts again from zero."""
@@ -112,10 +128,7 @@ class UpdateGate:
     def _check_hello(self, msg: Message, item: Inbound) -> DeviceInfo:
         if msg.kind != "hello":
             raise Rejected("kind", f"expected a hello, got {msg.kind}")
-        try:
-            dev = DeviceInfo.from_dict(msg.info["device"])
-        except (KeyError, TypeError) as exc:
-            raise Rejected("malformed", f"hello from {msg.sender!r} has no valid info.device: {exc}") from exc
+        dev = parse_device(msg.info.get("device"))
         if dev.device_id != msg.sender:
             raise Rejected("spoofed", f"hello sender {msg.sender!r} != device id {dev.device_id!r}")
         if item.origin is not None and item.origin != msg.sender:
@@ -123,6 +136,18 @@ class UpdateGate:
         allowed = self.config.allowed_devices
         if allowed is not None and dev.device_id not in allowed:
             raise Rejected("unauthorized", f"{dev.device_id!r} is not a device of this fleet")
+        slot = self.config.slots.get(dev.device_id) if self.config.slots is not None else None
+        if slot is not None:
+            wrong = slot.mismatches(dev)
+            if wrong:
+                raise Rejected("slot", f"{dev.device_id}'s hello contradicts its slot in the fleet config: "
+                                       + "; ".join(wrong))
+        if self.strategy.shares_features:
+            # prototypes and statistics live in one feature space: one embedding size fleet-wide
+            dims = {d.feature_dim for d in self.devices.values() if d.device_id != dev.device_id}
+            if dims and dev.feature_dim not in dims:
+                raise Rejected("feature_dim", f"{dev.device_id} announces embedding size {dev.feature_dim}; "
+                                              f"this {self.config.method} fleet uses {min(dims)}")
         return dev
 
     # -- rounds ---------------------------------------------------------------------------
@@ -135,7 +160,7 @@ class UpdateGate:
         self.last_missing = set(missing)
         self._previous_ids, self._recent_ids = self._recent_ids, set()
 
-    def admit(self, item: Inbound, accept: Callable[[Message], None],
+    def admit(self, item: Inbound, accept: Callable[[Admitted], None],
               hellos: Callable[[], list[Inbound]] | None = None) -> bool:
         """Check one inbound update and hand it to ``accept``; False (counted) if refused.
 
@@ -143,23 +168,30 @@ class UpdateGate:
         (reason ``error``, or the reason a :class:`Rejected` carries). ``hellos`` fetches hellos
         that may have arrived during the round, for an update from a device not registered yet.
         """
-        sender: str | None = item.origin
+        named: list[str] = []  # the envelope's sender, once it parsed (the transport may vouch for none)
+
+        def expect(m: Message) -> TensorSpec:
+            named.append(m.sender)
+            return self._expect(m, item, hellos)
+
         try:
             if item.reject is not None:
                 raise Rejected(*item.reject)
-            msg = self._check_update(item, hellos)
-            sender = msg.sender
-            accept(msg)
+            msg = Message.from_bytes(item.data, max_bytes=self.config.max_update_bytes, expect=expect)
+            device = self.devices[msg.sender]
+            check_arrays(msg.tensors, None, msg.sender, device)  # values: finite floats, counts in range
+            metrics, down, info = parse_update_info(msg.info, device)
+            accept(Admitted(msg, device, len(item.data), metrics, down, info))
         except Exception as exc:
-            self.reject(sender, exc, "update")
+            self.reject(item.origin or (named[0][:64] if named else None), exc, "update")
             return False
         self._seen.add(msg.sender)
         self._recent_ids.add(msg.msg_id)
         return True
 
-    def _check_update(self, item: Inbound, hellos: Callable[[], list[Inbound]] | None) -> Message:
+    def _expect(self, msg: Message, item: Inbound, hellos: Callable[[], list[Inbound]] | None) -> TensorSpec:
+        """Envelope checks, then the exact tensors this update must hold (before any is read)."""
         rnd = self._round
-        msg = Message.from_bytes(item.data, max_bytes=self.config.max_update_bytes)
         if item.origin is not None and msg.sender != item.origin:
             raise Rejected("spoofed", f"an update on {item.origin}'s topic claims to come from {msg.sender!r}")
         if msg.kind != "update":
@@ -180,6 +212,14 @@ class UpdateGate:
             raise Rejected("duplicate", f"{msg.sender} already sent its update for round {rnd}")
         if msg.msg_id in self._recent_ids or msg.msg_id in self._previous_ids:
             raise Rejected("replay", f"{msg.sender} reused message id {msg.msg_id}")
-        spec = {} if self._final else self.strategy.expected_update(self.devices[msg.sender], rnd)
-        check_arrays(msg.tensors, spec, msg.sender)
-        return msg
+        device = self.devices[msg.sender]
+        spec = {} if self._final else self.strategy.expected_update(device, rnd)
+        if spec is None:
+            raise Rejected("schema", f"the {self.config.method} coordinator declares no update schema for "
+                                     f"{msg.sender} in round {rnd}")
+        # The size bound comes from the update this device owes, not from the broker's limit.
+        limit = max_encoded_bytes(spec, ENVELOPE_BYTES + HEADER_BYTES_PER_TENSOR * len(spec))
+        if len(item.data) > limit:
+            raise OversizeError(f"{msg.sender}'s update of {len(item.data)} bytes exceeds the {limit} bytes "
+                                f"its round-{rnd} update can take")
+        return spec
