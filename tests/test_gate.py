@@ -17,6 +17,8 @@ from fedge.common.boundedjson import loads
 from fedge.common.messages import PROTOCOL_VERSION, Message
 from fedge.common.rounds import PROTOTYPES_ARTIFACT
 from fedge.common.tensorcodec import SchemaError, decode
+from fedge.coordinator.config import DeviceSlotCheck
+from fedge.coordinator.engine import EngineConfig
 from fedge.errors import PayloadError
 from fedge.mqtt.chunking import ChunkError, Reassembler, split
 
@@ -170,3 +172,33 @@ def test_bounded_json_refuses_depth_size_and_numbers_without_recursing() -> None
     with pytest.raises(PayloadError, match="exceeds the limit of 10 bytes"):
         loads('{"a": 12345678}', max_bytes=10, max_depth=8)
     assert loads('{"a": "[[[[[[[[[[", "b": [[1]]}', max_bytes=100, max_depth=3) == {"a": "[[[[[[[[[[", "b": [[1]]}
+
+
+def test_a_hello_that_contradicts_its_slot_is_refused_and_the_device_is_told_why() -> None:
+    devices = [device(i) for i in range(3)]
+    slots = {d.device_id: DeviceSlotCheck(d, classes=tuple(range(CLASSES))) for d in devices}
+    slots["d1"] = DeviceSlotCheck(devices[1], classes=tuple(range(CLASSES - 1)))  # d1 holds no class 9
+    # a hello for d2 as a tier-s, int8, 629-sample device: its slot is a tier-xs, fp32, 120-sample one
+    liar = device(2, arch="tier-s", upload_precision="int8", num_samples=629)
+    fleet = stats_fleet(3, rounds=1, extra_hellos=[hello(liar)],
+                        config=EngineConfig(fleet=FLEET, method="fedproto", slots=slots))
+    d1_nine = honest_arrays(devices[1], 1)
+    d1_nine["counts"] = np.zeros(CLASSES, np.int64)
+    d1_nine["counts"][9] = 1
+    fleet.before[1] = [Message("update", "d1", 1, FLEET, tensors=d1_nine).to_bytes()]
+    del fleet.devices[1]  # d1 sends only that update
+    report = fleet.engine.run_round(1)
+    assert report.rejected_by_device == {"d2": {"hello-slot": 1}, "d1": {"classes": 1}}
+    assert report.missing == ["d1"]
+    refusal = Message.from_bytes(fleet.bus.refusals["d2"])
+    assert refusal.kind == "refused" and refusal.info["reason"] == "slot"
+    assert refusal.info["run"] == fleet.engine.run_id
+    assert refusal.info["message"] == (
+        "slot: d2's hello contradicts its slot in the fleet config: arch: expected 'tier-xs', got 'tier-s'; "
+        "upload_precision: expected 'fp32', got 'int8'; num_samples: expected 120, got 629")
+    assert fleet.engine.devices["d2"] == devices[2]  # its earlier, true hello stands
+    assert_unharmed(fleet)
+    # the device corrects itself: its next hello is accepted and the refusal is cleared
+    fleet.bus.hellos.append(hello(devices[2]))
+    fleet.engine.register_pending()
+    assert "d2" not in fleet.bus.refusals

@@ -44,7 +44,7 @@ class RoundEngine:
         self.strategy = strategy
         self.transport = transport
         self.config = config
-        self.gate = UpdateGate(strategy, config)
+        self.gate = UpdateGate(strategy, config, refuse=self._refuse)
         self.globals: dict[str, Arrays] = {}
         self.reports: list[RoundReport] = []
         self.completed = 0
@@ -61,6 +61,16 @@ class RoundEngine:
         return self.gate.devices
 
     # -- registration ---------------------------------------------------------------------
+    def _refuse(self, device_id: str, reason: str, message: str) -> None:
+        """Tell a device its hello was refused and why (reason ""; it was accepted: clear that)."""
+        try:
+            data = None if not reason else Message(
+                "refused", COORDINATOR_ID, 0, self.config.fleet,
+                info={"device": device_id, "reason": reason, "message": message, "run": self.run_id}).to_bytes()
+            self.transport.refuse(device_id, data)
+        except Exception as exc:  # telling the device is a courtesy; it must not stop the coordinator
+            log.warning("could not tell %s about its refused hello: %s", device_id, exc)
+
     def register_pending(self) -> list[str]:
         """Register devices from hellos received so far; returns the new ids."""
         return self.gate.register(self.transport.hellos())

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from fedge.common.messages import MAX_INFO_BYTES, Message
 from fedge.common.rounds import DeviceInfo
 from fedge.common.tensorcodec import OversizeError, TensorSpec, max_encoded_bytes
@@ -75,9 +77,13 @@ class Rejections:
 class UpdateGate:
     """Registration and admission of device messages (see the module docstring)."""
 
-    def __init__(self, strategy: Strategy, config: EngineConfig) -> None:
+    def __init__(self, strategy: Strategy, config: EngineConfig,
+                 refuse: Callable[[str, str, str], None] | None = None) -> None:
         self.strategy = strategy
         self.config = config
+        # (device id, reason, message) for a refused hello; (device id, "", "") when one is accepted
+        self._refuse = refuse
+        self._refused: set[str] = set()
         self.devices: dict[str, DeviceInfo] = {}
         self.rejections = Rejections()
         # Message ids accepted in this round and the previous one (replay guard; older rounds are
@@ -119,7 +125,13 @@ class UpdateGate:
                 dev = self._check_hello(msg, item)
             except Exception as exc:  # the error boundary: a hello never stops the coordinator
                 self.reject(sender, exc, "hello")
+                if sender is not None and self._refuse is not None:
+                    self._refused.add(sender[:64])
+                    self._refuse(sender[:64], reason_of(exc), getattr(exc, "message", None) or str(exc)[:500])
                 continue
+            if self._refuse is not None and (dev.device_id not in self.devices or dev.device_id in self._refused):
+                self._refuse(dev.device_id, "", "")  # clears a refusal left by an earlier hello or process
+            self._refused.discard(dev.device_id)
             if dev.device_id not in self.devices:
                 new.append(dev.device_id)
             self.devices[dev.device_id] = dev
@@ -180,6 +192,7 @@ class UpdateGate:
             msg = Message.from_bytes(item.data, max_bytes=self.config.max_update_bytes, expect=expect)
             device = self.devices[msg.sender]
             check_arrays(msg.tensors, None, msg.sender, device)  # values: finite floats, counts in range
+            self._check_classes(msg, device)
             metrics, down, info = parse_update_info(msg.info, device)
             accept(Admitted(msg, device, len(item.data), metrics, down, info))
         except Exception as exc:
@@ -188,6 +201,19 @@ class UpdateGate:
         self._seen.add(msg.sender)
         self._recent_ids.add(msg.msg_id)
         return True
+
+    def _check_classes(self, msg: Message, device: DeviceInfo) -> None:
+        """Class counts only for the classes its slot says the device holds."""
+        slot = self.config.slots.get(device.device_id) if self.config.slots is not None else None
+        if slot is None or slot.classes is None:
+            return
+        outside = np.ones(self.strategy.num_classes, dtype=bool)
+        outside[[c for c in slot.classes if 0 <= c < self.strategy.num_classes]] = False
+        for name, arr in msg.tensors.items():
+            if np.issubdtype(arr.dtype, np.integer) and arr.shape == outside.shape and arr[outside].any():
+                bad = [int(c) for c in np.flatnonzero(outside & (arr > 0))[:5]]
+                raise Rejected("classes", f"{device.device_id} counts samples of classes {bad} in {name!r}; "
+                                          f"its slot holds only classes {list(slot.classes)}")
 
     def _expect(self, msg: Message, item: Inbound, hellos: Callable[[], list[Inbound]] | None) -> TensorSpec:
         """Envelope checks, then the exact tensors this update must hold (before any is read)."""
