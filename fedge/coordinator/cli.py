@@ -17,7 +17,26 @@ from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Classes per data set; a coordinator must not need the data itself to know this.
+# Defaults of the scheduling settings when neither a flag nor the fleet's [coordinator] table sets them.
+SCHEDULING_DEFAULTS: dict[str, float] = {
+    "min_devices": 1, "quorum": 0.5, "quorum_timeout_s": 600.0, "deadline_slack": 2.0, "round_timeout_s": 300.0,
+    "min_round_s": 5.0, "max_round_s": 3600.0, "max_update_bytes": 64 * 1024 * 1024,
+}
+# flag dest -> [coordinator] key
+_FLAG_KEYS = {"min_devices": "min_devices", "quorum": "quorum", "quorum_timeout": "quorum_timeout_s",
+              "deadline_slack": "deadline_slack", "round_timeout": "round_timeout_s", "min_round": "min_round_s",
+              "max_round": "max_round_s", "max_update_bytes": "max_update_bytes", "aggregation": "aggregation",
+              "trim": "trim", "clip": "clip"}
+
+
+def coordinator_settings(args: argparse.Namespace, table: dict[str, Any], source: str) -> Any:
+    """The fleet config's ``[coordinator]`` table with every flag that was given applied over it."""
+    from fedge.common.tomlconf import build
+    from fedge.coordinator.config import CoordinatorSection
+
+    merged = dict(table)
+    merged.update({key: getattr(args, dest) for dest, key in _FLAG_KEYS.items() if getattr(args, dest) is not None})
+    return build(CoordinatorSection, merged, source=source, section="coordinator")
 
 
 def add_broker_arguments(p: argparse.ArgumentParser, *, required: bool = False) -> None:
@@ -64,20 +83,30 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     e.add_argument("--embedded", choices=("amqtt", "mosquitto"), default="amqtt",
                    help="amqtt (in this process, default) or a mosquitto child process")
     e.add_argument("--port", type=int, default=1883, help="loopback port of the embedded broker (0: any free port)")
-    s = r.add_argument_group("scheduling")
-    s.add_argument("--min-devices", type=int, default=1, help="devices online before a round starts (default 1)")
-    s.add_argument("--quorum", type=float, default=0.5, metavar="FRACTION",
-                   help="fraction of the fleet's devices online before a round starts (default 0.5)")
-    s.add_argument("--quorum-timeout", type=float, default=600.0, metavar="S", help="give up waiting (default 600)")
-    s.add_argument("--deadline-slack", type=float, default=2.0,
-                   help="round deadline = slack x the slowest expected device's round time (default 2; 0: off)")
-    s.add_argument("--round-timeout", type=float, default=300.0, metavar="S",
-                   help="budget of a round with a device of unknown speed (default 300; 0: wait for it)")
-    s.add_argument("--min-round", type=float, default=5.0, metavar="S", help="shortest deadline (default 5)")
-    s.add_argument("--max-round", type=float, default=3600.0, metavar="S", help="longest deadline (default 3600)")
+    s = r.add_argument_group("scheduling (flags override the fleet config's [coordinator] table)")
+    d = SCHEDULING_DEFAULTS
+    s.add_argument("--min-devices", type=int, help=f"devices online before a round starts (default {d['min_devices']})")
+    s.add_argument("--quorum", type=float, metavar="FRACTION",
+                   help=f"fraction of the fleet's devices online before a round starts (default {d['quorum']})")
+    s.add_argument("--quorum-timeout", type=float, metavar="S",
+                   help=f"give up waiting (default {d['quorum_timeout_s']:.0f})")
+    s.add_argument("--deadline-slack", type=float,
+                   help="round deadline = slack x the slowest expected device's round time "
+                        f"(default {d['deadline_slack']:g}; 0: off)")
+    s.add_argument("--round-timeout", type=float, metavar="S",
+                   help=f"budget of a round with a device of unknown speed (default {d['round_timeout_s']:.0f}; "
+                        "0: wait for it)")
+    s.add_argument("--min-round", type=float, metavar="S", help=f"shortest deadline (default {d['min_round_s']:g})")
+    s.add_argument("--max-round", type=float, metavar="S", help=f"longest deadline (default {d['max_round_s']:g})")
+    g = r.add_argument_group("aggregation (flags override the fleet config's [coordinator] table)")
+    g.add_argument("--aggregation", choices=("mean", "trimmed", "median"),
+                   help="how updates are combined (default mean; fedavg, lgfedavg and fedproto)")
+    g.add_argument("--trim", type=float, help="trimmed: fraction of the weight cut at each end (default 0.2)")
+    g.add_argument("--clip", type=float, help="clip updates to CLIP x the median distance from the median (0: off)")
     w = r.add_argument_group("wire")
     w.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
-    w.add_argument("--max-update-bytes", type=int, default=64 * 1024 * 1024, help="refuse larger updates")
+    w.add_argument("--max-update-bytes", type=int, help="refuse larger updates (default 64 MiB; each update is "
+                                                        "also bounded by what its device owes)")
     r.add_argument("--rounds", type=int, help="override [run] rounds")
     r.add_argument("--any-device", action="store_true",
                    help="accept hellos from devices not listed in the fleet config")
@@ -98,12 +127,19 @@ def _run(args: argparse.Namespace) -> int:
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
     ids = [i for i, _ in device_ids(cfg)]
+    section = coordinator_settings(args, cfg.coordinator, cfg.source)
+    d = SCHEDULING_DEFAULTS
+
+    def pick(key: str) -> Any:
+        value = getattr(section, key)
+        return d[key] if value is None else value
+
     engine_cfg = EngineConfig(
         fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
-        allowed_devices=None if args.any_device else frozenset(ids), max_update_bytes=args.max_update_bytes,
-        min_devices=args.min_devices, quorum_fraction=args.quorum, quorum_timeout_s=args.quorum_timeout,
-        deadline_slack=args.deadline_slack, round_timeout_s=args.round_timeout, min_round_s=args.min_round,
-        max_round_s=args.max_round, keep_reports=KEEP_REPORTS)
+        allowed_devices=None if args.any_device else frozenset(ids), max_update_bytes=int(pick("max_update_bytes")),
+        min_devices=int(pick("min_devices")), quorum_fraction=pick("quorum"), quorum_timeout_s=pick("quorum_timeout_s"),
+        deadline_slack=pick("deadline_slack"), round_timeout_s=pick("round_timeout_s"), min_round_s=pick("min_round_s"),
+        max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule())
     strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=NUM_CLASSES[cfg.run.dataset], rounds=cfg.run.rounds)
 
     embedded: Any = None
@@ -119,7 +155,7 @@ def _run(args: argparse.Namespace) -> int:
         settings = broker_settings(args, embedded.url)
     else:
         settings = broker_settings(args)
-    wire = TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=args.max_update_bytes)
+    wire = TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes)
     transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire)
     try:
         transport.start()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fedge.common.rounds import DeviceInfo
+from fedge.coordinator.aggregate import Aggregation
 from fedge.errors import ConfigError
 
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
@@ -62,6 +63,8 @@ class EngineConfig:
     # What each device of the fleet config is (None: unchecked): a hello that contradicts its
     # device's slot is refused (reason hello-slot), and its updates count only its own classes.
     slots: Mapping[str, DeviceSlotCheck] | None = None
+    # How updates are combined (fedavg, lgfedavg and fedproto; the generative methods always average).
+    aggregation: Aggregation = field(default_factory=Aggregation)
     # Round reports kept in memory (0: all). With a state dir every report is in reports.jsonl, so a
     # long-running coordinator keeps only the last few: per-device report entries would otherwise grow
     # its memory by ~1 KB per device per round.
@@ -79,3 +82,34 @@ class EngineConfig:
             raise ConfigError(f"max_update_bytes must be >= 1, got {self.max_update_bytes}")
         if self.keep_reports < 0:
             raise ConfigError(f"keep_reports must be >= 0, got {self.keep_reports}")
+
+
+@dataclass(frozen=True)
+class CoordinatorSection:
+    """The fleet config's optional ``[coordinator]`` table; ``fedge coordinator run`` flags override it.
+
+    Unset keys fall back to the command's defaults. Example::
+
+        [coordinator]
+        aggregation = "trimmed"   # mean | trimmed | median
+        trim = 0.2                # trimmed: weight cut at each end of every coordinate
+        clip = 2.0                # clip each update to 2 x the median distance from the median (0: off)
+        quorum = 0.8
+        deadline_slack = 3.0
+    """
+
+    aggregation: str = "mean"
+    trim: float = 0.2
+    clip: float = 0.0
+    min_devices: int | None = None
+    quorum: float | None = None
+    quorum_timeout_s: float | None = None
+    deadline_slack: float | None = None
+    round_timeout_s: float | None = None
+    min_round_s: float | None = None
+    max_round_s: float | None = None
+    max_update_bytes: int | None = None
+
+    def aggregation_rule(self) -> Aggregation:
+        """The :class:`Aggregation` this table selects (validated)."""
+        return Aggregation(self.aggregation, self.trim, self.clip)

@@ -44,6 +44,7 @@ class RoundEngine:
         self.strategy = strategy
         self.transport = transport
         self.config = config
+        strategy.aggregation = config.aggregation
         self.gate = UpdateGate(strategy, config, refuse=self._refuse)
         self.globals: dict[str, Arrays] = {}
         self.reports: list[RoundReport] = []

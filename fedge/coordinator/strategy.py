@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from fedge.common.rounds import DeviceInfo
+from fedge.coordinator.aggregate import Aggregation
 
 Arrays = dict[str, np.ndarray]
 # name -> (shape, dtype kind) where kind is "float" or "int"
@@ -25,6 +26,9 @@ class Strategy(ABC):
     name: ClassVar[str]
     # True when devices exchange feature-space statistics, so every device needs the same p.
     shares_features: ClassVar[bool] = False
+    # How updates are combined; the engine sets its EngineConfig's. Strategies create their
+    # accumulators from it (fedge.coordinator.aggregate.mean / GroupedMean / ClassMean).
+    aggregation: Aggregation = Aggregation()
 
     def __init__(self, config: dict[str, Any], *, num_classes: int, rounds: int) -> None:
         self.config = config

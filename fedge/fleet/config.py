@@ -117,6 +117,7 @@ class FleetConfig:
     partition: PartitionSection = field(default_factory=PartitionSection)
     train: TrainSection = field(default_factory=TrainSection)
     method: dict[str, Any] = field(default_factory=dict)
+    coordinator: dict[str, Any] = field(default_factory=dict)  # parsed by fedge.coordinator.config
     source: str = "<memory>"
 
     @property
