@@ -160,6 +160,12 @@ def _run(args: argparse.Namespace) -> int:
     try:
         transport.start()
         service = CoordinatorService(strat, transport, engine_cfg, args.state_dir)
+        from fedge.mqtt.topics import FleetTopics
+
+        topics = FleetTopics(cfg.run.fleet)
+        print(f"coordinator of fleet {cfg.run.fleet!r} ({cfg.run.method}, {len(ids)} devices in {cfg.source}), "
+              f"run {service.engine.run_id}: devices publish on {topics.device_filter('hello')} (and status, "
+              f"update), rounds on {topics.round}, global state on {topics.base}/global/#", file=sys.stderr)
         if service.resumed_from:
             print(f"resuming {cfg.run.method} on fleet {cfg.run.fleet} after round {service.resumed_from} "
                   f"(state in {args.state_dir})", file=sys.stderr)

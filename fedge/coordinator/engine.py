@@ -52,6 +52,7 @@ class RoundEngine:
         self.run_id = uuid.uuid4().hex  # lets devices tell a new run from a resumed one
         self.global_rounds: dict[str, int] = {}  # artifact -> round that produced the published version
         self.latency: dict[str, dict[str, float]] = {}  # phase -> device -> seconds announce→update
+        self._resumed_round = 0  # the round a restarted coordinator runs again (0: not resumed)
         self.store = EngineStore(state_dir) if state_dir else None
         if self.store is not None and self.store.exists():
             self._resume(self.store.load(method=config.method, fleet=config.fleet))
@@ -173,7 +174,9 @@ class RoundEngine:
                 continue
             sender = report.accepted[-1]
             pending.discard(sender)
-            if item.received > 0:
+            # A round re-run after a restart receives updates the broker queued for the old process:
+            # their "latency" measures the restart, not the device, and would shrink the next deadline.
+            if item.received > 0 and rnd != self._resumed_round:
                 self.latency.setdefault(info.phase, {})[sender] = max(0.0, item.received - announced_at)
         rejections = self.gate.drain()  # hellos refused before or during this round count here
         report.rejected = dict(rejections.by_reason)
@@ -208,14 +211,21 @@ class RoundEngine:
     # -- the loop -------------------------------------------------------------------------
     def run(self, on_round: Callable[[RoundReport], Any] | None = None) -> list[RoundReport]:
         """Run every remaining round (resuming after the last completed one)."""
+        log.info("run %s: %s on fleet %s, %d training rounds + final%s", self.run_id, self.config.method,
+                 self.config.fleet, self.strategy.total_rounds(),
+                 f", resuming after round {self.completed}" if self.completed else "")
         self.register_pending()
         if self.completed:
-            log.info("resuming after round %d", self.completed)
             self._republish()
         for rnd in range(self.completed + 1, self.strategy.total_rounds() + 2):
             report = self.run_round(rnd)
             if on_round is not None:
                 on_round(report)
+        # Over MQTT this clears the retained descriptor, so no device answers this run's final
+        # round once the run is over (transports without the hook have nothing to clear).
+        end_run = getattr(self.transport, "end_run", None)
+        if callable(end_run):
+            end_run()
         return self.reports
 
     def _republish(self) -> None:
@@ -237,6 +247,7 @@ class RoundEngine:
 
     def _resume(self, state: EngineState) -> None:
         self.completed = state.completed
+        self._resumed_round = state.completed + 1
         self.gate.devices.update(state.devices)
         self.strategy.load_state_dict(state.strategy)
         self.reports = state.reports
