@@ -84,6 +84,7 @@ class UpdateGate:
         # (device id, reason, message) for a refused hello; (device id, "", "") when one is accepted
         self._refuse = refuse
         self._refused: set[str] = set()
+        self.hellos_accepted = 0  # valid hellos registered (or re-registered) since start
         self.devices: dict[str, DeviceInfo] = {}
         self.rejections = Rejections()
         # Message ids accepted in this round and the previous one (replay guard; older rounds are
@@ -132,6 +133,7 @@ class UpdateGate:
             if self._refuse is not None and (dev.device_id not in self.devices or dev.device_id in self._refused):
                 self._refuse(dev.device_id, "", "")  # clears a refusal left by an earlier hello or process
             self._refused.discard(dev.device_id)
+            self.hellos_accepted += 1
             if dev.device_id not in self.devices:
                 new.append(dev.device_id)
             self.devices[dev.device_id] = dev
