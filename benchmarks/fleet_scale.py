@@ -56,6 +56,7 @@ from fedge.mqtt.client import new_paho_client, no_delay
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
 
 CLASSES, DIM = 10, 64  # FedProto-sized: prototypes (C, p) + counts (C,)
+SAMPLES = 100  # each device's training samples (its hello)
 RESULTS = Path(__file__).parent / "results" / "fleet_scale.json"
 
 
@@ -169,11 +170,13 @@ class Swarm:
 def _update_bytes(fleet: str, dev: str, rnd: int, final: bool, seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     if final:
-        return Message("update", dev, rnd, fleet, info={"metrics": {"acc_global": 0.5}, "num_samples": 100}).to_bytes()
-    counts = rng.integers(0, 20, CLASSES).astype(np.int64)
+        return Message("update", dev, rnd, fleet, info={"metrics": {"acc_global": 0.5},
+                                                        "num_samples": SAMPLES}).to_bytes()
+    # class counts of the device's 100 samples (the coordinator refuses counts beyond its hello's samples)
+    counts = rng.multinomial(SAMPLES, np.full(CLASSES, 1 / CLASSES)).astype(np.int64)
     protos = rng.normal(size=(CLASSES, DIM)).astype(np.float32)
     return Message("update", dev, rnd, fleet, tensors={"protos": protos, "counts": counts},
-                   info={"metrics": {}, "num_samples": int(counts.sum())}).to_bytes()
+                   info={"metrics": {}, "num_samples": SAMPLES}).to_bytes()
 
 
 def sizes() -> dict[str, int]:
@@ -190,7 +193,8 @@ def sizes() -> dict[str, int]:
 
 # -- fedge: real coordinator process + protocol devices --------------------------------------------
 
-def run_fedge(port: int, n: int, rounds: int, workdir: Path) -> dict[str, Any]:
+def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = "mean",
+              clip: float = 0.0) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = f"scale{n}-{workdir.name}"
     t = FleetTopics(fleet)
@@ -203,7 +207,7 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path) -> dict[str, Any]:
     def on_connect(i: int, c: paho.Client) -> None:
         dev = ids[i]
         c.publish(t.status(dev), STATUS_ONLINE, qos=1, retain=True)
-        info = DeviceInfo(dev, "tier-xs", "bench", num_samples=100, feature_dim=DIM)
+        info = DeviceInfo(dev, "tier-xs", "bench", num_samples=SAMPLES, feature_dim=DIM)
         c.publish(t.hello(dev), Message("hello", dev, 0, fleet, info={"device": info.to_dict()}).to_bytes(),
                   qos=1, retain=True)
 
@@ -224,7 +228,8 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path) -> dict[str, Any]:
         swarm.wait_connected()
         out = workdir / f"fedge-{n}.json"
         cmd = [sys.executable, __file__, "_coordinator", "--port", str(port), "--n", str(n), "--rounds", str(rounds),
-               "--fleet", fleet, "--state-dir", str(workdir / f"state-{n}"), "--out", str(out)]
+               "--fleet", fleet, "--state-dir", str(workdir / f"state-{n}"), "--out", str(out),
+               "--aggregation", aggregation, "--clip", str(clip)]
         subprocess.run(cmd, check=True, timeout=1800)
         return json.loads(out.read_text())
     finally:
@@ -232,6 +237,7 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path) -> dict[str, Any]:
 
 
 def coordinator_main(args: argparse.Namespace) -> None:
+    from fedge.coordinator.aggregate import Aggregation
     from fedge.coordinator.engine import EngineConfig, RoundEngine
     from fedge.coordinator.strategies.baselines import FedProtoStrategy
     from fedge.mqtt.client import BrokerSettings
@@ -241,8 +247,9 @@ def coordinator_main(args: argparse.Namespace) -> None:
     transport = MqttCoordinatorTransport(BrokerSettings(port=args.port), args.fleet).start()
     strat = FedProtoStrategy(num_classes=CLASSES, rounds=args.rounds)
     # keep_reports=1 as in a long-running coordinator (fedge coordinator run keeps 8): the history is on disk.
+    agg = Aggregation(args.aggregation, clip=args.clip)
     engine = RoundEngine(strat, transport, EngineConfig(fleet=args.fleet, method="fedproto", min_devices=args.n,
-                                                       quorum_timeout_s=600, keep_reports=1),
+                                                       quorum_timeout_s=600, keep_reports=1, aggregation=agg),
                          state_dir=args.state_dir)
     engine.await_quorum()  # registration is not part of a round
     cpu0, rss0, t0 = _cpu(), _rss_kb(), time.perf_counter()
@@ -381,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--out", required=True)
     co.add_argument("--fleet", required=True)
     co.add_argument("--state-dir", required=True)
+    for q in (p, co):
+        q.add_argument("--aggregation", choices=("mean", "trimmed", "median"), default="mean",
+                       help="the coordinator's aggregation rule (default mean)")
+        q.add_argument("--clip", type=float, default=0.0, help="with a robust rule: clip factor (0: off)")
     fl.add_argument("--base", required=True)
     fl.add_argument("--global-bytes", type=int, required=True)
     fl.add_argument("--descriptor-bytes", type=int, required=True)
@@ -411,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for rep in range(args.repeat):
                     floors.append(run_floor(broker.port, n, args.rounds, Path(tmp) / f"r{rep}", sz))
-                    fedges.append(run_fedge(broker.port, n, args.rounds, Path(tmp) / f"r{rep}"))
+                    fedges.append(run_fedge(broker.port, n, args.rounds, Path(tmp) / f"r{rep}", args.aggregation,
+                                            args.clip))
             finally:
                 broker.close()
             floor = {k: [x for f in floors for x in f[k]] for k in ("round_seconds", "cpu_seconds_per_round")}
@@ -444,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python benchmarks/fleet_scale.py", *(argv if argv is not None else sys.argv[1:])]),
         "rounds": args.rounds,
         "repeat": args.repeat,
+        "aggregation": args.aggregation,
+        "clip": args.clip,
         "message_bytes": sz,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "paho": importlib.metadata.version("paho-mqtt"), "platform": platform.platform(),

@@ -21,6 +21,7 @@ class InMemoryBus:
         self.globals: dict[str, bytes] = {}
         self.hellos: deque[bytes] = deque()
         self.updates: deque[bytes] = deque()
+        self.refusals: dict[str, bytes] = {}  # device id -> the coordinator's latest refusal of its hello
         self.pump: Callable[[], None] | None = None
 
 
@@ -33,6 +34,12 @@ class InMemoryCoordinatorTransport(CoordinatorTransport):
 
     def publish_global(self, artifact: str, data: bytes) -> None:
         self.bus.globals[artifact] = data
+
+    def refuse(self, device_id: str, data: bytes | None) -> None:
+        if data is None:
+            self.bus.refusals.pop(device_id, None)
+        else:
+            self.bus.refusals[device_id] = data
 
     def hellos(self) -> list[Inbound]:
         out = [Inbound(h) for h in self.bus.hellos]

@@ -63,6 +63,9 @@ class CoordinatorTransport(ABC):
         """Ids of devices known to be offline (e.g. by their last-will); default: none known."""
         return set()
 
+    def refuse(self, device_id: str, data: bytes | None) -> None:  # noqa: B027 - optional hook
+        """Tell ``device_id`` why its hello was refused (a ``refused`` message), or clear that with None."""
+
     def wait_for_devices(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
         """Block up to ``timeout_s`` for new hellos or status changes (default: return at once)."""
 

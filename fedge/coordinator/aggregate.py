@@ -1,10 +1,64 @@
-"""Streaming aggregation: running weighted sums, so no per-device update is kept in memory."""
+"""Streaming aggregation: the accumulators strategies fold updates into.
+
+* :class:`WeightedMean` keeps running weighted sums (float64), so no per-device
+  update is held in memory — the default, and what every figure in ``docs/``
+  was produced with.
+* :class:`RobustMean` keeps each update (float32) until the round ends, then
+  applies :class:`Aggregation`'s rule: optional **norm clipping** (each update's
+  distance from the coordinate-wise median shrunk to at most ``clip`` × the
+  median distance) followed by a weighted **trimmed mean** (``trim`` of the
+  weight cut at each end of every coordinate) or a weighted coordinate-wise
+  **median**. Memory: one float32 copy of every update of the round.
+* :class:`ClassMean` is the same per class row for class statistics
+  (prototypes weighted by class counts): a class's row from a device counts
+  only if that device has samples of the class.
+
+Strategies ask for accumulators with :func:`mean`, :class:`GroupedMean` or
+:class:`ClassMean`, passing their ``aggregation``; the rule is chosen in the
+fleet config's ``[coordinator]`` table (see :mod:`fedge.coordinator.config`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+
+from fedge.errors import ConfigError
+
+RULES: tuple[str, ...] = ("mean", "trimmed", "median")
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How a round's updates are combined (``[coordinator] aggregation``, ``trim``, ``clip``)."""
+
+    rule: str = "mean"  # one of RULES
+    trim: float = 0.2  # trimmed: fraction of the total weight cut at each end of every coordinate
+    clip: float = 0.0  # > 0: clip each update's distance from the median to clip x the median distance
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ConfigError(f"unknown aggregation {self.rule!r}", hint=f"use one of {', '.join(RULES)}")
+        if not 0 <= self.trim < 0.5:
+            raise ConfigError(f"trim must be in [0, 0.5), got {self.trim}")
+        if self.clip < 0:
+            raise ConfigError(f"clip must be >= 0 (0: off), got {self.clip}")
+
+    @property
+    def robust(self) -> bool:
+        """Whether updates must be kept until the round ends (anything but a plain mean)."""
+        return self.rule != "mean" or self.clip > 0
+
+
+class Accumulator(Protocol):
+    """Folds name-keyed arrays with a weight into one result."""
+
+    def add(self, arrays: Mapping[str, np.ndarray], weight: float) -> None: ...
+    def __bool__(self) -> bool: ...
+    def result(self) -> dict[str, np.ndarray]: ...
 
 
 class WeightedMean:
@@ -28,14 +82,141 @@ class WeightedMean:
         return {k: (v / self.weight).astype(np.float32) for k, v in self.sums.items()}
 
 
-class GroupedMean:
-    """One :class:`WeightedMean` per group key."""
+def weighted_median(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Coordinate-wise weighted median of ``x`` (N, D) with weights ``w`` (N,) > 0: (D,)."""
+    order = np.argsort(x, axis=0, kind="stable")
+    xs = np.take_along_axis(x, order, 0)
+    cw = np.cumsum(w[order], axis=0)
+    idx = np.minimum((cw < 0.5 * cw[-1]).sum(axis=0), len(w) - 1)
+    return xs[idx, np.arange(x.shape[1])]
 
-    def __init__(self) -> None:
-        self.groups: dict[str, WeightedMean] = {}
+
+def weighted_trimmed_mean(x: np.ndarray, w: np.ndarray, trim: float) -> np.ndarray:
+    """Coordinate-wise mean of ``x`` (N, D) over the weight in [trim W, (1 - trim) W] of each sorted column."""
+    order = np.argsort(x, axis=0, kind="stable")
+    xs = np.take_along_axis(x, order, 0)
+    ws = w[order]
+    hi_edge = np.cumsum(ws, axis=0)
+    total = hi_edge[-1]
+    lo, hi = trim * total, (1 - trim) * total
+    # the part of each value's weight interval [edge - w, edge] inside [lo, hi]
+    kept = np.clip(np.minimum(hi_edge, hi) - np.maximum(hi_edge - ws, lo), 0.0, None)
+    return (xs * kept).sum(axis=0) / np.maximum(kept.sum(axis=0), np.finfo(np.float64).tiny)
+
+
+def robust_combine(x: np.ndarray, w: np.ndarray, agg: Aggregation) -> np.ndarray:
+    """Combine rows of ``x`` (N, D) with weights ``w`` (N,) by ``agg``'s clipping and rule (float64)."""
+    x = np.asarray(x, dtype=np.float64)
+    w = np.asarray(w, dtype=np.float64)
+    if agg.clip > 0 and len(w) > 1:
+        center = weighted_median(x, w)
+        dist = np.linalg.norm(x - center, axis=1)
+        bound = agg.clip * float(np.median(dist))
+        scale = np.where(dist > bound, bound / np.maximum(dist, np.finfo(np.float64).tiny), 1.0)
+        x = center + (x - center) * scale[:, None]
+    if agg.rule == "median":
+        return weighted_median(x, w)
+    if agg.rule == "trimmed":
+        return weighted_trimmed_mean(x, w, agg.trim)
+    return (x * w[:, None]).sum(axis=0) / w.sum()
+
+
+class RobustMean:
+    """Keeps every update of the round; :meth:`result` combines them by an :class:`Aggregation`.
+
+    Clipping measures each update's distance over all its arrays together (one update, one norm).
+    """
+
+    def __init__(self, aggregation: Aggregation) -> None:
+        self.aggregation = aggregation
+        self.updates: list[dict[str, np.ndarray]] = []
+        self.weights: list[float] = []
+
+    def add(self, arrays: Mapping[str, np.ndarray], weight: float) -> None:
+        if weight > 0:
+            self.updates.append({k: np.asarray(v, dtype=np.float32) for k, v in arrays.items()})
+            self.weights.append(float(weight))
+
+    def __bool__(self) -> bool:
+        return bool(self.weights)
+
+    def result(self) -> dict[str, np.ndarray]:
+        if not self.updates:
+            return {}
+        keys = list(self.updates[0])
+        shapes = {k: self.updates[0][k].shape for k in keys}
+        flat = np.stack([np.concatenate([u[k].ravel() for k in keys]) for u in self.updates])
+        combined = robust_combine(flat, np.asarray(self.weights), self.aggregation)
+        out, pos = {}, 0
+        for k in keys:
+            n = int(np.prod(shapes[k]))
+            out[k] = combined[pos : pos + n].reshape(shapes[k]).astype(np.float32)
+            pos += n
+        return out
+
+
+def mean(aggregation: Aggregation | None = None) -> WeightedMean | RobustMean:
+    """The accumulator ``aggregation`` asks for (None or a plain mean: streaming sums)."""
+    if aggregation is None or not aggregation.robust:
+        return WeightedMean()
+    return RobustMean(aggregation)
+
+
+class GroupedMean:
+    """One accumulator (see :func:`mean`) per group key."""
+
+    def __init__(self, aggregation: Aggregation | None = None) -> None:
+        self.aggregation = aggregation
+        self.groups: dict[str, WeightedMean | RobustMean] = {}
 
     def add(self, group: str, arrays: Mapping[str, np.ndarray], weight: float) -> None:
-        self.groups.setdefault(group, WeightedMean()).add(arrays, weight)
+        acc = self.groups.get(group)
+        if acc is None:
+            acc = self.groups[group] = mean(self.aggregation)
+        acc.add(arrays, weight)
 
     def results(self) -> dict[str, dict[str, np.ndarray]]:
         return {g: m.result() for g, m in self.groups.items() if m}
+
+
+class ClassMean:
+    """Per-class statistics (C, p) weighted by class counts (C,): the global prototypes and counts.
+
+    The plain mean streams float64 sums; a robust rule keeps each device's rows and combines,
+    per class, the rows of the devices that have samples of it. Counts are summed in int64:
+    the gate bounds every device's counts by its sample count, so the sum cannot wrap.
+    """
+
+    def __init__(self, num_classes: int, aggregation: Aggregation | None = None) -> None:
+        self.aggregation = aggregation
+        self.counts = np.zeros(num_classes, dtype=np.int64)
+        self.sums: np.ndarray | None = None
+        self.rows: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def add(self, stats: np.ndarray, counts: np.ndarray) -> None:
+        stats = np.asarray(stats, dtype=np.float64)
+        counts = np.asarray(counts, dtype=np.int64)
+        self.counts += counts
+        if self.aggregation is not None and self.aggregation.robust:
+            self.rows.append((stats.astype(np.float32), counts))
+            return
+        if self.sums is None:
+            self.sums = np.zeros_like(stats)
+        self.sums += stats * counts[:, None]
+
+    def __bool__(self) -> bool:
+        return self.sums is not None or bool(self.rows)
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """(statistics (C, p) float32, counts (C,) int64); a class nobody has gets a zero row."""
+        if self.sums is not None:
+            return (self.sums / np.maximum(self.counts, 1)[:, None]).astype(np.float32), self.counts.copy()
+        assert self.aggregation is not None and self.rows
+        stats = np.stack([s for s, _ in self.rows])  # (N, C, p)
+        counts = np.stack([c for _, c in self.rows])  # (N, C)
+        out = np.zeros(stats.shape[1:], dtype=np.float64)
+        for c in range(stats.shape[1]):
+            has = counts[:, c] > 0
+            if has.any():
+                out[c] = robust_combine(stats[has, c], counts[has, c].astype(np.float64), self.aggregation)
+        return out.astype(np.float32), self.counts.copy()

@@ -1,84 +1,39 @@
 """The round loop, written once for every method and every transport.
 
 Per round the engine announces a :class:`RoundInfo`, streams the updates the
-transport delivers through validation into the strategy, publishes the
-artifacts the strategy returns, and checkpoints. After the last training round
-it announces a final round in which devices evaluate the final global state and
-upload only their metrics.
+transport delivers through the :class:`~fedge.coordinator.gate.UpdateGate`
+into the strategy, publishes the artifacts the strategy returns, and
+checkpoints through the :class:`~fedge.coordinator.store.EngineStore`. After
+the last training round it announces a final round in which devices evaluate
+the final global state and upload only their metrics.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import time
 import uuid
-from collections import Counter
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from fedge.common.messages import Message
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
-from fedge.common.tensorcodec import Payload, decode, encode
-from fedge.common.transport import CoordinatorTransport, Inbound
+from fedge.common.transport import CoordinatorTransport
+from fedge.coordinator.config import DEFAULT_MAX_UPDATE_BYTES, EngineConfig
+from fedge.coordinator.gate import Admitted, UpdateGate
+from fedge.coordinator.report import RoundReport
+from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
-from fedge.coordinator.validation import Rejected, check_arrays
-from fedge.errors import PayloadError, TransportError
+from fedge.errors import TransportError
 
 log = logging.getLogger(__name__)
 
 COORDINATOR_ID = "coordinator"
-REPORTS_FILE = "reports.jsonl"  # one line per completed round, appended (state.json stays small)
-DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
 
-
-@dataclass
-class RoundReport:
-    """What happened in one round (saved in the state and in results.json)."""
-
-    round: int
-    phase: str
-    accepted: list[str] = field(default_factory=list)
-    rejected: dict[str, int] = field(default_factory=dict)
-    bytes_up: dict[str, int] = field(default_factory=dict)
-    bytes_down: dict[str, int] = field(default_factory=dict)
-    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
-    info: dict[str, dict[str, Any]] = field(default_factory=dict)
-    seconds: float = 0.0
-    missing: list[str] = field(default_factory=list)  # expected devices whose update did not arrive
-    deadline_s: float = 0.0  # the round's time budget (0: none, waited for every expected device)
-
-
-@dataclass
-class EngineConfig:
-    """Round-loop settings (fleet config → engine)."""
-
-    fleet: str = "default"
-    method: str = "fedavg"
-    round_timeout_s: float = 0.0  # budget for a round with an unknown device; 0: wait for every online device
-    max_update_bytes: int = DEFAULT_MAX_UPDATE_BYTES
-    global_precision: str = "fp32"
-    # Quorum: a round starts once max(min_devices, ceil(quorum_fraction * expected_devices))
-    # registered devices are online; waiting longer than quorum_timeout_s is an error.
-    min_devices: int = 0
-    quorum_fraction: float = 0.0
-    expected_devices: int = 0
-    quorum_timeout_s: float = 600.0
-    # Deadline from the slowest expected device: slack * its estimated round time (its measured
-    # latency in earlier rounds of the same phase, else the ``est_round_s`` of its hello),
-    # clamped to [min_round_s, max_round_s]. slack 0 disables it (round_timeout_s alone applies).
-    deadline_slack: float = 0.0
-    min_round_s: float = 5.0
-    max_round_s: float = 0.0  # 0: no upper bound
-    # Devices allowed to register (None: any device that says hello).
-    allowed_devices: frozenset[str] | None = None
-    # Round reports kept in memory (0: all). With a state dir every report is in reports.jsonl, so a
-    # long-running coordinator keeps only the last few: per-device report entries would otherwise grow
-    # its memory by ~1 KB per device per round.
-    keep_reports: int = 0
+__all__ = ["COORDINATOR_ID", "DEFAULT_MAX_UPDATE_BYTES", "REPORTS_FILE", "EngineConfig", "RoundEngine",
+           "RoundReport", "StateMismatchError"]
 
 
 class RoundEngine:
@@ -89,50 +44,38 @@ class RoundEngine:
         self.strategy = strategy
         self.transport = transport
         self.config = config
-        self.devices: dict[str, DeviceInfo] = {}
+        strategy.aggregation = config.aggregation
+        self.gate = UpdateGate(strategy, config, refuse=self._refuse)
         self.globals: dict[str, Arrays] = {}
         self.reports: list[RoundReport] = []
         self.completed = 0
-        self._report_lines = 0  # reports appended to REPORTS_FILE so far
         self.run_id = uuid.uuid4().hex  # lets devices tell a new run from a resumed one
         self.global_rounds: dict[str, int] = {}  # artifact -> round that produced the published version
         self.latency: dict[str, dict[str, float]] = {}  # phase -> device -> seconds announce→update
-        # Message ids accepted in this round and the previous one (replay guard; older rounds are
-        # refused by their round number anyway).
-        self._recent_ids: set[str] = set()
-        self._previous_ids: set[str] = set()
-        self._last_missing: set[str] = set()
-        self._pending_rejects: Counter[str] = Counter()  # hellos refused between rounds
-        self.state_dir = Path(state_dir) if state_dir else None
-        if self.state_dir and (self.state_dir / "state.json").is_file():
-            self._load_state()
+        self._resumed_round = 0  # the round a restarted coordinator runs again (0: not resumed)
+        self.store = EngineStore(state_dir) if state_dir else None
+        if self.store is not None and self.store.exists():
+            self._resume(self.store.load(method=config.method, fleet=config.fleet))
+
+    @property
+    def devices(self) -> dict[str, DeviceInfo]:
+        """Registered devices by id."""
+        return self.gate.devices
 
     # -- registration ---------------------------------------------------------------------
+    def _refuse(self, device_id: str, reason: str, message: str) -> None:
+        """Tell a device its hello was refused and why (reason ""; it was accepted: clear that)."""
+        try:
+            data = None if not reason else Message(
+                "refused", COORDINATOR_ID, 0, self.config.fleet,
+                info={"device": device_id, "reason": reason, "message": message, "run": self.run_id}).to_bytes()
+            self.transport.refuse(device_id, data)
+        except Exception as exc:  # telling the device is a courtesy; it must not stop the coordinator
+            log.warning("could not tell %s about its refused hello: %s", device_id, exc)
+
     def register_pending(self) -> list[str]:
         """Register devices from hellos received so far; returns the new ids."""
-        new = []
-        for item in self.transport.hellos():
-            try:
-                msg = Message.from_bytes(item.data, max_bytes=1 << 20)
-                if msg.kind != "hello":
-                    raise Rejected("kind", f"expected a hello, got {msg.kind}")
-                dev = DeviceInfo.from_dict(msg.info["device"])
-                if dev.device_id != msg.sender:
-                    raise Rejected("spoofed", f"hello sender {msg.sender!r} != device id {dev.device_id!r}")
-                if item.origin is not None and item.origin != msg.sender:
-                    raise Rejected("spoofed", f"hello on {item.origin}'s topic claims to be {msg.sender!r}")
-                allowed = self.config.allowed_devices
-                if allowed is not None and dev.device_id not in allowed:
-                    raise Rejected("unauthorized", f"{dev.device_id!r} is not a device of this fleet")
-            except (PayloadError, KeyError, TypeError) as exc:
-                reason = exc.reason if isinstance(exc, Rejected) else "malformed"
-                self._pending_rejects[f"hello-{reason}"] += 1
-                log.warning("ignored hello: %s", getattr(exc, "message", exc))
-                continue
-            if dev.device_id not in self.devices:
-                new.append(dev.device_id)
-            self.devices[dev.device_id] = dev
-        return new
+        return self.gate.register(self.transport.hellos())
 
     def online_devices(self) -> set[str]:
         """Registered devices not known to be offline."""
@@ -213,42 +156,42 @@ class RoundEngine:
         self.transport.announce_round(announce.to_bytes())
         if not info.is_final:
             self.strategy.begin_round(rnd)
-        seen: set[str] = set()
-        rejected: Counter[str] = self._pending_rejects  # hellos refused before or during this round count here
+        self.gate.begin_round(rnd, final=info.is_final)
         pending = set(expected)  # live: the transport stops once it is empty
-        for item in self.transport.collect(rnd, pending, info.deadline):
-            try:
-                msg = self._validate(item, rnd, seen, final=info.is_final)
-            except Rejected as exc:
-                rejected[exc.reason] += 1
-                log.warning("round %d: rejected update: %s", rnd, exc.message)
-                continue
-            seen.add(msg.sender)
-            pending.discard(msg.sender)
-            self._recent_ids.add(msg.msg_id)
-            if item.received > 0:
-                self.latency.setdefault(info.phase, {})[msg.sender] = max(0.0, item.received - announced_at)
+
+        def accept(up: Admitted) -> None:
             if not info.is_final:
-                self.strategy.accumulate(self.devices[msg.sender], msg.tensors, msg.info)
-            report.accepted.append(msg.sender)
-            report.bytes_up[msg.sender] = len(item.data)
-            report.bytes_down[msg.sender] = int(msg.info.get("bytes_down", 0))
-            report.metrics[msg.sender] = dict(msg.info.get("metrics", {}))
-            report.info[msg.sender] = {k: v for k, v in msg.info.items() if k not in ("metrics", "bytes_down")}
-        report.rejected = dict(rejected)
-        self._pending_rejects = Counter()
-        missing = sorted(set(self.devices) - seen)
+                self.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
+            sender = up.msg.sender
+            report.accepted.append(sender)
+            report.bytes_up[sender] = up.size
+            report.bytes_down[sender] = up.bytes_down
+            report.metrics[sender] = up.metrics
+            report.info[sender] = up.info
+
+        for item in self.transport.collect(rnd, pending, info.deadline):
+            if not self.gate.admit(item, accept, self.transport.hellos):
+                continue
+            sender = report.accepted[-1]
+            pending.discard(sender)
+            # A round re-run after a restart receives updates the broker queued for the old process:
+            # their "latency" measures the restart, not the device, and would shrink the next deadline.
+            if item.received > 0 and rnd != self._resumed_round:
+                self.latency.setdefault(info.phase, {})[sender] = max(0.0, item.received - announced_at)
+        rejections = self.gate.drain()  # hellos refused before or during this round count here
+        report.rejected = dict(rejections.by_reason)
+        report.rejected_by_device = {d: dict(c) for d, c in sorted(rejections.by_device.items())}
+        missing = sorted(set(self.devices) - set(report.accepted))
         if missing:
             log.warning("round %d: no update from %s", rnd, ", ".join(missing))
         report.missing = missing
-        self._last_missing = set(missing)
+        self.gate.end_round(missing)
         if not info.is_final:
             self._publish(self.strategy.finish_round(rnd), rnd)
         report.seconds = time.perf_counter() - t0
         self.reports.append(report)
-        self._previous_ids, self._recent_ids = self._recent_ids, set()
         self.completed = rnd
-        self._save_state()
+        self._checkpoint(report)
         self._trim_reports()
         return report
 
@@ -256,38 +199,6 @@ class RoundEngine:
         keep = self.config.keep_reports
         if keep and len(self.reports) > keep:
             del self.reports[: len(self.reports) - keep]
-
-    def _validate(self, item: Inbound, rnd: int, seen: set[str], *, final: bool) -> Message:
-        if item.reject is not None:
-            raise Rejected(*item.reject)
-        try:
-            msg = Message.from_bytes(item.data, max_bytes=self.config.max_update_bytes)
-        except PayloadError as exc:
-            reason = "oversize" if "exceeds the limit" in exc.message else "malformed"
-            raise Rejected(reason, exc.message) from exc
-        if item.origin is not None and msg.sender != item.origin:
-            raise Rejected("spoofed", f"an update on {item.origin}'s topic claims to come from {msg.sender!r}")
-        if msg.kind != "update":
-            raise Rejected("kind", f"expected an update, got a {msg.kind} from {msg.sender}")
-        if msg.fleet != self.config.fleet:
-            raise Rejected("fleet", f"{msg.sender} sent an update for fleet {msg.fleet!r}")
-        if msg.sender not in self.devices:
-            self.register_pending()  # its hello may have arrived during this round
-        if msg.sender not in self.devices:
-            raise Rejected("unregistered", f"{msg.sender!r} sent an update without a hello")
-        if msg.round < rnd:
-            if msg.round == rnd - 1 and msg.sender in self._last_missing:
-                raise Rejected("late", f"{msg.sender}'s update for round {msg.round} came after its deadline; dropped")
-            raise Rejected("stale", f"{msg.sender} sent round {msg.round} during round {rnd}")
-        if msg.round > rnd:
-            raise Rejected("future", f"{msg.sender} sent round {msg.round} during round {rnd}")
-        if msg.sender in seen:
-            raise Rejected("duplicate", f"{msg.sender} already sent its update for round {rnd}")
-        if msg.msg_id in self._recent_ids or msg.msg_id in self._previous_ids:
-            raise Rejected("replay", f"{msg.sender} reused message id {msg.msg_id}")
-        spec = {} if final else self.strategy.expected_update(self.devices[msg.sender], rnd)
-        check_arrays(msg.tensors, spec, msg.sender)
-        return msg
 
     def _publish(self, artifacts: dict[str, Arrays], rnd: int) -> None:
         for name, arrays in artifacts.items():
@@ -298,16 +209,23 @@ class RoundEngine:
             self.transport.publish_global(name, msg.to_bytes(self.config.global_precision))
 
     # -- the loop -------------------------------------------------------------------------
-    def run(self, on_round: Any = None) -> list[RoundReport]:
+    def run(self, on_round: Callable[[RoundReport], Any] | None = None) -> list[RoundReport]:
         """Run every remaining round (resuming after the last completed one)."""
+        log.info("run %s: %s on fleet %s, %d training rounds + final%s", self.run_id, self.config.method,
+                 self.config.fleet, self.strategy.total_rounds(),
+                 f", resuming after round {self.completed}" if self.completed else "")
         self.register_pending()
         if self.completed:
-            log.info("resuming after round %d", self.completed)
             self._republish()
         for rnd in range(self.completed + 1, self.strategy.total_rounds() + 2):
             report = self.run_round(rnd)
             if on_round is not None:
                 on_round(report)
+        # Over MQTT this clears the retained descriptor, so no device answers this run's final
+        # round once the run is over (transports without the hook have nothing to clear).
+        end_run = getattr(self.transport, "end_run", None)
+        if callable(end_run):
+            end_run()
         return self.reports
 
     def _republish(self) -> None:
@@ -318,79 +236,24 @@ class RoundEngine:
             self.transport.publish_global(name, msg.to_bytes(self.config.global_precision))
 
     # -- checkpoints ----------------------------------------------------------------------
-    def _save_state(self) -> None:
-        if self.state_dir is None:
+    def _checkpoint(self, report: RoundReport) -> None:
+        if self.store is None:
             return
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        tensors = {f"{a}/{k}": v for a, arrays in self.globals.items() for k, v in arrays.items()}
-        _atomic_write(self.state_dir / "globals.safetensors", encode(Payload(tensors)))
-        # Reports are appended, not rewritten: rewriting every round's per-device report each round
-        # costs O(rounds x devices) per round (seconds at 1000 devices).
-        if self.reports:  # called once per round, right after that round's report was added
-            with open(self.state_dir / REPORTS_FILE, "ab") as f:
-                f.write(json.dumps(asdict(self.reports[-1]), separators=(",", ":")).encode() + b"\n")
-                f.flush()
-                os.fsync(f.fileno())
-            self._report_lines += 1
-        state = {
-            "completed": self.completed,
-            "method": self.config.method,
-            "devices": [d.to_dict() for d in self.devices.values()],
-            "strategy": self.strategy.state_dict(),
-            "reports_saved": self._report_lines,
-            "artifacts": sorted(self.globals),
-            "run_id": self.run_id,
-            "global_rounds": self.global_rounds,
-            "latency": self.latency,
-        }
-        # Written last: a crash before it leaves the previous state.json pointing at round N-1
-        # (and at N-1 report lines: a report line of round N beyond them is cut off on load), and
-        # round N is simply run again.
-        _atomic_write(self.state_dir / "state.json", json.dumps(state, indent=1).encode())
+        self.store.save(EngineState(
+            completed=self.completed, method=self.config.method, fleet=self.config.fleet,
+            devices=self.devices, strategy=self.strategy.state_dict(), run_id=self.run_id,
+            global_rounds=self.global_rounds, latency=self.latency, globals=self.globals,
+        ), report)
 
-    def _load_state(self) -> None:
-        assert self.state_dir is not None
-        state = json.loads((self.state_dir / "state.json").read_text())
-        if state.get("method") != self.config.method:
-            raise PayloadError(
-                f"{self.state_dir} holds a {state.get('method')} run, not {self.config.method}",
-                hint="use another --state-dir or the same method",
-            )
-        self.completed = int(state["completed"])
-        self.devices = {d["device_id"]: DeviceInfo.from_dict(d) for d in state["devices"]}
-        self.strategy.load_state_dict(state.get("strategy", {}))
-        self._report_lines = int(state.get("reports_saved", 0))
-        self.reports = self._load_reports(self._report_lines)
-        self.run_id = str(state.get("run_id") or self.run_id)
-        self.global_rounds = {str(k): int(v) for k, v in state.get("global_rounds", {}).items()}
-        self.latency = state.get("latency", {})
-        self._last_missing = set(self.reports[-1].missing) if self.reports else set()
+    def _resume(self, state: EngineState) -> None:
+        self.completed = state.completed
+        self._resumed_round = state.completed + 1
+        self.gate.devices.update(state.devices)
+        self.strategy.load_state_dict(state.strategy)
+        self.reports = state.reports
+        self.run_id = state.run_id or self.run_id
+        self.global_rounds = state.global_rounds
+        self.latency = state.latency
+        self.gate.last_missing = set(self.reports[-1].missing) if self.reports else set()
+        self.globals = state.globals
         self._trim_reports()
-        flat = decode((self.state_dir / "globals.safetensors").read_bytes()).tensors
-        self.globals = {}
-        for key, arr in flat.items():
-            artifact, name = key.split("/", 1)
-            self.globals.setdefault(artifact, {})[name] = arr
-
-
-    def _load_reports(self, count: int) -> list[RoundReport]:
-        """The first ``count`` report lines; lines beyond them (a crash before state.json) are cut off."""
-        assert self.state_dir is not None
-        path = self.state_dir / REPORTS_FILE
-        lines = path.read_bytes().splitlines(keepends=True) if path.is_file() else []
-        if len(lines) < count:
-            raise PayloadError(f"{path} holds {len(lines)} round reports, {count} expected",
-                               hint="the state directory is damaged; restore it or start another --state-dir")
-        if len(lines) > count:
-            _atomic_write(path, b"".join(lines[:count]))
-        return [RoundReport(**json.loads(line)) for line in lines[:count]]
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-

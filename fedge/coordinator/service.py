@@ -12,50 +12,17 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
 from fedge.coordinator.strategy import Strategy
-from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 # Round reports a long-running coordinator keeps in memory; all of them are in STATE_DIR/reports.jsonl.
 KEEP_REPORTS = 8
-
-
-@dataclass(frozen=True)
-class SchedulePolicy:
-    """When rounds start and end (``fedge coordinator run`` flags)."""
-
-    min_devices: int = 1
-    quorum_fraction: float = 0.5  # of the fleet config's devices
-    quorum_timeout_s: float = 600.0
-    deadline_slack: float = 2.0
-    round_timeout_s: float = 300.0  # budget for a device nothing is known about yet
-    min_round_s: float = 5.0
-    max_round_s: float = 3600.0
-
-    def __post_init__(self) -> None:
-        if self.min_devices < 0:
-            raise ConfigError(f"--min-devices must be >= 0, got {self.min_devices}")
-        if not 0 <= self.quorum_fraction <= 1:
-            raise ConfigError(f"--quorum must be a fraction in [0, 1], got {self.quorum_fraction}")
-        if self.deadline_slack < 0 or self.round_timeout_s < 0 or self.min_round_s < 0 or self.max_round_s < 0:
-            raise ConfigError("deadline settings must be >= 0")
-
-    def engine_config(self, *, fleet: str, method: str, expected_devices: int, allowed: frozenset[str] | None,
-                      max_update_bytes: int, global_precision: str = "fp32") -> EngineConfig:
-        return EngineConfig(
-            fleet=fleet, method=method, round_timeout_s=self.round_timeout_s, max_update_bytes=max_update_bytes,
-            global_precision=global_precision, min_devices=self.min_devices, quorum_fraction=self.quorum_fraction,
-            expected_devices=expected_devices, quorum_timeout_s=self.quorum_timeout_s,
-            deadline_slack=self.deadline_slack, min_round_s=self.min_round_s, max_round_s=self.max_round_s,
-            allowed_devices=allowed, keep_reports=KEEP_REPORTS,
-        )
 
 
 class CoordinatorService:

@@ -9,6 +9,7 @@ import numpy as np
 
 from fedge.common.rounds import TRAIN_PHASE, DeviceInfo
 from fedge.common.settings import MethodSettings
+from fedge.coordinator.aggregate import Aggregation
 
 Arrays = dict[str, np.ndarray]
 # name -> (shape, dtype kind) where kind is "float" or "int"
@@ -26,6 +27,9 @@ class Strategy(ABC):
     name: ClassVar[str]
     settings_type: ClassVar[type[MethodSettings]]  # the method's [method] descriptor
     settings: MethodSettings  # subclasses narrow the type
+    # How updates are combined; the engine sets its EngineConfig's. Strategies create their
+    # accumulators from it (fedge.coordinator.aggregate.mean / GroupedMean / ClassMean).
+    aggregation: Aggregation = Aggregation()
 
     def __init__(self, settings: MethodSettings | None = None, *, num_classes: int, rounds: int) -> None:
         self.settings = self.settings_type.given(settings, type(self).__name__)

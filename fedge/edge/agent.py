@@ -40,6 +40,8 @@ class DeviceAgent:
         self.eval_every = max(1, eval_every)
         self.last_round = 0
         self.traffic: list[Traffic] = []
+        self.trained_runs: set[str] = set()  # run ids (of round descriptors) this agent trained a round in
+        self._ignored_run = ""
 
     def hello(self) -> None:
         msg = Message("hello", self.device.device_id, 0, self.fleet, info={"device": self.device.to_dict()})
@@ -56,9 +58,22 @@ class DeviceAgent:
         except (PayloadError, KeyError, TypeError) as exc:
             log.warning("%s: ignored a bad round descriptor: %s", self.device.device_id, exc)
             return False
+        run = announce.info.get("run")
+        run = run if isinstance(run, str) else ""
         if info.round <= self.last_round:
             return False
+        if info.is_final and run and run not in self.trained_runs:
+            # A final round of a run this device never trained in: a previous run's retained
+            # descriptor (its coordinator is gone, the next one has not started). Answering it
+            # would end this device's run before it began; wait for a descriptor of a live run.
+            if run != self._ignored_run:
+                log.info("%s: ignoring the final round of run %s, in which it trained no round",
+                         self.device.device_id, run[:8])
+                self._ignored_run = run
+            return False
         self.handle_round(info, len(raw))
+        if not info.is_final and run:
+            self.trained_runs.add(run)
         return True
 
     def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:

@@ -125,6 +125,7 @@ class FleetConfig:
     partition: PartitionSection = field(default_factory=PartitionSection)
     train: TrainSection = field(default_factory=TrainSection)
     method: dict[str, Any] = field(default_factory=dict)
+    coordinator: dict[str, Any] = field(default_factory=dict)  # parsed by fedge.coordinator.config
     source: str = "<memory>"
     # The [method] table parsed once, by the run's method (both halves read it): unknown keys, wrong
     # types and out-of-range values fail here, at load time.

@@ -27,12 +27,15 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fedge.common import boundedjson
 from fedge.errors import PayloadError
 
 CHUNK_MAGIC = b"FDGCHUNK"
 MANIFEST_MAGIC = b"FDGMANIF"
 FRAME_VERSION = 1
 MAX_FRAME_HEADER = 4096
+MAX_PARTS = 1 << 20  # seq and count: more parts than any message at the smallest chunk size has
+MAX_TOTAL = 1 << 40  # bytes a frame may declare (receivers set their own, far lower, limits)
 DEFAULT_CHUNK_BYTES = 256 * 1024
 FrameKind = Literal["message", "chunk", "manifest"]
 
@@ -103,23 +106,49 @@ def chunk_frames(data: bytes, chunk_bytes: int) -> tuple[bytes, list[bytes]]:
     return manifest, frames
 
 
+def _field_int(h: dict[str, object], key: str, low: int, high: int) -> int:
+    value = h.get(key)
+    # JSON numbers only: 1e999 parses as a float (inf), "7" as a string; neither is a part number
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ChunkError("malformed", f"chunk frame {key} must be an integer in [{low}, {high}], "
+                                      f"got {str(value)[:32]!r}")
+    return value
+
+
+def _field_hex(h: dict[str, object], key: str, length: int | None = None) -> str:
+    value = h.get(key)
+    if (not isinstance(value, str) or not 1 <= len(value) <= 64 or (length is not None and len(value) != length)
+            or any(c not in "0123456789abcdef" for c in value)):
+        raise ChunkError("malformed", f"chunk frame {key} must be lowercase hex, got {str(value)[:72]!r}")
+    return value
+
+
 def parse_frame(payload: bytes) -> tuple[FrameHeader, bytes]:
-    """Split a chunk or manifest frame into (header, data); raises :class:`ChunkError` if malformed."""
+    """Split a chunk or manifest frame into (header, data); raises :class:`ChunkError` if malformed.
+
+    Every header field is type- and range-checked (no exception but :class:`ChunkError`
+    leaves here, whatever the bytes).
+    """
     if len(payload) < 12 or frame_kind(payload) == "message":
         raise ChunkError("malformed", f"{len(payload)}-byte payload is not a chunk frame")
     (hlen,) = struct.unpack("<I", payload[8:12])
     if hlen > MAX_FRAME_HEADER or 12 + hlen > len(payload):
         raise ChunkError("malformed", f"chunk frame header length {hlen} is invalid")
     try:
-        h = json.loads(payload[12 : 12 + hlen])
-        header = FrameHeader(str(h["id"]), int(h["seq"]), int(h["count"]), int(h["total"]), str(h["sha256"]),
-                             None if h.get("part_sha256") is None else str(h["part_sha256"]))
-        version = h.get("v")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise ChunkError("malformed", f"chunk frame header is invalid: {exc}") from exc
-    if version != FRAME_VERSION:
-        raise ChunkError("malformed", f"chunk frame version {version!r} is not supported (this is {FRAME_VERSION})")
-    if header.count < 1 or header.total < 0 or (header.part_sha256 is not None and not 0 <= header.seq < header.count):
+        h = boundedjson.loads(payload[12 : 12 + hlen], max_bytes=MAX_FRAME_HEADER, max_depth=1,
+                              what="chunk frame header")
+    except PayloadError as exc:
+        raise ChunkError("malformed", exc.message) from exc
+    if not isinstance(h, dict):
+        raise ChunkError("malformed", "chunk frame header is not a JSON object")
+    if h.get("v") != FRAME_VERSION:
+        raise ChunkError("malformed", f"chunk frame version {str(h.get('v'))[:16]!r} is not supported "
+                                      f"(this is {FRAME_VERSION})")
+    part = h.get("part_sha256")
+    header = FrameHeader(_field_hex(h, "id"), _field_int(h, "seq", -1, MAX_PARTS), _field_int(h, "count", 1, MAX_PARTS),
+                         _field_int(h, "total", 0, MAX_TOTAL), _field_hex(h, "sha256", 64),
+                         None if part is None else _field_hex(h, "part_sha256", 64))
+    if header.part_sha256 is not None and not 0 <= header.seq < header.count:
         raise ChunkError("malformed", f"chunk {header.seq}/{header.count} of {header.total} bytes is impossible")
     data = bytes(payload[12 + hlen :])
     if header.part_sha256 is not None and hashlib.sha256(data).hexdigest() != header.part_sha256:
@@ -174,12 +203,14 @@ class Reassembler:
         now = time.monotonic() if now is None else now
         try:
             header, data = parse_frame(payload)
-        except ChunkError as exc:
-            # A bad part poisons its transfer: drop what was collected for it (if we can tell which).
-            if exc.reason == "checksum":
-                tid = _peek_id(payload)
-                if tid:
-                    self._close(source, tid)
+        except ChunkError:
+            # A bad frame poisons its transfer: drop what was collected for it and ignore its
+            # later frames (if we can tell which), so a bad upload is counted once, not per frame.
+            tid = _peek_id(payload)
+            if tid is not None:
+                if (source, tid) in self._closed:
+                    return None
+                self._close(source, tid)
             raise
         if header.part_sha256 is None:
             raise ChunkError("malformed", "a manifest frame is not valid on an update topic")
@@ -226,10 +257,13 @@ class Reassembler:
 
 
 def _peek_id(payload: bytes) -> str | None:
+    """The transfer id of a frame whose header is otherwise bad, if it has a plausible one."""
     try:
         (hlen,) = struct.unpack("<I", payload[8:12])
-        return str(json.loads(payload[12 : 12 + hlen])["id"])
-    except Exception:
+        h = boundedjson.loads(payload[12 : 12 + min(hlen, MAX_FRAME_HEADER)], max_bytes=MAX_FRAME_HEADER,
+                              max_depth=1)
+        return _field_hex(h, "id")
+    except Exception:  # any junk: no id to poison
         return None
 
 

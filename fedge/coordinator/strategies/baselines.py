@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import numpy as np
-
 from fedge.common.archs import arch_by_name
 from fedge.common.methods import FedAvgSettings, FedProtoSettings, LGFedAvgSettings, LocalSettings
 from fedge.common.rounds import (
@@ -17,7 +15,7 @@ from fedge.common.rounds import (
     group_artifact,
 )
 from fedge.common.settings import MethodSettings
-from fedge.coordinator.aggregate import GroupedMean, WeightedMean
+from fedge.coordinator.aggregate import ClassMean, GroupedMean, mean
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
 
 
@@ -53,7 +51,7 @@ class FedAvgStrategy(Strategy):
     settings_type: ClassVar[type[MethodSettings]] = FedAvgSettings
 
     def begin_round(self, rnd: int) -> None:
-        self.groups = GroupedMean()
+        self.groups = GroupedMean(self.aggregation)
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
         self.groups.add(device.group, arrays, float(max(device.num_samples, 1)))
@@ -73,7 +71,7 @@ class LGFedAvgStrategy(FedAvgStrategy):
 
     def begin_round(self, rnd: int) -> None:
         super().begin_round(rnd)
-        self.extractor = WeightedMean()
+        self.extractor = mean(self.aggregation)
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
         w = float(max(device.num_samples, 1))
@@ -96,22 +94,16 @@ class FedProtoStrategy(Strategy):
     settings_type = FedProtoSettings
 
     def begin_round(self, rnd: int) -> None:
-        self.sums: np.ndarray | None = None
-        self.counts = np.zeros(self.num_classes, dtype=np.int64)
+        self.protos = ClassMean(self.num_classes, self.aggregation)
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        protos = np.asarray(arrays["protos"], dtype=np.float64)
-        counts = np.asarray(arrays["counts"], dtype=np.int64)
-        if self.sums is None:
-            self.sums = np.zeros_like(protos)
-        self.sums += protos * counts[:, None]
-        self.counts += counts
+        self.protos.add(arrays["protos"], arrays["counts"])
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
-        if self.sums is None:
+        if not self.protos:
             return {}
-        protos = self.sums / np.maximum(self.counts, 1)[:, None]
-        return {PROTOTYPES_ARTIFACT: {"protos": protos.astype(np.float32), "counts": self.counts.copy()}}
+        protos, counts = self.protos.result()
+        return {PROTOTYPES_ARTIFACT: {"protos": protos, "counts": counts}}
 
     def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
         return class_stats_spec(self.num_classes, device.feature_dim)

@@ -1,0 +1,27 @@
+"""What happened in one round: the record the engine keeps, saves and hands to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RoundReport:
+    """What happened in one round (saved in the state and in results.json)."""
+
+    round: int
+    phase: str
+    accepted: list[str] = field(default_factory=list)
+    rejected: dict[str, int] = field(default_factory=dict)
+    bytes_up: dict[str, int] = field(default_factory=dict)
+    bytes_down: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seconds: float = 0.0
+    missing: list[str] = field(default_factory=list)  # expected devices whose update did not arrive
+    deadline_s: float = 0.0  # the round's time budget (0: none, waited for every expected device)
+    # device id -> reason -> refused messages from it in this round (hellos and updates; the same
+    # messages as ``rejected``, which counts them by reason only). Messages whose sender is unknown
+    # (not even a parsable envelope on an unvouched transport) are counted under "?".
+    rejected_by_device: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -1,0 +1,200 @@
+"""Issue 12's crash and poisoning cases over a real Mosquitto, against the real coordinator transport and
+engine: one statistics fleet (3 devices on MqttDeviceTransport), an attacker publishing raw bytes on device
+topics, a coordinator restart that gets the bad retained hellos again, and a mutated sample with statuses."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gate_helpers import CLASSES, FLEET, device, expected_prototypes, hello, honest_update
+from test_fuzz import Mutator
+from test_gate import DEEP, DEEP_HELLO, int8_update, raw_message, update
+
+from fedge.common.messages import Message
+from fedge.common.rounds import PROTOTYPES_ARTIFACT
+from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
+from fedge.coordinator.strategies.baselines import FedProtoStrategy
+from fedge.mqtt.broker import MosquittoProcess
+from fedge.mqtt.chunking import split
+from fedge.mqtt.client import new_paho_client
+from fedge.mqtt.topics import FleetTopics
+from fedge.mqtt.transport import MqttCoordinatorTransport, MqttDeviceTransport
+
+
+class Devices:
+    """Three honest devices: answer each new round once ``go`` is set for it (after the attack)."""
+
+    def __init__(self, broker: MosquittoProcess, go: dict[int, threading.Event]) -> None:
+        self.devs = [device(i) for i in range(3)]
+        self.go = go
+        self.transports = [MqttDeviceTransport(broker.settings(), FLEET, d.device_id).start() for d in self.devs]
+        for d, t in zip(self.devs, self.transports, strict=True):
+            t.send_hello(hello(d))
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.loop, args=(i,), daemon=True) for i in range(3)]
+        for th in self.threads:
+            th.start()
+
+    def loop(self, i: int) -> None:
+        t, d, answered = self.transports[i], self.devs[i], set()
+        while not self.stop.is_set():
+            raw = t.current_round()
+            if raw:
+                msg = Message.from_bytes(raw)
+                rnd, phase = msg.round, msg.info["round"]["phase"]
+                if (msg.info["run"], rnd) not in answered and self.go.setdefault(rnd, threading.Event()).wait(0.1):
+                    answered.add((msg.info["run"], rnd))
+                    data = (Message("update", d.device_id, rnd, FLEET, info={"metrics": {"acc_global": 1.0}})
+                            .to_bytes() if phase == "final" else honest_update(d, rnd))
+                    t.send_update(data)
+                    continue
+            t.wait_for_round(0.1)
+
+    def close(self) -> None:
+        self.stop.set()
+        for th in self.threads:
+            th.join(5)
+        for t in self.transports:
+            t.close()
+
+
+def run_coordinator(broker: MosquittoProcess, state: Path, rounds: int, *, stop_after: int | None = None,
+                    on_round: Any = None) -> tuple[RoundEngine, list[RoundReport]]:
+    strat = FedProtoStrategy(num_classes=CLASSES, rounds=rounds)
+    transport = MqttCoordinatorTransport(broker.settings(), FLEET).start()
+    cfg = EngineConfig(fleet=FLEET, method="fedproto", min_devices=3, round_timeout_s=60,
+                       allowed_devices=frozenset({"d0", "d1", "d2", "d7", "d8"}))
+    engine = RoundEngine(strat, transport, cfg, state_dir=state)
+    reports = []
+    try:
+        start = engine.completed + 1
+        for rnd in range(start, (stop_after or rounds + 1) + 1):
+            reports.append(engine.run_round(rnd))
+            if on_round is not None:
+                on_round(reports[-1])
+    finally:
+        transport.close()
+    return engine, reports
+
+
+def test_issue_12_cases_over_mosquitto_then_a_restart_with_the_bad_retained_hellos(
+        tmp_path: Path, mosquitto: MosquittoProcess) -> None:
+    t = FleetTopics(FLEET)
+    go = {r: threading.Event() for r in range(1, 5)}
+    attacker = new_paho_client("attacker", clean_session=True)
+    attacker.connect("127.0.0.1", mosquitto.port)
+    attacker.loop_start()
+
+    def pub(topic: str, payload: bytes, retain: bool = False) -> None:
+        attacker.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
+
+    # retained bad hellos, there before the coordinator starts: extra = [], a 20,000-deep hello, and a
+    # hello with embedding size 32 in a fleet of 64
+    pub(t.hello("d7"), hello(device(7, extra=[])), retain=True)
+    pub(t.hello("d9"), raw_message("d9", 0, {}, kind="hello", info="[" * DEEP_HELLO + "]" * DEEP_HELLO),
+        retain=True)
+    pub(t.hello("d8"), hello(device(8, feature_dim=32)), retain=True)
+    deep = "[" * DEEP + "]" * DEEP
+    frame = bytearray(split(honest_update(device(0), 1) + b"\0" * 4096, 1024)[0])
+    bad_header = b'{"v": 1, "id": "ab", "seq": 1e999, "count": 2, "total": 10, "sha256": "' + b"0" * 64 + b'"}'
+    attacks = [
+        int8_update("d0", 1, [3]), int8_update("d0", 1, [40000, 1, 1]),
+        raw_message("d0", 1, {}, header_extra='"x": ' + deep), raw_message("d0", 1, {}, info='{"a": ' + deep + "}"),
+        raw_message("d0", 1, {}, info='{"a": ' + "[" * 600 + "]" * 600 + "}"),
+        update("d0", 1, info={"metrics": 5}), update("d0", 1, info={"bytes_down": "x"}),
+        update("d0", 1, info={"metrics": {"acc_global": "x"}}),
+        update("d0", 1, counts=np.full(CLASSES, 2**62, np.int64)),
+        update("d0", 1, counts=np.full(CLASSES, 2**63 - 1, np.int64)),
+        bytes(frame[:8]) + len(bad_header).to_bytes(4, "little") + bad_header + b"xx",   # seq = 1e999
+    ]
+
+    def attack(rep_round: int) -> None:
+        for a in attacks:
+            pub(t.update("d0"), a)
+        pub(t.status("d0"), b"\xff junk status")
+        go[rep_round].set()
+
+    devices = Devices(mosquitto, go)
+    state = tmp_path / "state"
+    try:
+        # round 1 runs while the attack goes on; the coordinator is then stopped (as by a crash) after it
+        threading.Timer(1.0, attack, args=(1,)).start()
+        _, first = run_coordinator(mosquitto, state, rounds=2, stop_after=1)
+        # the restarted coordinator gets the same retained bad hellos again, and finishes the run
+        go[2].set()
+        go[3].set()
+        engine, rest = run_coordinator(mosquitto, state, rounds=2)
+    finally:
+        devices.close()
+        attacker.loop_stop()
+        attacker.disconnect()
+    r1 = first[0]
+    assert sorted(r1.accepted) == ["d0", "d1", "d2"]
+    assert r1.rejected_by_device["d0"] == {"dtype": 1, "oversize": 1, "malformed": 4, "info": 3, "counts": 2}
+    assert r1.rejected_by_device["d7"] == {"hello-malformed": 1} and r1.rejected_by_device["d9"] == {
+        "hello-malformed": 1}
+    assert r1.rejected_by_device["d8"] == {"hello-feature_dim": 1}
+    assert [r.round for r in rest] == [2, 3] and all(sorted(r.accepted) == ["d0", "d1", "d2"] for r in rest)
+    assert rest[0].rejected == {"hello-malformed": 2, "hello-feature_dim": 1}  # the retained ones, again
+    protos, counts = expected_prototypes(devices.devs, 2)
+    glob = engine.globals[PROTOTYPES_ARTIFACT]
+    np.testing.assert_array_equal(glob["counts"], counts)
+    np.testing.assert_allclose(glob["protos"], protos, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mutated_sample_over_mosquitto_never_stops_the_coordinator(tmp_path: Path,
+                                                                    mosquitto: MosquittoProcess) -> None:
+    t = FleetTopics(FLEET)
+    mutate = Mutator(seed=7)
+    go = {r: threading.Event() for r in range(1, 4)}
+    attacker = new_paho_client("fuzzer", clean_session=True)
+    attacker.connect("127.0.0.1", mosquitto.port)
+    attacker.loop_start()
+    sent = {"n": 0}
+
+    def fuzz(rnd: int) -> None:
+        base = [honest_update(device(i), rnd) for i in range(3)]
+        infos = []
+        for k in range(150):
+            i = k % 3
+            kind = k % 5
+            if kind == 0:
+                topic, data = t.status(f"d{i}"), mutate.rng.bytes(int(mutate.rng.integers(0, 12)))
+            elif kind == 1:
+                topic, data = t.hello(f"d{i}"), mutate(hello(device(i)))
+            elif kind == 2:
+                topic, data = t.update(f"d{i}"), mutate(split(base[i] + b"\0" * 3000, 1024)[k % 3])
+            else:
+                topic, data = t.update(f"d{i}"), mutate(base[i])
+            infos.append(attacker.publish(topic, data, qos=1))
+        for info in infos:
+            info.wait_for_publish(10)
+        sent["n"] += len(infos)
+        # the devices' real hellos and statuses again (a mutated retained hello replaced theirs)
+        for i in range(3):
+            attacker.publish(t.hello(f"d{i}"), hello(device(i)), qos=1, retain=True).wait_for_publish(10)
+            attacker.publish(t.status(f"d{i}"), b"online", qos=1, retain=True).wait_for_publish(10)
+        go[rnd].set()
+
+    devices = Devices(mosquitto, go)
+    try:
+        def on_round(rep: RoundReport) -> None:
+            if rep.round < 2:
+                threading.Thread(target=fuzz, args=(rep.round + 1,), daemon=True).start()
+
+        threading.Timer(1.0, fuzz, args=(1,)).start()
+        engine, reports = run_coordinator(mosquitto, tmp_path / "state", rounds=2, on_round=on_round)
+    finally:
+        devices.close()
+        attacker.loop_stop()
+        attacker.disconnect()
+    assert sent["n"] == 300
+    assert [r.round for r in reports] == [1, 2, 3]
+    assert all(sorted(r.accepted) == ["d0", "d1", "d2"] for r in reports[:2])
+    assert sum(sum(r.rejected.values()) for r in reports) > 100  # most mutations are refused, and counted
+    assert np.all(np.isfinite(engine.globals[PROTOTYPES_ARTIFACT]["protos"]))
+    time.sleep(0)
