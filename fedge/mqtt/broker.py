@@ -163,7 +163,8 @@ def loopback_config(port: int, *, max_message_bytes: int = 64 * 1024 * 1024, ext
         f"listener {port} {LOOPBACK}",
         "allow_anonymous true",
         "persistence false",
-        f"message_size_limit {max_message_bytes}",
+        # Mosquitto 2 bounds whole packets (message_size_limit is the deprecated payload-only option).
+        f"max_packet_size {max_message_bytes + 64 * 1024}",
         # The coordinator's session may be offline for a moment (restart): keep its queue generous.
         "max_queued_messages 100000",
         "max_inflight_messages 100",
