@@ -63,6 +63,10 @@ class CoordinatorTransport(ABC):
         """Ids of devices known to be offline (e.g. by their last-will); default: none known."""
         return set()
 
+    def end_run(self) -> None:  # noqa: B027 - optional hook
+        """The run is over (after its final round): withdraw the round descriptor, so a device that
+        starts before the next run waits for it instead of answering this run's rounds."""
+
     def wait_for_devices(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
         """Block up to ``timeout_s`` for new hellos or status changes (default: return at once)."""
 

@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_HELLO_BYTES = 1 << 20
-PUBLISH_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +46,16 @@ class TransportSettings:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger transfers are refused
     global_timeout_s: float = 120.0  # device: how long to wait for the global state a round names
     connect_timeout_s: float = 30.0
+    # How long a publish may wait for the broker's acknowledgement, reconnections included; the
+    # coordinator's announce_round/publish_global raise TransportError after it.
+    publish_timeout_s: float = 120.0
+    # Coordinator: an `offline` status counts only once it is this old and the coordinator's own
+    # connection stayed up around it (a broker shutting down sends every device's last-will just
+    # before it drops the coordinator) ...
+    offline_confirm_s: float = 1.0
+    # ... and statuses that arrived around a broker outage count only this long after the
+    # reconnection, once devices have had time to reconnect (their back-off reaches 30 s).
+    status_grace_s: float = 30.0
 
 
 @dataclass
@@ -67,6 +76,12 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     updates sent while the coordinator restarts are queued by the broker and
     delivered when it is back; duplicates that this produces are rejected by the
     engine by (sender, round) and message id.
+
+    Broker restarts: a broker that shuts down publishes every device's last-will
+    (and, with persistence, keeps those ``offline`` statuses), so a status that
+    arrived around an outage of the coordinator's own connection is not believed
+    until ``status_grace_s`` after the reconnection (see :meth:`offline`). Publishes
+    wait for the broker across the outage, at most ``publish_timeout_s``.
     """
 
     def __init__(self, broker: BrokerSettings, fleet: str, settings: TransportSettings | None = None, *,
@@ -77,7 +92,9 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self._updates: queue.Queue[Inbound] = queue.Queue()
         self._hellos: list[Inbound] = []
         self._hello_from: set[str] = set()  # every device a hello ever came from
-        self._status: dict[str, bool] = {}  # device id -> online
+        self._status: dict[str, tuple[bool, float]] = {}  # device id -> (online, monotonic time received)
+        # The last outage of our own connection: (start, end) monotonic; end None while it lasts.
+        self._outage: tuple[float, float | None] | None = None
         self._cond = threading.Condition()
         self._reasm = Reassembler(self.settings.max_message_bytes)
         self._round_msg: bytes | None = None
@@ -85,7 +102,8 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self._parts: dict[str, int] = {}  # artifact -> number of retained part topics in use
         self._lock = threading.Lock()
         self.client = MqttClient(broker, client_id or f"fedge-coordinator-{fleet}", clean_session=False,
-                                 on_message=self._on_message, on_connect=self._on_connect)
+                                 on_message=self._on_message, on_connect=self._on_connect,
+                                 on_disconnect=self._on_disconnect)
         self.client.subscribe(self.topics.device_filter("status"))
         self.client.subscribe(self.topics.device_filter("hello"))
         self.client.subscribe(self.topics.device_filter("update"))
@@ -102,10 +120,12 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self.stats.messages_in += 1
         self.stats.bytes_in += len(m.payload)
         if t.kind == "status":
-            with self._cond:
-                if m.payload in (STATUS_ONLINE, STATUS_OFFLINE):
-                    self._status[t.device_id] = m.payload == STATUS_ONLINE
+            if m.payload in (STATUS_ONLINE, STATUS_OFFLINE):
+                with self._cond:
+                    self._status[t.device_id] = (m.payload == STATUS_ONLINE, time.monotonic())
                     self._cond.notify_all()
+            elif m.payload and m.retain:
+                self._clear_stray(m, "status")
             return
         if t.kind == "hello":
             if not m.payload:
@@ -118,7 +138,16 @@ class MqttCoordinatorTransport(CoordinatorTransport):
                 self._hello_from.add(t.device_id)
                 self._cond.notify_all()
             return
-        # update: a whole message or a chunk frame
+        # update: a whole message or a chunk frame; never retained by the protocol, never empty (an
+        # empty payload is a retained message's deletion, e.g. ours echoed back)
+        if not m.payload:
+            return
+        if m.retain:
+            self._clear_stray(m, "update")
+            self._updates.put(Inbound(b"", t.device_id, m.received,
+                                      reject=("retained", f"{t.device_id} left a retained update on the broker "
+                                                          "(deleted)")))
+            return
         if frame_kind(m.payload) == "message":
             self._updates.put(Inbound(m.payload, t.device_id, m.received))
             return
@@ -130,7 +159,20 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         if whole is not None:
             self._updates.put(Inbound(whole, t.device_id, m.received))
 
+    def _clear_stray(self, m: Received, what: str) -> None:
+        """Delete a retained message the protocol does not allow (the ACL cannot forbid the retain flag)."""
+        log.warning("deleting a stray retained %s (%d bytes) on %s", what, len(m.payload), m.topic)
+        self.client.publish(m.topic, b"", retain=True)
+
+    def _on_disconnect(self) -> None:
+        with self._cond:
+            self._outage = (time.monotonic(), None)
+
     def _on_connect(self, session_present: bool) -> None:
+        with self._cond:
+            if self._outage is not None and self._outage[1] is None:
+                self._outage = (self._outage[0], time.monotonic())
+            self._cond.notify_all()
         # After a reconnect the broker may have restarted and lost every retained message:
         # publish the globals again, then the round descriptor under a fresh message id, which
         # tells devices that already answered this round to send their cached update again.
@@ -157,9 +199,17 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     def announce_round(self, data: bytes) -> None:
         with self._lock:
             self._round_msg = data
-        info = self.client.publish(self.topics.round, data, retain=True)
+        pub = self.client.publish(self.topics.round, data, retain=True)
         self._count_out(len(data))
-        self.client.wait_published([info], PUBLISH_TIMEOUT_S)
+        self.client.require_published([pub], self.settings.publish_timeout_s, "announcing the round")
+
+    def end_run(self) -> None:
+        """Delete the retained round descriptor: a device that starts before the next run's coordinator
+        then waits for it instead of answering this run's final round."""
+        with self._lock:
+            self._round_msg = None
+        pub = self.client.publish(self.topics.round, b"", retain=True)
+        self.client.require_published([pub], self.settings.publish_timeout_s, "clearing the round descriptor")
 
     def publish_global(self, artifact: str, data: bytes) -> None:
         check_name(artifact, "artifact name")
@@ -171,18 +221,16 @@ class MqttCoordinatorTransport(CoordinatorTransport):
             # parts first, the manifest last: a device that sees the new manifest finds every part
             items = [(self.topics.global_part(artifact, i), f) for i, f in enumerate(frames)] + [(root, manifest)]
         new_parts = len(items) - 1
-        infos = [self.client.publish(t, p, retain=True) for t, p in items]
-        # Clear part topics the previous (longer) version used: a zero-length retained message deletes.
-        infos += [self.client.publish(self.topics.global_part(artifact, i), b"", retain=True)
-                  for i in range(new_parts, self._parts.get(artifact, 0))]
-        self._parts[artifact] = new_parts
         with self._lock:
-            self._published[artifact] = items
+            self._published[artifact] = items  # before publishing: a reconnect meanwhile republishes it
+        pubs = [self.client.publish(t, p, retain=True) for t, p in items]
+        # Clear part topics the previous (longer) version used: a zero-length retained message deletes.
+        pubs += [self.client.publish(self.topics.global_part(artifact, i), b"", retain=True)
+                 for i in range(new_parts, self._parts.get(artifact, 0))]
+        self._parts[artifact] = new_parts
         for _, p in items:
             self._count_out(len(p))
-        if not self.client.wait_published(infos, PUBLISH_TIMEOUT_S):
-            log.warning("global %s: broker did not acknowledge within %.0f s (will retry on reconnect)", artifact,
-                        PUBLISH_TIMEOUT_S)
+        self.client.require_published(pubs, self.settings.publish_timeout_s, f"publishing global {artifact!r}")
 
     def hellos(self) -> list[Inbound]:
         with self._cond:
@@ -190,13 +238,28 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         return out
 
     def offline(self) -> set[str]:
+        """Devices whose latest status is a believable ``offline``.
+
+        An ``offline`` counts once it is ``offline_confirm_s`` old, unless it arrived around an outage
+        of our own connection (from ``offline_confirm_s`` before it began until ``status_grace_s``
+        after it ended): a broker that shuts down publishes every device's last-will first, so those
+        count only once the grace period is over and the device has not come back.
+        """
+        now = time.monotonic()
+        s = self.settings
         with self._cond:
-            return {d for d, up in self._status.items() if not up}
+            outage = self._outage
+            suspect_from = outage[0] - s.offline_confirm_s if outage else float("inf")
+            suspect_to = (outage[1] + s.status_grace_s if outage[1] is not None else float("inf")) \
+                if outage else float("-inf")
+            return {d for d, (up, at) in self._status.items()
+                    if not up and now - at >= s.offline_confirm_s
+                    and not (suspect_from <= at <= suspect_to and now < suspect_to)}
 
     def online(self) -> set[str]:
         """Devices whose latest status is ``online``."""
         with self._cond:
-            return {d for d, up in self._status.items() if up}
+            return {d for d, (up, _) in self._status.items() if up}
 
     def wait_for_devices(self, timeout_s: float) -> None:
         with self._cond:
@@ -394,12 +457,15 @@ class MqttDeviceTransport(DeviceTransport):
             rnd = -1
         if key is not None and key[1] == rnd:
             self._last_update = (key, rid, data)
-        infos = [self.client.publish(self.topics.update(self.device_id), f) for f in frames]
+        pubs = [self.client.publish(self.topics.update(self.device_id), f) for f in frames]
         for f in frames:
             self._count_out(len(f))
-        if self.client.connected and not self.client.wait_published(infos, PUBLISH_TIMEOUT_S):
-            log.warning("%s: update not acknowledged within %.0f s; paho resends it after a reconnect",
-                        self.device_id, PUBLISH_TIMEOUT_S)
+        # Wait across a broker restart (paho resends after the reconnect). Not raising after the timeout:
+        # the round is done (a retry would train again); the message stays queued, and the coordinator's
+        # re-announcement of the round makes this device send its cached copy again.
+        if not self.client.wait_published(pubs, self.settings.publish_timeout_s):
+            log.warning("%s: update not acknowledged within %.0f s; it stays queued and is resent after the "
+                        "reconnect", self.device_id, self.settings.publish_timeout_s)
 
     def close(self) -> None:
         """Disconnect cleanly, marking this device offline (the last-will is for crashes)."""
