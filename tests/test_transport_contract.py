@@ -293,7 +293,10 @@ class Crash(Exception):
 
 
 def test_a_resumed_coordinator_redoes_the_round_and_ends_in_the_same_state(net: Net, tmp_path: Path) -> None:
-    scripts = {d: (lambda r, d=d, k=k: [update(d, r, 10 * k + r)]) for k, d in enumerate(["d1", "d2", "d3"])}
+    def answer(device_id: str, k: int) -> Callable[[int], list[bytes]]:
+        return lambda r: [update(device_id, r, 10 * k + r)]
+
+    scripts = {d: answer(d, k) for k, d in enumerate(["d1", "d2", "d3"])}
     ref_net = InMemoryNet()
     ref_coord = ref_net.coordinator()
     ref_net.run_devices(_fleet(ref_net, scripts))
