@@ -95,18 +95,21 @@ def test_a_device_writes_only_its_own_topics(secured: tuple[MosquittoProcess, Pa
     try:
         a.subscribe(T.update("cam-2"))  # reading another device's updates is not granted either
         a.subscribe(T.round)
+        a.subscribe(f"{T.base}/refused/+")  # only its own refusal topic is readable
         time.sleep(0.2)
         a.wait_published([a.publish(T.update("cam-2"), b"forged"), a.publish(T.hello("cam-2"), b"forged"),
                           a.publish(T.round, b"forged round"), a.publish(T.update("cam-1"), b"mine"),
                           a.publish(f"{T.base}/devices/cam-1/extra", b"not a protocol topic")], 5)
         b.wait_published([b.publish(T.update("cam-2"), b"theirs")], 5)
-        coord.wait_published([coord.publish(T.round, b"real round", retain=True)], 5)
+        coord.wait_published([coord.publish(T.round, b"real round", retain=True),
+                              coord.publish(T.refused("cam-2"), b"not you", retain=True),
+                              coord.publish(T.refused("cam-1"), b"you", retain=True)], 5)
         _settle(seen, 2)
-        _settle(spy, 1)
+        _settle(spy, 2)
         time.sleep(0.3)
         assert sorted((m.topic, m.payload) for m in seen) == [(T.update("cam-1"), b"mine"),
                                                               (T.update("cam-2"), b"theirs")]
-        assert [(m.topic, m.payload) for m in spy] == [(T.round, b"real round")]
+        assert [(m.topic, m.payload) for m in spy] == [(T.round, b"real round"), (T.refused("cam-1"), b"you")]
     finally:
         for c in (a, b, coord):
             c.stop()

@@ -111,11 +111,12 @@ def acl_text(fleet: str, devices: list[str], coordinator: str) -> str:
         *(f"topic readwrite {t.device_filter(kind)}" for kind in DEVICE_KINDS),  # type: ignore[arg-type]
         f"topic readwrite {t.base}/rounds/#",
         f"topic readwrite {t.base}/global/#",
+        f"topic readwrite {t.base}/refused/+",
     ]
     for dev in devices:
         lines += ["", f"user {dev}"]
         lines += [f"topic write {t.device(dev, kind)}" for kind in DEVICE_KINDS]  # type: ignore[arg-type]
-        lines += [f"topic read {t.base}/rounds/#", f"topic read {t.base}/global/#"]
+        lines += [f"topic read {t.base}/rounds/#", f"topic read {t.base}/global/#", f"topic read {t.refused(dev)}"]
     return "\n".join(lines) + "\n"
 
 

@@ -237,6 +237,11 @@ class MqttCoordinatorTransport(CoordinatorTransport):
             out, self._hellos = self._hellos, []
         return out
 
+    def refuse(self, device_id: str, data: bytes | None) -> None:
+        """Tell a device why it was refused (a retained ``refused`` message on its own topic), or clear that
+        (``None``) once it is accepted. Not awaited: the device reads it whenever it is connected."""
+        self.client.publish(self.topics.refused(device_id), data or b"", retain=True)
+
     def offline(self) -> set[str]:
         """Devices whose latest status is a believable ``offline``.
 
@@ -330,12 +335,14 @@ class MqttDeviceTransport(DeviceTransport):
         # Last update: ((run, round), descriptor id it answered, message) — sent again when the
         # coordinator re-announces the same round (it restarted or the broker lost it).
         self._last_update: tuple[tuple[str, int], str | None, bytes] | None = None
+        self.refusal: bytes | None = None  # the coordinator's latest `refused` message for this device
         self.changes = 0  # descriptor changes received
         self._changes_read = 0  # ... as of the last current_round() call
         self.client = MqttClient(broker, client_id or f"fedge-{fleet}-{device_id}", clean_session=True,
                                  will=Will(self.topics.status(device_id), STATUS_OFFLINE),
                                  on_message=self._on_message, on_connect=self._on_connect)
         self.client.subscribe(self.topics.round)
+        self.client.subscribe(self.topics.refused(device_id))
 
     def start(self, wait: bool = True) -> MqttDeviceTransport:
         """Connect (in the background; with ``wait``, until the first connection or a clear error)."""
@@ -354,6 +361,9 @@ class MqttDeviceTransport(DeviceTransport):
         if m.topic == self.topics.round:
             self._on_round(m.payload)
             return
+        if m.topic == self.topics.refused(self.device_id):
+            self._on_refused(m.payload)
+            return
         g = self.topics.parse_global(m.topic)
         if g is None:
             return
@@ -370,6 +380,18 @@ class MqttDeviceTransport(DeviceTransport):
         with self._cond:
             self._globals[g.artifact] = (rnd, whole)
             self._cond.notify_all()
+
+    def _on_refused(self, raw: bytes) -> None:
+        self.refusal = raw or None
+        if not raw:
+            return
+        try:
+            msg = Message.from_bytes(raw, max_bytes=MAX_HELLO_BYTES)
+            reason, text = msg.info.get("reason", "?"), msg.info.get("message", "")
+        except (PayloadError, AttributeError) as exc:
+            log.warning("%s: the coordinator refused this device (unreadable reason: %s)", self.device_id, exc)
+            return
+        log.error("%s: the coordinator refused this device: %s: %s", self.device_id, reason, text)
 
     def _on_round(self, raw: bytes) -> None:
         if not raw:
