@@ -36,7 +36,9 @@ SMALL_PER_DEVICE = 4
 def largest_model_bytes(archs: list[str | None], *, embed_dim: int = 64) -> int:
     """fp32 bytes of the largest model among ``archs`` (None: the planner picks, so the largest tier)."""
     names = [a if a else f"tier-{TIERS[-1]}" for a in archs] or [f"tier-{TIERS[-1]}"]
-    return max(arch_by_name(n, embed_dim=embed_dim).num_params() * 4 for n in names)
+    # the fleet's embedding size applies to the size tiers; a cnnK keeps its own (or its -pN suffix)
+    return max(arch_by_name(n, embed_dim=embed_dim if n.startswith("tier-") else None).num_params() * 4
+               for n in names)
 
 
 def largest_message_bytes(archs: list[str | None], method: str, *, embed_dim: int = 64) -> int:
