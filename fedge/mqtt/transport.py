@@ -93,8 +93,9 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self._hellos: list[Inbound] = []
         self._hello_from: set[str] = set()  # every device a hello ever came from
         self._status: dict[str, tuple[bool, float]] = {}  # device id -> (online, monotonic time received)
-        # The last outage of our own connection: (start, end) monotonic; end None while it lasts.
-        self._outage: tuple[float, float | None] | None = None
+        # Recent outages of our own connection: [start, end] monotonic, end None while it lasts (a list:
+        # a second drop soon after a reconnection must not make the first one's last-wills believable).
+        self._outages: list[list[float | None]] = []
         self._cond = threading.Condition()
         self._reasm = Reassembler(self.settings.max_message_bytes)
         self._round_msg: bytes | None = None
@@ -166,12 +167,16 @@ class MqttCoordinatorTransport(CoordinatorTransport):
 
     def _on_disconnect(self) -> None:
         with self._cond:
-            self._outage = (time.monotonic(), None)
+            now = time.monotonic()
+            grace = self.settings.status_grace_s
+            self._outages = [o for o in self._outages if o[1] is None or o[1] + grace > now]
+            if not self._outages or self._outages[-1][1] is not None:
+                self._outages.append([now, None])
 
     def _on_connect(self, session_present: bool) -> None:
         with self._cond:
-            if self._outage is not None and self._outage[1] is None:
-                self._outage = (self._outage[0], time.monotonic())
+            if self._outages and self._outages[-1][1] is None:
+                self._outages[-1][1] = time.monotonic()
             self._cond.notify_all()
         # After a reconnect the broker may have restarted and lost every retained message:
         # publish the globals again, then the round descriptor under a fresh message id, which
@@ -253,13 +258,16 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         now = time.monotonic()
         s = self.settings
         with self._cond:
-            outage = self._outage
-            suspect_from = outage[0] - s.offline_confirm_s if outage else float("inf")
-            suspect_to = (outage[1] + s.status_grace_s if outage[1] is not None else float("inf")) \
-                if outage else float("-inf")
+            # (from, to) windows still in force: [start - confirm, end + grace] while now < end + grace
+            windows = []
+            for start, end in self._outages:
+                assert start is not None
+                to = float("inf") if end is None else end + s.status_grace_s
+                if now < to:
+                    windows.append((start - s.offline_confirm_s, to))
             return {d for d, (up, at) in self._status.items()
                     if not up and now - at >= s.offline_confirm_s
-                    and not (suspect_from <= at <= suspect_to and now < suspect_to)}
+                    and not any(lo <= at <= hi for lo, hi in windows)}
 
     def online(self) -> set[str]:
         """Devices whose latest status is ``online``."""
