@@ -171,9 +171,11 @@ def test_five_coordinator_kills_mid_round_end_in_the_same_state(tmp_path: Path,
         for k in range(2, 7):
             seen = len(announced)
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+            def announces(k: int = k, seen: int = seen) -> bool:
+                return any(r == k for r, _ in announced[seen:])
+
             with cond:  # this process announces round k (a fresh message id), devices start training
-                assert cond.wait_for(lambda k=k, seen=seen: any(r == k for r, _ in announced[seen:]), 90), \
-                    (k, announced, proc.poll())
+                assert cond.wait_for(announces, 90), (k, announced, proc.poll())
             time.sleep(0.3)
             assert proc.poll() is None
             proc.send_signal(signal.SIGKILL)
