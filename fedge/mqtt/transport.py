@@ -340,6 +340,10 @@ class MqttDeviceTransport(DeviceTransport):
         self._globals: dict[str, tuple[int, bytes]] = {}  # artifact -> (its round, message bytes)
         self._assemblers: dict[str, RetainedAssembler] = {}
         self._hello: bytes | None = None
+        # Whether _on_connect ran for the current connection: until it has, it publishes the hello itself,
+        # so send_hello must not (a race that sent two hellos).
+        self._hello_lock = threading.Lock()
+        self._announced = False
         # Last update: ((run, round), descriptor id it answered, message) — sent again when the
         # coordinator re-announces the same round (it restarted or the broker lost it).
         self._last_update: tuple[tuple[str, int], str | None, bytes] | None = None
@@ -348,7 +352,8 @@ class MqttDeviceTransport(DeviceTransport):
         self._changes_read = 0  # ... as of the last current_round() call
         self.client = MqttClient(broker, client_id or f"fedge-{fleet}-{device_id}", clean_session=True,
                                  will=Will(self.topics.status(device_id), STATUS_OFFLINE),
-                                 on_message=self._on_message, on_connect=self._on_connect)
+                                 on_message=self._on_message, on_connect=self._on_connect,
+                                 on_disconnect=self._on_disconnect)
         self.client.subscribe(self.topics.round)
         self.client.subscribe(self.topics.refused(device_id))
 
@@ -359,9 +364,15 @@ class MqttDeviceTransport(DeviceTransport):
 
     # -- dispatcher thread -------------------------------------------------------------
     def _on_connect(self, session_present: bool) -> None:
-        self.client.publish(self.topics.status(self.device_id), STATUS_ONLINE, retain=True)
-        if self._hello is not None:
-            self.client.publish(self.topics.hello(self.device_id), self._hello, retain=True)
+        with self._hello_lock:
+            self.client.publish(self.topics.status(self.device_id), STATUS_ONLINE, retain=True)
+            if self._hello is not None:
+                self.client.publish(self.topics.hello(self.device_id), self._hello, retain=True)
+            self._announced = True
+
+    def _on_disconnect(self) -> None:
+        with self._hello_lock:
+            self._announced = False
 
     def _on_message(self, m: Received) -> None:
         self.stats.messages_in += 1
@@ -432,9 +443,11 @@ class MqttDeviceTransport(DeviceTransport):
 
     # -- DeviceTransport ---------------------------------------------------------------
     def send_hello(self, data: bytes) -> None:
-        self._hello = data
-        if self.client.connected:
-            self.client.publish(self.topics.hello(self.device_id), data, retain=True)
+        """Publish the hello (retained) now if connected, and again after every reconnection."""
+        with self._hello_lock:
+            self._hello = data
+            if self._announced:
+                self.client.publish(self.topics.hello(self.device_id), data, retain=True)
         self._count_out(len(data))
 
     def current_round(self) -> bytes | None:
