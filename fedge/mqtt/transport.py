@@ -111,7 +111,14 @@ class MqttCoordinatorTransport(CoordinatorTransport):
 
     def start(self) -> MqttCoordinatorTransport:
         self.client.start(self.settings.connect_timeout_s)
+        log.info("%s", self.describe())
         return self
+
+    def describe(self) -> str:
+        """One line for people starting devices: the broker, the fleet and its topics."""
+        t = self.topics
+        return (f"fleet {t.fleet!r} on {self.client.settings.url}: devices publish to {t.base}/devices/ID/"
+                f"{{status,hello,update}} and read {t.round} and {t.base}/global/#")
 
     # -- inbound (dispatcher thread) -----------------------------------------------------
     def _on_message(self, m: Received) -> None:
