@@ -38,6 +38,7 @@ from fedge.mqtt.transport import MqttCoordinatorTransport, MqttDeviceTransport, 
 
 FLEET = "contract"
 CLASSES, DIM = 10, 8
+SAMPLES = 1000  # every scripted device's sample count (hello and updates agree; class counts sum to less)
 CHUNK = 16 * 1024
 WIRE = TransportSettings(chunk_bytes=CHUNK, global_timeout_s=10)
 
@@ -144,7 +145,7 @@ def _protos(seed: int) -> tuple[np.ndarray, np.ndarray]:
 def update(device_id: str, rnd: int, seed: int) -> bytes:
     protos, counts = _protos(seed)
     return Message("update", device_id, rnd, FLEET, tensors={"protos": protos, "counts": counts},
-                   info={"num_samples": int(counts.sum())}).to_bytes()
+                   info={"num_samples": SAMPLES}).to_bytes()
 
 
 @dataclass
@@ -158,7 +159,7 @@ class ScriptedDevice:
     answered: list[int] = field(default_factory=list)
 
     def hello(self) -> None:
-        info = DeviceInfo(self.device_id, "tier-xs", "test", num_samples=100, feature_dim=DIM)
+        info = DeviceInfo(self.device_id, "tier-xs", "test", num_samples=SAMPLES, feature_dim=DIM)
         hello = Message("hello", self.device_id, 0, FLEET, info={"device": info.to_dict()})
         self.transport.send_hello(hello.to_bytes())
 
