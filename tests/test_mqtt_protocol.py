@@ -4,7 +4,9 @@ over a real Mosquitto (chunked updates and globals, last-will, recovery after a 
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ from fedge.mqtt.chunking import (
     parse_frame,
     split,
 )
-from fedge.mqtt.client import BrokerSettings, parse_broker_url
+from fedge.mqtt.client import BrokerSettings, MqttClient, parse_broker_url
 from fedge.mqtt.topics import FleetTopics
 from fedge.mqtt.transport import MqttCoordinatorTransport, MqttDeviceTransport, TransportSettings
 
@@ -288,3 +290,111 @@ def test_refused_connection_is_a_clear_error(mosquitto: MosquittoProcess) -> Non
     with pytest.raises(TransportError, match="no connection"):
         MqttDeviceTransport(BrokerSettings(port=free_port()), "f1", "d1",
                             TransportSettings(connect_timeout_s=1)).start()
+
+
+# -- broker outages: publishing waits, a graceful shutdown's last-wills are no mass dropout -----------
+
+@pytest.mark.mqtt
+def test_publishing_while_the_broker_is_down_waits_for_it() -> None:
+    """paho 2.2 raises RuntimeError from is_published() for a message queued while disconnected; the
+    transport instead waits for the reconnection and the broker's acknowledgement."""
+    with MosquittoProcess(persistence=True) as broker:
+        wire = TransportSettings(chunk_bytes=16 * 1024, global_timeout_s=10)
+        co = MqttCoordinatorTransport(broker.settings(reconnect_min_s=0.2, reconnect_max_s=1), "f1", wire).start()
+        glob = Message("global", "coordinator", 1, "f1", tensors={"w": np.ones(20_000, np.float32)}).to_bytes()
+        try:
+            broker.kill()
+            time.sleep(0.2)
+            assert not co.client.connected
+            threading.Timer(1.5, broker.start).start()
+            t0 = time.time()
+            co.publish_global("group-a", glob)  # chunked: 5 parts + manifest, all queued while down
+            co.announce_round(_round(2, {"group-a": 1}))
+            assert 1.0 < time.time() - t0 < 15 and co.client.connected
+            dev = MqttDeviceTransport(broker.settings(), "f1", "d1", wire).start()
+            try:
+                assert dev.wait_for_round(10)
+                assert Message.from_bytes(dev.current_round() or b"").round == 2
+                assert dev.fetch_global("group-a") == glob
+            finally:
+                dev.close()
+            # bounded: with the broker gone for good, a clear TransportError, not a RuntimeError
+            broker.kill()
+            short = MqttCoordinatorTransport(broker.settings(), "f1", TransportSettings(publish_timeout_s=1.0))
+            short.client = co.client
+            with pytest.raises(TransportError, match=r"announcing the round: the broker .* did not acknowledge 1 of 1"):
+                short.announce_round(_round(3, {}))
+        finally:
+            co.close()
+
+
+def _wait_until(cond: Callable[[], bool], timeout: float) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+@pytest.mark.mqtt
+def test_a_graceful_broker_restart_is_not_a_mass_dropout() -> None:
+    """SIGTERM: Mosquitto publishes every device's last-will just before it drops the coordinator, and keeps
+    those `offline` statuses across the restart. The coordinator must not take them for a mass dropout: the
+    round goes on and takes the updates sent after the reconnection; a device that really stays away counts
+    as offline once the grace period after the reconnection is over."""
+    with MosquittoProcess(persistence=True) as broker:
+        fast = broker.settings(reconnect_min_s=0.2, reconnect_max_s=1)
+        wire = TransportSettings(chunk_bytes=16 * 1024, global_timeout_s=10, status_grace_s=4.0)
+        co = MqttCoordinatorTransport(fast, "f1", wire).start()
+        devs = {d: MqttDeviceTransport(fast, "f1", d, wire).start() for d in ("d1", "d2", "d3")}
+        try:
+            for d, t in devs.items():
+                t.send_hello(Message("hello", d, 0, "f1").to_bytes())
+            co.wait_for_hellos(list(devs), 10)
+            assert _wait_until(lambda: co.online() == set(devs), 10)
+            co.announce_round(_round(1, {}))
+            gone = devs.pop("d3")
+            broker.terminate()
+            gone.abort()  # d3 does not come back: its last-will from the shutdown is its true status
+            time.sleep(0.3)
+            broker.start()
+            t0 = time.time()
+            assert _wait_until(lambda: co.client.connected and all(t.client.connected for t in devs.values()), 15)
+            # the last-wills arrived (before and after the reconnection), yet nobody is offline yet
+            assert co._status["d1"][0] or co._status["d2"][0] or "d3" in co._status
+            assert co.offline() == set()
+            updates = {d: Message("update", d, 1, "f1", info={"num_samples": 3}).to_bytes() for d in devs}
+            for d, t in devs.items():
+                t.send_update(updates[d])
+            got = _collect(co, 1, {"d1", "d2", "d3"}, seconds=20)
+            accepted = {i.origin: i.data for i in got if i.reject is None}
+            assert {d: accepted.get(d) for d in updates} == updates
+            # d3's status stays "offline" (its last-will) and counts once the grace period is over
+            assert co.offline() == {"d3"} and time.time() - t0 >= wire.status_grace_s - 1
+        finally:
+            for t in devs.values():
+                t.close()
+            co.close()
+
+
+@pytest.mark.mqtt
+def test_a_stray_retained_update_is_refused_and_deleted(mosquitto: MosquittoProcess) -> None:
+    rogue = MqttDeviceTransport(mosquitto.settings(), "f1", "d1").start()
+    t = FleetTopics("f1")
+    _, data = _update(n=100)
+    rogue.client.wait_published([rogue.client.publish(t.update("d1"), data, retain=True)], 5)
+    co = MqttCoordinatorTransport(mosquitto.settings(), "f1").start()
+    try:
+        got = _collect(co, 1, {"d1"}, seconds=1.5)
+        assert [(i.origin, i.reject[0] if i.reject else None) for i in got] == [("d1", "retained")]
+        # deleted: a new subscriber finds nothing retained there
+        seen: list[bytes] = []
+        spy = MqttClient(mosquitto.settings(), "spy", on_message=lambda m: seen.append(m.payload)).start(5)
+        spy.subscribe(t.update("d1"))
+        time.sleep(0.5)
+        spy.stop()
+        assert seen == []
+    finally:
+        rogue.close()
+        co.close()

@@ -28,9 +28,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     c.add_argument("--tls", action="store_true", help="TLS listener with a generated CA (via openssl)")
     c.add_argument("--coordinator-user", default=d.coordinator_user, help="the coordinator's account name")
     c.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
-                   help="largest message the broker accepts (default 64 MiB)")
+                   help="the fleet's largest message: sizes the broker's per-client queues (default: derived "
+                        "from the fleet's largest model, x2 for generative methods, plus headroom)")
+    c.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes,
+                   help="the chunk size the coordinator and devices use (their --chunk-bytes, default "
+                        f"{d.chunk_bytes}): the broker refuses packets above it plus headers")
     c.add_argument("--no-bundles", action="store_true", help="do not write device bundles")
-    c.add_argument("--run-as", metavar="USER", help="account mosquitto drops to when started as root")
+    c.add_argument("--run-as", metavar="USER",
+                   help="account mosquitto drops to when started as root (default: mosquitto); run as root, "
+                        "this command hands passwd, acl, the server key and data/ to it")
     c.add_argument("--rotate", action="store_true", help="issue new passwords for every account")
     c.set_defaults(func=_config)
 
@@ -43,11 +49,18 @@ def _config(args: argparse.Namespace) -> int:
     ids = [i for i, _ in device_ids(cfg)]
     opts = BrokerOptions(port=args.port or (8883 if args.tls else 1883), bind=args.bind, hostname=args.hostname,
                          tls=args.tls, coordinator_user=args.coordinator_user,
-                         max_message_bytes=args.max_message_bytes, bundles=not args.no_bundles,
+                         max_message_bytes=args.max_message_bytes, chunk_bytes=args.chunk_bytes,
+                         bundles=not args.no_bundles,
                          run_as=args.run_as, rotate=args.rotate)
     files = write_broker_config(cfg.run.fleet, ids, args.out, opts, fleet_config=args.fleet)
     print(f"wrote {files.config}, {files.passwd.name}, {files.acl.name} for fleet {cfg.run.fleet}: "
           f"{len(ids)} device accounts + {opts.coordinator_user}")
+    if files.limits is not None:
+        lim = files.limits
+        print(f"limits: packets up to {lim.max_packet_size} B; per client at most {lim.max_queued_messages} "
+              f"queued messages, {lim.max_queued_bytes} B")
+    for warning in files.warnings:
+        print(f"warning: {warning}")
     if files.bundles:
         print(f"device bundles in {files.out / 'bundles'}/ID (fedge edge run --bundle DIR)")
     if files.ca is not None:

@@ -7,9 +7,20 @@ Layout of the output directory::
     acl                       who may read and write which topic
     coordinator/password      the coordinator's password (mode 0600); coordinator/ca.crt with TLS
     bundles/ID/               per device: bundle.toml, password (0600), fleet.toml, ca.crt with TLS
-    tls/                      with --tls: ca.crt, ca.key, server.crt, server.key (keys 0600)
+    tls/                      with --tls, what the broker reads: ca.crt, server.crt, server.key (0600)
+    ca/ca.key                 with --tls, the CA's private key (0600): the broker never reads it;
+                              keep it offline once the server certificate is issued
     data/                     Mosquitto persistence (retained state and the coordinator's session
                               survive a broker restart)
+
+Identity: ``use_username_as_clientid`` makes every client's id its user name, so
+device A's password can neither connect as device B (kicking B off, firing its
+last-will) nor as the coordinator (wiping its persistent session).
+
+Ownership: Mosquitto started as root reads the password file, the ACL and the
+server key only after dropping to its ``user`` (default ``mosquitto``). Written
+as root, those files and ``data/`` are handed to that account; written as
+another user, Mosquitto must run as that user (see :func:`ownership_warnings`).
 
 Running it again keeps existing passwords and the CA (devices keep working);
 ``rotate=True`` issues new passwords.
@@ -19,20 +30,26 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedge.broker.limits import QueueLimits, largest_model_bytes, queue_limits
 from fedge.broker.passwords import PBKDF2_ITERATIONS, hash_password, new_password
 from fedge.errors import ConfigError
-from fedge.mqtt.topics import FleetTopics, check_name
+from fedge.mqtt.chunking import DEFAULT_CHUNK_BYTES
+from fedge.mqtt.topics import DEVICE_KINDS, FleetTopics, check_name
 
 log = logging.getLogger(__name__)
 
-# Headroom over the largest message for the MQTT fixed header, topic and chunk frame header.
-PACKET_OVERHEAD = 64 * 1024
+# Mosquitto's default ``user``: the account it drops to when started as root ("nobody" if absent).
+MOSQUITTO_USER = "mosquitto"
+# Without a fleet config: a fleet of the largest tier's FedAvg updates.
+DEFAULT_LARGEST_MESSAGE = largest_model_bytes([None]) + 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -44,17 +61,21 @@ class BrokerOptions:
     hostname: str = "localhost"  # the name devices use to reach the broker (URL in bundles, TLS name)
     tls: bool = False
     coordinator_user: str = "fedge-coordinator"
-    max_message_bytes: int = 64 * 1024 * 1024
+    # The fleet's largest message (bytes); None: derived from the fleet config (limits.py).
+    max_message_bytes: int | None = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # must match the coordinator's and devices' --chunk-bytes
     bundles: bool = True
-    run_as: str | None = None  # mosquitto's `user`: the account it drops to when started as root
+    run_as: str | None = None  # mosquitto's `user` when started as root (None: its default, mosquitto)
     rotate: bool = False
     iterations: int = PBKDF2_ITERATIONS
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is out of range")
-        if self.max_message_bytes < 1024:
+        if self.max_message_bytes is not None and self.max_message_bytes < 1024:
             raise ConfigError(f"--max-message-bytes {self.max_message_bytes} is too small")
+        if self.chunk_bytes < 1024:
+            raise ConfigError(f"--chunk-bytes {self.chunk_bytes} is too small (minimum 1024)")
         check_name(self.coordinator_user, "coordinator user name")
 
 
@@ -69,32 +90,39 @@ class BrokerFiles:
     users: list[str] = field(default_factory=list)
     bundles: list[Path] = field(default_factory=list)
     ca: Path | None = None
+    limits: QueueLimits | None = None
+    warnings: list[str] = field(default_factory=list)  # what may stop `mosquitto -c` from working
 
 
 def acl_text(fleet: str, devices: list[str], coordinator: str) -> str:
-    """The ACL: each device writes only below its own ``devices/ID/`` and reads rounds and globals."""
+    """The ACL: each device writes exactly its own status, hello and update topics and reads rounds
+    and globals; the coordinator reads every device topic and may clear (write) their retained copies.
+
+    Mosquitto's ACL cannot refuse the retain flag per topic, so a device could keep a retained
+    message on each topic it may write: three exact topics (no ``#``) bound that to three messages
+    of at most ``max_packet_size`` per device, and the coordinator deletes a retained update or a
+    malformed retained status as soon as it sees one (:mod:`fedge.mqtt.transport`).
+    """
     t = FleetTopics(fleet)
     lines = [
         f"# fedge fleet {fleet}: written by `fedge broker config`. Mosquitto denies whatever is not granted.",
         "",
         f"user {coordinator}",
-        f"topic read {t.base}/devices/#",
+        *(f"topic readwrite {t.device_filter(kind)}" for kind in DEVICE_KINDS),  # type: ignore[arg-type]
         f"topic readwrite {t.base}/rounds/#",
         f"topic readwrite {t.base}/global/#",
+        f"topic readwrite {t.base}/refused/+",
     ]
     for dev in devices:
-        lines += [
-            "",
-            f"user {dev}",
-            f"topic write {t.base}/devices/{dev}/#",
-            f"topic read {t.base}/rounds/#",
-            f"topic read {t.base}/global/#",
-        ]
+        lines += ["", f"user {dev}"]
+        lines += [f"topic write {t.device(dev, kind)}" for kind in DEVICE_KINDS]  # type: ignore[arg-type]
+        lines += [f"topic read {t.base}/rounds/#", f"topic read {t.base}/global/#", f"topic read {t.refused(dev)}"]
     return "\n".join(lines) + "\n"
 
 
-def mosquitto_conf(out: Path, opts: BrokerOptions, *, tls_dir: Path | None) -> str:
-    """The broker config; every path absolute so mosquitto can be started from anywhere."""
+def mosquitto_conf(out: Path, opts: BrokerOptions, *, tls_dir: Path | None, limits: QueueLimits) -> str:
+    """The broker config (Mosquitto 2 option names); every path absolute so mosquitto can be started
+    from anywhere."""
     lines = [
         "# Mosquitto config for a fedge fleet, written by `fedge broker config`.",
         "# Start: mosquitto -c " + str(out / "mosquitto.conf"),
@@ -104,6 +132,10 @@ def mosquitto_conf(out: Path, opts: BrokerOptions, *, tls_dir: Path | None) -> s
         f"acl_file {out / 'acl'}",
         "",
         f"listener {opts.port} {opts.bind}",
+        "# A client's id is its user name: one device's password cannot take over another's connection",
+        "# or the coordinator's persistent session. (A listener option: it must follow `listener`, or",
+        "# Mosquitto opens a second, default listener on 1883 for it.)",
+        "use_username_as_clientid true",
     ]
     if tls_dir is not None:
         lines += [
@@ -114,37 +146,89 @@ def mosquitto_conf(out: Path, opts: BrokerOptions, *, tls_dir: Path | None) -> s
         ]
     lines += [
         "",
-        "# Size limits: the largest fedge message (chunked above the chunk size) plus headroom.",
-        f"message_size_limit {opts.max_message_bytes + PACKET_OVERHEAD}",
-        f"max_packet_size {opts.max_message_bytes + 2 * PACKET_OVERHEAD}",
-        "# The coordinator's persistent session queues updates while it restarts: keep the queue generous.",
-        "max_queued_messages 100000",
-        "max_inflight_messages 100",
+        f"# One packet: a chunk (--chunk-bytes {opts.chunk_bytes}; fedge chunks every larger message) or a small",
+        "# message, plus headers. A larger packet disconnects its sender.",
+        f"max_packet_size {limits.max_packet_size}",
+        "# Per-client queues (QoS 1, while a client is offline or slow): every device's update, twice,",
+        "# for the coordinator's persistent session while it restarts. Beyond them messages are dropped.",
+        f"max_queued_messages {limits.max_queued_messages}",
+        f"max_queued_bytes {limits.max_queued_bytes}",
+        f"max_inflight_messages {limits.max_inflight_messages}",
         "# Small messages (round descriptors, statistics) must not wait for Nagle's algorithm.",
         "set_tcp_nodelay true",
         "",
-        "# Retained state (round descriptor, global state, device status) and sessions survive a restart.",
+        "# Retained state (round descriptor, global state, device status) and the coordinator's session",
+        "# survive a restart. Saved at shutdown (SIGTERM) and every autosave_interval seconds: a SIGKILL",
+        "# loses what changed since the last save, which the coordinator republishes on reconnecting.",
         "persistence true",
         f"persistence_location {out / 'data'}/",
-        "autosave_interval 60",
+        "autosave_interval 30",
         "",
         "log_dest stderr",
         "log_type error",
         "log_type warning",
         "log_type notice",
+        "",
+        "# The account mosquitto drops to when started as root: it reads passwd, acl, the server key and",
+        "# writes data/ (`fedge broker config` run as root hands these files to it).",
+        f"user {opts.run_as or MOSQUITTO_USER}",
     ]
-    if opts.run_as:
-        lines += ["", "# The account mosquitto drops to when started as root: it must read passwd, acl and the keys.",
-                  f"user {opts.run_as}"]
     return "\n".join(lines) + "\n"
 
 
-def _write(path: Path, text: str, mode: int = 0o644) -> None:
+def _write(path: Path, text: str, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
+    """Write atomically; the file is created with ``mode`` (never the umask's) and ``owner`` before
+    any byte is in it, then renamed over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, mode)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.fchmod(fd, mode)  # the umask may have cleared bits of ``mode``
+        if owner is not None:
+            os.fchown(fd, *owner)
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
+
+
+def broker_account(run_as: str | None) -> tuple[int, int] | None:
+    """(uid, gid) Mosquitto will run as when started by the current user, or None if that is us.
+
+    Started as root it drops to ``run_as`` (default ``mosquitto``, or ``nobody`` when that account
+    does not exist, as Mosquitto itself does); started as anyone else it stays that user.
+    """
+    if os.geteuid() != 0:
+        return None
+    names = [run_as] if run_as else [MOSQUITTO_USER, "nobody"]
+    for name in names:
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            continue
+        return pw.pw_uid, pw.pw_gid
+    raise ConfigError(f"--run-as {run_as!r} is not an account on this machine",
+                      hint="name an existing user (Mosquitto drops to it when started as root)")
+
+
+def ownership_warnings(out: Path, account: tuple[int, int] | None, run_as: str | None) -> list[str]:
+    """What would stop the broker's account from reaching the files it reads."""
+    warnings = []
+    if account is None and run_as and run_as != pwd.getpwuid(os.geteuid()).pw_name:
+        warnings.append(f"not root: passwd, acl and the keys stay owned by {pwd.getpwuid(os.geteuid()).pw_name}; "
+                        f"before starting mosquitto as root run: chown -R {run_as} {out}/passwd {out}/acl "
+                        f"{out}/data{' ' + str(out / 'tls') if (out / 'tls').exists() else ''}")
+    if account is not None and account[0] != 0:
+        # Every directory above the config must be searchable by the broker's account.
+        for parent in [out, *out.parents]:
+            st = parent.stat()
+            if st.st_uid != account[0] and not st.st_mode & 0o001:
+                warnings.append(f"{parent} is not searchable by the broker's account (uid {account[0]}): "
+                                f"chmod o+x {parent}, or write the config elsewhere (e.g. /etc/fedge/broker)")
+                break
+    return warnings
 
 
 def _password(path: Path, rotate: bool) -> str:
@@ -158,23 +242,49 @@ def _password(path: Path, rotate: bool) -> str:
     return pw
 
 
-def make_tls(tls_dir: Path, hostname: str, fleet: str) -> Path:
+def make_tls(tls_dir: Path, hostname: str, fleet: str, *, ca_dir: Path | None = None,
+             owner: tuple[int, int] | None = None) -> Path:
     """A CA and a server certificate for ``hostname`` (also valid for localhost/127.0.0.1), via openssl.
 
-    An existing CA is reused so that devices which already trust it keep working.
+    The CA key goes to ``ca_dir`` (default: ``tls_dir/../ca``), apart from what the broker reads; an
+    existing CA is reused so that devices which already trust it keep working (a CA key left in
+    ``tls_dir`` by an older fedge is moved there). ``owner``: the broker's account, given the server key.
     """
     openssl = shutil.which("openssl")
     if openssl is None:
         raise ConfigError("--tls needs the openssl command", hint="apt-get install openssl")
     tls_dir.mkdir(parents=True, exist_ok=True)
-    ca_key, ca_crt = tls_dir / "ca.key", tls_dir / "ca.crt"
+    ca_dir = ca_dir or tls_dir.parent / "ca"
+    ca_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(ca_dir, 0o700)
+    ca_key, ca_crt = ca_dir / "ca.key", tls_dir / "ca.crt"
+    if (tls_dir / "ca.key").is_file() and not ca_key.exists():
+        os.replace(tls_dir / "ca.key", ca_key)
     key, crt = tls_dir / "server.key", tls_dir / "server.crt"
+    old_umask = os.umask(0o077)  # openssl writes keys with the umask's mode: never readable by others
 
     def run(*args: str) -> None:
         proc = subprocess.run([openssl, *args], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise ConfigError(f"openssl {args[0]} failed: {proc.stderr.strip()[-500:]}")
 
+    try:
+        _issue(run, ca_key, ca_crt, key, crt, hostname, fleet)
+    finally:
+        os.umask(old_umask)
+    (tls_dir / "ca.srl").unlink(missing_ok=True)
+    (ca_dir / "ca.srl").unlink(missing_ok=True)
+    os.chmod(ca_key, 0o600)
+    os.chmod(key, 0o600)
+    for public in (ca_crt, crt):
+        os.chmod(public, 0o644)
+    if owner is not None:
+        os.chown(key, *owner)
+    return ca_crt
+
+
+def _issue(run: Callable[..., None], ca_key: Path, ca_crt: Path, key: Path, crt: Path, hostname: str,
+           fleet: str) -> None:
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
     if not (ca_key.is_file() and ca_crt.is_file()):
         run("req", "-x509", *ec, "-keyout", str(ca_key), "-out", str(ca_crt), "-days", "3650",
@@ -189,16 +299,26 @@ def make_tls(tls_dir: Path, hostname: str, fleet: str) -> Path:
         run("req", *ec, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={hostname}")
         run("x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key), "-CAcreateserial",
             "-out", str(crt), "-days", "825", "-extfile", str(ext))
-    (tls_dir / "ca.srl").unlink(missing_ok=True)
-    for p in (ca_key, key):
-        os.chmod(p, 0o600)
-    return ca_crt
+
+
+def _largest_message(opts: BrokerOptions, fleet_config: str | Path | None) -> int:
+    if opts.max_message_bytes is not None:
+        return opts.max_message_bytes
+    if fleet_config is None:
+        return DEFAULT_LARGEST_MESSAGE
+    from fedge.broker.limits import largest_message_bytes
+    from fedge.fleet.config import load_fleet
+
+    cfg = load_fleet(fleet_config)
+    archs = [a for g in cfg.devices for a in ((g.arch,) if g.arch or not g.archs else g.archs)]
+    return largest_message_bytes(archs, cfg.run.method, embed_dim=cfg.run.embed_dim)
 
 
 def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: BrokerOptions | None = None, *,
                         fleet_config: str | Path | None = None) -> BrokerFiles:
     """Write everything for ``fleet`` with ``devices`` to ``out`` (see the module docstring)."""
     opts = opts or BrokerOptions()
+    account = broker_account(opts.run_as)
     check_name(fleet, "fleet name")
     for d in devices:
         check_name(d, "device id")
@@ -208,8 +328,11 @@ def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: B
     outp = Path(out).resolve()
     outp.mkdir(parents=True, exist_ok=True)
     (outp / "data").mkdir(exist_ok=True)
+    if account is not None:
+        os.chown(outp / "data", *account)  # mosquitto writes its database as this account
+    limits = queue_limits(len(devices), _largest_message(opts, fleet_config), opts.chunk_bytes)
     tls_dir = outp / "tls" if opts.tls else None
-    ca = make_tls(tls_dir, opts.hostname, fleet) if tls_dir is not None else None
+    ca = make_tls(tls_dir, opts.hostname, fleet, owner=account) if tls_dir is not None else None
 
     users = [opts.coordinator_user, *devices]
     secrets_dir = {opts.coordinator_user: outp / "coordinator"}
@@ -218,11 +341,15 @@ def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: B
     for user in users:
         pw = _password(secrets_dir[user] / "password", opts.rotate)
         lines.append(f"{user}:{hash_password(pw, iterations=opts.iterations)}")
-    files = BrokerFiles(outp, outp / "mosquitto.conf", outp / "passwd", outp / "acl", users=users, ca=ca)
-    # passwd/acl: readable by the broker's account, never world-writable.
-    _write(files.passwd, "\n".join(lines) + "\n", 0o640)
-    _write(files.acl, acl_text(fleet, devices, opts.coordinator_user), 0o640)
-    _write(files.config, mosquitto_conf(outp, opts, tls_dir=tls_dir))
+    files = BrokerFiles(outp, outp / "mosquitto.conf", outp / "passwd", outp / "acl", users=users, ca=ca,
+                        limits=limits)
+    # passwd/acl: readable by the broker's account only (Mosquitto reads them after dropping root).
+    _write(files.passwd, "\n".join(lines) + "\n", 0o600, owner=account)
+    _write(files.acl, acl_text(fleet, devices, opts.coordinator_user), 0o600, owner=account)
+    _write(files.config, mosquitto_conf(outp, opts, tls_dir=tls_dir, limits=limits))
+    files.warnings = ownership_warnings(outp, account, opts.run_as)
+    for w in files.warnings:
+        log.warning("%s", w)
     if ca is not None:
         shutil.copyfile(ca, outp / "coordinator" / "ca.crt")
 

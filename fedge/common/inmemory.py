@@ -3,14 +3,27 @@
 Devices are stepped synchronously by the coordinator's ``collect`` (through a
 ``pump`` callback), so a simulated round is deterministic: devices run in
 registration order, then the engine aggregates.
+
+It keeps the MQTT transport's contract (``tests/test_transport_contract.py``
+runs the same tests over both): the descriptor and global state are retained
+(a device sees the latest), updates are delivered whole and in the order sent,
+duplicates are delivered (the engine refuses them), and a device that already
+answered a round sends its update again when that round is re-announced under a
+new message id (a resumed coordinator), exactly as over MQTT.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
 
+from fedge.common.messages import Message
+from fedge.common.tensorcodec import read_header
 from fedge.common.transport import CoordinatorTransport, DeviceTransport, Inbound
+from fedge.errors import PayloadError
+
+log = logging.getLogger(__name__)
 
 
 class InMemoryBus:
@@ -31,6 +44,9 @@ class InMemoryCoordinatorTransport(CoordinatorTransport):
 
     def announce_round(self, data: bytes) -> None:
         self.bus.round_msg = data
+
+    def end_run(self) -> None:
+        self.bus.round_msg = None
 
     def publish_global(self, artifact: str, data: bytes) -> None:
         self.bus.globals[artifact] = data
@@ -53,18 +69,48 @@ class InMemoryCoordinatorTransport(CoordinatorTransport):
             yield Inbound(self.bus.updates.popleft())
 
 
+def _descriptor_key(raw: bytes) -> tuple[str, tuple[str, int]] | None:
+    """(message id, (run, round)) of a round descriptor, or None if it is not one."""
+    try:
+        msg = Message.from_bytes(raw)
+        return msg.msg_id, (str(msg.info.get("run", "")), int(msg.round))
+    except (PayloadError, ValueError, TypeError):
+        return None
+
+
 class InMemoryDeviceTransport(DeviceTransport):
     def __init__(self, bus: InMemoryBus) -> None:
         self.bus = bus
+        self._seen_id: str | None = None  # message id of the last descriptor seen
+        # ((run, round), descriptor id it answered, message): resent when that round is re-announced
+        self._last_update: tuple[tuple[str, int], str, bytes] | None = None
 
     def send_hello(self, data: bytes) -> None:
         self.bus.hellos.append(data)
 
     def current_round(self) -> bytes | None:
-        return self.bus.round_msg
+        raw = self.bus.round_msg
+        if raw is not None:
+            key = _descriptor_key(raw)
+            if key is not None and key[0] != self._seen_id:
+                self._seen_id = key[0]
+                last = self._last_update
+                if last is not None and last[0] == key[1] and last[1] != key[0]:
+                    log.info("round %d was re-announced; sending the cached update again", key[1][1])
+                    self._last_update = (last[0], key[0], last[2])
+                    self.bus.updates.append(last[2])
+        return raw
 
     def fetch_global(self, artifact: str) -> bytes | None:
         return self.bus.globals.get(artifact)
 
     def send_update(self, data: bytes) -> None:
+        raw = self.bus.round_msg
+        key = _descriptor_key(raw) if raw is not None else None
+        try:
+            rnd = int(read_header(data)[1].get("round", "-1"))
+        except (PayloadError, ValueError):
+            rnd = -1
+        if key is not None and key[1][1] == rnd:
+            self._last_update = (key[1], key[0], data)
         self.bus.updates.append(data)

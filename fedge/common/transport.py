@@ -66,6 +66,10 @@ class CoordinatorTransport(ABC):
     def refuse(self, device_id: str, data: bytes | None) -> None:  # noqa: B027 - optional hook
         """Tell ``device_id`` why its hello was refused (a ``refused`` message), or clear that with None."""
 
+    def end_run(self) -> None:  # noqa: B027 - optional hook
+        """The run is over (after its final round): withdraw the round descriptor, so a device that
+        starts before the next run waits for it instead of answering this run's rounds."""
+
     def wait_for_devices(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
         """Block up to ``timeout_s`` for new hellos or status changes (default: return at once)."""
 

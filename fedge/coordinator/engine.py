@@ -222,10 +222,8 @@ class RoundEngine:
             if on_round is not None:
                 on_round(report)
         # Over MQTT this clears the retained descriptor, so no device answers this run's final
-        # round once the run is over (transports without the hook have nothing to clear).
-        end_run = getattr(self.transport, "end_run", None)
-        if callable(end_run):
-            end_run()
+        # round once the run is over (the base hook has nothing to clear).
+        self.transport.end_run()
         return self.reports
 
     def _republish(self) -> None:

@@ -19,6 +19,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -157,13 +158,19 @@ def mosquitto_binary() -> str | None:
         (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
 
 
-def loopback_config(port: int, *, max_message_bytes: int = 64 * 1024 * 1024, extra: str = "") -> str:
-    """A minimal Mosquitto config: one anonymous listener on loopback, no persistence."""
+def loopback_config(port: int, *, max_message_bytes: int = 64 * 1024 * 1024, extra: str = "",
+                    persistence_dir: Path | None = None) -> str:
+    """A minimal Mosquitto config: one anonymous listener on loopback; persistence in
+    ``persistence_dir`` if given (then it runs as the current user, who owns that directory)."""
+    persistence = ["persistence false"] if persistence_dir is None else [
+        "persistence true", f"persistence_location {persistence_dir}/", "autosave_interval 30",
+        f"user {pwd.getpwuid(os.geteuid()).pw_name}"]
     return "\n".join([
         f"listener {port} {LOOPBACK}",
         "allow_anonymous true",
-        "persistence false",
-        f"message_size_limit {max_message_bytes}",
+        *persistence,
+        # Mosquitto 2 bounds whole packets (message_size_limit is the deprecated payload-only option).
+        f"max_packet_size {max_message_bytes + 64 * 1024}",
         # The coordinator's session may be offline for a moment (restart): keep its queue generous.
         "max_queued_messages 100000",
         "max_inflight_messages 100",
@@ -181,7 +188,7 @@ class MosquittoProcess:
     """A ``mosquitto`` child process with a config file; restartable on the same port."""
 
     def __init__(self, config: str | None = None, *, port: int | None = None, workdir: str | Path | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_message_bytes: int = 64 * 1024 * 1024, persistence: bool = False) -> None:
         binary = mosquitto_binary()
         if binary is None:
             raise TransportError("mosquitto is not installed", hint="apt-get install mosquitto (Debian/Ubuntu)")
@@ -191,7 +198,8 @@ class MosquittoProcess:
         self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
         self.config_path = self.workdir / "mosquitto.conf"
         if config is None:
-            config = loopback_config(self.port, max_message_bytes=max_message_bytes)
+            config = loopback_config(self.port, max_message_bytes=max_message_bytes,
+                                     persistence_dir=self.workdir if persistence else None)
         self.config_path.write_text(config)
         self.log_path = self.workdir / "mosquitto.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -226,6 +234,10 @@ class MosquittoProcess:
                 self.proc.kill()
                 self.proc.wait(timeout_s)
         self.proc = None
+
+    def terminate(self) -> None:
+        """SIGTERM: a graceful shutdown (it publishes every client's last-will and saves its database)."""
+        self.stop()
 
     def kill(self) -> None:
         """SIGKILL: the broker vanishes with everything it held in memory."""

@@ -10,6 +10,12 @@
   back-off between ``reconnect_min_s`` and ``reconnect_max_s``. The minimum is
   jittered per client so a fleet does not reconnect in lock-step after a broker
   restart. Subscriptions are re-issued on every (re)connect.
+* Publishing never fails because the broker is away: paho queues a QoS 1 message
+  while disconnected and sends it after the reconnect. Completion is tracked here
+  (paho's ``on_publish``), not with ``MQTTMessageInfo.is_published()``, which
+  paho 2.2 turns into a ``RuntimeError`` for exactly such a queued message;
+  :meth:`MqttClient.wait_published` waits for the broker's acknowledgement across
+  a reconnection, bounded by its timeout.
 """
 
 from __future__ import annotations
@@ -120,6 +126,19 @@ class Received:
     received: float  # unix seconds
 
 
+@dataclass(frozen=True)
+class Publication:
+    """One QoS 1 publish handed to paho: done once the broker acknowledged it (PUBACK)."""
+
+    topic: str
+    mid: int
+    acked: threading.Event
+
+    @property
+    def done(self) -> bool:
+        return self.acked.is_set()
+
+
 MessageHandler = Callable[[Received], None]
 ConnectHandler = Callable[[bool], None]  # argument: session_present
 
@@ -171,6 +190,10 @@ class MqttClient:
         self._stopping = threading.Event()
         self._refused: str | None = None
         self._dispatcher: threading.Thread | None = None
+        # PUBACK bookkeeping (paho's thread sets, publishers wait); see Publication.
+        self._acks_lock = threading.Lock()
+        self._pending: dict[int, threading.Event] = {}
+        self._early_acks: set[int] = set()  # acknowledged before publish() registered the mid
         self.connects = 0  # successful connections so far (1 + reconnects)
         c = self._client = new_paho_client(client_id, clean_session)
         if settings.username is not None:
@@ -189,6 +212,7 @@ class MqttClient:
         c.on_connect = self._paho_connect
         c.on_disconnect = self._paho_disconnect
         c.on_message = self._paho_message
+        c.on_publish = self._paho_publish
         c.on_socket_open = no_delay
 
     # -- paho callbacks: run on paho's thread, never block -----------------------------------
@@ -213,6 +237,14 @@ class MqttClient:
     def _paho_disconnect(self, client: paho.Client, userdata: Any, *args: Any) -> None:
         self._connected.clear()
         self._events.put(("disconnect", None))
+
+    def _paho_publish(self, client: paho.Client, userdata: Any, mid: int, *args: Any) -> None:
+        with self._acks_lock:
+            ev = self._pending.pop(mid, None)
+            if ev is None:
+                self._early_acks.add(mid)
+        if ev is not None:
+            ev.set()
 
     def _paho_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
         self._events.put(("message", Received(msg.topic, bytes(msg.payload), bool(msg.retain), time.time())))
@@ -286,28 +318,36 @@ class MqttClient:
         if self.connected:
             self._client.subscribe(topic_filter, qos)
 
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> paho.MQTTMessageInfo:
-        """Queue a publish (never blocks); QoS 1 messages survive a reconnect inside paho's queue."""
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> Publication:
+        """Queue a publish (never blocks). Connected or not: paho keeps a QoS 1 message until the broker
+        acknowledged it and sends it again after a reconnect."""
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
         if info.rc not in (paho.MQTT_ERR_SUCCESS, paho.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {paho.error_string(info.rc)}")
-        return info
+        ev = threading.Event()
+        with self._acks_lock:
+            if qos == 0 or info.mid in self._early_acks:
+                self._early_acks.discard(info.mid)
+                ev.set()  # QoS 0 has no acknowledgement: handed over is all there is
+            else:
+                self._pending[info.mid] = ev
+        return Publication(topic, info.mid, ev)
 
-    def wait_published(self, infos: list[paho.MQTTMessageInfo], timeout_s: float) -> bool:
-        """Wait (not from a handler!) until every publish in ``infos`` was acknowledged."""
+    def wait_published(self, pubs: list[Publication], timeout_s: float) -> bool:
+        """Wait (never from a handler!) until the broker acknowledged every publish in ``pubs``, across
+        reconnections; False if ``timeout_s`` passed first."""
         end = time.monotonic() + timeout_s
-        for info in infos:
-            if info.rc == paho.MQTT_ERR_SUCCESS:
-                # paho's own condition variable: no polling delay.
-                with contextlib.suppress(RuntimeError, ValueError):
-                    info.wait_for_publish(max(end - time.monotonic(), 0.001))
-            # Queued while disconnected (rc NO_CONN): paho sends it after the reconnect, but its
-            # wait_for_publish() refuses such a message, so poll.
-            while not info.is_published():
-                if time.monotonic() > end:
-                    return False
-                time.sleep(0.01)
-        return True
+        return all(p.acked.wait(max(end - time.monotonic(), 0.0)) for p in pubs)
+
+    def require_published(self, pubs: list[Publication], timeout_s: float, what: str) -> None:
+        """:meth:`wait_published`, or a :class:`TransportError` naming ``what`` and the broker."""
+        if not self.wait_published(pubs, timeout_s):
+            missing = sum(not p.done for p in pubs)
+            state = "connected" if self.connected else "not connected"
+            raise TransportError(
+                f"{what}: the broker {self.settings.url} did not acknowledge {missing} of {len(pubs)} message(s) "
+                f"within {timeout_s:.0f} s ({state})",
+                hint="is the broker running and reachable? its log shows refused or oversized packets")
 
     def stop(self, *, final: tuple[str, bytes] | None = None, timeout_s: float = 5.0) -> None:
         """Disconnect cleanly (the last-will is *not* sent); ``final`` = (topic, payload) published retained first."""
@@ -315,8 +355,7 @@ class MqttClient:
             return
         self._stopping.set()
         if final is not None and self.connected:
-            info = self._client.publish(final[0], final[1], qos=1, retain=True)
-            self.wait_published([info], timeout_s)
+            self.wait_published([self.publish(final[0], final[1], retain=True)], timeout_s)
         self._client.disconnect()
         self._client.loop_stop()
         self._events.put(("stop", None))

@@ -8,9 +8,11 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/rounds/current             retained  round descriptor message
     fedge/{fleet}/global/{artifact}          retained  global state message, or a chunk manifest
     fedge/{fleet}/global/{artifact}/part/{i} retained  chunk frame i of a chunked global state
+    fedge/{fleet}/refused/{id}               retained  why the coordinator refused device {id} (empty: accepted)
 
-A device writes only below ``devices/{its id}/`` and reads ``rounds/#`` and
-``global/#``; the coordinator reads ``devices/#`` and writes the rest. The broker
+A device writes only its own ``devices/{its id}/{status,hello,update}`` and reads
+``rounds/#``, ``global/#`` and its own ``refused/{its id}``; the coordinator reads
+``devices/#`` and writes the rest. The broker
 ACL written by ``fedge broker config`` enforces exactly this split, which is why
 the coordinator trusts the ``{id}`` segment of the topic an update arrived on
 more than the sender named inside it (see ``docs/protocol.md``).
@@ -107,6 +109,10 @@ class FleetTopics:
     def global_part(self, artifact: str, index: int) -> str:
         """Retained chunk ``index`` of a chunked global state."""
         return f"{self.global_(artifact)}/part/{int(index)}"
+
+    def refused(self, device_id: str) -> str:
+        """``fedge/{fleet}/refused/{id}``: the retained reason the coordinator refused a device."""
+        return f"{self.base}/refused/{check_name(device_id, 'device id')}"
 
     def global_filter(self, artifact: str) -> str:
         """One subscription that covers the artifact and all its parts (``#`` matches the parent too)."""

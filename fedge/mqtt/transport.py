@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_HELLO_BYTES = 1 << 20
-PUBLISH_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +46,16 @@ class TransportSettings:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger transfers are refused
     global_timeout_s: float = 120.0  # device: how long to wait for the global state a round names
     connect_timeout_s: float = 30.0
+    # How long a publish may wait for the broker's acknowledgement, reconnections included; the
+    # coordinator's announce_round/publish_global raise TransportError after it.
+    publish_timeout_s: float = 120.0
+    # Coordinator: an `offline` status counts only once it is this old and the coordinator's own
+    # connection stayed up around it (a broker shutting down sends every device's last-will just
+    # before it drops the coordinator) ...
+    offline_confirm_s: float = 1.0
+    # ... and statuses that arrived around a broker outage count only this long after the
+    # reconnection, once devices have had time to reconnect (their back-off reaches 30 s).
+    status_grace_s: float = 30.0
 
 
 @dataclass
@@ -67,6 +76,12 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     updates sent while the coordinator restarts are queued by the broker and
     delivered when it is back; duplicates that this produces are rejected by the
     engine by (sender, round) and message id.
+
+    Broker restarts: a broker that shuts down publishes every device's last-will
+    (and, with persistence, keeps those ``offline`` statuses), so a status that
+    arrived around an outage of the coordinator's own connection is not believed
+    until ``status_grace_s`` after the reconnection (see :meth:`offline`). Publishes
+    wait for the broker across the outage, at most ``publish_timeout_s``.
     """
 
     def __init__(self, broker: BrokerSettings, fleet: str, settings: TransportSettings | None = None, *,
@@ -77,7 +92,10 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self._updates: queue.Queue[Inbound] = queue.Queue()
         self._hellos: list[Inbound] = []
         self._hello_from: set[str] = set()  # every device a hello ever came from
-        self._status: dict[str, bool] = {}  # device id -> online
+        self._status: dict[str, tuple[bool, float]] = {}  # device id -> (online, monotonic time received)
+        # Recent outages of our own connection: [start, end] monotonic, end None while it lasts (a list:
+        # a second drop soon after a reconnection must not make the first one's last-wills believable).
+        self._outages: list[list[float | None]] = []
         self._cond = threading.Condition()
         self._reasm = Reassembler(self.settings.max_message_bytes)
         self._round_msg: bytes | None = None
@@ -85,14 +103,22 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self._parts: dict[str, int] = {}  # artifact -> number of retained part topics in use
         self._lock = threading.Lock()
         self.client = MqttClient(broker, client_id or f"fedge-coordinator-{fleet}", clean_session=False,
-                                 on_message=self._on_message, on_connect=self._on_connect)
+                                 on_message=self._on_message, on_connect=self._on_connect,
+                                 on_disconnect=self._on_disconnect)
         self.client.subscribe(self.topics.device_filter("status"))
         self.client.subscribe(self.topics.device_filter("hello"))
         self.client.subscribe(self.topics.device_filter("update"))
 
     def start(self) -> MqttCoordinatorTransport:
         self.client.start(self.settings.connect_timeout_s)
+        log.info("%s", self.describe())
         return self
+
+    def describe(self) -> str:
+        """One line for people starting devices: the broker, the fleet and its topics."""
+        t = self.topics
+        return (f"fleet {t.fleet!r} on {self.client.settings.url}: devices publish to {t.base}/devices/ID/"
+                f"{{status,hello,update}} and read {t.round} and {t.base}/global/#")
 
     # -- inbound (dispatcher thread) -----------------------------------------------------
     def _on_message(self, m: Received) -> None:
@@ -102,10 +128,12 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self.stats.messages_in += 1
         self.stats.bytes_in += len(m.payload)
         if t.kind == "status":
-            with self._cond:
-                if m.payload in (STATUS_ONLINE, STATUS_OFFLINE):
-                    self._status[t.device_id] = m.payload == STATUS_ONLINE
+            if m.payload in (STATUS_ONLINE, STATUS_OFFLINE):
+                with self._cond:
+                    self._status[t.device_id] = (m.payload == STATUS_ONLINE, time.monotonic())
                     self._cond.notify_all()
+            elif m.payload and m.retain:
+                self._clear_stray(m, "status")
             return
         if t.kind == "hello":
             if not m.payload:
@@ -118,7 +146,16 @@ class MqttCoordinatorTransport(CoordinatorTransport):
                 self._hello_from.add(t.device_id)
                 self._cond.notify_all()
             return
-        # update: a whole message or a chunk frame
+        # update: a whole message or a chunk frame; never retained by the protocol, never empty (an
+        # empty payload is a retained message's deletion, e.g. ours echoed back)
+        if not m.payload:
+            return
+        if m.retain:
+            self._clear_stray(m, "update")
+            self._updates.put(Inbound(b"", t.device_id, m.received,
+                                      reject=("retained", f"{t.device_id} left a retained update on the broker "
+                                                          "(deleted)")))
+            return
         if frame_kind(m.payload) == "message":
             self._updates.put(Inbound(m.payload, t.device_id, m.received))
             return
@@ -130,7 +167,24 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         if whole is not None:
             self._updates.put(Inbound(whole, t.device_id, m.received))
 
+    def _clear_stray(self, m: Received, what: str) -> None:
+        """Delete a retained message the protocol does not allow (the ACL cannot forbid the retain flag)."""
+        log.warning("deleting a stray retained %s (%d bytes) on %s", what, len(m.payload), m.topic)
+        self.client.publish(m.topic, b"", retain=True)
+
+    def _on_disconnect(self) -> None:
+        with self._cond:
+            now = time.monotonic()
+            grace = self.settings.status_grace_s
+            self._outages = [o for o in self._outages if o[1] is None or o[1] + grace > now]
+            if not self._outages or self._outages[-1][1] is not None:
+                self._outages.append([now, None])
+
     def _on_connect(self, session_present: bool) -> None:
+        with self._cond:
+            if self._outages and self._outages[-1][1] is None:
+                self._outages[-1][1] = time.monotonic()
+            self._cond.notify_all()
         # After a reconnect the broker may have restarted and lost every retained message:
         # publish the globals again, then the round descriptor under a fresh message id, which
         # tells devices that already answered this round to send their cached update again.
@@ -157,9 +211,17 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     def announce_round(self, data: bytes) -> None:
         with self._lock:
             self._round_msg = data
-        info = self.client.publish(self.topics.round, data, retain=True)
+        pub = self.client.publish(self.topics.round, data, retain=True)
         self._count_out(len(data))
-        self.client.wait_published([info], PUBLISH_TIMEOUT_S)
+        self.client.require_published([pub], self.settings.publish_timeout_s, "announcing the round")
+
+    def end_run(self) -> None:
+        """Delete the retained round descriptor: a device that starts before the next run's coordinator
+        then waits for it instead of answering this run's final round."""
+        with self._lock:
+            self._round_msg = None
+        pub = self.client.publish(self.topics.round, b"", retain=True)
+        self.client.require_published([pub], self.settings.publish_timeout_s, "clearing the round descriptor")
 
     def publish_global(self, artifact: str, data: bytes) -> None:
         check_name(artifact, "artifact name")
@@ -171,32 +233,53 @@ class MqttCoordinatorTransport(CoordinatorTransport):
             # parts first, the manifest last: a device that sees the new manifest finds every part
             items = [(self.topics.global_part(artifact, i), f) for i, f in enumerate(frames)] + [(root, manifest)]
         new_parts = len(items) - 1
-        infos = [self.client.publish(t, p, retain=True) for t, p in items]
-        # Clear part topics the previous (longer) version used: a zero-length retained message deletes.
-        infos += [self.client.publish(self.topics.global_part(artifact, i), b"", retain=True)
-                  for i in range(new_parts, self._parts.get(artifact, 0))]
-        self._parts[artifact] = new_parts
         with self._lock:
-            self._published[artifact] = items
+            self._published[artifact] = items  # before publishing: a reconnect meanwhile republishes it
+        pubs = [self.client.publish(t, p, retain=True) for t, p in items]
+        # Clear part topics the previous (longer) version used: a zero-length retained message deletes.
+        pubs += [self.client.publish(self.topics.global_part(artifact, i), b"", retain=True)
+                 for i in range(new_parts, self._parts.get(artifact, 0))]
+        self._parts[artifact] = new_parts
         for _, p in items:
             self._count_out(len(p))
-        if not self.client.wait_published(infos, PUBLISH_TIMEOUT_S):
-            log.warning("global %s: broker did not acknowledge within %.0f s (will retry on reconnect)", artifact,
-                        PUBLISH_TIMEOUT_S)
+        self.client.require_published(pubs, self.settings.publish_timeout_s, f"publishing global {artifact!r}")
 
     def hellos(self) -> list[Inbound]:
         with self._cond:
             out, self._hellos = self._hellos, []
         return out
 
+    def refuse(self, device_id: str, data: bytes | None) -> None:
+        """Tell a device why it was refused (a retained ``refused`` message on its own topic), or clear that
+        (``None``) once it is accepted. Not awaited: the device reads it whenever it is connected."""
+        self.client.publish(self.topics.refused(device_id), data or b"", retain=True)
+
     def offline(self) -> set[str]:
+        """Devices whose latest status is a believable ``offline``.
+
+        An ``offline`` counts once it is ``offline_confirm_s`` old, unless it arrived around an outage
+        of our own connection (from ``offline_confirm_s`` before it began until ``status_grace_s``
+        after it ended): a broker that shuts down publishes every device's last-will first, so those
+        count only once the grace period is over and the device has not come back.
+        """
+        now = time.monotonic()
+        s = self.settings
         with self._cond:
-            return {d for d, up in self._status.items() if not up}
+            # (from, to) windows still in force: [start - confirm, end + grace] while now < end + grace
+            windows = []
+            for start, end in self._outages:
+                assert start is not None
+                to = float("inf") if end is None else end + s.status_grace_s
+                if now < to:
+                    windows.append((start - s.offline_confirm_s, to))
+            return {d for d, (up, at) in self._status.items()
+                    if not up and now - at >= s.offline_confirm_s
+                    and not any(lo <= at <= hi for lo, hi in windows)}
 
     def online(self) -> set[str]:
         """Devices whose latest status is ``online``."""
         with self._cond:
-            return {d for d, up in self._status.items() if up}
+            return {d for d, (up, _) in self._status.items() if up}
 
     def wait_for_devices(self, timeout_s: float) -> None:
         with self._cond:
@@ -264,15 +347,22 @@ class MqttDeviceTransport(DeviceTransport):
         self._globals: dict[str, tuple[int, bytes]] = {}  # artifact -> (its round, message bytes)
         self._assemblers: dict[str, RetainedAssembler] = {}
         self._hello: bytes | None = None
+        # Whether _on_connect ran for the current connection: until it has, it publishes the hello itself,
+        # so send_hello must not (a race that sent two hellos).
+        self._hello_lock = threading.Lock()
+        self._announced = False
         # Last update: ((run, round), descriptor id it answered, message) — sent again when the
         # coordinator re-announces the same round (it restarted or the broker lost it).
         self._last_update: tuple[tuple[str, int], str | None, bytes] | None = None
+        self.refusal: bytes | None = None  # the coordinator's latest `refused` message for this device
         self.changes = 0  # descriptor changes received
         self._changes_read = 0  # ... as of the last current_round() call
         self.client = MqttClient(broker, client_id or f"fedge-{fleet}-{device_id}", clean_session=True,
                                  will=Will(self.topics.status(device_id), STATUS_OFFLINE),
-                                 on_message=self._on_message, on_connect=self._on_connect)
+                                 on_message=self._on_message, on_connect=self._on_connect,
+                                 on_disconnect=self._on_disconnect)
         self.client.subscribe(self.topics.round)
+        self.client.subscribe(self.topics.refused(device_id))
 
     def start(self, wait: bool = True) -> MqttDeviceTransport:
         """Connect (in the background; with ``wait``, until the first connection or a clear error)."""
@@ -281,15 +371,24 @@ class MqttDeviceTransport(DeviceTransport):
 
     # -- dispatcher thread -------------------------------------------------------------
     def _on_connect(self, session_present: bool) -> None:
-        self.client.publish(self.topics.status(self.device_id), STATUS_ONLINE, retain=True)
-        if self._hello is not None:
-            self.client.publish(self.topics.hello(self.device_id), self._hello, retain=True)
+        with self._hello_lock:
+            self.client.publish(self.topics.status(self.device_id), STATUS_ONLINE, retain=True)
+            if self._hello is not None:
+                self.client.publish(self.topics.hello(self.device_id), self._hello, retain=True)
+            self._announced = True
+
+    def _on_disconnect(self) -> None:
+        with self._hello_lock:
+            self._announced = False
 
     def _on_message(self, m: Received) -> None:
         self.stats.messages_in += 1
         self.stats.bytes_in += len(m.payload)
         if m.topic == self.topics.round:
             self._on_round(m.payload)
+            return
+        if m.topic == self.topics.refused(self.device_id):
+            self._on_refused(m.payload)
             return
         g = self.topics.parse_global(m.topic)
         if g is None:
@@ -307,6 +406,18 @@ class MqttDeviceTransport(DeviceTransport):
         with self._cond:
             self._globals[g.artifact] = (rnd, whole)
             self._cond.notify_all()
+
+    def _on_refused(self, raw: bytes) -> None:
+        self.refusal = raw or None
+        if not raw:
+            return
+        try:
+            msg = Message.from_bytes(raw, max_bytes=MAX_HELLO_BYTES)
+            reason, text = msg.info.get("reason", "?"), msg.info.get("message", "")
+        except (PayloadError, AttributeError) as exc:
+            log.warning("%s: the coordinator refused this device (unreadable reason: %s)", self.device_id, exc)
+            return
+        log.error("%s: the coordinator refused this device: %s: %s", self.device_id, reason, text)
 
     def _on_round(self, raw: bytes) -> None:
         if not raw:
@@ -339,9 +450,11 @@ class MqttDeviceTransport(DeviceTransport):
 
     # -- DeviceTransport ---------------------------------------------------------------
     def send_hello(self, data: bytes) -> None:
-        self._hello = data
-        if self.client.connected:
-            self.client.publish(self.topics.hello(self.device_id), data, retain=True)
+        """Publish the hello (retained) now if connected, and again after every reconnection."""
+        with self._hello_lock:
+            self._hello = data
+            if self._announced:
+                self.client.publish(self.topics.hello(self.device_id), data, retain=True)
         self._count_out(len(data))
 
     def current_round(self) -> bytes | None:
@@ -394,12 +507,15 @@ class MqttDeviceTransport(DeviceTransport):
             rnd = -1
         if key is not None and key[1] == rnd:
             self._last_update = (key, rid, data)
-        infos = [self.client.publish(self.topics.update(self.device_id), f) for f in frames]
+        pubs = [self.client.publish(self.topics.update(self.device_id), f) for f in frames]
         for f in frames:
             self._count_out(len(f))
-        if self.client.connected and not self.client.wait_published(infos, PUBLISH_TIMEOUT_S):
-            log.warning("%s: update not acknowledged within %.0f s; paho resends it after a reconnect",
-                        self.device_id, PUBLISH_TIMEOUT_S)
+        # Wait across a broker restart (paho resends after the reconnect). Not raising after the timeout:
+        # the round is done (a retry would train again); the message stays queued, and the coordinator's
+        # re-announcement of the round makes this device send its cached copy again.
+        if not self.client.wait_published(pubs, self.settings.publish_timeout_s):
+            log.warning("%s: update not acknowledged within %.0f s; it stays queued and is resent after the "
+                        "reconnect", self.device_id, self.settings.publish_timeout_s)
 
     def close(self) -> None:
         """Disconnect cleanly, marking this device offline (the last-will is for crashes)."""
