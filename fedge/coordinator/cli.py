@@ -89,7 +89,6 @@ def _run(args: argparse.Namespace) -> int:
 
     from fedge.coordinator.service import CoordinatorService, SchedulePolicy
     from fedge.coordinator.strategies import strategy
-    from fedge.edge.data.datasets import NUM_CLASSES
     from fedge.fleet.config import device_ids, load_fleet
     from fedge.mqtt.transport import MqttCoordinatorTransport, TransportSettings
 
@@ -103,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     engine_cfg = policy.engine_config(fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
                                       allowed=None if args.any_device else frozenset(ids),
                                       max_update_bytes=args.max_update_bytes)
-    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=NUM_CLASSES[cfg.run.dataset], rounds=cfg.run.rounds)
+    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=cfg.num_classes, rounds=cfg.run.rounds)
 
     embedded: Any = None
     if args.broker is None:

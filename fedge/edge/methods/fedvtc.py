@@ -103,7 +103,6 @@ class FedVTCDevice(DeviceMethod):
         self.synthetic_labels = str(cfg.get("synthetic_labels", "global"))
         if self.synthetic_labels not in ("global", "local"):
             raise ConfigError(f"[method] synthetic_labels must be 'global' or 'local', got {self.synthetic_labels!r}")
-        self.local_classes = np.flatnonzero(np.bincount(ctx.train.y, minlength=ctx.num_classes) > 0)
         self.alternations = ctx.train_cfg.local_epochs
         # The decoder persists across rounds, so it need not train after every model epoch:
         # it trains after the last ``decoder_epochs`` of them (it dominates a round's cost).
@@ -121,7 +120,7 @@ class FedVTCDevice(DeviceMethod):
         self.decoder_trained = False
         norm = ctx.train.norm
         self.mean, self.std = float(norm.mean), float(norm.std)
-        self.x01 = torch.from_numpy(np.clip(ctx.train.x * self.std + self.mean, 0, 1).astype(np.float32))
+        self._derive_from_data()
         self.local_sigma: torch.Tensor | None = None  # (p,)
         self.g_protos: torch.Tensor | None = None  # (C, p)
         self.g_sigma: torch.Tensor | None = None  # (p,)
@@ -162,6 +161,16 @@ class FedVTCDevice(DeviceMethod):
         assert self.g_protos is not None and self.g_sigma is not None
         eps = torch.randn((len(labels), self.g_protos.shape[1]), generator=self.ctx.torch_gen)
         return self.g_protos[labels] + self.g_sigma * eps
+
+    def _derive_from_data(self) -> None:
+        """The device's classes and its images in [0, 1] (the decoder's targets), from ``ctx.train``."""
+        ctx = self.ctx
+        self.local_classes = np.flatnonzero(np.bincount(ctx.train.y, minlength=ctx.num_classes) > 0)
+        self.x01 = torch.from_numpy(np.clip(ctx.train.x * self.std + self.mean, 0, 1).astype(np.float32))
+
+    def data_changed(self) -> None:
+        super().data_changed()
+        self._derive_from_data()
 
     def _normalize(self, x01: torch.Tensor) -> torch.Tensor:
         return (x01 - self.mean) / self.std
