@@ -337,3 +337,51 @@ def test_flashed_install_runs_an_agent_on_real_images_that_is_aggregated(tmp_pat
     assert all(r["accepted"] == ["rpi4-2gb-2"] for r in trained)
     status = json.loads((prefix / "var/lib/fedge/status.json").read_text())
     assert (status["train"], status["test"], status["skipped"], status["error"]) == (120, 30, 0, None)
+
+
+def test_flash_ssh_installs_on_a_running_device_over_a_real_sshd(tmp_path: Path) -> None:
+    """--ssh against Debian's OpenSSH server on 127.0.0.1 (key auth, a free port): the payload is copied and
+    install.sh runs there (into a scratch prefix, as the remote user)."""
+    sshd = shutil.which("sshd") or ("/usr/sbin/sshd" if Path("/usr/sbin/sshd").is_file() else None)
+    if sshd is None or shutil.which("ssh-keygen") is None or shutil.which("scp") is None:
+        pytest.skip("needs openssh-server and openssh-client (apt-get install openssh-server; .ci/run installs it)")
+    if os.geteuid() != 0:
+        pytest.skip("sshd needs root here (privilege separation directory /run/sshd); run as root, as CI does")
+    fleet, broker = fleet_and_broker(tmp_path)
+    keys = tmp_path / "ssh"
+    keys.mkdir(mode=0o700)
+    for name in ("host", "client"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)], check=True)
+    shutil.copy(keys / "client.pub", keys / "authorized_keys")
+    port = free_port()
+    (keys / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {keys / 'host'}\n"
+        f"AuthorizedKeysFile {keys / 'authorized_keys'}\n"
+        f"PidFile {keys / 'sshd.pid'}\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nSubsystem sftp internal-sftp\n")
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+    server = subprocess.Popen([sshd, "-D", "-e", "-f", str(keys / "sshd_config")], stderr=subprocess.PIPE)
+    try:
+        from fedge.mqtt.broker import wait_for_port
+
+        wait_for_port("127.0.0.1", port, 10)
+        prefix = tmp_path / "remote-root"
+        from fedge.flash.remote import flash_ssh
+
+        opts = [f"Port={port}", f"IdentityFile={keys / 'client'}", "StrictHostKeyChecking=no",
+                "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"]
+        flash_ssh(f"{getpass.getuser()}@127.0.0.1", prepare("rpi4-2gb-1", fleet, broker), options=opts,
+                  remote_dir=str(tmp_path / "remote-payload"),
+                  install_args=["--prefix", str(prefix), "--no-systemd", "--venv",
+                                str(Path(sys.executable).parents[1])])
+    finally:
+        server.terminate()
+        server.wait(10)
+    copied = tmp_path / "remote-payload" / "fedge"
+    assert json.loads((copied / "payload.json").read_text())["init"] == "none"
+    pw = prefix / "etc/fedge/bundle/password"
+    assert pw.read_bytes() == (broker / "bundles/rpi4-2gb-1/password").read_bytes()
+    assert stat.S_IMODE(pw.stat().st_mode) == 0o600
+    assert (prefix / "opt/fedge/bin/fedge-edge").is_file()
+    with pytest.raises(ConfigError, match="USER@HOST"):
+        flash_ssh("no-user-here", prepare("rpi4-2gb-1", fleet, broker))
