@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from importlib import metadata
 from pathlib import Path
 
 from fedge.errors import ConfigError, FedgeError
@@ -31,18 +30,29 @@ PLATFORMS: dict[str, tuple[str, ...]] = {
 }
 
 
-def device_requirements(extra: str = "device") -> list[str]:
-    """fedge's requirements for ``extra`` (core + the extra), from the installed package metadata."""
-    try:
-        reqs = metadata.requires("fedge") or []
-    except metadata.PackageNotFoundError as exc:
-        raise ConfigError("fedge's package metadata is missing", hint="pip install -e . (or the fedge wheel)") from exc
-    out = []
-    for r in reqs:
-        spec, _, marker = r.partition(";")
-        names = re.findall(r"extra\s*==\s*['\"]([^'\"]+)['\"]", marker)
-        if not marker.strip() or extra in names:
-            out.append(spec.strip())
+def device_requirements(extra: str = "device", pyproject: Path | None = None) -> list[str]:
+    """fedge's requirements for ``extra`` (the core + the extra, self-references like ``fedge[runtime]``
+    resolved), from the source tree's pyproject.toml: the wheelhouse matches the fedge wheel built beside it."""
+    import tomllib
+
+    path = pyproject or source_tree() / "pyproject.toml"
+    project = tomllib.loads(path.read_text())["project"]
+    extras: dict[str, list[str]] = project.get("optional-dependencies", {})
+    out: list[str] = list(project.get("dependencies", []))
+    todo, seen = [extra], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        if name not in extras:
+            raise ConfigError(f"{path}: fedge has no extra {name!r}", hint=f"extras: {', '.join(extras)}")
+        seen.add(name)
+        for req in extras[name]:
+            m = re.fullmatch(r"fedge\[([^\]]+)\]", req.replace(" ", ""))
+            if m:
+                todo += m.group(1).split(",")
+            elif req not in out:
+                out.append(req)
     return out
 
 
