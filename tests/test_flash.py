@@ -385,3 +385,20 @@ def test_flash_ssh_installs_on_a_running_device_over_a_real_sshd(tmp_path: Path)
     assert (prefix / "opt/fedge/bin/fedge-edge").is_file()
     with pytest.raises(ConfigError, match="USER@HOST"):
         flash_ssh("no-user-here", prepare("rpi4-2gb-1", fleet, broker))
+
+
+def test_wheelhouse_command_targets_the_profiles_cpu_and_python(tmp_path: Path) -> None:
+    """--wheels is not run here (it downloads from PyPI); its pip command is checked instead."""
+    from fedge.flash.wheels import device_requirements, download_command
+
+    fleet, broker = fleet_and_broker(tmp_path)
+    plan = prepare("rpi4-2gb-1", fleet, broker, python="3.13")
+    cmd = download_command(plan.cpu_arch, plan.python, tmp_path / "w", device_requirements())
+    platforms = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--platform"]
+    assert platforms and all(p.endswith("_aarch64") for p in platforms)
+    assert "--only-binary=:all:" in cmd and cmd[cmd.index("--python-version") + 1] == "3.13"
+    assert cmd[cmd.index("--abi") + 1] == "cp313"
+    assert {r.split(">")[0] for r in cmd[-6:]} == {"numpy", "safetensors", "paho-mqtt", "torch", "onnxruntime",
+                                                   "pillow"}
+    with pytest.raises(ConfigError, match=r"MAJOR\.MINOR"):
+        download_command("aarch64", "311", tmp_path, [])
