@@ -112,7 +112,9 @@ def build_venv(kind: str, root: Path, wheel: Path, find_links: str) -> Path:
     torch_wheels = sorted(Path(find_links).glob("torch-*+cpu-*.whl"))
     cons = root / "constraints.txt"
     cons.write_text("".join(f"torch=={w.name.split('-')[1]}\n" for w in torch_wheels[-1:]))
-    subprocess.run([*pip, "-c", str(cons), f"{wheel}[{kind}]"], check=True)
+    # Without PYTHONPATH: a source tree on it would count as an installed fedge and pip would skip the wheel.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([*pip, "-c", str(cons), f"{wheel}[{kind}]"], check=True, env=env)
     return venv
 
 
@@ -153,8 +155,11 @@ def main() -> None:
     fleet = own_data_fleet(tmp / "fleet.toml")
     data = tmp / "data"
     write_digit_pngs(data, 20)
+    src = tmp / "src"  # a copy: building in place would leave build/ and fedge.egg-info in the source tree
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "benchmarks", "tests",
+                                                             "__pycache__", "*.egg-info", "build"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp / "dist"),
-                    str(REPO)], check=True, cwd=tmp)
+                    str(src)], check=True, cwd=tmp)
     wheel = next((tmp / "dist").glob("fedge-*.whl"))
     broker = MosquittoProcess().start()
     rows = []

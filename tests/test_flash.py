@@ -402,3 +402,23 @@ def test_wheelhouse_command_targets_the_profiles_cpu_and_python(tmp_path: Path) 
                                                    "pillow"}
     with pytest.raises(ConfigError, match=r"MAJOR\.MINOR"):
         download_command("aarch64", "311", tmp_path, [])
+
+
+def test_the_firstrun_hook_runs_the_previous_script_enables_the_install_and_removes_itself(tmp_path: Path) -> None:
+    """The hook as the kernel command line starts it, against a scratch root (FEDGE_FIRSTRUN_ROOT)."""
+    fleet, broker = fleet_and_broker(tmp_path)
+    boot = rpi_boot(tmp_path / "boot", firstrun=False)
+    (boot / "firstrun.sh").write_text('#!/bin/bash\necho "$0" > "$(dirname "$0")/../previous-ran"\nexit 3\n')
+    flash_dir(boot, prepare("rpi4-2gb-1", fleet, broker))
+    root = tmp_path / "root"
+    proc = subprocess.run(["sh", str(boot / "firstrun.sh")], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "FEDGE_FIRSTRUN_ROOT": str(root)})
+    assert proc.returncode == 0, proc.stderr  # a failing earlier script must not stop the boot
+    assert "exited with 3" in proc.stderr
+    assert (boot / "previous-ran").read_text().strip() == str(boot / "fedge" / "firstrun.previous.sh")
+    unit = root / "etc/systemd/system/fedge-install.service"
+    assert f"ExecStart=/bin/sh {boot}/fedge/install.sh" in unit.read_text() and "@BOOT@" not in unit.read_text()
+    link = root / "etc/systemd/system/multi-user.target.wants/fedge-install.service"
+    assert link.resolve() == unit.resolve()
+    assert not (boot / "firstrun.sh").exists()
+    assert (boot / "cmdline.txt").read_text() == CMDLINE  # back to what Imager wrote

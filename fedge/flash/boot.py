@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedge.errors import ConfigError
-from fedge.flash.payload import PAYLOAD_DIR, DevicePlan, Source, _template, render
+from fedge.flash.payload import PAYLOAD_DIR, DevicePlan, Source, render
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +136,3 @@ def hook_for(init: Init, boot: Path, plan: DevicePlan) -> HookFiles:
     if init == "cloud-init":
         return cloud_init_hook(boot, plan)
     return HookFiles({}, [])
-
-
-def firstrun_template() -> str:
-    """The hook script before its values are filled in (for docs and tests)."""
-    return _template("firstrun.sh")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -94,8 +95,12 @@ def build_wheelhouse(cpu_arch: str, python: str, dest: Path) -> list[Source]:
                          hint="check the network; some packages (e.g. torch on armv7l) publish no wheels for "
                               "that platform: use an aarch64 OS image, or install from piwheels by hand")
     with tempfile.TemporaryDirectory() as tmp:
+        # Build from a copy: building in place leaves build/ and fedge.egg-info in the source tree.
+        src = Path(tmp) / "src"
+        shutil.copytree(source_tree(), src, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "runs", "tests", "benchmarks", "__pycache__", "*.egg-info", "build", "dist"))
         proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(dest),
-                               str(source_tree())], capture_output=True, text=True, check=False, cwd=tmp)
+                               str(src)], capture_output=True, text=True, check=False, cwd=tmp)
     if proc.returncode != 0:
         raise FedgeError(f"building fedge's wheel failed: {proc.stderr.strip()[-300:]}")
     return [Source(f"wheels/{w.name}", path=w) for w in sorted(dest.glob("*.whl"))]
