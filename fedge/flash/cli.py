@@ -25,6 +25,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     f.add_argument("--export", metavar="DIR", help="exported models (`fedge export`): DIR/DEVICE_ID or one model dir")
     f.add_argument("--wheels", action="store_true",
                    help="add an offline wheelhouse of fedge[device] for the device's CPU (from its profile) and Python")
+    f.add_argument("--wheel-index", action="append", default=[], metavar="URL",
+                   help="--wheels: an extra package index, e.g. https://download.pytorch.org/whl/cpu (PyPI's torch "
+                        "for aarch64 pulls CUDA packages; the CPU-only build does not)")
     f.add_argument("--python", metavar="X.Y", help="the device's Python for --wheels (default 3.11: RPi OS bookworm)")
     where = f.add_mutually_exclusive_group(required=True)
     where.add_argument("--to", metavar="BOOT_DIR", help="a mounted boot partition (has cmdline.txt or config.txt)")
@@ -54,12 +57,13 @@ def _flash(args: argparse.Namespace) -> int:
         if args.wheels and args.dry_run:
             from fedge.flash.wheels import device_requirements, download_command
 
-            cmd = download_command(plan.cpu_arch, plan.python, Path("WHEELS"), device_requirements())
+            cmd = download_command(plan.cpu_arch, plan.python, Path("WHEELS"), device_requirements(),
+                                   tuple(args.wheel_index))
             print(f"--wheels (not downloaded in a dry run): {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr)
         elif args.wheels:
             from fedge.flash.wheels import build_wheelhouse
 
-            wheels = build_wheelhouse(plan.cpu_arch, plan.python, Path(tmp))
+            wheels = build_wheelhouse(plan.cpu_arch, plan.python, Path(tmp), tuple(args.wheel_index))
         if args.to:
             from fedge.flash.flash import flash_dir
 

@@ -1,10 +1,15 @@
 """An offline wheelhouse of ``fedge[device]`` for the device's CPU and Python (``fedge flash --wheels``).
 
 ``pip download --only-binary=:all: --platform TAG... --python-version X.Y``
-fetches the dependencies built for the device (not for this machine); fedge
-itself is built from the source tree with ``pip wheel --no-deps``. The
-requirements are read from fedge's own package metadata (the ``device`` extra),
-so the wheelhouse follows pyproject.toml.
+fetches wheels built for the device, not for this machine. pip evaluates
+environment markers against the machine it runs on, though: resolving torch for
+aarch64 on an x86_64 workstation pulls in torch's CUDA packages, whose markers
+say ``platform_machine == "x86_64"``, and fails. So the closure is walked here:
+each requirement is downloaded with ``--no-deps``, its wheel's ``Requires-Dist``
+read and the markers evaluated for the *device* (``packaging.markers`` with the
+device's machine and Python), until nothing is missing. fedge itself is built
+from the source tree with ``pip wheel --no-deps``. The top-level requirements
+are the ``device`` extra of the source tree's pyproject.toml.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ def device_requirements(extra: str = "device", pyproject: Path | None = None) ->
     return out
 
 
-def download_command(cpu_arch: str, python: str, dest: Path, requirements: list[str]) -> list[str]:
+def download_command(cpu_arch: str, python: str, dest: Path, requirements: list[str],
+                     extra_indexes: tuple[str, ...] = ()) -> list[str]:
     """The ``pip download`` command of the wheelhouse (binary wheels for the device only)."""
     if cpu_arch not in PLATFORMS:
         raise ConfigError(f"no wheel platform tags for CPU architecture {cpu_arch!r}",
@@ -68,6 +74,8 @@ def download_command(cpu_arch: str, python: str, dest: Path, requirements: list[
            "--python-version", python, "--implementation", "cp", "--abi", f"cp{python.replace('.', '')}"]
     for tag in PLATFORMS[cpu_arch]:
         cmd += ["--platform", tag]
+    for url in extra_indexes:  # e.g. PyTorch's CPU-only index: torch X+cpu sorts above PyPI's X
+        cmd += ["--extra-index-url", url]
     return cmd + requirements
 
 
@@ -82,18 +90,78 @@ def source_tree() -> Path:
     return root
 
 
-def build_wheelhouse(cpu_arch: str, python: str, dest: Path) -> list[Source]:
+def target_environment(cpu_arch: str, python: str) -> dict[str, str]:
+    """PEP 508 marker values of the device (Linux, CPython ``python``, machine ``cpu_arch``)."""
+    return {"platform_machine": cpu_arch, "platform_system": "Linux", "sys_platform": "linux", "os_name": "posix",
+            "python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
+            "platform_python_implementation": "CPython", "implementation_version": f"{python}.0",
+            "platform_release": "", "platform_version": "", "extra": ""}
+
+
+def _wheel_of(dest: Path, name: str) -> Path | None:
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    for w in sorted(dest.glob("*.whl")):
+        if parse_wheel_filename(w.name)[0] == canonicalize_name(name):
+            return w
+    return None
+
+
+def _requires(wheel: Path) -> list[str]:
+    import zipfile
+    from email.parser import HeaderParser
+
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+        return HeaderParser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []
+
+
+def download_closure(cpu_arch: str, python: str, dest: Path, requirements: list[str],
+                     extra_indexes: tuple[str, ...] = ()) -> list[Path]:
+    """Download ``requirements`` and everything they need on the device into ``dest`` (markers evaluated for the
+    device, see the module docstring); returns the wheels."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    env = target_environment(cpu_arch, python)
+    base = download_command(cpu_arch, python, dest, [], extra_indexes)
+    todo = [(Requirement(r), frozenset[str]()) for r in requirements]
+    got: dict[str, Path] = {}
+    while todo:
+        req, _ = todo.pop(0)
+        name = canonicalize_name(req.name)
+        if name in got:
+            version = parse_wheel_filename(got[name].name)[1]
+            if not req.specifier.contains(version, prereleases=True):
+                raise FedgeError(f"the wheelhouse needs {req} but already holds {name} {version}",
+                                 hint="pin compatible versions in pyproject.toml's extras")
+            continue
+        spec = f"{req.name}{req.specifier}"
+        log.info("downloading %s for %s / Python %s", spec, cpu_arch, python)
+        proc = subprocess.run([*base, "--no-deps", spec], capture_output=True, text=True, check=False)
+        wheel = _wheel_of(dest, req.name)
+        if proc.returncode != 0 or wheel is None:
+            tail = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("WARNING")][-2:]
+            cuda = " (PyPI's torch pulls CUDA packages" if name.startswith("nvidia-") else ""
+            raise FedgeError(f"pip download of {spec} for {cpu_arch} / Python {python} failed{cuda and cuda + ')'}: "
+                             f"{' '.join(tail)}",
+                             hint="take torch from PyTorch's CPU-only index: --wheel-index "
+                                  "https://download.pytorch.org/whl/cpu" if cuda else
+                                  "check the network; some packages (e.g. torch on armv7l) publish no wheels for "
+                                  "that platform: use a 64-bit OS image, or install from piwheels by hand")
+        got[name] = wheel
+        extras = req.extras or {""}
+        for dep in _requires(wheel):
+            r = Requirement(dep)
+            if r.marker is None or any(r.marker.evaluate({**env, "extra": e}) for e in extras):
+                todo.append((r, frozenset(r.extras)))
+    return sorted(got.values())
+
+
+def build_wheelhouse(cpu_arch: str, python: str, dest: Path, extra_indexes: tuple[str, ...] = ()) -> list[Source]:
     """Download the device set into ``dest`` and return it as payload sources (``wheels/NAME.whl``)."""
     dest.mkdir(parents=True, exist_ok=True)
-    reqs = device_requirements()
-    cmd = download_command(cpu_arch, python, dest, reqs)
-    log.info("downloading the wheelhouse: %s", " ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-3:]
-        raise FedgeError(f"pip download for {cpu_arch} / Python {python} failed: {' '.join(tail)}",
-                         hint="check the network; some packages (e.g. torch on armv7l) publish no wheels for "
-                              "that platform: use an aarch64 OS image, or install from piwheels by hand")
+    download_closure(cpu_arch, python, dest, device_requirements(), extra_indexes)
     with tempfile.TemporaryDirectory() as tmp:
         # Build from a copy: building in place leaves build/ and fedge.egg-info in the source tree.
         src = Path(tmp) / "src"
