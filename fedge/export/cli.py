@@ -123,7 +123,7 @@ def _infer(args: argparse.Namespace) -> int:
 
 
 def add_probe_parser(psub: argparse._SubParsersAction) -> None:
-    """Register ``probe`` under ``fedge profile`` (called from :mod:`fedge.profiles.cli`)."""
+    """Register ``probe`` under ``fedge profile`` (called from :mod:`fedge.cli`, which may import both areas)."""
     from fedge.common.archs import TIERS
 
     pr = psub.add_parser(
