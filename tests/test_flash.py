@@ -22,7 +22,7 @@ from own_data_helpers import own_data_fleet, write_digit_pngs
 from fedge.broker.config import BrokerOptions, write_broker_config
 from fedge.errors import ConfigError, ExportError, ProfileError
 from fedge.flash.boot import CMDLINE_ENTRY, RUNCMD
-from fedge.flash.flash import flash_dir
+from fedge.flash.flash import flash, flash_dir
 from fedge.flash.image import flash_image
 from fedge.flash.payload import prepare
 from fedge.fleet.config import device_ids, load_fleet
@@ -226,6 +226,11 @@ def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not look like a boot partition"):
         flash_dir(plain, plan)
     assert flash_dir(plain, plan, force=True).init == "none" and (plain / "fedge" / "install.sh").is_file()
+    # The Python entry point (what `fedge emulate` calls) writes the same payload as the command's path.
+    again = tmp_path / "again"
+    again.mkdir()
+    assert flash("rpi4-2gb-1", fleet, broker, again, export=tmp_path / "export", force=True).init == "none"
+    assert tree(again / "fedge") == tree(plain / "fedge")
     _need("sfdisk")
     image = tmp_path / "linux.img"
     make_image(image, fat=False)

@@ -75,3 +75,22 @@ def flash_dir(boot: Path, plan: DevicePlan, *, init: str | None = None, force: b
     log.info("flashed %s (%s hook) to %s: %d files, %d bytes", plan.device_id, kind, boot, len(listing.files),
              listing.total_bytes)
     return listing
+
+
+def flash(device_id: str, fleet: str | os.PathLike[str], broker_dir: str | os.PathLike[str],
+          to: str | os.PathLike[str], *, export: str | os.PathLike[str] | None = None, wheels: bool = False,
+          wheel_indexes: tuple[str, ...] = (), python: str | None = None, init: str | None = None,
+          force: bool = False, dry_run: bool = False) -> Listing:
+    """``fedge flash DEVICE_ID --fleet F --broker-dir B --to TO`` as a function (the Python entry point)."""
+    import tempfile
+
+    from fedge.flash.payload import prepare
+
+    plan = prepare(device_id, fleet, broker_dir, export_dir=export, python=python)
+    with tempfile.TemporaryDirectory(prefix="fedge-wheels-") as tmp:
+        sources: list[Source] = []
+        if wheels and not dry_run:
+            from fedge.flash.wheels import build_wheelhouse
+
+            sources = build_wheelhouse(plan.cpu_arch, plan.python, Path(tmp), wheel_indexes)
+        return flash_dir(Path(to), plan, init=init, force=force, dry_run=dry_run, wheels=sources)
