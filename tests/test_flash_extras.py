@@ -107,3 +107,15 @@ def test_extras_in_pyproject_hold_what_the_helper_names() -> None:
         assert dist in reqs, (module, extra)
     device = {r.split(">")[0] for r in device_requirements("device")}
     assert device == {"numpy", "safetensors", "paho-mqtt", "onnxruntime", "pillow", "torch"}
+
+
+def test_flash_runs_on_the_core_install(tmp_path: Path) -> None:
+    """A workstation needs no extra to flash a Raspberry Pi OS card (yaml only for cloud-init images)."""
+    from test_flash import fleet_and_broker, rpi_boot
+
+    fleet, broker = fleet_and_broker(tmp_path)
+    boot = rpi_boot(tmp_path / "boot")
+    rc, out, err, tried = run_without(sorted(EXTRA_OF), "flash", "rpi4-2gb-1", "--fleet", str(fleet),
+                                      "--broker-dir", str(broker), "--to", str(boot))
+    assert (rc, tried) == (0, []), err
+    assert (boot / "fedge" / "payload.json").is_file() and "fedge/install.sh" in out

@@ -97,8 +97,8 @@ def render(name: str, plan: DevicePlan) -> bytes:
     return text.encode()
 
 
-def _device_arch(cfg: Any, device_id: str) -> tuple[str | None, str]:
-    """(architecture the fleet config pins for the device or None, profile reference)."""
+def _device_arch(cfg: Any, device_id: str) -> tuple[str | None, int]:
+    """(architecture the fleet config pins for the device or None, its [[devices]] group index)."""
     from fedge.fleet.config import device_ids
 
     ids = device_ids(cfg)
@@ -110,11 +110,7 @@ def _device_arch(cfg: Any, device_id: str) -> tuple[str | None, str]:
     gi = ids[idx][1]
     group = cfg.devices[gi]
     k = sum(1 for _, g in ids[:idx] if g == gi)
-    arch = group.arch or (group.archs[k % len(group.archs)] if group.archs else None)
-    ref = group.profile
-    if ref.endswith(".toml") and not ref.startswith("/"):
-        ref = str(cfg.base_dir / ref)
-    return arch, ref
+    return group.arch or (group.archs[k % len(group.archs)] if group.archs else None), gi
 
 
 def check_bundle(broker_dir: Path, device_id: str, fleet_config: Path) -> Path:
@@ -188,14 +184,14 @@ def prepare(device_id: str, fleet_config: str | os.PathLike[str], broker_dir: st
     """Check the device and collect its payload files (nothing is written)."""
     from fedge.common.tomlconf import read_toml
     from fedge.fleet.config import load_fleet
-    from fedge.profiles import load_profile
+    from fedge.fleet.slots import device_profile
     from fedge.profiles import plan as plan_profile
 
     fleet_path = Path(fleet_config)
     cfg = load_fleet(fleet_path)
-    arch, ref = _device_arch(cfg, device_id)
+    arch, group = _device_arch(cfg, device_id)
     try:
-        profile = load_profile(ref)
+        profile = device_profile(cfg, group)
         p = plan_profile(profile, embed_dim=cfg.run.embed_dim)
     except ProfileError as exc:
         raise ProfileError(f"{device_id}: {exc.message}",
