@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "fedge.edge.cli",
     "fedge.export.cli",
     "fedge.broker.cli",
+    "fedge.flash.cli",
 )
 
 
@@ -54,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _report(exc: FedgeError) -> int:
+    print(f"fedge: error: {exc.message}", file=sys.stderr)
+    if exc.hint:
+        print(f"  fix: {exc.hint}", file=sys.stderr)
+    return exc.exit_code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -66,11 +74,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except ModuleNotFoundError as exc:
+        from fedge.common.extras import missing_extra
+
+        err = missing_extra(exc)
+        if err is None:
+            raise
+        return _report(err)
     except FedgeError as exc:
-        print(f"fedge: error: {exc.message}", file=sys.stderr)
-        if exc.hint:
-            print(f"  fix: {exc.hint}", file=sys.stderr)
-        return exc.exit_code
+        return _report(exc)
     except KeyboardInterrupt:
         print("fedge: interrupted", file=sys.stderr)
         return 130

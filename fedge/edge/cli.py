@@ -1,8 +1,10 @@
 """``fedge edge run``: the device agent as a service, from a bundle or from a fleet config.
 
-The command layer: it builds the device (its data share, model and method half)
-from the fleet config exactly as ``fedge simulate`` does — same seeds, same
-partition — so a fleet of real devices reproduces a simulated run.
+The command layer: it builds the device (its model and method half) from the
+fleet config exactly as ``fedge simulate`` does — same seeds, same plan. Its data
+is either its own folder (``--data DIR``, see :mod:`fedge.edge.own_data`) or, for
+benchmarks and reproductions, its share of the fleet's data set rebuilt from the
+same partition, so a fleet of real devices reproduces a simulated run.
 """
 
 from __future__ import annotations
@@ -27,11 +29,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r = esub.add_parser(
         "run", help="join a fleet: announce, train each round, upload, apply the global state",
         description="Run one device until the run's final round. Either --bundle DIR (written by "
-                    "`fedge broker config --bundles`), or --config FLEET.toml --device-id ID --broker URL: the "
-                    "device rebuilds its own data share and model from the fleet config, deterministically.")
+                    "`fedge broker config --bundles`), or --config FLEET.toml --device-id ID --broker URL. With "
+                    "--data DIR the device trains on its own images (one sub-folder per class, named as in the "
+                    "fleet config's [data] classes); without it, on its share of the fleet's benchmark data set, "
+                    "rebuilt deterministically from the fleet config.")
     r.add_argument("--bundle", metavar="DIR", help="device bundle (bundle.toml, fleet config, credentials, CA)")
-    r.add_argument("--config", "--data", dest="config", metavar="FLEET.toml",
-                   help="the fleet config the device takes its data share, method and plan from")
+    r.add_argument("--config", metavar="FLEET.toml", help="the fleet config the device takes its method and plan from")
+    r.add_argument("--data", metavar="DIR",
+                   help="the device's own data: one sub-folder of PNG/JPEG images per class (or .npz files with x "
+                        "and y); rescanned before every round")
+    r.add_argument("--status-file", metavar="PATH",
+                   help="with --data: write what the last scan found (counts, skipped files) to this JSON file")
     r.add_argument("--device-id", help="this device's id in the fleet config (e.g. rpi4-2gb-1)")
     r.add_argument("--profile", help="expected profile of the device (checked against the fleet config)")
     add_broker_arguments(r)
@@ -42,8 +50,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.set_defaults(func=_run)
 
 
-def _device(cfg_path: str, device_id: str, profile: str | None) -> tuple[Any, Any]:
-    """(fleet config, SimDevice) of ``device_id``, with its profile's round-time budget in the hello."""
+def _device(cfg_path: str, device_id: str, profile: str | None,
+            data_dir: str | None = None) -> tuple[Any, Any, Any]:
+    """(fleet config, SimDevice, own-data (LocalData, Scan) or None) of ``device_id``, with its profile's
+    round-time budget in the hello."""
     from fedge.fleet.config import load_fleet
     from fedge.fleet.devices import build_device, device_ids, load_fleet_data
     from fedge.profiles import load_profile
@@ -53,7 +63,15 @@ def _device(cfg_path: str, device_id: str, profile: str | None) -> tuple[Any, An
     if device_id not in ids:
         raise ConfigError(f"{cfg_path} has no device {device_id!r}",
                           hint=f"its devices are {', '.join(ids[:8])}{' ...' if len(ids) > 8 else ''}")
-    dev = build_device(cfg, load_fleet_data(cfg), ids.index(device_id))
+    own = None
+    if data_dir is not None:
+        from fedge.edge.own_data import build_own_device, local_data
+
+        data = local_data(cfg, data_dir)
+        dev, scan = build_own_device(cfg, device_id, data)
+        own = (data, scan)
+    else:
+        dev = build_device(cfg, load_fleet_data(cfg), ids.index(device_id))
     if profile is not None and profile != dev.info.profile:
         raise ConfigError(f"{device_id} has profile {dev.info.profile!r} in {cfg_path}, not {profile!r}")
     try:
@@ -62,7 +80,7 @@ def _device(cfg_path: str, device_id: str, profile: str | None) -> tuple[Any, An
         dev.info = dataclasses.replace(dev.info, extra={**dev.info.extra, "est_round_s": budget})
     except ProfileError:
         pass
-    return cfg, dev
+    return cfg, dev, own
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -72,22 +90,35 @@ def _run(args: argparse.Namespace) -> int:
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.transport import MqttDeviceTransport, TransportSettings
 
+    if args.status_file and not args.data:
+        raise ConfigError("--status-file reports on the device's own data: give --data DIR too")
     if args.bundle:
         if args.config or args.device_id:
             raise ConfigError("give either --bundle or --config/--device-id, not both")
         b = Bundle.load(args.bundle)
-        cfg, dev = _device(b.fleet_config, b.device_id, args.profile)
+        cfg, dev, own = _device(b.fleet_config, b.device_id, args.profile, args.data)
         settings = parse_broker_url(args.broker or b.broker, username=args.username or b.username,
                                     password=args.password or b.password(), ca_file=args.ca or b.ca_file,
                                     tls=True if args.tls else None)
     else:
         if not (args.config and args.device_id and args.broker):
             raise ConfigError("fedge edge run needs --bundle DIR, or --config FLEET.toml --device-id ID --broker URL")
-        cfg, dev = _device(args.config, args.device_id, args.profile)
+        cfg, dev, own = _device(args.config, args.device_id, args.profile, args.data)
         settings = broker_settings(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, global_timeout_s=args.global_timeout)
     transport = MqttDeviceTransport(settings, cfg.run.fleet, dev.info.device_id, wire)
-    agent = DeviceAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every)
+    agent: DeviceAgent
+    if own is not None:
+        from fedge.edge.own_data import OwnDataAgent
+
+        data, scan = own
+        agent = OwnDataAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every,
+                             data=data, scan=scan, status_file=args.status_file)
+        skipped = f", {len(scan.skipped)} unreadable files skipped" if scan.skipped else ""
+        print(f"{dev.info.device_id}: own data {args.data}: {len(scan.train)} training and {len(scan.test)} "
+              f"local test images{skipped}", file=sys.stderr)
+    else:
+        agent = DeviceAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every)
     service = EdgeService(agent, transport, EdgeOptions(exit_after_final=not args.keep_running))
     stopped = []
 

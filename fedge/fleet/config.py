@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fedge.common.catalog import DATASETS
+from fedge.common.catalog import DATASETS, NUM_CLASSES
+from fedge.common.preprocess import NORMALIZATION, Normalization
 from fedge.common.settings import MethodSettings
 from fedge.common.tensorcodec import PRECISIONS
 from fedge.common.tomlconf import build, read_toml
@@ -116,6 +117,44 @@ class DeviceGroup:
                               hint=f"use one of {', '.join(PRECISIONS)}")
 
 
+# The model zoo's networks take 1x32x32 inputs (fedge.common.archs.ArchSpec's defaults).
+ZOO_INPUT = (1, 32)
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """The fleet's own data (``fedge edge run --data DIR``): class names in label order and the input.
+
+    Every device maps its class folders to label ids through ``classes``, so folder ``cat``
+    is label 2 on every device of ``classes = ["bird", "car", "cat"]``. ``mean``/``std``
+    default to the normalization of ``[run] dataset``. Empty ``classes``: the fleet trains
+    on shares of the benchmark data set only.
+    """
+
+    classes: tuple[str, ...] = ()
+    size: int = 32
+    channels: int = 1
+    mean: float | None = None
+    std: float | None = None
+
+    def __post_init__(self) -> None:
+        for c in self.classes:
+            if not c.strip() or c != c.strip() or "/" in c or c.startswith("."):
+                raise ConfigError(f"[data] classes: {c!r} is not a usable folder name",
+                                  hint="use plain names without '/', leading dots or surrounding spaces")
+        dup = sorted({c for c in self.classes if self.classes.count(c) > 1})
+        if dup:
+            raise ConfigError(f"[data] classes lists {dup} twice", hint="list each class once")
+        if self.classes and len(self.classes) < 2:
+            raise ConfigError("[data] classes needs at least two classes")
+        if (self.channels, self.size) != ZOO_INPUT:
+            raise ConfigError(f"[data] channels = {self.channels}, size = {self.size}: the model zoo takes "
+                              f"{ZOO_INPUT[0]}x{ZOO_INPUT[1]}x{ZOO_INPUT[1]} inputs",
+                              hint="set channels = 1 and size = 32 (RGB images are converted to grey)")
+        if self.std is not None and self.std <= 0:
+            raise ConfigError(f"[data] std must be > 0, got {self.std}")
+
+
 @dataclass(frozen=True)
 class FleetConfig:
     """A whole fleet run."""
@@ -126,6 +165,7 @@ class FleetConfig:
     train: TrainSection = field(default_factory=TrainSection)
     method: dict[str, Any] = field(default_factory=dict)
     coordinator: dict[str, Any] = field(default_factory=dict)  # parsed by fedge.coordinator.config
+    data: DataSection = field(default_factory=DataSection)
     source: str = "<memory>"
     # The [method] table parsed once, by the run's method (both halves read it): unknown keys, wrong
     # types and out-of-range values fail here, at load time.
@@ -142,6 +182,23 @@ class FleetConfig:
     @property
     def num_devices(self) -> int:
         return sum(g.count for g in self.devices)
+
+    @property
+    def own_data(self) -> bool:
+        """Whether devices train on their own data (``[data] classes`` is set)."""
+        return bool(self.data.classes)
+
+    @property
+    def num_classes(self) -> int:
+        """Classes of the fleet's models: ``[data] classes``, else the benchmark data set's."""
+        return len(self.data.classes) if self.own_data else NUM_CLASSES[self.run.dataset]
+
+    def input_norm(self) -> Normalization:
+        """The preprocessing of the fleet's own data: ``[data]`` over the run data set's defaults."""
+        base = NORMALIZATION[self.run.dataset]
+        d = self.data
+        return Normalization(base.mean if d.mean is None else d.mean, base.std if d.std is None else d.std,
+                             size=d.size, channels=d.channels)
 
 
 def device_ids(cfg: FleetConfig) -> list[tuple[str, int]]:

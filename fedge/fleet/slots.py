@@ -83,8 +83,9 @@ class DeviceSlot:
 
 
 def fleet_classes(cfg: FleetConfig) -> tuple[str, ...]:
-    """Class names of the fleet's models, in label order."""
-    return CLASS_NAMES[cfg.run.dataset]
+    """Class names of the fleet's models, in label order: ``[data] classes`` when devices train on their own
+    data, else the benchmark data set's."""
+    return cfg.data.classes if cfg.own_data else CLASS_NAMES[cfg.run.dataset]
 
 
 def fleet_data_dir(cfg: FleetConfig) -> str | None:

@@ -77,9 +77,10 @@ def read_image(path: str | os.PathLike[str], channels: int) -> np.ndarray:
     """An image file as uint8 (H, W) (grey) or (H, W, 3) (RGB)."""
     try:
         from PIL import Image, UnidentifiedImageError
-    except ImportError as exc:  # pragma: no cover - depends on the device's packages
-        raise PayloadError(f"{path}: reading images needs Pillow",
-                           hint="pip install pillow, or pass .npy arrays") from exc
+    except ImportError as exc:  # a runtime install without Pillow: say which extra brings it
+        from fedge.common.extras import missing_extra
+
+        raise (missing_extra(exc) or exc) from exc
     try:
         with Image.open(path) as img:
             return np.asarray(img.convert("L" if channels == 1 else "RGB"))

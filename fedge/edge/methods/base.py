@@ -63,6 +63,11 @@ class DeviceMethod(ABC):
         self._eval_cache: tuple[bytes, dict[str, float]] | None = None  # (state digest, metrics)
         torch.manual_seed(ctx.seed)
 
+    def data_changed(self) -> None:
+        """``ctx.train`` / ``ctx.local_test`` were replaced (a device's own data folder grew between
+        rounds): drop everything derived from them. Subclasses that cache data extend this."""
+        self._eval_cache = None
+
     def needed_artifacts(self, info: RoundInfo) -> list[str]:
         """Global artifacts this device needs at the start of ``info``'s round."""
         return []

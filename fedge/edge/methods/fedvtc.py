@@ -101,7 +101,6 @@ class FedVTCDevice(DeviceMethod):
         # seen decodes into a look-alike of its own classes, i.e. a mislabelled local image; under strong
         # label skew that noise can undo a small device's training (docs/methods.md).
         self.synthetic_labels = cfg.synthetic_labels
-        self.local_classes = np.flatnonzero(np.bincount(ctx.train.y, minlength=ctx.num_classes) > 0)
         self.alternations = ctx.train_cfg.local_epochs
         # The decoder persists across rounds, so it need not train after every model epoch:
         # it trains after the last ``decoder_epochs`` of them (it dominates a round's cost).
@@ -119,7 +118,7 @@ class FedVTCDevice(DeviceMethod):
         self.decoder_trained = False
         norm = ctx.train.norm
         self.mean, self.std = float(norm.mean), float(norm.std)
-        self.x01 = torch.from_numpy(np.clip(ctx.train.x * self.std + self.mean, 0, 1).astype(np.float32))
+        self._derive_from_data()
         self.local_sigma: torch.Tensor | None = None  # (p,)
         self.g_protos: torch.Tensor | None = None  # (C, p)
         self.g_sigma: torch.Tensor | None = None  # (p,)
@@ -160,6 +159,16 @@ class FedVTCDevice(DeviceMethod):
         assert self.g_protos is not None and self.g_sigma is not None
         eps = torch.randn((len(labels), self.g_protos.shape[1]), generator=self.ctx.torch_gen)
         return self.g_protos[labels] + self.g_sigma * eps
+
+    def _derive_from_data(self) -> None:
+        """The device's classes and its images in [0, 1] (the decoder's targets), from ``ctx.train``."""
+        ctx = self.ctx
+        self.local_classes = np.flatnonzero(np.bincount(ctx.train.y, minlength=ctx.num_classes) > 0)
+        self.x01 = torch.from_numpy(np.clip(ctx.train.x * self.std + self.mean, 0, 1).astype(np.float32))
+
+    def data_changed(self) -> None:
+        super().data_changed()
+        self._derive_from_data()
 
     def _normalize(self, x01: torch.Tensor) -> torch.Tensor:
         return (x01 - self.mean) / self.std

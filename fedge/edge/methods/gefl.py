@@ -184,6 +184,10 @@ class GeFLDevice(GenerativeMixin, DeviceMethod):
     def from_gen_space(self, g: np.ndarray) -> np.ndarray:
         return ((g - self.mean) / self.std).astype(np.float32)
 
+    def data_changed(self) -> None:
+        super().data_changed()
+        self._x_gen = None
+
     def _real_in_gen_space(self) -> np.ndarray:
         if self._x_gen is None:
             self._x_gen = self.to_gen_space(self.ctx.train.x)

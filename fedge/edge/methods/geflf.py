@@ -58,6 +58,10 @@ class GeFLFDevice(GenerativeMixin, LGFedAvgDevice):
     def _head_params(self) -> list[torch.nn.Parameter]:
         return [p for n, p in self.ctx.model.named_parameters() if not n.startswith(EXTRACTOR)]
 
+    def data_changed(self) -> None:
+        super().data_changed()
+        self._feats = None
+
     def _real_features(self) -> np.ndarray:
         if self._feats is None:  # the extractor no longer changes after warm-up
             self._feats = stem_features(self.ctx.model, self.ctx.train.x)

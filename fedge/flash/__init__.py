@@ -1,0 +1,1 @@
+"""`fedge flash`: put one device of a fleet on its boot medium (docs/flash.md)."""

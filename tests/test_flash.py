@@ -1,0 +1,429 @@
+"""`fedge flash`: the payload contract (NOTES.md) on a boot directory and inside a synthetic disk image, the
+first-boot hooks (firstrun chained, cloud-init merged), idempotence, refusals, the systemd unit, and the flashed
+install.sh installing an agent that trains on real PNG images with a coordinator on a real Mosquitto."""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from own_data_helpers import own_data_fleet, write_digit_pngs
+
+from fedge.broker.config import BrokerOptions, write_broker_config
+from fedge.errors import ConfigError, ExportError, ProfileError
+from fedge.flash.boot import CMDLINE_ENTRY, RUNCMD
+from fedge.flash.flash import flash, flash_dir
+from fedge.flash.image import flash_image
+from fedge.flash.payload import prepare
+from fedge.fleet.config import device_ids, load_fleet
+from fedge.mqtt.broker import MosquittoProcess, free_port, mosquitto_binary
+
+REPO = Path(__file__).resolve().parents[1]
+CMDLINE = "console=serial0,115200 console=tty1 root=PARTUUID=4e639091-02 rootfstype=ext4 fsck.repair=yes rootwait\n"
+CONFIG_TXT = "dtparam=audio=on\narm_64bit=1\n"
+IMAGER_FIRSTRUN = ("#!/bin/bash\nset +e\n/usr/lib/raspberrypi-sys-mods/imager_custom enable_ssh\n"
+                   "rm -f /boot/firstrun.sh\nsed -i 's| systemd.run.*||g' /boot/cmdline.txt\nexit 0\n")
+
+
+def fleet_and_broker(tmp: Path, port: int = 1883) -> tuple[Path, Path]:
+    fleet = own_data_fleet(tmp / "fleet.toml")
+    cfg = load_fleet(fleet)
+    broker = tmp / "broker"
+    write_broker_config(cfg.run.fleet, [i for i, _ in device_ids(cfg)], broker,
+                        BrokerOptions(port=port, bind="127.0.0.1", hostname="127.0.0.1", run_as=getpass.getuser(),
+                                      iterations=10),
+                        fleet_config=fleet)
+    return fleet, broker
+
+
+def rpi_boot(path: Path, firstrun: bool = True) -> Path:
+    path.mkdir(parents=True)
+    (path / "cmdline.txt").write_text(CMDLINE)
+    (path / "config.txt").write_text(CONFIG_TXT)
+    if firstrun:
+        (path / "firstrun.sh").write_text(IMAGER_FIRSTRUN)
+    return path
+
+
+def tree(root: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(root)): (p.read_bytes(), stat.S_IMODE(p.stat().st_mode))
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def check_payload(boot: Path, device: str) -> dict[str, object]:
+    """payload.json names every other payload file with its true size and sha256."""
+    meta = json.loads((boot / "fedge" / "payload.json").read_text())
+    on_disk = {str(p.relative_to(boot / "fedge")) for p in (boot / "fedge").rglob("*") if p.is_file()}
+    assert set(meta["files"]) == on_disk - {"payload.json"}
+    for rel, entry in meta["files"].items():
+        data = (boot / "fedge" / rel).read_bytes()
+        assert (entry["bytes"], entry["sha256"]) == (len(data), hashlib.sha256(data).hexdigest()), rel
+    assert (meta["device_id"], meta["fleet"], meta["profile"], meta["cpu_arch"]) == (device, "own", "rpi4-2gb",
+                                                                                      "aarch64")
+    return meta
+
+
+def test_flash_to_writes_the_contract_payload_chains_firstrun_and_is_idempotent(tmp_path: Path) -> None:
+    fleet, broker = fleet_and_broker(tmp_path)
+    boot = rpi_boot(tmp_path / "boot")
+    plan = prepare("rpi4-2gb-2", fleet, broker)
+    dry = flash_dir(boot, plan, dry_run=True)
+    assert not (boot / "fedge").exists() and (boot / "cmdline.txt").read_text() == CMDLINE
+    listing = flash_dir(boot, plan)
+    files = tree(boot)
+    assert dry.files == listing.files == sorted((k, len(v[0]), v[1]) for k, v in files.items() if k != "config.txt")
+    meta = check_payload(boot, "rpi4-2gb-2")
+    assert meta["init"] == "firstrun" and meta["own_data"] is True
+    bundle = broker / "bundles" / "rpi4-2gb-2"
+    for name in ("bundle.toml", "fleet.toml", "password"):
+        assert files[f"fedge/bundle/{name}"][0] == (bundle / name).read_bytes()
+    assert files["fedge/bundle/password"][1] == 0o600 and files["fedge/install.sh"][1] == 0o755
+    assert not any("rpi4-2gb-1" in k for k in files)  # its own credentials only
+    # The kernel command line gets the hook once, everything else untouched.
+    assert (boot / "cmdline.txt").read_text() == CMDLINE.strip() + " " + CMDLINE_ENTRY + "\n"
+    # Imager's firstrun.sh is kept and run first by fedge's hook.
+    assert files["fedge/firstrun.previous.sh"][0].decode() == IMAGER_FIRSTRUN
+    hook = (boot / "firstrun.sh").read_text()
+    assert "fedge/firstrun.previous.sh" in hook and "fedge-install.service" in hook
+    unit = files["fedge/fedge-edge.service"][0].decode()
+    assert "ExecStart=/opt/fedge/bin/fedge-edge\n" in unit and "NoNewPrivileges=yes" in unit
+    assert "ProtectSystem=strict" in unit and "StateDirectory=fedge" in unit and "Restart=always" in unit
+    # Flashing again: the same bytes, one cmdline entry, the original firstrun.sh still the chained one.
+    flash_dir(boot, prepare("rpi4-2gb-2", fleet, broker))
+    assert tree(boot) == files
+    assert (boot / "cmdline.txt").read_text().count("systemd.run=") == 1
+
+
+def test_cloud_init_user_data_is_merged_not_overwritten(tmp_path: Path) -> None:
+    fleet, broker = fleet_and_broker(tmp_path)
+    boot = rpi_boot(tmp_path / "boot", firstrun=False)
+    user_data = ("#cloud-config\nhostname: cam-07\nusers:\n  - name: pi\n    groups: sudo\n"
+                 "runcmd:\n  - [systemctl, enable, ssh]\n")
+    (boot / "user-data").write_text(user_data)
+    (boot / "meta-data").write_text("instance-id: rpi-imager-1700000000\n")
+    plan = prepare("rpi4-2gb-1", fleet, broker)
+    assert flash_dir(boot, plan).init == "cloud-init"
+    flash_dir(boot, plan)
+    text = (boot / "user-data").read_text()
+    merged = yaml.safe_load(text)
+    assert text.startswith("#cloud-config\n")
+    assert merged["hostname"] == "cam-07" and merged["users"] == [{"name": "pi", "groups": "sudo"}]
+    assert merged["runcmd"] == [["systemctl", "enable", "ssh"], RUNCMD]  # appended once, after the user's
+    assert (boot / "meta-data").read_text() == "instance-id: rpi-imager-1700000000\n"
+    assert (boot / "cmdline.txt").read_text() == CMDLINE and not (boot / "firstrun.sh").exists()
+    assert json.loads((boot / "fedge" / "payload.json").read_text())["init"] == "cloud-init"
+
+
+def _need(*tools: str) -> None:
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}: apt-get install fdisk dosfstools mtools (.ci/run installs them)")
+
+
+def make_image(path: Path, *, fat: bool = True) -> int:
+    """A 40 MiB disk image: an MBR, a FAT boot partition at sector 8192 holding cmdline.txt and config.txt,
+    and a Linux root partition. Returns the boot partition's byte offset."""
+    with path.open("wb") as f:
+        f.truncate(40 << 20)
+    table = f"label: dos\nstart=8192, size=40960, type={'c' if fat else '83'}\nstart=49152, type=83\n"
+    subprocess.run(["sfdisk", "-q", str(path)], input=table.encode(), check=True)
+    offset = 8192 * 512
+    if fat:
+        subprocess.run(["mkfs.vfat", "--offset", "8192", "-n", "BOOTFS", str(path), "20480"],
+                       check=True, capture_output=True)
+        for name, text in (("cmdline.txt", CMDLINE), ("config.txt", CONFIG_TXT)):
+            src = path.with_name(name)
+            src.write_text(text)
+            subprocess.run(["mcopy", "-i", f"{path}@@{offset}", str(src), f"::/{name}"], check=True,
+                           env={**os.environ, "MTOOLS_SKIP_CHECK": "1"})
+    return offset
+
+
+def read_back(image: Path, offset: int, out: Path) -> Path:
+    out.mkdir()
+    env = {**os.environ, "MTOOLS_SKIP_CHECK": "1"}
+    listing = subprocess.run(["mdir", "-b", "-i", f"{image}@@{offset}", "::/"], capture_output=True, text=True,
+                             check=True, env=env).stdout.split()
+    for entry in listing:
+        subprocess.run(["mcopy", "-s", "-n", "-i", f"{image}@@{offset}", entry, str(out)], check=True, env=env)
+    return out
+
+
+def test_flash_image_edits_the_fat_partition_without_mounting(tmp_path: Path) -> None:
+    _need("sfdisk", "mkfs.vfat", "mcopy")
+    fleet, broker = fleet_and_broker(tmp_path)
+    image = tmp_path / "rpios.img"
+    offset = make_image(image)
+    root_part = image.read_bytes()[49152 * 512:]
+    plan = prepare("rpi4-2gb-1", fleet, broker)
+    flash_image(image, plan)
+    first = read_back(image, offset, tmp_path / "first")
+    meta = check_payload(first, "rpi4-2gb-1")
+    assert meta["init"] == "firstrun"
+    assert (first / "cmdline.txt").read_text() == CMDLINE.strip() + " " + CMDLINE_ENTRY + "\n"
+    assert (first / "config.txt").read_text() == CONFIG_TXT
+    # The same payload bytes as a flash to a mounted boot partition.
+    ref = rpi_boot(tmp_path / "ref", firstrun=False)
+    flash_dir(ref, plan)
+    got = {k: v[0] for k, v in tree(first).items()}
+    assert got == {k: v[0] for k, v in tree(ref).items()}
+    flash_image(image, prepare("rpi4-2gb-1", fleet, broker))
+    second = read_back(image, offset, tmp_path / "second")
+    assert {k: v[0] for k, v in tree(second).items()} == got
+    assert (second / "cmdline.txt").read_text().count("systemd.run=") == 1
+    assert image.read_bytes()[49152 * 512:] == root_part  # the root partition is untouched
+
+
+def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
+    fleet, broker = fleet_and_broker(tmp_path)
+    with pytest.raises(ConfigError, match="has no device 'rpi4-2gb-9'"):
+        prepare("rpi4-2gb-9", fleet, broker)
+    with pytest.raises(ConfigError, match="does not exist") as err:
+        prepare("rpi4-2gb-1", fleet, tmp_path / "nowhere")
+    assert "fedge broker config" in (err.value.hint or "")
+    # A profile whose training memory fits no model.
+    tiny = tmp_path / "tiny.toml"
+    tiny.write_text((REPO / "fedge/profiles/builtin/rpi4-2gb.toml").read_text()
+                    .replace('name = "rpi4-2gb"', 'name = "tiny"').replace("train_memory_mb = 384",
+                                                                          "train_memory_mb = 0.5"))
+    small_fleet = tmp_path / "small.toml"
+    small_fleet.write_text(fleet.read_text().replace('profile = "rpi4-2gb"', 'profile = "tiny.toml"'))
+    with pytest.raises(ProfileError, match="tiny-1"):
+        prepare("tiny-1", small_fleet, broker)
+    # A model exported for another profile.
+    model = tmp_path / "export" / "rpi4-2gb-1"
+    model.mkdir(parents=True)
+    (model / "model.onnx").write_bytes(b"\x08\x07")
+    manifest = {"format": "fedge-onnx/1", "arch": "tier-xs", "quant": "fp32", "opset": 17,
+                "input_shape": ["batch", 1, 32, 32], "normalization": {}, "classes": [str(i) for i in range(10)],
+                "files": {"model.onnx": {"sha256": "0" * 64, "bytes": 2}},
+                "graphs": {"model": {"file": "model.onnx", "input": "x", "output": "y"}}, "profile": "rpi5-8gb"}
+    from fedge.runtime.manifest import FORMAT
+
+    manifest["format"] = FORMAT
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match="exported for profile 'rpi5-8gb'"):
+        prepare("rpi4-2gb-1", fleet, broker, export_dir=tmp_path / "export")
+    with pytest.raises(ExportError, match="no exported model for rpi4-2gb-2"):
+        prepare("rpi4-2gb-2", fleet, broker, export_dir=tmp_path / "export")
+    manifest["profile"] = "rpi4-2gb"
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    plan = prepare("rpi4-2gb-1", fleet, broker, export_dir=tmp_path / "export")
+    assert [s.rel for s in plan.files if s.rel.startswith("model/")] == ["model/manifest.json", "model/model.onnx"]
+    # Not a boot partition without --force; an image without a FAT partition.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(ConfigError, match="does not look like a boot partition"):
+        flash_dir(plain, plan)
+    assert flash_dir(plain, plan, force=True).init == "none" and (plain / "fedge" / "install.sh").is_file()
+    # The Python entry point (what `fedge emulate` calls) writes the same payload as the command's path.
+    again = tmp_path / "again"
+    again.mkdir()
+    assert flash("rpi4-2gb-1", fleet, broker, again, export=tmp_path / "export", force=True).init == "none"
+    assert tree(again / "fedge") == tree(plain / "fedge")
+    _need("sfdisk")
+    image = tmp_path / "linux.img"
+    make_image(image, fat=False)
+    with pytest.raises(ConfigError, match="no FAT partition") as err:
+        flash_image(image, plan)
+    assert "83" in err.value.message
+
+
+def test_cli_dry_run_lists_every_file_and_writes_nothing(tmp_path: Path) -> None:
+    fleet, broker = fleet_and_broker(tmp_path)
+    boot = rpi_boot(tmp_path / "boot")
+    cmd = [sys.executable, "-m", "fedge", "flash", "rpi4-2gb-1", "--fleet", str(fleet), "--broker-dir", str(broker),
+           "--to", str(boot)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    dry = subprocess.run([*cmd, "--dry-run"], capture_output=True, text=True, env=env, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert not (boot / "fedge").exists()
+    real = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert real.returncode == 0 and real.stdout == dry.stdout
+    rows = [line.split() for line in dry.stdout.splitlines()]
+    assert {r[2]: int(r[1]) for r in rows} == {k: len(v[0]) for k, v in tree(boot).items() if k != "config.txt"}
+    bad = subprocess.run([*cmd[:4], "nope-1", *cmd[5:]], capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "has no device 'nope-1'" in bad.stderr
+
+
+def install(boot: Path, prefix: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(["sh", str(boot / "fedge" / "install.sh"), "--prefix", str(prefix), "--venv",
+                           str(Path(sys.executable).parent.parent), *extra], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_systemd_analyze_verifies_the_installed_unit(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed here (apt-get install systemd)")
+    fleet, broker = fleet_and_broker(tmp_path)
+    boot = rpi_boot(tmp_path / "boot")
+    flash_dir(boot, prepare("rpi4-2gb-1", fleet, broker))
+    prefix = tmp_path / "root"
+    done = install(boot, prefix)
+    assert done.returncode == 0, done.stderr
+    unit = (prefix / "etc/systemd/system/fedge-edge.service").read_text()
+    # Verify the unit as installed, with ExecStart pointing at the launcher under the scratch prefix.
+    check = tmp_path / "verify" / "fedge-edge.service"
+    check.parent.mkdir()
+    launcher = f"ExecStart={prefix}/opt/fedge/bin/fedge-edge"
+    check.write_text(unit.replace("ExecStart=/opt/fedge/bin/fedge-edge", launcher))
+    proc = subprocess.run([analyze, "verify", str(check)], capture_output=True, text=True, timeout=60)
+    version = int(re.search(r"systemd (\d+)", subprocess.run([analyze, "--version"], capture_output=True,
+                                                             text=True).stdout).group(1))  # type: ignore[union-attr]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    if version < 254:  # the growing restart delay is newer than this systemd, which ignores those two keys
+        lines = [ln for ln in lines if not re.search(r"Unknown key '?(RestartSteps|RestartMaxDelaySec)", ln)]
+    assert proc.returncode == 0 and lines == [], proc.stderr
+
+
+@pytest.mark.mqtt
+def test_flashed_install_runs_an_agent_on_real_images_that_is_aggregated(tmp_path: Path) -> None:
+    """The proof: flash an image, read the payload back, install it into a scratch prefix, put real digit PNGs
+    into its data folder, start the installed launcher; with a coordinator on a Mosquitto configured by
+    `fedge broker config` (accounts, ACL) the device is aggregated in both training rounds."""
+    _need("sfdisk", "mkfs.vfat", "mcopy")
+    if mosquitto_binary() is None:
+        pytest.fail("mosquitto is not installed: apt-get install mosquitto")
+    port = free_port()
+    fleet, broker_dir = fleet_and_broker(tmp_path, port)
+    image = tmp_path / "card.img"
+    offset = make_image(image)
+    flash_image(image, prepare("rpi4-2gb-2", fleet, broker_dir))
+    boot = read_back(image, offset, tmp_path / "boot")
+    prefix = tmp_path / "root"
+    done = install(boot, prefix, "--no-systemd")
+    assert done.returncode == 0, done.stderr
+    assert "not reinstalling" in done.stdout
+    again = install(boot, prefix, "--no-systemd")  # idempotent
+    assert again.returncode == 0, again.stderr
+    pw = prefix / "etc/fedge/bundle/password"
+    assert stat.S_IMODE(pw.stat().st_mode) == 0o600 and pw.read_bytes() == (boot / "fedge/bundle/password").read_bytes()
+    assert not (prefix / "etc/systemd").exists()
+    launcher = prefix / "opt/fedge/bin/fedge-edge"
+    assert f'--data "{prefix}/var/lib/fedge/data"' in launcher.read_text()
+    write_digit_pngs(prefix / "var/lib/fedge/data", 15)
+    conf = (broker_dir / "mosquitto.conf").read_text()
+    (tmp_path / "mosq").mkdir()
+    broker = MosquittoProcess(conf, port=port, workdir=tmp_path / "mosq").start()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    state = tmp_path / "state"
+    coord = subprocess.Popen([sys.executable, "-m", "fedge", "coordinator", "run", "--config", str(fleet), "--broker",
+                              f"mqtt://127.0.0.1:{port}", "--username", "fedge-coordinator", "--password-file",
+                              str(broker_dir / "coordinator" / "password"), "--state-dir", str(state),
+                              "--min-devices", "1", "--quorum", "0.5", "--round-timeout", "0", "--deadline-slack", "0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    agent = None
+    try:
+        agent = subprocess.run([str(launcher)], capture_output=True, text=True, env=env, timeout=240)
+        assert agent.returncode == 0, agent.stderr
+        out, _ = coord.communicate(timeout=120)
+        assert coord.returncode == 0, out.decode()
+    finally:
+        for p in (coord,):
+            if p.poll() is None:
+                p.kill()
+        broker.close()
+    assert "own data" in agent.stderr and "120 training and 30 local test images" in agent.stderr
+    reports = [json.loads(line) for line in (state / "reports.jsonl").read_text().splitlines()]
+    trained = [r for r in reports if r["round"] <= 2]
+    assert [r["round"] for r in trained] == [1, 2]
+    assert all(r["accepted"] == ["rpi4-2gb-2"] for r in trained)
+    status = json.loads((prefix / "var/lib/fedge/status.json").read_text())
+    assert (status["train"], status["test"], status["skipped"], status["error"]) == (120, 30, 0, None)
+
+
+def test_flash_ssh_installs_on_a_running_device_over_a_real_sshd(tmp_path: Path) -> None:
+    """--ssh against Debian's OpenSSH server on 127.0.0.1 (key auth, a free port): the payload is copied and
+    install.sh runs there (into a scratch prefix, as the remote user)."""
+    sshd = shutil.which("sshd") or ("/usr/sbin/sshd" if Path("/usr/sbin/sshd").is_file() else None)
+    if sshd is None or shutil.which("ssh-keygen") is None or shutil.which("scp") is None:
+        pytest.skip("needs openssh-server and openssh-client (apt-get install openssh-server; .ci/run installs it)")
+    if os.geteuid() != 0:
+        pytest.skip("sshd needs root here (privilege separation directory /run/sshd); run as root, as CI does")
+    fleet, broker = fleet_and_broker(tmp_path)
+    keys = tmp_path / "ssh"
+    keys.mkdir(mode=0o700)
+    for name in ("host", "client"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)], check=True)
+    shutil.copy(keys / "client.pub", keys / "authorized_keys")
+    port = free_port()
+    (keys / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {keys / 'host'}\n"
+        f"AuthorizedKeysFile {keys / 'authorized_keys'}\n"
+        f"PidFile {keys / 'sshd.pid'}\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nSubsystem sftp internal-sftp\n")
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+    server = subprocess.Popen([sshd, "-D", "-e", "-f", str(keys / "sshd_config")], stderr=subprocess.PIPE)
+    try:
+        from fedge.mqtt.broker import wait_for_port
+
+        wait_for_port("127.0.0.1", port, 10)
+        prefix = tmp_path / "remote-root"
+        from fedge.flash.remote import flash_ssh
+
+        opts = [f"Port={port}", f"IdentityFile={keys / 'client'}", "StrictHostKeyChecking=no",
+                "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"]
+        flash_ssh(f"{getpass.getuser()}@127.0.0.1", prepare("rpi4-2gb-1", fleet, broker), options=opts,
+                  remote_dir=str(tmp_path / "remote-payload"),
+                  install_args=["--prefix", str(prefix), "--no-systemd", "--venv",
+                                str(Path(sys.executable).parents[1])])
+    finally:
+        server.terminate()
+        server.wait(10)
+    copied = tmp_path / "remote-payload" / "fedge"
+    assert json.loads((copied / "payload.json").read_text())["init"] == "none"
+    pw = prefix / "etc/fedge/bundle/password"
+    assert pw.read_bytes() == (broker / "bundles/rpi4-2gb-1/password").read_bytes()
+    assert stat.S_IMODE(pw.stat().st_mode) == 0o600
+    assert (prefix / "opt/fedge/bin/fedge-edge").is_file()
+    with pytest.raises(ConfigError, match="USER@HOST"):
+        flash_ssh("no-user-here", prepare("rpi4-2gb-1", fleet, broker))
+
+
+def test_wheelhouse_command_targets_the_profiles_cpu_and_python(tmp_path: Path) -> None:
+    """--wheels is not run here (it downloads from PyPI); its pip command is checked instead."""
+    from fedge.flash.wheels import device_requirements, download_command
+
+    fleet, broker = fleet_and_broker(tmp_path)
+    plan = prepare("rpi4-2gb-1", fleet, broker, python="3.13")
+    cmd = download_command(plan.cpu_arch, plan.python, tmp_path / "w", device_requirements())
+    platforms = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--platform"]
+    assert platforms and all(p.endswith("_aarch64") for p in platforms)
+    assert "--only-binary=:all:" in cmd and cmd[cmd.index("--python-version") + 1] == "3.13"
+    assert cmd[cmd.index("--abi") + 1] == "cp313"
+    assert {r.split(">")[0] for r in cmd[-6:]} == {"numpy", "safetensors", "paho-mqtt", "torch", "onnxruntime",
+                                                   "pillow"}
+    with pytest.raises(ConfigError, match=r"MAJOR\.MINOR"):
+        download_command("aarch64", "311", tmp_path, [])
+
+
+def test_the_firstrun_hook_runs_the_previous_script_enables_the_install_and_removes_itself(tmp_path: Path) -> None:
+    """The hook as the kernel command line starts it, against a scratch root (FEDGE_FIRSTRUN_ROOT)."""
+    fleet, broker = fleet_and_broker(tmp_path)
+    boot = rpi_boot(tmp_path / "boot", firstrun=False)
+    (boot / "firstrun.sh").write_text('#!/bin/bash\necho "$0" > "$(dirname "$0")/../previous-ran"\nexit 3\n')
+    flash_dir(boot, prepare("rpi4-2gb-1", fleet, broker))
+    root = tmp_path / "root"
+    proc = subprocess.run(["sh", str(boot / "firstrun.sh")], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "FEDGE_FIRSTRUN_ROOT": str(root)})
+    assert proc.returncode == 0, proc.stderr  # a failing earlier script must not stop the boot
+    assert "exited with 3" in proc.stderr
+    assert (boot / "previous-ran").read_text().strip() == str(boot / "fedge" / "firstrun.previous.sh")
+    unit = root / "etc/systemd/system/fedge-install.service"
+    assert f"ExecStart=/bin/sh {boot}/fedge/install.sh" in unit.read_text() and "@BOOT@" not in unit.read_text()
+    link = root / "etc/systemd/system/multi-user.target.wants/fedge-install.service"
+    assert link.resolve() == unit.resolve()
+    assert not (boot / "firstrun.sh").exists()
+    assert (boot / "cmdline.txt").read_text() == CMDLINE  # back to what Imager wrote
