@@ -215,6 +215,17 @@ def test_checkpoint_of_another_architecture(tmp_path: Path, checkpoint: Path) ->
     assert leftovers(tmp_path / "o") == []
 
 
+def test_checkpoint_architecture_comes_from_the_checkpoint(tmp_path: Path, checkpoint: Path) -> None:
+    # x86-gateway plans tier-xl for a standalone device; a fleet's `archs` gave this one tier-xs.
+    from fedge.profiles import load_profile, plan
+
+    assert plan(load_profile("x86-gateway")).arch != ARCH
+    m = export_checkpoint(checkpoint, tmp_path / "o", profile="x86-gateway", quant="fp32", test_samples=100,
+                          options=FAST)
+    assert m.arch == ARCH and m.plan is not None and m.plan["arch"] == plan(load_profile("x86-gateway")).arch
+    assert EdgeModel.load(tmp_path / "o").manifest.arch == ARCH
+
+
 def test_unknown_profile(tmp_path: Path, checkpoint: Path) -> None:
     with pytest.raises(ProfileError, match="no-such-device"):
         export_checkpoint(checkpoint, tmp_path / "o", profile="no-such-device", options=FAST)

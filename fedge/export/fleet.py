@@ -1,7 +1,7 @@
 """Export for devices: one checkpoint for one profile, or every device of a finished run.
 
-``export_checkpoint`` takes the quantization from the profile's plan and checks
-that the checkpoint holds the architecture that plan (or ``arch``) names.
+``export_checkpoint`` exports the architecture the checkpoint records (checked
+against ``arch`` when given), quantized as the profile's plan says.
 ``export_run`` reads ``RESULTS_DIR/results.json`` and
 ``RESULTS_DIR/checkpoints/<device id>.safetensors`` (the layout of
 :mod:`fedge.sim`) and exports every device, all or nothing, calibrating each
@@ -102,8 +102,10 @@ def export_checkpoint(
     """Export one checkpoint for one profile.
 
     ``profile`` and ``dataset`` default to what the checkpoint's metadata records
-    (the simulator stores both). ``quant`` overrides the plan's quantization,
-    ``arch`` the architecture the checkpoint must hold. Without ``calibration``,
+    (the simulator stores both). ``quant`` overrides the plan's quantization;
+    ``arch``, when given, is the architecture the checkpoint must hold (by
+    default the checkpoint's own architecture is exported, whatever the
+    profile's standalone plan names). Without ``calibration``,
     int8-static calibrates on the data set's training split.
     """
     opt = options or ExportOptions()
@@ -112,8 +114,13 @@ def export_checkpoint(
     if not profile:
         raise ConfigError(f"{checkpoint} does not record a profile", hint="pass --profile NAME")
     target = resolve_profile(profile)
-    check_arch(net, arch or target.arch, source=str(checkpoint),
-               why="--arch asks for" if arch else f"profile {target.profile!r} plans")
+    # The checkpoint is self-describing: its architecture is what gets exported. The
+    # profile's plan names the tier it would give a standalone device; a fleet may
+    # assign another (`archs`), so only an explicit --arch is a requirement.
+    check_arch(net, arch, source=str(checkpoint), why="--arch asks for")
+    if target.arch is not None and target.arch != net.spec.name:
+        log.info("%s holds %s; profile %s plans %s for a standalone device: exporting %s", checkpoint,
+                 net.spec.name, target.profile, target.arch, net.spec.name)
     quant = quant or target.quant
     if quant not in QUANTS:
         raise ExportError(f"unknown quantization {quant!r}", hint=f"use one of {', '.join(QUANTS)}")
