@@ -23,6 +23,7 @@ from fedge.runtime.manifest import sha256_file
 from fedge.runtime.model import open_session
 
 FAST = ExportOptions(latency_runs=5)
+TIMED = ExportOptions(latency_runs=60)  # where the export's own int8-vs-fp32 timing decides what ships
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +227,50 @@ def test_checkpoint_architecture_comes_from_the_checkpoint(tmp_path: Path, check
     assert EdgeModel.load(tmp_path / "o").manifest.arch == ARCH
 
 
+def test_int8_measured_slower_on_the_model_ships_fp32(tmp_path: Path, checkpoint: Path) -> None:
+    # x86-gateway (VNNI) plans int8-static for its tier-xl; this checkpoint is tier-xs, where the
+    # quantize/dequantize overhead makes int8 ~2x slower than fp32 on x86: the export measures it.
+    m = export_checkpoint(checkpoint, tmp_path / "o", profile="x86-gateway", test_samples=200, options=TIMED)
+    lat, decision = m.metrics["latency_ms"], m.extra["quantization"]
+    assert lat["int8-static"] >= lat["fp32"], f"int8 measured faster on this host: {lat}"
+    assert m.quant == "fp32" and decision["requested"] == "int8-static" and decision["shipped"] == "fp32"
+    assert decision["source"].startswith("plan of profile 'x86-gateway', made for tier-xl (this model is tier-xs)")
+    assert decision["reason"] == (
+        f"int8-static (from {decision['source']}) was measured slower than fp32 on this model: "
+        f"{lat['int8-static']:.3f} ms vs {lat['fp32']:.3f} ms at fp32 (batch 1, 1 thread, median of 60 interleaved "
+        f"runs on {m.metrics['latency']['cpu']}); shipping fp32")
+    assert m.extra["calibration"] is None and decision["calibration"]["samples"] == 256
+    assert "Conv" in {n.op_type for n in onnx.load(str(tmp_path / "o" / "model.onnx")).graph.node}
+    assert "QuantizeLinear" not in {n.op_type for n in onnx.load(str(tmp_path / "o" / "model.onnx")).graph.node}
+    assert set(m.metrics["accuracy"]) == {"fp32", "int8-static"}  # the candidate's figures are kept
+    # --quant is an explicit choice: shipped as asked, and the manifest says it was measured slower.
+    forced = export_checkpoint(checkpoint, tmp_path / "f", profile="x86-gateway", quant="int8-static",
+                               test_samples=200, options=TIMED)
+    assert forced.quant == "int8-static" and forced.extra["quantization"]["source"] == "--quant"
+    if forced.metrics["latency_ms"]["int8-static"] >= forced.metrics["latency_ms"]["fp32"]:
+        assert "shipped as requested although this host measured" in forced.extra["quantization"]["reason"]
+
+
+def test_profile_measured_table_decides_for_the_models_own_tier(tmp_path: Path, checkpoint: Path) -> None:
+    from fedge.export.probe import ProbeResult, detect_hardware, measured_profile
+    from fedge.profiles import dump_profile, load_profile, plan
+
+    # Measured on the device: int8 pays on tier-xl (what the plan picks), not on tier-xs.
+    lat = {f"tier-{t}/fp32": 1.0 for t in ("xs", "s", "m", "l", "xl")}
+    lat |= {f"tier-{t}/int8-static": (0.5 if t in ("l", "xl") else 1.6) for t in ("xs", "s", "m", "l", "xl")}
+    result = ProbeResult(lat, {"tier-xl": {"fp32": 0.9, "int8-static": 0.899}}, "digits", 450, 5, 1,
+                         detect_hardware())
+    path = tmp_path / "measured.toml"
+    path.write_text(dump_profile(measured_profile(result, base="x86-gateway", name="gw-measured")))
+    assert plan(load_profile(path)).inference_quant == "int8-static"
+    m = export_checkpoint(checkpoint, tmp_path / "o", profile=str(path), test_samples=100, options=FAST)
+    decision = m.extra["quantization"]
+    assert m.quant == "fp32" and decision["requested"] == "fp32" and "int8-static" not in m.metrics["accuracy"]
+    assert decision["source"] == ("profile 'gw-measured''s measured table for tier-xs: fastest measured level of "
+                                  "tier-xs within 1 accuracy point: 1 ms (int8-static not measured faster than "
+                                  "fp32); meets the 5 ms budget")
+
+
 def test_unknown_profile(tmp_path: Path, checkpoint: Path) -> None:
     with pytest.raises(ProfileError, match="no-such-device"):
         export_checkpoint(checkpoint, tmp_path / "o", profile="no-such-device", options=FAST)
@@ -267,11 +312,16 @@ def _fake_run(root: Path, devices: list[tuple[str, str, str]]) -> Path:
 def test_run_export_every_device(tmp_path: Path) -> None:
     run = _fake_run(tmp_path / "run", [("a-1", ARCH, "fp32"), ("b-1", ARCH, "int8-static")])
     out = tmp_path / "out"
-    ms = export_run(run, out, test_samples=200, options=FAST)
-    assert set(ms) == {"a-1", "b-1"} and ms["a-1"].quant == "fp32" and ms["b-1"].quant == "int8-static"
+    ms = export_run(run, out, test_samples=200, options=TIMED)
+    assert set(ms) == {"a-1", "b-1"} and ms["a-1"].quant == "fp32"
+    # b-1's plan asks for int8-static; on tier-xs it is measured slower than fp32 (issue 16), so fp32 ships.
+    decision, lat = ms["b-1"].extra["quantization"], ms["b-1"].metrics["latency_ms"]
+    assert decision["requested"] == "int8-static" and decision["shipped"] == ms["b-1"].quant == "fp32", lat
+    assert "profile 'unit' cannot be loaded here" in decision["source"]
+    assert "not available" in decision["calibration"]["source"]  # no fleet config: the training split
     index = json.loads((out / "index.json").read_text())
     assert [d["id"] for d in index["devices"]] == ["a-1", "b-1"]
-    assert "not available" in ms["b-1"].extra["calibration"]["source"]  # no fleet config: the training split
+    assert [d["quant"] for d in index["devices"]] == ["fp32", "fp32"]
     assert EdgeModel.load(out / "b-1").predict(digits()[1].x[:3], preprocessed=True).labels.shape == (3,)
 
 
@@ -282,7 +332,8 @@ def test_run_export_calibrates_on_the_devices_own_share(tmp_path: Path) -> None:
     results = json.loads((run / "results.json").read_text())
     results["config"] = str(config)
     (run / "results.json").write_text(json.dumps(results))
-    m = export_run(run, tmp_path / "out", test_samples=100, options=FAST)["x86-gateway-1"]
+    m = export_run(run, tmp_path / "out", test_samples=100, quant="int8-static", options=FAST)["x86-gateway-1"]
+    assert m.quant == "int8-static" and m.extra["quantization"]["source"] == "--quant"
     assert m.extra["calibration"]["source"].startswith("device x86-gateway-1's own training share (")
 
 

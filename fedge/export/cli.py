@@ -64,6 +64,9 @@ def _summary(out: str, m: Manifest) -> list[str]:
     lines.append("  accuracy  " + ", ".join(f"{k} {v:.2%}" for k, v in acc.items())
                  + f" on {m.metrics.get('test_set', {}).get('images', '?')} test images")
     lines.append("  latency   " + ", ".join(f"{k} {v:.3f} ms" for k, v in lat.items()) + " (batch 1, 1 thread)")
+    decision = m.extra.get("quantization") or {}
+    if decision.get("reason"):
+        lines.append(f"  quant     {decision['reason']}")
     return lines
 
 

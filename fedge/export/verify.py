@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -124,6 +125,38 @@ def onnx_latency_ms(path: Path, x1: np.ndarray, *, runs: int = 200, threads: int
     name = sess.get_inputs()[0].name
     feed = {name: np.ascontiguousarray(x1[:1], dtype=np.float32)}
     return median_ms(lambda: sess.run(None, feed), runs=runs)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], *, runs: int, rounds: int = 10,
+                        warmup: int = 20) -> dict[str, float]:
+    """Median ms of each fn over ``runs`` calls; the fns take turns in ``rounds`` blocks.
+
+    On a shared or throttling machine the load drifts; taking turns makes the drift
+    hit every fn alike, so their ratio is robust even when absolute times are not.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    per = max(1, runs // rounds)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(per):
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+    return {k: float(np.median(v) * 1e3) for k, v in samples.items()}
+
+
+def onnx_latencies_ms(paths: dict[str, Path], x1: np.ndarray, *, runs: int = 200,
+                      threads: int = 1) -> dict[str, float]:
+    """Batch-1 median latency of several graphs of the same input, measured taking turns."""
+    feed = np.ascontiguousarray(x1[:1], dtype=np.float32)
+    fns: dict[str, Callable[[], Any]] = {}
+    for key, path in paths.items():
+        sess = open_session(path, threads=threads)
+        fns[key] = functools.partial(sess.run, None, {sess.get_inputs()[0].name: feed})
+    return interleaved_medians(fns, runs=max(runs, 1), rounds=min(10, max(runs, 1)))
 
 
 def torch_latency_ms(net: torch.nn.Module, x1: np.ndarray, *, runs: int = 200) -> float:

@@ -275,6 +275,15 @@ def _choose_quant(profile: Profile, tier: str) -> tuple[str, str]:
     return quant, reason
 
 
+def inference_quant_for(profile: Profile, tier: str) -> tuple[str, str]:
+    """The inference quantization :func:`plan` would choose for ``tier-<tier>`` on ``profile``, and why.
+
+    An exporter calls it for a model of another tier than the plan's (a fleet's
+    ``archs`` may assign one), so the level is never inherited from the plan's tier.
+    """
+    return _choose_quant(profile, tier)
+
+
 def _choose_upload(profile: Profile, params: int, tier: str) -> tuple[str, str]:
     up = profile.network.uplink_kbps
     if up >= UPLINK_FP32_KBPS:
