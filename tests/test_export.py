@@ -238,7 +238,7 @@ def test_int8_measured_slower_on_the_model_ships_fp32(tmp_path: Path, checkpoint
     assert decision["reason"] == (
         f"int8-static (from {decision['source']}) was measured slower than fp32 on this model: "
         f"{lat['int8-static']:.3f} ms vs {lat['fp32']:.3f} ms at fp32 (batch 1, 1 thread, median of 60 interleaved "
-        f"runs on {m.metrics['latency']['cpu']}); shipping fp32")
+        f"runs on {m.metrics['latency']['cpu']}, {m.metrics['latency']['provider']}); shipping fp32")
     assert m.extra["calibration"] is None and decision["calibration"]["samples"] == 256
     assert "Conv" in {n.op_type for n in onnx.load(str(tmp_path / "o" / "model.onnx")).graph.node}
     assert "QuantizeLinear" not in {n.op_type for n in onnx.load(str(tmp_path / "o" / "model.onnx")).graph.node}
@@ -269,6 +269,17 @@ def test_profile_measured_table_decides_for_the_models_own_tier(tmp_path: Path, 
     assert decision["source"] == ("profile 'gw-measured''s measured table for tier-xs: fastest measured level of "
                                   "tier-xs within 1 accuracy point: 1 ms (int8-static not measured faster than "
                                   "fp32); meets the 5 ms budget")
+
+
+def test_fp16_plan_ships_fp16_and_says_what_the_host_measured(tmp_path: Path, checkpoint: Path) -> None:
+    # jetson-nano plans fp16 for its CUDA GPU; the export host times it on its own provider.
+    m = export_checkpoint(checkpoint, tmp_path / "o", profile="jetson-nano", test_samples=100, options=FAST)
+    decision, provider = m.extra["quantization"], m.metrics["latency"]["provider"]
+    assert m.quant == "fp16" and decision["shipped"] == "fp16"
+    assert decision["reason"].startswith("fp16 from plan of profile 'jetson-nano', made for tier-xl")
+    if provider == "CPUExecutionProvider":
+        assert decision["reason"].endswith("CPUExecutionProvider runs fp16 through casts, so this host's figure "
+                                           "says nothing about a device whose provider runs fp16 natively")
 
 
 def test_unknown_profile(tmp_path: Path, checkpoint: Path) -> None:

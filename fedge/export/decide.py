@@ -32,6 +32,7 @@ from typing import Any
 
 from fedge.errors import ExportError, FedgeError
 from fedge.runtime.manifest import QUANTS
+from fedge.runtime.providers import FP16_PROVIDERS
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ def request_quant(arch: str, *, override: str | None = None, profile: str | None
     return QuantRequest(str(planned), source, speed_check=str(planned).startswith("int8"))
 
 
-def settle(request: QuantRequest, latency_ms: Mapping[str, float], *, how: str) -> tuple[str, str]:
+def settle(request: QuantRequest, latency_ms: Mapping[str, float], *, how: str,
+           provider: str = "CPUExecutionProvider") -> tuple[str, str]:
     """The level to ship after measuring ``latency_ms`` (fp32 and the requested level) and the reason.
 
     ``how`` describes the measurement (batch, threads, runs, machine) for the reason.
@@ -117,4 +119,8 @@ def settle(request: QuantRequest, latency_ms: Mapping[str, float], *, how: str) 
     if slower and q.startswith("int8"):
         log.warning("%s ships as requested although this host measures it slower than fp32 (%s)", q, figures)
         return q, f"{q} from {request.source}, shipped as requested although this host measured {figures}"
-    return q, f"{q} from {request.source}; this host measured {figures}"
+    note = ""
+    if q == "fp16" and provider not in FP16_PROVIDERS:
+        note = (f"; {provider} runs fp16 through casts, so this host's figure says nothing about a device "
+                "whose provider runs fp16 natively")
+    return q, f"{q} from {request.source}; this host measured {figures}{note}"

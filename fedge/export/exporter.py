@@ -40,6 +40,7 @@ from fedge.export.quantize import (
     compact,
     quantize_file,
 )
+from fedge.runtime import providers
 from fedge.runtime.manifest import GRAPHS, QUANTS, FileEntry, Manifest, write_manifest
 from fedge.runtime.model import open_session
 
@@ -191,8 +192,10 @@ def export_into(
         timed = {"fp32": fp32["model"]} if quant == "fp32" else {"fp32": fp32["model"], quant: final["model"]}
         latency = verify.onnx_latencies_ms(timed, fixed, runs=opt.latency_runs)
         hw_cpu = detect_hardware()["cpu"]
-        shipped, why = settle(request, latency, how=f"batch 1, 1 thread, median of {opt.latency_runs} "
-                                                     f"interleaved runs on {hw_cpu}")
+        provider = providers.select()[0]  # what open_session puts first on this host
+        shipped, why = settle(request, latency, provider=provider,
+                              how=f"batch 1, 1 thread, median of {opt.latency_runs} interleaved runs on {hw_cpu}, "
+                                  f"{provider}")
         decision: dict[str, Any] = {"requested": quant, "source": request.source, "shipped": shipped,
                                     "reason": why}
         if shipped != quant:
@@ -225,7 +228,7 @@ def export_into(
             "fp32_max_abs_diff": {**parity.max_abs_diff, "batch": parity.batch, "tolerance": opt.fp32_tolerance},
             "latency_ms": latency,
             "latency": {"batch": 1, "threads": 1, "statistic": "median", "runs": opt.latency_runs,
-                        "interleaved": True, "machine": platform.machine(), "cpu": hw_cpu},
+                        "interleaved": True, "machine": platform.machine(), "cpu": hw_cpu, "provider": provider},
             "fp32_bytes": fp32_bytes,
         },
         extra={
