@@ -113,6 +113,16 @@ def test_other_levels_export_and_run(tmp_path: Path, quant: str) -> None:
     assert acc["fp32"] - acc[quant] <= 0.01
     pred = EdgeModel.load(tmp_path / quant).predict(test.x[:50], preprocessed=True)
     assert (pred.labels == test.y[:50]).mean() > 0.8
+    if quant == "int8-dynamic":  # activation scales come from the whole batch: measured and recorded
+        dep = m.metrics["batch_dependence"]
+        sess = open_session(tmp_path / quant / "model.onnx")
+        single, batched = run_onnx(sess, test.x, batch_size=1), run_onnx(sess, test.x, batch_size=256)
+        assert dep == {"images": 450, "batch": 256, "predictions_changed": int((single.argmax(1) != batched.argmax(1))
+                                                                                .sum()),
+                       "max_abs_logit_diff": float(np.abs(single - batched).max())}
+        assert dep["max_abs_logit_diff"] > 0  # it does depend on the batch
+    else:
+        assert "batch_dependence" not in m.metrics
 
 
 def test_accuracy_drift_fails_and_leaves_nothing(tmp_path: Path) -> None:

@@ -162,6 +162,7 @@ def export_into(
             ])
         agreement = float((fp32_logits.argmax(1) == torch_pred).mean())
         chain: dict[str, float] = {}
+        dependence: dict[str, Any] | None = None
 
         calib_meta: dict[str, Any] | None = None
         if quant == "fp32":
@@ -185,6 +186,8 @@ def export_into(
             acc[quant] = verify.onnx_accuracy(final["model"], test.x, test.y)
             verify.check_accuracy(quant, acc[quant], acc["fp32"], n=len(test), where="model.onnx",
                                   max_drop=opt.max_accuracy_drop)
+            if quant == "int8-dynamic":
+                dependence = verify.batch_dependence(final["model"], test.x)
             chain[quant] = verify.chained_accuracy(final["extractor"], final["head"], test.x, test.y)
             verify.check_accuracy(quant, chain[quant], acc["fp32"], n=len(test), where="head(extractor(x))",
                                   max_drop=opt.max_accuracy_drop)
@@ -230,6 +233,7 @@ def export_into(
             "latency": {"batch": 1, "threads": 1, "statistic": "median", "runs": opt.latency_runs,
                         "interleaved": True, "machine": platform.machine(), "cpu": hw_cpu, "provider": provider},
             "fp32_bytes": fp32_bytes,
+            **({"batch_dependence": dependence} if dependence is not None else {}),
         },
         extra={
             "spec": spec.to_dict(),

@@ -93,6 +93,24 @@ def chained_accuracy(extractor: Path, head: Path, x: np.ndarray, y: np.ndarray) 
     return float((run_onnx(open_session(head), run_onnx(open_session(extractor), x)).argmax(1) == y).mean())
 
 
+BATCH_DEPENDENCE_IMAGES = 1000  # enough to see a rare flip, cheap at batch 1 (~0.1 s for tier-xs)
+
+
+def batch_dependence(path: Path, x: np.ndarray, *, batch: int = 256) -> dict[str, Any]:
+    """How much a graph's results depend on what else is in the batch: batch 1 vs batches of ``batch``.
+
+    int8-dynamic quantizes activations with a scale computed at run time over the whole
+    input tensor, so an image's logits change with its batch-mates; static levels do not.
+    """
+    x = x[:BATCH_DEPENDENCE_IMAGES]
+    sess = open_session(path)
+    batched = run_onnx(sess, x, batch_size=batch)
+    single = run_onnx(sess, x, batch_size=1)
+    changed = int((batched.argmax(1) != single.argmax(1)).sum())
+    return {"images": len(x), "batch": batch, "predictions_changed": changed,
+            "max_abs_logit_diff": float(np.abs(batched - single).max())}
+
+
 def check_accuracy(quant: str, acc: float, fp32_acc: float, *, n: int, where: str,
                    max_drop: float = MAX_ACCURACY_DROP) -> None:
     """A quantized graph may lose at most ``max_drop`` accuracy against fp32."""
