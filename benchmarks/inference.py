@@ -12,11 +12,18 @@ meaningful accuracy, not a tuned one. int8 static is calibrated on 256 training 
 
     python benchmarks/inference.py                 # everything, ~5 min on one core
     python benchmarks/inference.py --archs cnn1 tier-m --train-images 2000 --epochs 1   # smoke run
+    python benchmarks/inference.py --overhead-only  # only fedge's runtime overhead, ~3 min
+
+Runtime overhead (issue 16): ``EdgeModel.logits`` and ``EdgeModel.predict(...).labels`` on a
+preprocessed batch-1 input vs a bare ``InferenceSession.run(None, feed)`` with a pre-built feed,
+on the same session, input and thread, interleaved; --repeats measurements, the median ratio
+reported with the spread, and the execution provider that ran.
 
 Targets: ORT fp32 >= 3x faster than PyTorch eager at batch 1 on one thread; int8 files <= 0.3x
-the fp32 size; int8 accuracy within 1 point of fp32. Writes benchmarks/results/inference.json
-(per-model cells are cached under benchmarks/results/inference/ so an interrupted run resumes;
---force recomputes) and prints a table; --docs rewrites the figures section of docs/export.md.
+the fp32 size; int8 accuracy within 1 point of fp32; fedge's runtime <= 1.10x a bare session run.
+Writes benchmarks/results/inference.json (per-model cells are cached under
+benchmarks/results/inference/ and inference-overhead/ so an interrupted run resumes; --force
+recomputes) and prints a table; --docs rewrites the figures section of docs/export.md.
 """
 
 from __future__ import annotations

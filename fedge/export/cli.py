@@ -156,11 +156,11 @@ def _infer(args: argparse.Namespace) -> int:
         for start in range(0, len(files), INFER_CHUNK):
             chunk = files[start : start + INFER_CHUNK]
             batch = load_inputs(chunk, model.norm, preprocessed=args.preprocessed)
-            pred = model.predict(batch.x, preprocessed=True)
-            order = pred.probs.argsort(axis=1)[:, ::-1][:, :k]
+            probs = model.predict(batch.x, preprocessed=True).probs
+            order = probs.argsort(axis=1)[:, ::-1][:, :k]
             rows += [
                 {"input": name, "top": [{"class": model.classes[j], "index": int(j),
-                                         "prob": float(pred.probs[i, j])} for j in order[i]]}
+                                         "prob": float(probs[i, j])} for j in order[i]]}
                 for i, name in enumerate(batch.names)
             ]
             bar.update(len(chunk))
