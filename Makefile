@@ -1,6 +1,6 @@
 # fedge: the two commands of the README, each doing its own set-up.
 #   make demo   create .venv if missing, install, run a heterogeneous fleet on digits
-#   make test   same set-up, then ruff, mypy and pytest
+#   make test   same set-up, then ruff, the import contract (lint-imports), mypy and pytest
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -26,6 +26,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check fedge tests benchmarks
+	$(BIN)/lint-imports --no-cache  # the package DAG: [tool.importlinter] in pyproject.toml
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

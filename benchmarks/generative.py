@@ -43,17 +43,15 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, cached_cell, load_cell, markdown_table, mean_std, text_table, write_docs_section
 
-import fedge.fleet.devices as fleet_mod
 from fedge.fleet.config import DeviceGroup, FleetConfig, PartitionSection, load_fleet
-from fedge.profiles import load_profile
+from fedge.profiles import load_profile, plan
 from fedge.sim.report import build_results
 from fedge.sim.simulate import simulate
 
@@ -179,22 +177,12 @@ def table3_methods() -> dict[str, Method]:
     )}
 
 
-@contextmanager
-def forced_plan(precision: str | None) -> Iterator[None]:
-    """Override every device plan's upload precision (the planner derives it from the uplink)."""
-    orig = fleet_mod.plan
+def with_precision(cfg: FleetConfig, precision: str | None) -> FleetConfig:
+    """``cfg`` with every device uploading at ``precision`` (None: what the planner derives from the uplink)."""
     if precision is None:
-        yield
-        return
-
-    def patched(*args: Any, **kwargs: Any) -> Any:
-        return dataclasses.replace(orig(*args, **kwargs), upload_precision=precision)
-
-    fleet_mod.plan = patched
-    try:
-        yield
-    finally:
-        fleet_mod.plan = orig
+        return cfg
+    return dataclasses.replace(cfg, devices=tuple(dataclasses.replace(g, upload_precision=precision)
+                                                  for g in cfg.devices))
 
 
 def build_config(m: Method, seed: int, *, devices: int = 10, alpha: float | None = None,
@@ -213,8 +201,7 @@ def build_config(m: Method, seed: int, *, devices: int = 10, alpha: float | None
 
 def run_cell(cfg: FleetConfig, precision: str | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
-    with forced_plan(precision):
-        res = simulate(cfg)
+    res = simulate(with_precision(cfg, precision))
     out = build_results(res)
     rounds = cfg.run.rounds
     return {
@@ -424,8 +411,7 @@ def _table2_checks(alpha: float, cells: dict[str, list[dict]]) -> list[str]:
 def _protocol_precision() -> str:
     """The upload precision the planner gives table 1's devices (their profile in ``BASE``)."""
     cfg = load_fleet(BASE)
-    return fleet_mod.plan(load_profile(cfg.devices[0].profile), embed_dim=cfg.run.embed_dim,
-                          samples=600).upload_precision
+    return plan(load_profile(cfg.devices[0].profile), embed_dim=cfg.run.embed_dim, samples=600).upload_precision
 
 
 def table3(args: argparse.Namespace) -> str:

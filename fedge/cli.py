@@ -1,8 +1,11 @@
 """The ``fedge`` command line. The only module that prints for the user.
 
-Each area adds its sub-commands from a small ``*_cli.py`` module through
+Each area adds its sub-commands from its ``cli.py`` module through
 ``add_parser(subparsers)``; the command handler is stored as ``func`` and returns
 an exit code. A :class:`FedgeError` becomes a two-line message and its exit code.
+No area's command line imports another's: an action that one area adds under
+another's command (``fedge profile probe``, measured with the exporter) is
+registered here.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from fedge import __version__
 from fedge.errors import FedgeError
@@ -34,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fedge {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    added: dict[str, Any] = {}
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(name)
@@ -41,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name == name:  # that area is not built (yet); its commands are absent
                 continue
             raise
-        module.add_parser(sub)
+        added[name] = module.add_parser(sub)
+    if "fedge.profiles.cli" in added and "fedge.export.cli" in added:
+        from fedge.export.cli import add_probe_parser
+
+        add_probe_parser(added["fedge.profiles.cli"])
     return parser
 
 

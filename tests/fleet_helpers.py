@@ -16,7 +16,7 @@ from fedge.edge.data.partition import iid_fraction
 from fedge.edge.methods import DeviceContext, device_method
 from fedge.edge.models import build_model
 from fedge.edge.training import TrainConfig
-from fedge.sim.simulate import connect_inprocess
+from fedge.sim.inprocess import connect_inprocess
 
 
 @dataclass

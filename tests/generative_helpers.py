@@ -18,7 +18,7 @@ from fedge.edge.data.partition import dirichlet, shards
 from fedge.edge.methods import DeviceContext, device_method
 from fedge.edge.models import build_model
 from fedge.edge.training import TrainConfig
-from fedge.sim.simulate import connect_inprocess
+from fedge.sim.inprocess import connect_inprocess
 
 # Small CNNs train ~10x faster single-threaded than with two threads on a busy 2-core machine.
 torch.set_num_threads(1)

@@ -31,10 +31,10 @@ from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.chunking import split
 from fedge.mqtt.client import new_paho_client
-from fedge.mqtt.simulate import start_fleet
 from fedge.mqtt.topics import FleetTopics
 from fedge.mqtt.transport import TransportSettings
-from fedge.sim.simulate import _TRANSPORTS as sim_transports
+from fedge.sim.inprocess import run_inprocess
+from fedge.sim.over_mqtt import start_fleet
 from fedge.sim.simulate import simulate
 
 pytestmark = pytest.mark.mqtt
@@ -100,7 +100,7 @@ def reference(tmp: Path, method: str) -> Run:
     if method not in _REFERENCE:
         cfg = fleet_config(tmp, method, f"ref-{method}")
         devices, strat = build(cfg)
-        coord, _, _ = sim_transports["inprocess"](cfg, devices)  # the simulator's own in-process wiring
+        coord, _, _ = run_inprocess(cfg, devices)  # the simulator's own in-process wiring
         engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=method))
         _REFERENCE[method] = Run(engine, engine.run(), devices)
     return _REFERENCE[method]

@@ -1,56 +1,23 @@
 """``fedge coordinator run``: the coordinator service over MQTT.
 
-This is the command layer: it may import the fleet config (:mod:`fedge.fleet.config`)
-and the MQTT package lazily, which the coordinator library itself never does.
+This is the command layer: it may import the fleet layer (:mod:`fedge.fleet`) and
+the MQTT package lazily, which the coordinator library itself never does. The broker
+flags it shares with ``fedge edge run`` live with what they configure (:mod:`fedge.mqtt.flags`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from pathlib import Path
 from typing import Any
-
-from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Classes per data set; a coordinator must not need the data itself to know this.
-
-
-def add_broker_arguments(p: argparse.ArgumentParser, *, required: bool = False) -> None:
-    """``--broker/--username/--password/--password-file/--tls/--ca`` (shared with ``fedge edge run``)."""
-    g = p.add_argument_group("broker")
-    g.add_argument("--broker", metavar="URL", required=required,
-                   help="mqtt://HOST:PORT or mqtts://HOST:PORT" + ("" if required else
-                                                                     " (default: an embedded broker on loopback)"))
-    g.add_argument("--username", help="MQTT user name")
-    g.add_argument("--password", help="MQTT password (visible in the process list: prefer --password-file or "
-                                      "the FEDGE_MQTT_PASSWORD environment variable)")
-    g.add_argument("--password-file", metavar="FILE", help="read the MQTT password from FILE")
-    g.add_argument("--tls", action="store_true", help="connect with TLS")
-    g.add_argument("--ca", metavar="FILE", help="CA certificate that signed the broker's certificate (implies --tls)")
-
-
-def broker_settings(args: argparse.Namespace, url: str | None = None) -> Any:
-    """BrokerSettings from the shared broker flags (password: flag, file, then environment)."""
-    from fedge.mqtt.client import parse_broker_url
-
-    password = args.password
-    if password is None and getattr(args, "password_file", None):
-        path = Path(args.password_file)
-        if not path.is_file():
-            raise ConfigError(f"password file {path} does not exist")
-        password = path.read_text().strip()
-    if password is None:
-        password = os.environ.get("FEDGE_MQTT_PASSWORD")
-    return parse_broker_url(url or args.broker, username=args.username, password=password,
-                            tls=True if (args.tls or args.ca) else None, ca_file=args.ca)
-
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from fedge.mqtt.flags import add_broker_arguments
+
     c = sub.add_parser("coordinator", help="run the coordinator against an MQTT broker",
                        description="The coordinator service: registers devices, runs rounds, checkpoints.")
     csub = c.add_subparsers(dest="coordinator_command", metavar="ACTION", required=True)
@@ -89,8 +56,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from fedge.coordinator.service import CoordinatorService, SchedulePolicy
     from fedge.coordinator.strategies import strategy
-    from fedge.edge.data.datasets import NUM_CLASSES
     from fedge.fleet.config import device_ids, load_fleet
+    from fedge.fleet.slots import fleet_classes
+    from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.transport import MqttCoordinatorTransport, TransportSettings
 
     cfg = load_fleet(args.config)
@@ -103,7 +71,8 @@ def _run(args: argparse.Namespace) -> int:
     engine_cfg = policy.engine_config(fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
                                       allowed=None if args.any_device else frozenset(ids),
                                       max_update_bytes=args.max_update_bytes)
-    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=NUM_CLASSES[cfg.run.dataset], rounds=cfg.run.rounds)
+    strat = strategy(cfg.run.method)(dict(cfg.method), num_classes=len(fleet_classes(cfg)),
+                                     rounds=cfg.run.rounds)
 
     embedded: Any = None
     if args.broker is None:

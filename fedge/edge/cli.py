@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from fedge.coordinator.cli import add_broker_arguments
+    from fedge.mqtt.flags import add_broker_arguments
 
     e = sub.add_parser("edge", help="run the device agent", description="The device side of a fleet.")
     esub = e.add_subparsers(dest="edge_command", metavar="ACTION", required=True)
@@ -66,10 +66,10 @@ def _device(cfg_path: str, device_id: str, profile: str | None) -> tuple[Any, An
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fedge.coordinator.cli import broker_settings
     from fedge.edge.agent import DeviceAgent
     from fedge.edge.service import Bundle, EdgeOptions, EdgeService
     from fedge.mqtt.client import parse_broker_url
+    from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.transport import MqttDeviceTransport, TransportSettings
 
     if args.bundle:

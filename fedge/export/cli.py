@@ -194,7 +194,7 @@ def _write_predictions(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def add_probe_parser(psub: argparse._SubParsersAction) -> None:
-    """Register ``probe`` under ``fedge profile`` (called from :mod:`fedge.profiles.cli`)."""
+    """Register ``probe`` under ``fedge profile`` (called from :mod:`fedge.cli`, which may import both areas)."""
     from fedge.common.archs import TIERS
 
     pr = psub.add_parser(

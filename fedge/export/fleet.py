@@ -174,13 +174,13 @@ class _DeviceData:
             self._why = f"the run's fleet config {config!r} is not available"
             return {}
         try:
-            from fedge.fleet.config import load_fleet
-            from fedge.fleet.devices import device_ids, load_fleet_data
+            from fedge.fleet.config import device_ids, load_fleet
+            from fedge.fleet.slots import fleet_data_dir, fleet_splits
 
             cfg = load_fleet(str(config))
-            data = load_fleet_data(cfg)
-            return {dev: data.train.x[split.train]
-                    for (dev, _), split in zip(device_ids(cfg), data.splits, strict=True)}
+            train = load_dataset(cfg.run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=cfg.run.seed)
+            return {dev: train.x[split.train]
+                    for (dev, _), split in zip(device_ids(cfg), fleet_splits(cfg, train.y), strict=True)}
         except (FedgeError, ImportError, OSError, AttributeError, TypeError, ValueError) as exc:
             self._why = f"rebuilding the fleet's partition failed ({exc})"
             return {}

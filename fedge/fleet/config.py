@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fedge.common.catalog import DATASETS
+from fedge.common.tensorcodec import PRECISIONS
 from fedge.common.tomlconf import build, read_toml
-from fedge.edge.data.datasets import DATASETS
 from fedge.errors import ConfigError
 
 
@@ -93,19 +94,24 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class DeviceGroup:
-    """``count`` devices of one profile. ``archs`` (cycled) or ``arch`` override the plan's model."""
+    """``count`` devices of one profile. ``archs`` (cycled) or ``arch`` override the plan's model,
+    ``upload_precision`` the plan's upload precision (which the planner derives from the uplink)."""
 
     profile: str
     count: int = 1
     arch: str | None = None
     archs: tuple[str, ...] = ()
     id_prefix: str | None = None
+    upload_precision: str | None = None
 
     def __post_init__(self) -> None:
         if self.count < 1:
             raise ConfigError(f"device count must be >= 1, got {self.count}")
         if self.arch and self.archs:
             raise ConfigError("set either arch or archs for a device group, not both")
+        if self.upload_precision is not None and self.upload_precision not in PRECISIONS:
+            raise ConfigError(f"upload_precision {self.upload_precision!r} is not a precision",
+                              hint=f"use one of {', '.join(PRECISIONS)}")
 
 
 @dataclass(frozen=True)

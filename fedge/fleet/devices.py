@@ -1,4 +1,10 @@
-"""Turn a fleet config into devices: data shares, profiles, plans, models, method halves."""
+"""Turn a fleet config into devices: data shares, models, method halves. Needs torch.
+
+What each device *is* (profile, plan, model spec, data share) comes from its
+torch-free :class:`~fedge.fleet.slots.DeviceSlot`; this module adds what only a
+device has: its data, its model and its method's device half. The torch-free
+part of the fleet layer never imports this module.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from fedge.common.archs import arch_by_name
 from fedge.common.rounds import DeviceInfo
 from fedge.edge.data.datasets import Dataset, load_dataset
-from fedge.edge.data.partition import DeviceSplit, dirichlet, iid_fraction, local_splits, shards
+from fedge.edge.data.partition import DeviceSplit
 from fedge.edge.methods import DeviceContext, DeviceMethod, device_method
 from fedge.edge.models.zoo import build_model
 from fedge.edge.training import TrainConfig
-from fedge.errors import ConfigError
 from fedge.fleet.config import FleetConfig, device_ids
-from fedge.profiles import load_profile, plan
+from fedge.fleet.slots import check_feature_dims, device_slot, fleet_data_dir, fleet_splits
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +44,10 @@ class SimDevice:
 
 def load_fleet_data(cfg: FleetConfig) -> FleetData:
     """Load the data set and partition it over the fleet, deterministically by seed."""
-    run, part = cfg.run, cfg.partition
-    data_dir = str(cfg.base_dir / run.data_dir) if run.data_dir else None
-    train = load_dataset(run.dataset, train=True, data_dir=data_dir, seed=run.seed)
-    test = load_dataset(run.dataset, train=False, data_dir=data_dir, seed=run.seed)
-    n = cfg.num_devices
-    if part.kind == "iid":
-        parts = iid_fraction(train.y, n, part.fraction, run.seed)
-    elif part.kind == "dirichlet":
-        parts = dirichlet(train.y, n, part.alpha, run.seed, min_size=part.min_size, fraction=part.fraction)
-    else:
-        parts = shards(train.y, n, part.shards_per_device, run.seed, fraction=part.fraction)
-    return FleetData(train, test, local_splits(parts, part.local_test_fraction, run.seed))
+    run = cfg.run
+    train = load_dataset(run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=run.seed)
+    test = load_dataset(run.dataset, train=False, data_dir=fleet_data_dir(cfg), seed=run.seed)
+    return FleetData(train, test, fleet_splits(cfg, train.y))
 
 
 def build_devices(cfg: FleetConfig, data: FleetData) -> list[SimDevice]:
@@ -64,20 +60,10 @@ def build_devices(cfg: FleetConfig, data: FleetData) -> list[SimDevice]:
 def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
     """Build device number ``idx`` (fleet order) alone, as a real device does from the fleet config."""
     cls = device_method(cfg.run.method)
-    ids = device_ids(cfg)
-    dev_id, gi = ids[idx]
-    group = cfg.devices[gi]
-    k = sum(1 for _, g in ids[:idx] if g == gi)  # position within its group
-    profile_ref = group.profile
-    if profile_ref.endswith(".toml") and not profile_ref.startswith("/"):
-        profile_ref = str(cfg.base_dir / profile_ref)
-    profile = load_profile(profile_ref)
     split = data.splits[idx]
-    p = plan(profile, embed_dim=cfg.run.embed_dim, samples=max(1, len(split.train)))
-    arch_name = group.arch or (group.archs[k % len(group.archs)] if group.archs else p.arch)
-    # GeFL CNNs carry their embedding in the name (cnn3 = published sizes, cnn3-p64 = shared p).
-    spec = arch_by_name(arch_name, embed_dim=cfg.run.embed_dim if arch_name.startswith("tier-") else None)
-    model = build_model(spec, seed=cfg.run.seed * 1000 + idx, num_classes=data.train.num_classes)
+    slot = device_slot(cfg, idx, data.train.y, split)
+    p = slot.plan
+    model = build_model(slot.spec, seed=cfg.run.seed * 1000 + idx)
     tc = TrainConfig(
         lr=cfg.train.lr,
         batch_size=cfg.train.batch_size or p.batch_size,
@@ -86,42 +72,26 @@ def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
         weight_decay=cfg.train.weight_decay,
     )
     ctx = DeviceContext(
-        device_id=dev_id,
+        device_id=slot.device_id,
         model=model,
         train=data.train.subset(split.train),
         local_test=data.train.subset(split.test),
         train_cfg=tc,
-        upload_precision=p.upload_precision,
+        upload_precision=slot.upload_precision,
         seed=cfg.run.seed * 1000 + idx,
         method_config=dict(cfg.method),
         global_test=data.test,
-        profile=profile.name,
+        profile=slot.profile,
         plan=p.to_dict(),
     )
-    info = DeviceInfo(
-        device_id=dev_id,
-        arch=model.spec.name,
-        profile=profile.name,
-        upload_precision=p.upload_precision,
-        num_samples=len(split.train),
-        feature_dim=model.spec.feature_dim,
-        # The coordinator sizes generator uploads from the device's planned generator tier.
-        extra={"params": model.spec.num_params(), "generator_tier": p.generator_tier},
-    )
-    return SimDevice(info, cls(ctx), p.to_dict())
+    return SimDevice(slot.info(), cls(ctx), p.to_dict())
 
 
 def _check_feature_dims(cfg: FleetConfig, devices: list[SimDevice]) -> None:
     from fedge.coordinator.strategies import strategy
 
-    if strategy(cfg.run.method).shares_features:
-        dims = {d.info.feature_dim for d in devices}
-        if len(dims) > 1:
-            raise ConfigError(
-                f"{cfg.source}: method {cfg.run.method} shares features, but the devices' feature sizes "
-                f"differ ({sorted(dims)})",
-                hint="use architectures with a common embedding, e.g. cnn3-p64 instead of cnn3",
-            )
+    check_feature_dims(cfg, (d.info.feature_dim for d in devices),
+                       shares_features=strategy(cfg.run.method).shares_features)
 
 
 def class_histograms(cfg: FleetConfig, data: FleetData) -> list[tuple[str, np.ndarray, np.ndarray]]:

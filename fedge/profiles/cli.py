@@ -12,8 +12,9 @@ from fedge.profiles.planner import DEFAULT_SAMPLES, plan
 from fedge.profiles.schema import Profile
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``fedge profile`` and its actions."""
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse._SubParsersAction:
+    """Register ``fedge profile`` and its actions; returns the actions, to which :mod:`fedge.cli` adds
+    ``probe`` (it measures with the exporter, which this package must not import)."""
     p = sub.add_parser("profile", help="device profiles and their plans",
                        description="List the built-in device profiles, show one, or plan what a device runs.")
     p.set_defaults(func=lambda _args: _usage(p))
@@ -34,11 +35,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     pl.add_argument("--embed-dim", type=int, default=DEFAULT_EMBED_DIM,
                     help=f"fleet-wide embedding size p (default {DEFAULT_EMBED_DIM})")
     pl.set_defaults(func=_plan)
-
-    # `fedge profile probe` lives with the exporter it drives (fedge.export.probe).
-    from fedge.export.cli import add_probe_parser
-
-    add_probe_parser(psub)
+    return psub
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedge.fleet.config import FleetConfig, load_fleet
+from fedge.sim.transports import TRANSPORTS
 
 if TYPE_CHECKING:
     from fedge.coordinator.engine import RoundReport
@@ -17,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        description="Run a fleet config end to end on this machine and report per-device results.")
     p.add_argument("config", help="fleet config (TOML), e.g. examples/digits-fedproto.toml")
     p.add_argument("--out", default="runs/latest", help="output directory (results.json, plots, checkpoints)")
-    p.add_argument("--transport", default="inprocess", help="inprocess (default) or mqtt (embedded broker)")
+    p.add_argument("--transport", default="inprocess", choices=tuple(TRANSPORTS),
+                   help="; ".join(f"{name}: {t.help}" for name, t in TRANSPORTS.items()))
     p.add_argument("--rounds", type=int, help="override [run] rounds")
     p.add_argument("--method", help="override [run] method")
     p.add_argument("--seed", type=int, help="override [run] seed")

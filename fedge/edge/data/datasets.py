@@ -15,18 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
+from fedge.common.catalog import CLASS_NAMES, DATASETS
 from fedge.common.preprocess import NORMALIZATION, Normalization, preprocess
 from fedge.errors import DataError
 
 log = logging.getLogger(__name__)
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-DATASETS = ("fmnist", "mnist", "cifar10", "digits")
-# Classes per data set, known without loading it (the coordinator sizes its aggregates with it).
-NUM_CLASSES: dict[str, int] = {"fmnist": 10, "mnist": 10, "cifar10": 10, "digits": 10}
-
-FMNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-                  "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+# The catalog (names, classes) is fedge.common.catalog: known without loading data.
+__all__ = ["DATASETS", "Dataset", "load_dataset", "load_labels"]
 
 
 @dataclass
@@ -77,7 +74,9 @@ def _find(data_dir: Path, stem: str) -> Path | None:
     return None
 
 
-def load_idx_dataset(name: str, data_dir: Path, train: bool) -> tuple[np.ndarray, np.ndarray]:
+def load_idx_dataset(name: str, data_dir: Path, train: bool,
+                     *, labels_only: bool = False) -> tuple[np.ndarray | None, np.ndarray]:
+    """(images, labels) of an IDX data set; with ``labels_only`` the images are not read (None)."""
     prefix = "train" if train else "t10k"
     img = _find(data_dir, f"{prefix}-images-idx3-ubyte")
     lab = _find(data_dir, f"{prefix}-labels-idx1-ubyte")
@@ -91,10 +90,13 @@ def load_idx_dataset(name: str, data_dir: Path, train: bool) -> tuple[np.ndarray
             f"{name}: no {prefix}-images-idx3-ubyte[.gz] / {prefix}-labels-idx1-ubyte[.gz] in {data_dir}",
             hint=f"{how}, or point --data-dir at a directory holding them",
         )
-    x, y = read_idx(img), read_idx(lab)
+    y = read_idx(lab).astype(np.int64)
+    if labels_only:
+        return None, y
+    x = read_idx(img)
     if len(x) != len(y):
         raise DataError(f"{img} has {len(x)} images but {lab} has {len(y)} labels")
-    return x, y.astype(np.int64)
+    return x, y
 
 
 def _load_digits() -> tuple[np.ndarray, np.ndarray]:
@@ -118,17 +120,11 @@ def _load_cifar10(data_dir: Path, train: bool) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(ds.data), np.asarray(ds.targets, dtype=np.int64)
 
 
-def load_dataset(name: str, *, train: bool, data_dir: str | os.PathLike[str] | None = None,
-                 digits_test_fraction: float = 0.25, seed: int = 0) -> Dataset:
-    """Load a split of ``name`` and run it through the shared preprocessing.
-
-    ``digits`` has no official split: a fixed stratified ``digits_test_fraction``
-    is held out as its global test set.
-    """
+def _load_raw(name: str, train: bool, data_dir: str | os.PathLike[str] | None, digits_test_fraction: float,
+              seed: int, labels_only: bool) -> tuple[np.ndarray | None, np.ndarray]:
+    """(raw images or None with ``labels_only``, labels) of one split."""
     if name not in DATASETS:
         raise DataError(f"unknown dataset {name!r}", hint=f"use one of {', '.join(DATASETS)}")
-    norm = NORMALIZATION[name]
-    classes: tuple[str, ...] = tuple(str(i) for i in range(10))
     if name == "digits":
         x, y = _load_digits()
         rng = np.random.default_rng(seed)
@@ -137,23 +133,36 @@ def load_dataset(name: str, *, train: bool, data_dir: str | os.PathLike[str] | N
             idx = rng.permutation(np.flatnonzero(y == c))
             test_mask[idx[: round(len(idx) * digits_test_fraction)]] = True
         keep = ~test_mask if train else test_mask
-        x, y = x[keep], y[keep]
-        return Dataset(name, preprocess(x, norm, max_value=255.0), y, classes, norm)
+        return x[keep], y[keep]
     if name == "fmnist":
-        d = Path(data_dir) if data_dir else FMNIST_DIR
-        x, y = load_idx_dataset(name, d, train)
-        classes = FMNIST_CLASSES
-    elif name == "mnist":
+        return load_idx_dataset(name, Path(data_dir) if data_dir else FMNIST_DIR, train, labels_only=labels_only)
+    if name == "mnist":
         if data_dir is None:
             raise DataError("mnist needs --data-dir", hint="point it at the four MNIST IDX files")
         d = Path(data_dir)
         raw = d / "MNIST" / "raw"  # torchvision's layout
-        x, y = load_idx_dataset(name, raw if raw.is_dir() else d, train)
-    else:
-        if data_dir is None:
-            raise DataError("cifar10 needs --data-dir", hint="point it at the torchvision CIFAR-10 root")
-        x, y = _load_cifar10(Path(data_dir), train)
-        classes = ("airplane", "automobile", "bird", "cat", "deer",
-                   "dog", "frog", "horse", "ship", "truck")
+        return load_idx_dataset(name, raw if raw.is_dir() else d, train, labels_only=labels_only)
+    if data_dir is None:
+        raise DataError("cifar10 needs --data-dir", hint="point it at the torchvision CIFAR-10 root")
+    return _load_cifar10(Path(data_dir), train)  # torchvision reads images and labels together
+
+
+def load_dataset(name: str, *, train: bool, data_dir: str | os.PathLike[str] | None = None,
+                 digits_test_fraction: float = 0.25, seed: int = 0) -> Dataset:
+    """Load a split of ``name`` and run it through the shared preprocessing.
+
+    ``digits`` has no official split: a fixed stratified ``digits_test_fraction``
+    is held out as its global test set.
+    """
+    x, y = _load_raw(name, train, data_dir, digits_test_fraction, seed, labels_only=False)
+    assert x is not None  # images were asked for
+    norm = NORMALIZATION[name]
     log.info("loaded %s %s: %d images", name, "train" if train else "test", len(y))
-    return Dataset(name, preprocess(x, norm), y, classes, norm)
+    return Dataset(name, preprocess(x, norm), y, CLASS_NAMES[name], norm)
+
+
+def load_labels(name: str, *, train: bool, data_dir: str | os.PathLike[str] | None = None,
+                digits_test_fraction: float = 0.25, seed: int = 0) -> np.ndarray:
+    """The labels of a split of ``name`` alone (int64, the order :func:`load_dataset` gives), without
+    preprocessing images: what partitioning a fleet needs. IDX sets read only their label file."""
+    return _load_raw(name, train, data_dir, digits_test_fraction, seed, labels_only=True)[1]

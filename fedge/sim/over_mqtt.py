@@ -1,5 +1,7 @@
 """``fedge simulate --transport mqtt``: the same fleet, over an embedded broker on loopback.
 
+Named in :data:`fedge.sim.transports.TRANSPORTS` and imported only when chosen.
+
 Each simulated device gets its own MQTT connection and runs the real device
 loop (:class:`fedge.edge.service.EdgeService`) in a thread; the coordinator is
 the same round engine the in-process run uses. Round 1 starts only once every
@@ -22,7 +24,6 @@ from fedge.fleet.devices import SimDevice
 from fedge.mqtt.broker import EmbeddedBroker
 from fedge.mqtt.client import BrokerSettings
 from fedge.mqtt.transport import MqttCoordinatorTransport, MqttDeviceTransport, TransportSettings
-from fedge.sim.simulate import register_transport
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,9 @@ def _stop(services: list[EdgeService], threads: list[threading.Thread], transpor
         coord.close()
 
 
-def _mqtt(cfg: FleetConfig, devices: list[SimDevice]) -> tuple[CoordinatorTransport, list[DeviceAgent],
-                                                               Callable[[], None]]:
+def run_mqtt(cfg: FleetConfig, devices: list[SimDevice]) -> tuple[CoordinatorTransport, list[DeviceAgent],
+                                                                 Callable[[], None]]:
+    """Start an embedded broker and connect the fleet to it: (coordinator transport, agents, cleanup)."""
     broker = EmbeddedBroker().start()
     try:
         coord, agents, stop_fleet = start_fleet(cfg, devices, broker.settings())
@@ -93,6 +95,3 @@ def _mqtt(cfg: FleetConfig, devices: list[SimDevice]) -> tuple[CoordinatorTransp
         broker.stop()
 
     return coord, agents, cleanup
-
-
-register_transport("mqtt", _mqtt)

@@ -1,0 +1,166 @@
+"""What each device of a fleet is, computed from the fleet config alone — without torch.
+
+A :class:`DeviceSlot` is the device a fleet config describes at one position:
+its id, profile and plan, its model architecture and embedding size, its upload
+precision and its share of the data. The coordinator checks a device's hello
+against its slot; :mod:`fedge.fleet.devices` builds the device (model, method
+half) from the same slot, so the two can never disagree.
+
+Only the training labels are loaded (to partition them as every device does);
+IDX data sets read just their label file. Imports: common, profiles and the
+numpy-only :mod:`fedge.edge.data` — never torch, never the rest of fedge.edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedge.common.archs import ArchSpec, arch_by_name
+from fedge.common.catalog import CLASS_NAMES
+from fedge.common.rounds import DeviceInfo
+from fedge.edge.data.datasets import load_labels
+from fedge.edge.data.partition import DeviceSplit, dirichlet, iid_fraction, local_splits, shards
+from fedge.errors import ConfigError
+from fedge.fleet.config import FleetConfig, device_ids
+from fedge.profiles import Plan, Profile, load_profile, plan
+
+
+@dataclass(frozen=True)
+class DeviceSlot:
+    """One device of a fleet as its config describes it (what its hello must announce)."""
+
+    device_id: str
+    index: int  # position in fleet order (seeds are derived from it)
+    group: int  # index of its [[devices]] table
+    profile: str  # the profile's name
+    plan: Plan
+    spec: ArchSpec  # its model, sized for the fleet's classes
+    upload_precision: str
+    generator_tier: str
+    num_samples: int  # local training samples
+    classes: tuple[int, ...]  # labels present in its training share, ascending
+
+    @property
+    def arch(self) -> str:
+        """Model architecture name, e.g. ``tier-s`` or ``cnn3-p64``."""
+        return self.spec.name
+
+    @property
+    def feature_dim(self) -> int:
+        """Embedding size p."""
+        return self.spec.feature_dim
+
+    @property
+    def params(self) -> int:
+        """Trainable parameters of its model."""
+        return self.spec.num_params()
+
+    def info(self) -> DeviceInfo:
+        """The registry record the device announces in its hello."""
+        return DeviceInfo(
+            device_id=self.device_id,
+            arch=self.arch,
+            profile=self.profile,
+            upload_precision=self.upload_precision,
+            num_samples=self.num_samples,
+            feature_dim=self.feature_dim,
+            # The coordinator sizes generator uploads from the device's planned generator tier.
+            extra={"params": self.params, "generator_tier": self.generator_tier},
+        )
+
+    def mismatches(self, info: DeviceInfo) -> list[str]:
+        """How a hello differs from this slot, one ``"field: expected X, got Y"`` per field (empty: it matches)."""
+        expected = self.info()
+        return [
+            f"{name}: expected {getattr(expected, name)!r}, got {getattr(info, name)!r}"
+            for name in ("device_id", "arch", "profile", "upload_precision", "num_samples", "feature_dim")
+            if getattr(expected, name) != getattr(info, name)
+        ]
+
+
+def fleet_classes(cfg: FleetConfig) -> tuple[str, ...]:
+    """Class names of the fleet's models, in label order."""
+    return CLASS_NAMES[cfg.run.dataset]
+
+
+def fleet_data_dir(cfg: FleetConfig) -> str | None:
+    """``[run] data_dir`` resolved against the config's directory (None: the data set's default place)."""
+    return str(cfg.base_dir / cfg.run.data_dir) if cfg.run.data_dir else None
+
+
+def fleet_splits(cfg: FleetConfig, labels: np.ndarray) -> list[DeviceSplit]:
+    """Each device's local train/test indices into the training set, deterministically by seed."""
+    run, part = cfg.run, cfg.partition
+    n = cfg.num_devices
+    if part.kind == "iid":
+        parts = iid_fraction(labels, n, part.fraction, run.seed)
+    elif part.kind == "dirichlet":
+        parts = dirichlet(labels, n, part.alpha, run.seed, min_size=part.min_size, fraction=part.fraction)
+    else:
+        parts = shards(labels, n, part.shards_per_device, run.seed, fraction=part.fraction)
+    return local_splits(parts, part.local_test_fraction, run.seed)
+
+
+def train_labels(cfg: FleetConfig) -> np.ndarray:
+    """The fleet's training labels (the images are not loaded)."""
+    return load_labels(cfg.run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=cfg.run.seed)
+
+
+def device_profile(cfg: FleetConfig, group: int) -> Profile:
+    """The profile of a [[devices]] table (a relative .toml path is relative to the config)."""
+    ref = cfg.devices[group].profile
+    if ref.endswith(".toml") and not ref.startswith("/"):
+        ref = str(cfg.base_dir / ref)
+    return load_profile(ref)
+
+
+def device_slot(cfg: FleetConfig, index: int, labels: np.ndarray, split: DeviceSplit) -> DeviceSlot:
+    """The slot of device number ``index`` (fleet order), whose share of ``labels`` is ``split``."""
+    ids = device_ids(cfg)
+    dev_id, gi = ids[index]
+    group = cfg.devices[gi]
+    k = sum(1 for _, g in ids[:index] if g == gi)  # position within its group
+    profile = device_profile(cfg, gi)
+    p = plan(profile, embed_dim=cfg.run.embed_dim, samples=max(1, len(split.train)))
+    if group.upload_precision is not None:
+        p = dataclasses.replace(p, upload_precision=group.upload_precision,
+                                reasons={**p.reasons, "upload_precision": "set by the fleet config's [[devices]]"})
+    arch_name = group.arch or (group.archs[k % len(group.archs)] if group.archs else p.arch)
+    # GeFL CNNs carry their embedding in the name (cnn3 = published sizes, cnn3-p64 = shared p).
+    spec = arch_by_name(arch_name, embed_dim=cfg.run.embed_dim if arch_name.startswith("tier-") else None)
+    spec = dataclasses.replace(spec, num_classes=len(fleet_classes(cfg)))
+    return DeviceSlot(
+        device_id=dev_id,
+        index=index,
+        group=gi,
+        profile=profile.name,
+        plan=p,
+        spec=spec,
+        upload_precision=p.upload_precision,
+        generator_tier=p.generator_tier,
+        num_samples=len(split.train),
+        classes=tuple(int(c) for c in np.unique(labels[split.train])),
+    )
+
+
+def device_slots(cfg: FleetConfig, labels: np.ndarray | None = None) -> list[DeviceSlot]:
+    """Every device's slot, in fleet order (``labels``: the training labels, loaded when not given)."""
+    labels = train_labels(cfg) if labels is None else labels
+    splits = fleet_splits(cfg, labels)
+    return [device_slot(cfg, i, labels, s) for i, s in enumerate(splits)]
+
+
+def check_feature_dims(cfg: FleetConfig, dims: Iterable[int], *, shares_features: bool) -> None:
+    """A method that shares features (prototypes, statistics) needs one embedding size (``dims``: each
+    device's) across the fleet."""
+    distinct = set(dims)
+    if shares_features and len(distinct) > 1:
+        raise ConfigError(
+            f"{cfg.source}: method {cfg.run.method} shares features, but the devices' feature sizes "
+            f"differ ({sorted(distinct)})",
+            hint="use architectures with a common embedding, e.g. cnn3-p64 instead of cnn3",
+        )
