@@ -216,6 +216,11 @@ def test_16bit_png_is_scaled_not_clipped(model_dir: Path, tmp_path: Path) -> Non
     b = load_inputs(sorted(tmp_path.glob("d*.png")), model.norm)
     assert np.abs(b.x - preprocess(u8, model.norm)).max() < 1e-5  # the same image as its 8-bit original
     assert np.array_equal(model.predict(b.x, preprocessed=True).labels, model.predict(u8).labels)
+    Image.fromarray(u8[0].astype(np.uint16) * 257).save(tmp_path / "d0.tiff")  # 16-bit TIFF: the same rule
+    assert np.abs(load_inputs([tmp_path / "d0.tiff"], model.norm).x - b.x[:1]).max() < 1e-5
+    Image.fromarray(u8[0].astype(np.float32)).save(tmp_path / "f.tiff")  # mode "F": no defined pixel range
+    with pytest.raises(PayloadError, match=r"f\.tiff: a 32-bit floating point image; pixels must be 8 or 16-bit"):
+        load_inputs([tmp_path / "f.tiff"], model.norm)
     # Arrays of 16-bit pixels: refused at the 0..255 default, right with max_value.
     with pytest.raises(PayloadError, match=r"images has values up to 65535, above the raw pixel range 0\.\.255"):
         model.predict(u8.astype(np.uint16) * 257)

@@ -20,7 +20,7 @@ from fedge.errors import PayloadError
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".pgm", ".ppm")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".pgm", ".ppm", ".tif", ".tiff")
 
 
 @dataclass(frozen=True)
