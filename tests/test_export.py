@@ -242,13 +242,19 @@ def test_int8_measured_slower_on_the_model_ships_fp32(tmp_path: Path, checkpoint
     # quantize/dequantize overhead makes int8 ~2x slower than fp32 on x86: the export measures it.
     m = export_checkpoint(checkpoint, tmp_path / "o", profile="x86-gateway", test_samples=200, options=TIMED)
     lat, decision = m.metrics["latency_ms"], m.extra["quantization"]
-    assert lat["int8-static"] >= lat["fp32"], f"int8 measured faster on this host: {lat}"
-    assert m.quant == "fp32" and decision["requested"] == "int8-static" and decision["shipped"] == "fp32"
+    assert decision["requested"] == "int8-static"
     assert decision["source"].startswith("plan of profile 'x86-gateway', made for tier-xl (this model is tier-xs)")
+    how = (f"{lat['int8-static']:.3f} ms vs {lat['fp32']:.3f} ms at fp32 (batch 1, 1 thread, median of 60 interleaved "
+           f"runs on {m.metrics['latency']['cpu']}, {m.metrics['latency']['provider']})")
+    if lat["int8-static"] < lat["fp32"]:  # not on the x86 machines this was written on (int8 ~2x slower)
+        assert m.quant == decision["shipped"] == "int8-static"
+        assert decision["reason"] == (f"int8-static (from {decision['source']}) was measured faster than fp32 on "
+                                      f"this model: {how}")
+        pytest.skip(f"this host measures tier-xs int8 faster than fp32 ({lat}): the fp32 fallback is not exercised "
+                    "here (test_profile_measured_table_decides_for_the_models_own_tier covers it from a profile)")
+    assert m.quant == "fp32" and decision["shipped"] == "fp32"
     assert decision["reason"] == (
-        f"int8-static (from {decision['source']}) was measured slower than fp32 on this model: "
-        f"{lat['int8-static']:.3f} ms vs {lat['fp32']:.3f} ms at fp32 (batch 1, 1 thread, median of 60 interleaved "
-        f"runs on {m.metrics['latency']['cpu']}, {m.metrics['latency']['provider']}); shipping fp32")
+        f"int8-static (from {decision['source']}) was measured slower than fp32 on this model: {how}; shipping fp32")
     assert m.extra["calibration"] is None and decision["calibration"]["samples"] == 256
     assert "Conv" in {n.op_type for n in onnx.load(str(tmp_path / "o" / "model.onnx")).graph.node}
     assert "QuantizeLinear" not in {n.op_type for n in onnx.load(str(tmp_path / "o" / "model.onnx")).graph.node}
@@ -337,12 +343,14 @@ def test_run_export_every_device(tmp_path: Path) -> None:
     assert set(ms) == {"a-1", "b-1"} and ms["a-1"].quant == "fp32"
     # b-1's plan asks for int8-static; on tier-xs it is measured slower than fp32 (issue 16), so fp32 ships.
     decision, lat = ms["b-1"].extra["quantization"], ms["b-1"].metrics["latency_ms"]
-    assert decision["requested"] == "int8-static" and decision["shipped"] == ms["b-1"].quant == "fp32", lat
+    shipped = "fp32" if lat["int8-static"] >= lat["fp32"] else "int8-static"  # fp32 on x86: int8 ~2x slower
+    assert decision["requested"] == "int8-static" and decision["shipped"] == ms["b-1"].quant == shipped, lat
     assert "profile 'unit' cannot be loaded here" in decision["source"]
-    assert "not available" in decision["calibration"]["source"]  # no fleet config: the training split
+    calibration = decision.get("calibration") or ms["b-1"].extra["calibration"]
+    assert "not available" in calibration["source"]  # no fleet config: the training split
     index = json.loads((out / "index.json").read_text())
     assert [d["id"] for d in index["devices"]] == ["a-1", "b-1"]
-    assert [d["quant"] for d in index["devices"]] == ["fp32", "fp32"]
+    assert [d["quant"] for d in index["devices"]] == ["fp32", shipped]
     assert EdgeModel.load(out / "b-1").predict(digits()[1].x[:3], preprocessed=True).labels.shape == (3,)
 
 
