@@ -286,6 +286,9 @@ def test_fast_path_equals_full_path(model_dir: Path) -> None:
     x = digits()[1].x[:300]  # float32, contiguous: the fast path for up to batch_size images
     slow = model.run("model", x)
     assert np.abs(model.logits(x[:7], preprocessed=True) - slow[:7]).max() == 0
+    for i in range(3):  # batch 1: the inlined path of logits and predict
+        assert np.abs(model.logits(x[i : i + 1], preprocessed=True) - slow[i : i + 1]).max() <= 1e-6
+        assert model.predict(x[i : i + 1], preprocessed=True).labels.tolist() == [int(slow[i].argmax())]
     assert np.abs(model.logits(x, preprocessed=True) - slow).max() <= 1e-5  # 300 > 256: chunked
     assert np.abs(model.logits(x[:7].astype(np.float64), preprocessed=True) - slow[:7]).max() <= 1e-6
     strided = np.ascontiguousarray(np.repeat(x[:5], 2, axis=0))[::2]  # non-contiguous view

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _F32 = np.dtype(np.float32)
 _vdot = np.vdot
+_ndarray = np.ndarray
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -142,8 +143,9 @@ class EdgeModel:
         self.norm = Normalization(float(n["mean"]), float(n["std"]), int(n["size"]), int(n["channels"]))
         self._sample = (self.norm.channels, self.norm.size, self.norm.size)
         self._graphs: dict[str, _Graph] = {}
-        # (session.run, [output], input name, bound on the sum of squares of one sample)
-        self._fast: tuple[Any, list[str], str, float] | None = None
+        # (C++ run, [output], input name, the shape of a batch of 1, bound on the sum of squares
+        # of one sample, class names): everything the fast path needs, resolved once.
+        self._fast: tuple[Any, list[str], str, tuple[int, ...], float, tuple[str, ...]] | None = None
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike[str], *, verify: bool = True, threads: int = 1,
@@ -217,7 +219,8 @@ class EdgeModel:
         self._graphs[name] = g
         if name == "model" and dtype == _F32:
             size = int(np.prod(self._sample))
-            self._fast = (_direct_run(sess), g.outputs, g.input, size * (2.0 * largest_normalized(self.norm)) ** 2)
+            self._fast = (_direct_run(sess), g.outputs, g.input, (1, *self._sample),
+                          size * (2.0 * largest_normalized(self.norm)) ** 2, self.manifest.classes)
         return g
 
     # -- inference --------------------------------------------------------------------
@@ -250,36 +253,49 @@ class EdgeModel:
         reduction between two runs costs several times what it costs in a tight loop).
         """
         fast = self._fast
-        if fast is None or type(images) is not np.ndarray or images.dtype is not _F32:
+        if fast is None or images.__class__ is not _ndarray or images.dtype is not _F32:
             return None
         shape = images.shape
         if (shape[1:] == self._sample and 0 < shape[0] <= self.batch_size
-                and float(_vdot(images, images)) <= fast[3] * shape[0]):
+                and float(_vdot(images, images)) <= fast[4] * shape[0]):
             try:
                 return fast[0](fast[1], {fast[2]: images}, None)[0]
             except Exception:  # retried through the public API below: its fallback, its errors
                 return None
         return None
 
+    # logits() and predict() repeat the batch-1 case of _fast_logits inline: on the device's
+    # common call (one preprocessed image) a Python call, a tuple slice or a global lookup
+    # is a measurable share of a small model's inference (benchmarks/inference.py).
     def logits(self, images: np.ndarray, *, preprocessed: bool = False, max_value: float = 255.0) -> np.ndarray:
         """Logits (N, classes) of the fused model."""
-        if preprocessed and (out := self._fast_logits(images)) is not None:
-            return out
+        if preprocessed:
+            fast = self._fast
+            if (fast is not None and images.__class__ is _ndarray and images.dtype is _F32
+                    and images.shape == fast[3] and float(_vdot(images, images)) <= fast[4]):
+                try:
+                    return fast[0](fast[1], {fast[2]: images}, None)[0]
+                except Exception:  # retried through the public API below: its fallback, its errors
+                    pass
+            elif (out := self._fast_logits(images)) is not None:
+                return out
         return self.run("model", self.inputs(images, preprocessed=preprocessed, max_value=max_value))
 
     def predict(self, images: np.ndarray, *, preprocessed: bool = False, max_value: float = 255.0) -> Prediction:
         """Top-1 labels; their class names and the probabilities on first use."""
-        # The fast path of _fast_logits, inlined: at batch 1 a Python call is a measurable share.
-        fast = self._fast
-        if preprocessed and fast is not None and type(images) is np.ndarray and images.dtype is _F32:
-            shape = images.shape
-            if (shape[1:] == self._sample and 0 < shape[0] <= self.batch_size
-                    and float(_vdot(images, images)) <= fast[3] * shape[0]):
+        if preprocessed:
+            fast = self._fast
+            if (fast is not None and images.__class__ is _ndarray and images.dtype is _F32
+                    and images.shape == fast[3] and float(_vdot(images, images)) <= fast[4]):
                 try:
                     logits = fast[0](fast[1], {fast[2]: images}, None)[0]
-                    return Prediction(logits, logits.argmax(1), self.manifest.classes)
+                    return Prediction(logits, logits.argmax(1), fast[5])
                 except Exception:  # retried through the public API below: its fallback, its errors
                     pass
+            else:
+                logits = self._fast_logits(images)
+                if logits is not None:
+                    return Prediction(logits, logits.argmax(1), fast[5] if fast is not None else self.classes)
         logits = self.run("model", self.inputs(images, preprocessed=preprocessed, max_value=max_value))
         return Prediction(logits, logits.argmax(1), self.manifest.classes)
 
