@@ -12,11 +12,18 @@ meaningful accuracy, not a tuned one. int8 static is calibrated on 256 training 
 
     python benchmarks/inference.py                 # everything, ~5 min on one core
     python benchmarks/inference.py --archs cnn1 tier-m --train-images 2000 --epochs 1   # smoke run
+    python benchmarks/inference.py --overhead-only  # only fedge's runtime overhead, ~3 min
+
+Runtime overhead (issue 16): ``EdgeModel.logits`` and ``EdgeModel.predict(...).labels`` on a
+preprocessed batch-1 input vs a bare ``InferenceSession.run(None, feed)`` with a pre-built feed,
+on the same session, input and thread, interleaved; --repeats measurements, the median ratio
+reported with the spread, and the execution provider that ran.
 
 Targets: ORT fp32 >= 3x faster than PyTorch eager at batch 1 on one thread; int8 files <= 0.3x
-the fp32 size; int8 accuracy within 1 point of fp32. Writes benchmarks/results/inference.json
-(per-model cells are cached under benchmarks/results/inference/ so an interrupted run resumes;
---force recomputes) and prints a table; --docs rewrites the figures section of docs/export.md.
+the fp32 size; int8 accuracy within 1 point of fp32; fedge's runtime <= 1.10x a bare session run.
+Writes benchmarks/results/inference.json (per-model cells are cached under
+benchmarks/results/inference/ and inference-overhead/ so an interrupted run resumes; --force
+recomputes) and prints a table; --docs rewrites the figures section of docs/export.md.
 """
 
 from __future__ import annotations
@@ -46,7 +53,9 @@ from fedge.edge.models.zoo import build_model
 from fedge.edge.training import TrainConfig, train_epochs
 from fedge.export.probe import detect_hardware
 from fedge.export.variants import model_variants
-from fedge.export.verify import run_onnx
+from fedge.export.verify import interleaved_medians, run_onnx
+from fedge.runtime import EdgeModel
+from fedge.runtime.manifest import FileEntry, Manifest
 from fedge.runtime.model import open_session
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "export.md"
@@ -62,23 +71,6 @@ def spec_of(name: str) -> ArchSpec:
     if name.startswith("cnn") and name[3:].isdigit():
         return gefl_cnn(int(name[3:]))
     return arch_by_name(name)
-
-
-def interleaved_medians(fns: dict[str, Callable[[], Any]], *, runs: int, rounds: int = 10,
-                        warmup: int = 30) -> dict[str, float]:
-    """Median ms of each fn; the fns take turns in ``rounds`` blocks so drift hits them alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    per = max(1, runs // rounds)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            for _ in range(per):
-                t0 = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - t0)
-    return {k: float(np.median(v) * 1e3) for k, v in samples.items()}
 
 
 def run_model(name: str, train: Dataset, test: Dataset, *, epochs: int, runs: int, seed: int) -> dict[str, Any]:
@@ -124,6 +116,54 @@ def run_model(name: str, train: Dataset, test: Dataset, *, epochs: int, runs: in
     }
 
 
+OVERHEAD_TARGET = 1.10
+
+
+def edge_model(fp32: Path, spec: ArchSpec, test: Dataset) -> EdgeModel:
+    """An :class:`EdgeModel` over one fused graph: the runtime's own code path, as on a device."""
+    manifest = Manifest(
+        arch=spec.name, quant="fp32", opset=17, input_shape=("batch", 1, 32, 32),
+        normalization={"dataset": test.name, **test.norm.to_dict()}, classes=tuple(test.classes),
+        files={fp32.name: FileEntry.of(fp32)},
+        graphs={"model": {"file": fp32.name, "input": "image", "output": "logits"}},
+    )
+    model = EdgeModel(fp32.parent, manifest, threads=1)
+    model.graph("model")
+    return model
+
+
+def run_overhead(name: str, test: Dataset, *, runs: int, repeats: int, seed: int) -> dict[str, Any]:
+    """fedge's runtime vs a bare ``InferenceSession.run`` on the same session, input and thread.
+
+    Timing does not depend on the weights, so the model is not trained. ``repeats``
+    interleaved measurements; the ratio of each is kept and their median reported.
+    """
+    spec = spec_of(name)
+    torch.manual_seed(seed)
+    net = build_model(spec, seed=seed, num_classes=test.num_classes).eval()
+    with tempfile.TemporaryDirectory(prefix="fedge-bench-") as work:
+        fp32 = model_variants(net, work, quants=("fp32",))["fp32"]
+        model = edge_model(fp32, spec, test)
+        sess = model.session("model")
+        x1 = np.ascontiguousarray(test.x[:1])
+        feed = {"image": x1}  # the bare run gets a pre-built feed: its best case
+        fns: dict[str, Callable[[], Any]] = {
+            "bare": lambda: sess.run(None, feed),
+            "logits": lambda: model.logits(x1, preprocessed=True),
+            "predict": lambda: model.predict(x1, preprocessed=True).labels,
+        }
+        reps = [interleaved_medians(fns, runs=runs, rounds=10, warmup=100) for _ in range(repeats)]
+        provider = model.provider
+    ratios = {k: [r[k] / r["bare"] for r in reps] for k in ("logits", "predict")}
+    return {
+        "arch": spec.name, "provider": provider, "runs": runs, "repeats": repeats,
+        "latency_ms": {k: float(np.median([r[k] for r in reps])) for k in fns},
+        "ratio": {k: float(np.median(v)) for k, v in ratios.items()},
+        "ratio_range": {k: [float(min(v)), float(max(v))] for k, v in ratios.items()},
+        "load_average": os.getloadavg()[0],
+    }
+
+
 def derived(cell: dict[str, Any]) -> dict[str, float]:
     lat, b, acc = cell["latency_ms"], cell["bytes"], cell["accuracy"]
     return {
@@ -140,7 +180,7 @@ def derived(cell: dict[str, Any]) -> dict[str, float]:
 
 def table_rows(cells: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     header = ["model", "params", "fp32 KiB", "fp16", "int8", "int8 dyn", "PyTorch ms", "ORT fp32 ms", "ORT int8 ms",
-              "fp32 speedup", "acc fp32", "acc int8", "drop"]
+              "fp32 speedup", "acc fp32", "acc int8", "drop", "acc int8 dyn"]
     rows = []
     for c in cells:
         d, lat, acc = derived(c), c["latency_ms"], c["accuracy"]
@@ -149,8 +189,31 @@ def table_rows(cells: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]
             f"{d['size_int8']:.2f}x", f"{d['size_int8_dynamic']:.2f}x", f"{lat['pytorch']:.3f}",
             f"{lat['ort-fp32']:.3f}", f"{lat['ort-int8-static']:.3f}", f"{d['speedup_fp32']:.1f}x",
             f"{100 * acc['fp32']:.2f}", f"{100 * acc['int8-static']:.2f}", f"{d['drop_int8']:+.2f}",
+            f"{100 * acc['int8-dynamic']:.2f}",
         ])
     return header, rows
+
+
+def overhead_rows(cells: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    header = ["model", "provider", "bare ORT ms", "fedge logits ms", "fedge predict ms", "logits / bare",
+              "predict / bare", "logits range", "predict range"]
+    rows = []
+    for c in cells:
+        lat, r, rr = c["latency_ms"], c["ratio"], c["ratio_range"]
+        rows.append([
+            c["arch"], c["provider"].removesuffix("ExecutionProvider"), f"{lat['bare']:.4f}", f"{lat['logits']:.4f}",
+            f"{lat['predict']:.4f}", f"{r['logits']:.3f}x", f"{r['predict']:.3f}x",
+            f"{rr['logits'][0]:.3f}-{rr['logits'][1]:.3f}", f"{rr['predict'][0]:.3f}-{rr['predict'][1]:.3f}",
+        ])
+    return header, rows
+
+
+def overhead_summary(cells: list[dict[str, Any]]) -> str:
+    bad = [f"{c['arch']} {k} ({c['ratio'][k]:.3f})" for c in cells for k in ("logits", "predict")
+           if c["ratio"][k] > OVERHEAD_TARGET]
+    worst = max(max(c["ratio"].values()) for c in cells)
+    return (f"fedge runtime <= {OVERHEAD_TARGET:g}x bare InferenceSession.run (median of the repeats): "
+            + ("met by all" if not bad else f"missed by {len(bad)}: {', '.join(bad)}") + f"; worst {worst:.3f}x")
 
 
 def target_summary(cells: list[dict[str, Any]]) -> list[str]:
@@ -182,14 +245,33 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=500, help="timed batch-1 runs per engine and model")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", help="Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)")
+    ap.add_argument("--overhead-runs", type=int, default=3000,
+                    help="timed batch-1 calls per variant in each runtime-overhead repeat")
+    ap.add_argument("--repeats", type=int, default=5, help="repeats of the runtime-overhead measurement")
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="only measure fedge's runtime overhead (no training, no accuracy)")
     ap.add_argument("--force", action="store_true", help="recompute cached per-model cells")
     ap.add_argument("--docs", action="store_true", help="rewrite the figures section of docs/export.md")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
 
-    full = load_dataset("fmnist", train=True, data_dir=args.data_dir)
     test = load_dataset("fmnist", train=False, data_dir=args.data_dir)
+    overhead = []
+    for name in args.archs:
+        cell = cached_cell(RESULTS / "inference-overhead" / f"{name}-r{args.overhead_runs}x{args.repeats}.json",
+                           functools.partial(run_overhead, name, test, runs=args.overhead_runs,
+                                             repeats=args.repeats, seed=args.seed), force=args.force)
+        overhead.append(cell)
+        print(f"{name}: fedge logits {cell['ratio']['logits']:.3f}x, predict {cell['ratio']['predict']:.3f}x "
+              f"a bare InferenceSession.run on {cell['provider']}", flush=True)
+    oheader, orows = overhead_rows(overhead)
+    if args.overhead_only:
+        print()
+        print(text_table(oheader, orows))
+        print(overhead_summary(overhead))
+        return 0
+    full = load_dataset("fmnist", train=True, data_dir=args.data_dir)
     idx = np.sort(np.random.default_rng(args.seed).choice(len(full), min(args.train_images, len(full)),
                                                           replace=False))
     train = full.subset(idx)
@@ -219,14 +301,20 @@ def main() -> int:
         "train": {"images": len(train), "epochs": args.epochs, "lr": TRAIN.lr, "momentum": TRAIN.momentum,
                   "batch_size": TRAIN.batch_size, "seed": args.seed},
         "test_images": len(test), "calibration_images": 256,
-        "targets": target_summary(cells),
+        "targets": [*target_summary(cells), overhead_summary(overhead)],
+        "overhead": {"runs": args.overhead_runs, "repeats": args.repeats,
+                     "what": "EdgeModel.logits / predict(x, preprocessed=True) vs InferenceSession.run(None, "
+                             "pre-built feed) on the same session, batch 1, one thread, interleaved"},
     }
     out = RESULTS / "inference.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "models": [{**c, "derived": derived(c)} for c in cells]}, indent=1))
+    out.write_text(json.dumps({"meta": meta, "models": [{**c, "derived": derived(c)} for c in cells],
+                               "overhead": overhead}, indent=1))
     header, rows = table_rows(cells)
     print()
     print(text_table(header, rows))
+    print()
+    print(text_table(oheader, orows))
     print()
     print("\n".join(meta["targets"]))
     print(f"\nwrote {out}")
@@ -237,7 +325,11 @@ def main() -> int:
                 f"{args.runs} interleaved runs; "
                 f"accuracy on the {len(test):,} Fashion-MNIST test images after {args.epochs} epochs on "
                 f"{len(train):,} training images. Sizes are relative to the fp32 file.\n\n"
-                + markdown_table(header, rows) + "\n\n" + "\n".join(f"- {t}" for t in meta["targets"]))
+                + markdown_table(header, rows) + "\n\n"
+                + f"fedge's runtime vs a bare `InferenceSession.run` (same session, same input, pre-built feed, one "
+                  f"thread, batch 1): {args.repeats} repeats of {args.overhead_runs} interleaved calls each; the "
+                  "ratio is the median over the repeats, the range their spread.\n\n"
+                + markdown_table(oheader, orows) + "\n\n" + "\n".join(f"- {t}" for t in meta["targets"]))
         write_docs_section("inference-benchmark", body, path=DOCS)
         print(f"updated {DOCS}")
     return 0

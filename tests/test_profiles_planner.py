@@ -257,6 +257,18 @@ def test_heuristic_quantization() -> None:
     assert p.inference_quant == "fp32" and "int8 is not assumed faster" in p.reasons["inference_quant"]
 
 
+def test_fp16_only_for_an_accelerator_with_an_onnx_runtime_provider() -> None:
+    # Issue 16: fp16 gains nothing on ONNX Runtime's CPU provider; only a provider that runs it natively pays.
+    p = plan(make(accelerators=("cuda-fp16",)))
+    assert p.inference_quant == "fp16"
+    assert "through ONNX Runtime's TensorrtExecutionProvider / CUDAExecutionProvider" in p.reasons["inference_quant"]
+    p = plan(make(accelerators=("opencl-fp16",)))
+    assert p.inference_quant == "fp32"
+    assert p.reasons["inference_quant"].startswith("opencl-fp16 has no ONNX Runtime execution provider that runs fp16")
+    assert plan(make(accelerators=("opencl-fp16", "cuda-fp16"))).inference_quant == "fp16"
+    assert plan(make(int8_dot=True, accelerators=("opencl-fp16",))).inference_quant == "int8-static"
+
+
 def measured_plan(latency: dict[str, float], drop: dict[str, float], **kw: object) -> Plan:
     tier = plan(make()).model_tier
     lat = {f"tier-{tier}/{q}": ms for q, ms in latency.items()}

@@ -202,3 +202,194 @@ def test_infer_cli_reports_bad_input(model_dir: Path, tmp_path: Path, capsys: py
     assert "no axis of 1 or 3 channels" in capsys.readouterr().err
     assert main(["infer", "--model", str(tmp_path), str(tmp_path / "bad.npy")]) == ExportError.exit_code
     assert "has no manifest.json" in capsys.readouterr().err
+
+
+# -- silently wrong answers (issue 16): handled correctly or refused ---------------------
+def test_16bit_png_is_scaled_not_clipped(model_dir: Path, tmp_path: Path) -> None:
+    raw, _ = raw_digits()
+    u8 = raw[:6].round().astype(np.uint8)
+    model = EdgeModel.load(model_dir)
+    for i, img in enumerate(u8):
+        Image.fromarray(img.astype(np.uint16) * 257).save(tmp_path / f"d{i}.png")  # 16-bit grey: 0..65535
+    with Image.open(tmp_path / "d0.png") as im:
+        assert im.mode == "I;16"
+    b = load_inputs(sorted(tmp_path.glob("d*.png")), model.norm)
+    assert np.abs(b.x - preprocess(u8, model.norm)).max() < 1e-5  # the same image as its 8-bit original
+    assert np.array_equal(model.predict(b.x, preprocessed=True).labels, model.predict(u8).labels)
+    Image.fromarray(u8[0].astype(np.uint16) * 257).save(tmp_path / "d0.tiff")  # 16-bit TIFF: the same rule
+    assert np.abs(load_inputs([tmp_path / "d0.tiff"], model.norm).x - b.x[:1]).max() < 1e-5
+    Image.fromarray(u8[0].astype(np.float32)).save(tmp_path / "f.tiff")  # mode "F": no defined pixel range
+    with pytest.raises(PayloadError, match=r"f\.tiff: a 32-bit floating point image; pixels must be 8 or 16-bit"):
+        load_inputs([tmp_path / "f.tiff"], model.norm)
+    # Arrays of 16-bit pixels: refused at the 0..255 default, right with max_value.
+    with pytest.raises(PayloadError, match=r"images has values up to 65535, above the raw pixel range 0\.\.255"):
+        model.predict(u8.astype(np.uint16) * 257)
+    assert np.array_equal(model.predict(u8.astype(np.uint16) * 257, max_value=65535).labels,
+                          model.predict(u8).labels)
+
+
+def test_one_hwc_image_is_one_image(model_dir: Path, tmp_path: Path) -> None:
+    raw, _ = raw_digits()
+    grey = raw[0].round().astype(np.uint8)
+    rgb = np.repeat(grey[:, :, None], 3, axis=2)  # (8, 8, 3): one image, not 8 images of 8x3
+    model = EdgeModel.load(model_dir)
+    pred = model.predict(rgb)
+    assert pred.labels.shape == (1,) and pred.labels[0] == model.predict(grey).labels[0]
+    np.save(tmp_path / "rgb.npy", rgb)
+    b = load_inputs([tmp_path / "rgb.npy"], model.norm)
+    assert b.names == (str(tmp_path / "rgb.npy"),) and b.x.shape == (1, 1, 32, 32)
+    with pytest.raises(PayloadError, match=r"images has shape \(8, 8, 4\): one RGBA image \(H, W, 4\)\?"):
+        model.predict(np.zeros((8, 8, 4), np.uint8))
+
+
+def test_nan_and_infinity_are_refused(model_dir: Path) -> None:
+    model = EdgeModel.load(model_dir)
+    with pytest.raises(PayloadError) as err:
+        model.predict(np.full((2, 8, 8), np.nan, np.float32))
+    assert err.value.message == "images holds 128 NaN or infinite values (of 128): no prediction can be made"
+    x = digits()[1].x[:3].copy()
+    x[1, 0, 5, 5] = np.inf
+    with pytest.raises(PayloadError, match=r"^input holds 1 NaN or infinite values \(of 3072\)"):
+        model.logits(x, preprocessed=True)
+    for fn in (model.logits, model.predict, model.embed):
+        with pytest.raises(PayloadError, match=r"input holds 1024 NaN or infinite values \(of 1024\)"):
+            fn(np.full((1, 1, 32, 32), np.nan, np.float32), preprocessed=True)
+
+
+def test_preprocessed_npy_without_the_flag_is_refused(model_dir: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    raw, _ = raw_digits()
+    model = EdgeModel.load(model_dir)
+    pre = preprocess(raw[:4], model.norm)
+    np.save(tmp_path / "pre.npy", pre)
+    lo = float(pre.min())
+    expect = (f"{tmp_path / 'pre.npy'} holds negative values (min {lo:.3g}): raw pixels are 0..255 "
+              "(this looks like an already preprocessed model input)")
+    with pytest.raises(PayloadError) as err:
+        load_inputs([tmp_path / "pre.npy"], model.norm)
+    assert err.value.message == expect and "--preprocessed" in (err.value.hint or "")
+    assert main(["infer", "--model", str(model_dir), str(tmp_path / "pre.npy")]) == PayloadError.exit_code
+    assert expect in capsys.readouterr().err
+    assert main(["infer", "--model", str(model_dir), "--preprocessed", str(tmp_path / "pre.npy")]) == 0
+    # Floats scaled to 0..1 would be read as an almost black 0..255 image.
+    with pytest.raises(PayloadError, match=r"images holds floats within 0\.\.1 \(max 1\), but raw pixels are 0\.\.255"):
+        model.predict(raw[:2] / 255.0)
+    assert np.array_equal(model.predict(raw[:2] / 255.0, max_value=1.0).labels, model.predict(raw[:2]).labels)
+    # And the other way round: raw pixels marked as preprocessed.
+    resized = preprocess(raw[:2], model.norm) * model.norm.std * 255 + model.norm.mean * 255  # 0..255, 32x32
+    with pytest.raises(PayloadError, match=r"^input does not look preprocessed: its root mean square is \d+"):
+        model.logits(resized.astype(np.float32), preprocessed=True)
+
+
+def test_fast_path_equals_full_path(model_dir: Path) -> None:
+    model = EdgeModel.load(model_dir)
+    x = digits()[1].x[:300]  # float32, contiguous: the fast path for up to batch_size images
+    slow = model.run("model", x)
+    assert np.abs(model.logits(x[:7], preprocessed=True) - slow[:7]).max() == 0
+    for i in range(3):  # batch 1: the inlined path of logits and predict
+        assert np.abs(model.logits(x[i : i + 1], preprocessed=True) - slow[i : i + 1]).max() <= 1e-6
+        assert model.predict(x[i : i + 1], preprocessed=True).labels.tolist() == [int(slow[i].argmax())]
+    assert np.abs(model.logits(x, preprocessed=True) - slow).max() <= 1e-5  # 300 > 256: chunked
+    assert np.abs(model.logits(x[:7].astype(np.float64), preprocessed=True) - slow[:7]).max() <= 1e-6
+    strided = np.ascontiguousarray(np.repeat(x[:5], 2, axis=0))[::2]  # non-contiguous view
+    assert np.abs(model.logits(strided, preprocessed=True) - slow[:5]).max() <= 1e-6
+    pred = model.predict(x[:7], preprocessed=True)
+    assert pred.labels.tolist() == slow[:7].argmax(1).tolist()
+    assert pred.names == tuple(model.classes[i] for i in pred.labels)
+
+
+# -- tracebacks become errors --------------------------------------------------------------
+def test_manifest_normalization_must_hold_numbers(copy_dir: Path) -> None:
+    manifest = json.loads((copy_dir / MANIFEST_NAME).read_text())
+    for key, value, expect in [("size", "big", "an integer of at least 2, got 'big'"),
+                               ("std", 0, "a positive number, got 0"), ("channels", 2, "1 or 3, got 2"),
+                               ("mean", None, "a number, got None")]:
+        bad = json.loads(json.dumps(manifest))
+        bad["normalization"][key] = value
+        (copy_dir / MANIFEST_NAME).write_text(json.dumps(bad))
+        with pytest.raises(ExportError) as err:
+            EdgeModel.load(copy_dir)
+        assert err.value.message == f"{copy_dir / MANIFEST_NAME}: normalization.{key} must be {expect}"
+
+
+def test_class_list_must_match_the_model(copy_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = json.loads((copy_dir / MANIFEST_NAME).read_text())
+    manifest["classes"] = ["a", "b", "c"]
+    (copy_dir / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ExportError) as err:
+        EdgeModel.load(copy_dir)
+    assert err.value.message == f"{copy_dir / MANIFEST_NAME} lists 3 classes, but model.onnx outputs 10 logits"
+    np.save(copy_dir.parent / "x.npy", np.zeros((1, 8, 8), np.uint8))
+    assert main(["infer", "--model", str(copy_dir), str(copy_dir.parent / "x.npy")]) == ExportError.exit_code
+    assert "lists 3 classes, but model.onnx outputs 10 logits" in capsys.readouterr().err
+
+
+def test_directory_input_classifies_every_image(model_dir: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    raw, _ = raw_digits()
+    u8 = raw[:5].round().astype(np.uint8)
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(3):
+        Image.fromarray(u8[i]).save(images / f"{i}.png")
+    np.save(images / "more.npy", u8[3:5])
+    (images / "notes.txt").write_text("not an image")
+    (images / "sub").mkdir()
+    expect = EdgeModel.load(model_dir).predict(u8).labels.tolist()
+    assert main(["infer", "--model", str(model_dir), str(images), "--out", str(tmp_path / "p.csv")]) == 0
+    lines = (tmp_path / "p.csv").read_text().splitlines()
+    assert lines[0] == "input,rank,class,index,prob" and len(lines) == 6
+    assert [ln.split(",")[0] for ln in lines[1:]] == [str(images / f"{i}.png") for i in range(3)] + [
+        f"{images / 'more.npy'}[{i}]" for i in range(2)]
+    assert [int(ln.split(",")[3]) for ln in lines[1:]] == expect
+    assert main(["infer", "--model", str(model_dir), str(images), "--top", "2", "--out",
+                 str(tmp_path / "p.json")]) == 0
+    rows = json.loads((tmp_path / "p.json").read_text())
+    assert [r["top"][0]["index"] for r in rows] == expect and all(len(r["top"]) == 2 for r in rows)
+    assert "wrote 5 predictions to" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["infer", "--model", str(model_dir), str(empty)]) == PayloadError.exit_code
+    err = capsys.readouterr().err
+    assert f"{empty}: a directory with no images or .npy arrays" in err and "subdirectories" in err
+    assert main(["infer", "--model", str(model_dir), str(tmp_path / "nope.png")]) == PayloadError.exit_code
+    assert f"{tmp_path / 'nope.png'}: no such file or directory" in capsys.readouterr().err
+    assert main(["infer", "--model", str(model_dir), str(images), "--out", str(tmp_path / "p.txt")]) == 2
+    assert "write a .csv or a .json file" in capsys.readouterr().err
+
+
+# -- execution providers -------------------------------------------------------------------
+def test_provider_order_and_choice() -> None:
+    from fedge.errors import ConfigError
+    from fedge.runtime.providers import select
+
+    present = ["AzureExecutionProvider", "CPUExecutionProvider", "CUDAExecutionProvider",
+               "TensorrtExecutionProvider"]
+    assert select(present=present) == ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert select(present=["AzureExecutionProvider", "CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    assert select(["CUDAExecutionProvider"], present=present) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    with pytest.raises(ConfigError) as err:
+        select(["CUDAExecutionProvider"], present=["CPUExecutionProvider"])
+    assert err.value.message == ("execution provider CUDAExecutionProvider is not available in this ONNX Runtime "
+                                 "(available: CPUExecutionProvider)")
+
+
+def test_infer_reports_the_provider_that_ran(model_dir: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import onnxruntime as ort
+
+    from fedge.runtime.providers import select
+
+    model = EdgeModel.load(model_dir)
+    assert model.providers == select() and model.provider == select()[0]
+    assert model.providers == model.session("model").get_providers()
+    np.save(tmp_path / "x.npy", np.zeros((1, 8, 8), np.uint8))
+    assert main(["infer", "--model", str(model_dir), str(tmp_path / "x.npy"), "-v"]) == 0
+    out = capsys.readouterr()
+    assert f"execution provider: {model.provider} (session providers: {', '.join(model.providers)}; " \
+           f"available here: {', '.join(ort.get_available_providers())})" in out.err
+    assert "tier-xs as fp32, 10 classes, 3 files verified" in out.err and len(out.out.splitlines()) == 1
+    assert main(["infer", "--model", str(model_dir), "--check"]) == 0
+    assert f"execution provider: {model.provider}" in capsys.readouterr().out
+    assert main(["infer", "--model", str(model_dir), "--provider", "NoSuchExecutionProvider", "--check"]) == 2
+    assert "execution provider NoSuchExecutionProvider is not available" in capsys.readouterr().err

@@ -43,15 +43,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     inf = sub.add_parser(
         "infer", help="classify images or .npy arrays with an exported model",
-        description="Run an exported model directory on PNG/JPEG images or .npy arrays of raw pixels "
-                    "(numpy and ONNX Runtime only). Checksums are verified first.",
+        description="Run an exported model directory on PNG/JPEG images, .npy arrays of raw pixels, or every "
+                    "image in a directory (numpy and ONNX Runtime only). Checksums are verified first.",
     )
     inf.add_argument("--model", required=True, metavar="DIR", help="a directory written by `fedge export`")
-    inf.add_argument("inputs", nargs="+", metavar="INPUT", help="image files or .npy arrays")
+    inf.add_argument("inputs", nargs="*", metavar="INPUT",
+                     help="image files, .npy arrays, or directories (each image and .npy array directly in them)")
     inf.add_argument("--preprocessed", action="store_true",
                      help=".npy files already hold model inputs (N, C, 32, 32), not raw pixels")
     inf.add_argument("--top", type=int, default=1, help="show the K most likely classes (default 1)")
     inf.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    inf.add_argument("--out", metavar="FILE.csv|FILE.json",
+                     help="write the predictions to a CSV or JSON file instead of printing them")
+    inf.add_argument("--provider", action="append", metavar="NAME",
+                     help="ONNX Runtime execution provider to use (repeatable; default: every available one in "
+                          "fedge's order, see docs/export.md)")
+    inf.add_argument("--check", action="store_true",
+                     help="verify the export and report the execution provider that runs it; no inputs needed")
+    inf.add_argument("-v", "--verbose", action="store_true",
+                     help="report the model, its quantization and the execution provider that ran it (on stderr)")
     inf.set_defaults(func=_infer)
 
 
@@ -64,6 +74,9 @@ def _summary(out: str, m: Manifest) -> list[str]:
     lines.append("  accuracy  " + ", ".join(f"{k} {v:.2%}" for k, v in acc.items())
                  + f" on {m.metrics.get('test_set', {}).get('images', '?')} test images")
     lines.append("  latency   " + ", ".join(f"{k} {v:.3f} ms" for k, v in lat.items()) + " (batch 1, 1 thread)")
+    decision = m.extra.get("quantization") or {}
+    if decision.get("reason"):
+        lines.append(f"  quant     {decision['reason']}")
     return lines
 
 
@@ -92,27 +105,69 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _usage(message: str) -> Exception:
+def _usage(message: str, hint: str | None = None) -> Exception:
     from fedge.errors import ConfigError
 
-    return ConfigError(message)
+    return ConfigError(message, hint=hint)
+
+
+INFER_CHUNK = 256  # files read and classified at a time: memory stays bounded on a large directory
+
+
+def _model_report(model: Any) -> list[str]:
+    from fedge.runtime import providers as eps
+
+    m = model.manifest
+    lines = [f"{model.dir}: {m.arch} as {m.quant}, {len(m.classes)} classes, {len(m.files)} files verified "
+             "(size and sha256)"]
+    decision = m.extra.get("quantization") or {}
+    if decision.get("reason"):
+        lines.append(f"  quantization: {decision['reason']}")
+    lines.append(f"  execution provider: {model.provider} (session providers: {', '.join(model.providers)}; "
+                 f"available here: {', '.join(eps.available())})")
+    if m.quant == "fp16" and model.provider not in eps.FP16_PROVIDERS:
+        lines.append(f"  note: an fp16 model on {model.provider} runs through casts, no faster than fp32")
+    return lines
 
 
 def _infer(args: argparse.Namespace) -> int:
+    import sys
+
     from fedge.runtime import EdgeModel, load_inputs
+    from fedge.runtime.inputs import expand_inputs
 
     if args.top < 1:
         raise _usage(f"--top must be at least 1, got {args.top}")
-    model = EdgeModel.load(args.model)
-    batch = load_inputs(args.inputs, model.norm, preprocessed=args.preprocessed)
-    pred = model.predict(batch.x, preprocessed=True)
+    if args.out and Path(args.out).suffix.lower() not in (".csv", ".json"):
+        raise _usage(f"--out {args.out}: write a .csv or a .json file")
+    if not args.inputs and not args.check:
+        raise _usage("no inputs given", hint="pass image files, .npy arrays or directories, or --check")
+    model = EdgeModel.load(args.model, providers=args.provider)
+    if args.check or args.verbose:
+        print("\n".join(_model_report(model)), file=sys.stderr if not args.check else sys.stdout)
+    if not args.inputs:
+        return 0
+    files = expand_inputs(args.inputs)
     k = min(args.top, len(model.classes))
-    order = pred.probs.argsort(axis=1)[:, ::-1][:, :k]
-    rows: list[dict[str, Any]] = [
-        {"input": name, "top": [{"class": model.classes[j], "index": int(j), "prob": float(pred.probs[i, j])}
-                                for j in order[i]]}
-        for i, name in enumerate(batch.names)
-    ]
+    rows: list[dict[str, Any]] = []
+    from tqdm import tqdm
+
+    with tqdm(total=len(files), unit="file", desc="classifying", disable=None, file=sys.stderr) as bar:
+        for start in range(0, len(files), INFER_CHUNK):
+            chunk = files[start : start + INFER_CHUNK]
+            batch = load_inputs(chunk, model.norm, preprocessed=args.preprocessed)
+            probs = model.predict(batch.x, preprocessed=True).probs
+            order = probs.argsort(axis=1)[:, ::-1][:, :k]
+            rows += [
+                {"input": name, "top": [{"class": model.classes[j], "index": int(j),
+                                         "prob": float(probs[i, j])} for j in order[i]]}
+                for i, name in enumerate(batch.names)
+            ]
+            bar.update(len(chunk))
+    if args.out:
+        _write_predictions(Path(args.out), rows)
+        print(f"wrote {len(rows)} predictions to {args.out}", file=sys.stderr)
+        return 0
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -120,6 +175,22 @@ def _infer(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['input'].ljust(width)}  " + "  ".join(f"{t['class']} ({t['prob']:.1%})" for t in r["top"]))
     return 0
+
+
+def _write_predictions(path: Path, rows: list[dict[str, Any]]) -> None:
+    """``--out``: JSON as printed by --json, or CSV with one row per input and rank."""
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() == ".json":
+        path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+        return
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["input", "rank", "class", "index", "prob"])
+        for r in rows:
+            for rank, t in enumerate(r["top"], 1):
+                w.writerow([r["input"], rank, t["class"], t["index"], f"{t['prob']:.6f}"])
 
 
 def add_probe_parser(psub: argparse._SubParsersAction) -> None:

@@ -30,6 +30,7 @@ from fedge.edge.data.datasets import Dataset
 from fedge.edge.models.zoo import FedgeNet
 from fedge.errors import ExportError
 from fedge.export import verify
+from fedge.export.decide import QuantRequest, settle
 from fedge.export.onnx_export import OPSET, Exporter, export_graphs
 from fedge.export.probe import detect_hardware
 from fedge.export.quantize import (
@@ -39,6 +40,7 @@ from fedge.export.quantize import (
     compact,
     quantize_file,
 )
+from fedge.runtime import providers
 from fedge.runtime.manifest import GRAPHS, QUANTS, FileEntry, Manifest, write_manifest
 from fedge.runtime.model import open_session
 
@@ -116,7 +118,7 @@ def export_into(
     net: FedgeNet,
     out: Path,
     *,
-    quant: str,
+    quant: str | QuantRequest,
     test: Dataset,
     calibration: CalibrationSource | None = None,
     calibration_label: str = "caller-supplied inputs",
@@ -124,10 +126,17 @@ def export_into(
     plan: dict[str, Any] | None = None,
     options: ExportOptions | None = None,
 ) -> Manifest:
-    """Export ``net`` into the existing empty directory ``out`` (no staging; see :func:`export_model`)."""
+    """Export ``net`` into the existing empty directory ``out`` (no staging; see :func:`export_model`).
+
+    ``quant`` is a level (shipped as asked) or a :class:`QuantRequest` whose int8
+    level may be replaced by fp32 when measured slower on this model (see
+    :mod:`fedge.export.decide`); the manifest's ``quantization`` entry says which and why.
+    """
     opt = options or ExportOptions()
-    if quant not in QUANTS:
+    if isinstance(quant, str) and quant not in QUANTS:
         raise ExportError(f"unknown quantization {quant!r}", hint=f"use one of {', '.join(QUANTS)}")
+    request = QuantRequest.explicit(quant) if isinstance(quant, str) else quant
+    quant = request.quant
     if not isinstance(net, FedgeNet):
         raise ExportError(f"can only export FedgeNet models, got {type(net).__name__}")
     _check_fits(net, test)
@@ -153,6 +162,7 @@ def export_into(
             ])
         agreement = float((fp32_logits.argmax(1) == torch_pred).mean())
         chain: dict[str, float] = {}
+        dependence: dict[str, Any] | None = None
 
         calib_meta: dict[str, Any] | None = None
         if quant == "fp32":
@@ -176,20 +186,34 @@ def export_into(
             acc[quant] = verify.onnx_accuracy(final["model"], test.x, test.y)
             verify.check_accuracy(quant, acc[quant], acc["fp32"], n=len(test), where="model.onnx",
                                   max_drop=opt.max_accuracy_drop)
+            if quant == "int8-dynamic":
+                dependence = verify.batch_dependence(final["model"], test.x)
             chain[quant] = verify.chained_accuracy(final["extractor"], final["head"], test.x, test.y)
             verify.check_accuracy(quant, chain[quant], acc["fp32"], n=len(test), where="head(extractor(x))",
                                   max_drop=opt.max_accuracy_drop)
 
-        latency = {"fp32": verify.onnx_latency_ms(fp32["model"], fixed, runs=opt.latency_runs)}
-        if quant != "fp32":
-            latency[quant] = verify.onnx_latency_ms(final["model"], fixed, runs=opt.latency_runs)
+        timed = {"fp32": fp32["model"]} if quant == "fp32" else {"fp32": fp32["model"], quant: final["model"]}
+        latency = verify.onnx_latencies_ms(timed, fixed, runs=opt.latency_runs)
+        hw_cpu = detect_hardware()["cpu"]
+        provider = providers.select()[0]  # what open_session puts first on this host
+        shipped, why = settle(request, latency, provider=provider,
+                              how=f"batch 1, 1 thread, median of {opt.latency_runs} interleaved runs on {hw_cpu}, "
+                                  f"{provider}")
+        decision: dict[str, Any] = {"requested": quant, "source": request.source, "shipped": shipped,
+                                    "reason": why}
+        if shipped != quant:
+            # Measured slower: ship the verified fp32 graphs; the candidate's figures stay in the metrics.
+            for p in final.values():
+                p.unlink()
+            final = {name: Path(shutil.copy2(p, out / p.name)) for name, p in fp32.items()}
+            decision["calibration"], calib_meta = calib_meta, None
         fp32_bytes = {p.name: p.stat().st_size for p in fp32.values()}
 
     import onnxruntime
 
     manifest = Manifest(
         arch=spec.name,
-        quant=quant,
+        quant=shipped,
         opset=opt.opset,
         input_shape=("batch", *image_shape),
         normalization=norm,
@@ -207,13 +231,15 @@ def export_into(
             "fp32_max_abs_diff": {**parity.max_abs_diff, "batch": parity.batch, "tolerance": opt.fp32_tolerance},
             "latency_ms": latency,
             "latency": {"batch": 1, "threads": 1, "statistic": "median", "runs": opt.latency_runs,
-                        "machine": platform.machine(), "cpu": detect_hardware()["cpu"]},
+                        "interleaved": True, "machine": platform.machine(), "cpu": hw_cpu, "provider": provider},
             "fp32_bytes": fp32_bytes,
+            **({"batch_dependence": dependence} if dependence is not None else {}),
         },
         extra={
             "spec": spec.to_dict(),
             "params": spec.num_params(),
             "calibration": calib_meta,
+            "quantization": decision,
             "exporter": opt.exporter,
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "versions": {"fedge": __version__, "torch": torch.__version__,
@@ -221,12 +247,12 @@ def export_into(
         },
     )
     write_manifest(out, manifest)
-    log.info("exported %s as %s into %s (accuracy %s)", spec.name, quant, out,
+    log.info("exported %s as %s into %s (accuracy %s)", spec.name, shipped, out,
              ", ".join(f"{k} {v:.2%}" for k, v in acc.items()))
     return manifest
 
 
-def export_model(net: FedgeNet, out: str | os.PathLike[str], *, quant: str, test: Dataset,
+def export_model(net: FedgeNet, out: str | os.PathLike[str], *, quant: str | QuantRequest, test: Dataset,
                  calibration: CalibrationSource | None = None, calibration_label: str = "caller-supplied inputs",
                  profile: str | None = None, plan: dict[str, Any] | None = None,
                  options: ExportOptions | None = None, overwrite: bool = False) -> Manifest:

@@ -1,7 +1,8 @@
 """Export for devices: one checkpoint for one profile, or every device of a finished run.
 
-``export_checkpoint`` takes the quantization from the profile's plan and checks
-that the checkpoint holds the architecture that plan (or ``arch``) names.
+``export_checkpoint`` exports the architecture the checkpoint records (checked
+against ``arch`` when given), quantized as decided for that model (see
+:mod:`fedge.export.decide`).
 ``export_run`` reads ``RESULTS_DIR/results.json`` and
 ``RESULTS_DIR/checkpoints/<device id>.safetensors`` (the layout of
 :mod:`fedge.sim`) and exports every device, all or nothing, calibrating each
@@ -23,9 +24,10 @@ from fedge.edge.data.datasets import Dataset, load_dataset
 from fedge.edge.models.checkpoint import load_checkpoint, read_checkpoint_meta
 from fedge.edge.models.zoo import FedgeNet
 from fedge.errors import ConfigError, ExportError, FedgeError, ProfileError
+from fedge.export.decide import request_quant
 from fedge.export.exporter import ExportOptions, export_into, staged_output
 from fedge.export.quantize import CalibrationSource
-from fedge.runtime.manifest import QUANTS, Manifest
+from fedge.runtime.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +104,10 @@ def export_checkpoint(
     """Export one checkpoint for one profile.
 
     ``profile`` and ``dataset`` default to what the checkpoint's metadata records
-    (the simulator stores both). ``quant`` overrides the plan's quantization,
-    ``arch`` the architecture the checkpoint must hold. Without ``calibration``,
+    (the simulator stores both). ``quant`` overrides the plan's quantization;
+    ``arch``, when given, is the architecture the checkpoint must hold (by
+    default the checkpoint's own architecture is exported, whatever the
+    profile's standalone plan names). Without ``calibration``,
     int8-static calibrates on the data set's training split.
     """
     opt = options or ExportOptions()
@@ -112,11 +116,14 @@ def export_checkpoint(
     if not profile:
         raise ConfigError(f"{checkpoint} does not record a profile", hint="pass --profile NAME")
     target = resolve_profile(profile)
-    check_arch(net, arch or target.arch, source=str(checkpoint),
-               why="--arch asks for" if arch else f"profile {target.profile!r} plans")
-    quant = quant or target.quant
-    if quant not in QUANTS:
-        raise ExportError(f"unknown quantization {quant!r}", hint=f"use one of {', '.join(QUANTS)}")
+    # The checkpoint is self-describing: its architecture is what gets exported. The
+    # profile's plan names the tier it would give a standalone device; a fleet may
+    # assign another (`archs`), so only an explicit --arch is a requirement.
+    check_arch(net, arch, source=str(checkpoint), why="--arch asks for")
+    if target.arch is not None and target.arch != net.spec.name:
+        log.info("%s holds %s; profile %s plans %s for a standalone device: exporting %s", checkpoint,
+                 net.spec.name, target.profile, target.arch, net.spec.name)
+    request = request_quant(net.spec.name, override=quant, profile=profile, plan=target.plan)
     dataset = dataset or meta.get("fedge.dataset")
     if not dataset:
         raise ConfigError(f"{checkpoint} does not record its data set", hint="pass --dataset NAME (fmnist, digits, …)")
@@ -124,12 +131,12 @@ def export_checkpoint(
     if test_samples is not None:
         test = test.subset(np.arange(min(test_samples, len(test))))
     label = "caller-supplied inputs"
-    if calibration is None and quant == "int8-static":
+    if calibration is None and request.quant == "int8-static":
         train = load_dataset(dataset, train=True, data_dir=data_dir)
         calibration = _subsample(train.x, opt.calibration_samples, opt.seed)
         label = f"{dataset} training split ({len(train)} images, {len(calibration)} sampled)"
     with staged_output(out, overwrite=overwrite) as stage:
-        return export_into(net, stage, quant=quant, test=test, calibration=calibration, calibration_label=label,
+        return export_into(net, stage, quant=request, test=test, calibration=calibration, calibration_label=label,
                            profile=target.profile, plan=target.plan, options=opt)
 
 
@@ -201,8 +208,10 @@ def export_run(
 ) -> dict[str, Manifest]:
     """Export every device of a finished run into ``out/<device id>/``, all or nothing.
 
-    Each device's quantization comes from the plan recorded in results.json (or,
-    failing that, from planning its profile again); ``quant`` overrides it.
+    Each device's quantization is decided for its own model (see
+    :mod:`fedge.export.decide`) from its profile's measured table or the plan
+    recorded in results.json (or, failing that, planning its profile again);
+    ``quant`` overrides it.
     ``out/index.json`` lists the devices and their manifests' key figures.
     """
     opt = options or ExportOptions()
@@ -234,10 +243,10 @@ def export_run(
                 if not profile:
                     raise ExportError(f"device {dev_id}: results.json records neither a plan nor a profile")
                 plan = resolve_profile(profile).plan or {}
-            dev_quant = quant or str(plan.get("inference_quant", "fp32"))
+            request = request_quant(net.spec.name, override=quant, profile=profile or None, plan=plan)
             calibration: np.ndarray | None = None
             label = ""
-            if dev_quant == "int8-static":
+            if request.quant == "int8-static":
                 calibration = shares.share(dev_id)
                 if calibration is not None:
                     label = f"device {dev_id}'s own training share ({len(calibration)} images)"
@@ -248,7 +257,7 @@ def export_run(
             (stage / dev_id).mkdir()
             try:
                 manifests[dev_id] = export_into(
-                    net, stage / dev_id, quant=dev_quant, test=test, calibration=calibration,
+                    net, stage / dev_id, quant=request, test=test, calibration=calibration,
                     calibration_label=label, profile=profile or None, plan=plan, options=opt)
             except FedgeError as exc:
                 raise type(exc)(f"device {dev_id}: {exc.message}", hint=exc.hint) from exc

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -92,6 +93,24 @@ def chained_accuracy(extractor: Path, head: Path, x: np.ndarray, y: np.ndarray) 
     return float((run_onnx(open_session(head), run_onnx(open_session(extractor), x)).argmax(1) == y).mean())
 
 
+BATCH_DEPENDENCE_IMAGES = 1000  # enough to see a rare flip, cheap at batch 1 (~0.1 s for tier-xs)
+
+
+def batch_dependence(path: Path, x: np.ndarray, *, batch: int = 256) -> dict[str, Any]:
+    """How much a graph's results depend on what else is in the batch: batch 1 vs batches of ``batch``.
+
+    int8-dynamic quantizes activations with a scale computed at run time over the whole
+    input tensor, so an image's logits change with its batch-mates; static levels do not.
+    """
+    x = x[:BATCH_DEPENDENCE_IMAGES]
+    sess = open_session(path)
+    batched = run_onnx(sess, x, batch_size=batch)
+    single = run_onnx(sess, x, batch_size=1)
+    changed = int((batched.argmax(1) != single.argmax(1)).sum())
+    return {"images": len(x), "batch": batch, "predictions_changed": changed,
+            "max_abs_logit_diff": float(np.abs(batched - single).max())}
+
+
 def check_accuracy(quant: str, acc: float, fp32_acc: float, *, n: int, where: str,
                    max_drop: float = MAX_ACCURACY_DROP) -> None:
     """A quantized graph may lose at most ``max_drop`` accuracy against fp32."""
@@ -124,6 +143,38 @@ def onnx_latency_ms(path: Path, x1: np.ndarray, *, runs: int = 200, threads: int
     name = sess.get_inputs()[0].name
     feed = {name: np.ascontiguousarray(x1[:1], dtype=np.float32)}
     return median_ms(lambda: sess.run(None, feed), runs=runs)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], *, runs: int, rounds: int = 10,
+                        warmup: int = 20) -> dict[str, float]:
+    """Median ms of each fn over ``runs`` calls; the fns take turns in ``rounds`` blocks.
+
+    On a shared or throttling machine the load drifts; taking turns makes the drift
+    hit every fn alike, so their ratio is robust even when absolute times are not.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    per = max(1, runs // rounds)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(per):
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+    return {k: float(np.median(v) * 1e3) for k, v in samples.items()}
+
+
+def onnx_latencies_ms(paths: dict[str, Path], x1: np.ndarray, *, runs: int = 200,
+                      threads: int = 1) -> dict[str, float]:
+    """Batch-1 median latency of several graphs of the same input, measured taking turns."""
+    feed = np.ascontiguousarray(x1[:1], dtype=np.float32)
+    fns: dict[str, Callable[[], Any]] = {}
+    for key, path in paths.items():
+        sess = open_session(path, threads=threads)
+        fns[key] = functools.partial(sess.run, None, {sess.get_inputs()[0].name: feed})
+    return interleaved_medians(fns, runs=max(runs, 1), rounds=min(10, max(runs, 1)))
 
 
 def torch_latency_ms(net: torch.nn.Module, x1: np.ndarray, *, runs: int = 200) -> float:

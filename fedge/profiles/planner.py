@@ -9,7 +9,8 @@ The rules are deliberately simple so that a reason can explain them
   estimated round time at 5 local epochs fits ``budgets.round_time_s``. If even
   the smallest tier misses the round, local epochs drop (down to 1) instead.
 * **inference quantization**: from measured latencies when the profile has
-  them; otherwise from int8 dot-product support and accelerators.
+  them; otherwise from int8 dot-product support and accelerators (fp16 only for
+  an accelerator whose ONNX Runtime provider runs it natively).
 * **upload precision**: from uplink bandwidth thresholds.
 * **generator tier**: the largest generator whose training-memory estimate fits.
 
@@ -66,6 +67,11 @@ MAX_ACCURACY_DROP = 1.0  # percentage points a quantization level may lose again
 UPLINK_FP32_KBPS = 10_000  # >= 10 Mbit/s: the full-precision update is cheap
 UPLINK_FP16_KBPS = 1_000  # 1-10 Mbit/s: halve it; below 1 Mbit/s: quarter it (int8)
 UPLOAD_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}
+# fp16 pays only where an ONNX Runtime execution provider runs it natively: accelerator ->
+# the providers that do (fedge.runtime.providers uses them first when available). ONNX
+# Runtime has no OpenCL provider, and its CPU provider runs fp16 graphs through casts,
+# no faster than fp32 (measured: jetson-nano's fp16 plan on the CPU provider, 0.212 vs 0.210 ms).
+FP16_PROVIDERS = {"cuda-fp16": ("TensorrtExecutionProvider", "CUDAExecutionProvider")}
 
 
 # -- generators ----------------------------------------------------------------
@@ -230,9 +236,16 @@ def _heuristic_quant(profile: Profile, note: str) -> tuple[str, str]:
                                f"so static int8 convolutions are expected to beat fp32{note}")
     if hw.has_int8_accelerator():
         return "int8-static", f"the int8 accelerator ({', '.join(hw.accelerators)}) runs static int8 models{note}"
-    if hw.has_fp16_accelerator():
-        return "fp16", (f"the {', '.join(hw.accelerators)} accelerator runs fp16 natively; no int8 dot product "
+    fp16 = [a for a in hw.accelerators if a in FP16_PROVIDERS]
+    if fp16:
+        return "fp16", (f"the {fp16[0]} accelerator runs fp16 natively through ONNX Runtime's "
+                        f"{' / '.join(FP16_PROVIDERS[fp16[0]])} execution provider; no int8 dot product "
                         f"on the CPU{note}")
+    if hw.has_fp16_accelerator():
+        acc = ", ".join(a for a in hw.accelerators if a.endswith("-fp16"))
+        return "fp32", (f"{acc} has no ONNX Runtime execution provider that runs fp16 (the CPU provider computes "
+                        f"fp16 through casts, no faster than fp32), and no int8 dot product (dotprod/VNNI): "
+                        f"int8 is not assumed faster without dotprod/VNNI{note}")
     return "fp32", (f"no int8 dot product (dotprod/VNNI) and no fp16 accelerator: int8 is not assumed faster "
                     f"without dotprod/VNNI{note}")
 
@@ -273,6 +286,15 @@ def _choose_quant(profile: Profile, tier: str) -> tuple[str, str]:
               + (f" ({'; '.join(rejected)})" if rejected else "")
               + (f"; meets the {budget:g} ms budget" if ms <= budget else f"; MISSES the {budget:g} ms budget"))
     return quant, reason
+
+
+def inference_quant_for(profile: Profile, tier: str) -> tuple[str, str]:
+    """The inference quantization :func:`plan` would choose for ``tier-<tier>`` on ``profile``, and why.
+
+    An exporter calls it for a model of another tier than the plan's (a fleet's
+    ``archs`` may assign one), so the level is never inherited from the plan's tier.
+    """
+    return _choose_quant(profile, tier)
 
 
 def _choose_upload(profile: Profile, params: int, tier: str) -> tuple[str, str]:

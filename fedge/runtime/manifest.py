@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,14 +110,20 @@ class Manifest:
         for name, g in graphs.items():
             if g["file"] not in files:
                 raise ExportError(f"{source}: graph {name!r} uses {g['file']}, which is not listed under 'files'")
+        classes = d["classes"]
+        if not isinstance(classes, list) or not classes or not all(isinstance(c, str | int) for c in classes):
+            raise ExportError(f"{source}: 'classes' must be a non-empty list of class names, got {classes!r}",
+                              hint="re-export the model with `fedge export`")
+        if not isinstance(d["opset"], int) or isinstance(d["opset"], bool):
+            raise ExportError(f"{source}: 'opset' must be an integer, got {d['opset']!r}")
         known = set(_REQUIRED) | {"profile", "plan", "metrics"}
         return cls(
             arch=str(d["arch"]),
             quant=str(d["quant"]),
-            opset=int(d["opset"]),
+            opset=d["opset"],
             input_shape=tuple(d["input_shape"]),
-            normalization=dict(d["normalization"]),
-            classes=tuple(str(c) for c in d["classes"]),
+            normalization=_check_normalization(d["normalization"], source),
+            classes=tuple(str(c) for c in classes),
             files=files,
             graphs=graphs,
             profile=d.get("profile"),
@@ -125,6 +132,29 @@ class Manifest:
             extra={k: v for k, v in d.items() if k not in known},
             format=str(d["format"]),
         )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_normalization(n: Any, source: str) -> dict[str, Any]:
+    """``normalization``: numbers where numbers belong, so preprocessing cannot fail later."""
+    hint = "re-export the model with `fedge export` (the manifest was edited or damaged)"
+    if not isinstance(n, dict):
+        raise ExportError(f"{source}: 'normalization' must be an object, got {n!r}", hint=hint)
+    rules = {
+        "mean": (lambda v: _number(v), "a number"),
+        "std": (lambda v: _number(v) and v > 0, "a positive number"),
+        "size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 2, "an integer of at least 2"),
+        "channels": (lambda v: v in (1, 3) and not isinstance(v, bool), "1 or 3"),
+    }
+    for key, (ok, what) in rules.items():
+        if key not in n:
+            raise ExportError(f"{source}: normalization.{key} is missing", hint=hint)
+        if not ok(n[key]):
+            raise ExportError(f"{source}: normalization.{key} must be {what}, got {n[key]!r}", hint=hint)
+    return dict(n)
 
 
 def write_manifest(model_dir: str | os.PathLike[str], manifest: Manifest) -> Path:
