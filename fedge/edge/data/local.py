@@ -133,11 +133,11 @@ class LocalData:
     def _convert_image(self, path: Path, label: int) -> _Entry:
         stamp = _stamp(path)
         try:
-            pixels = read_image(path, self.norm.channels)
+            pixels, full_scale = read_image(path, self.norm.channels)
         except PayloadError as exc:  # corrupt, truncated, still being written: skip, retry when it changes
             return _Entry(stamp, None, None, exc.message)
         try:
-            x = prepare(pixels[None], self.norm, what=str(path))
+            x = prepare(pixels[None], self.norm, max_value=full_scale, what=str(path))
         except PayloadError as exc:
             raise DataError(f"{path}: cannot be converted to the fleet's {self.norm.channels}x{self.norm.size}x"
                             f"{self.norm.size} input: {exc.message}",
