@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "fedge.edge.cli",
     "fedge.export.cli",
     "fedge.broker.cli",
+    "fedge.emulate.cli",
 )
 
 
