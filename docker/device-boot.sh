@@ -11,12 +11,20 @@ set -eu
 dev=${FEDGE_IFACE:-eth0}
 
 shape() {  # shape IFACE RATE_KBIT
-  # netem (delay, loss) at the root, tbf (rate) below it: the classic netem + tbf chain.
-  tc qdisc replace dev "$1" root handle 1: netem delay "${FEDGE_DELAY_MS:-0}ms" loss "${FEDGE_LOSS_PCT:-0}%" \
-    limit 100000
   # burst: at least one MTU-sized packet and ~10 ms at the rate; latency bounds the queue to 5 s of data.
   burst=$(( $2 * 1000 / 8 / 100 )); [ "$burst" -lt 3200 ] && burst=3200
-  tc qdisc replace dev "$1" parent 1:1 handle 10: tbf rate "$2kbit" burst "$burst" latency 5s
+  delay=${FEDGE_DELAY_MS:-0}; loss=${FEDGE_LOSS_PCT:-0}
+  # netem (delay, loss) at the root and tbf (rate) below it: the classic netem + tbf chain.
+  if tc qdisc replace dev "$1" root handle 1: netem delay "${delay}ms" loss "${loss}%" limit 100000 2>/dev/null; then
+    tc qdisc replace dev "$1" parent 1:1 handle 10: tbf rate "$2kbit" burst "$burst" latency 5s
+  else
+    # Some kernels (e.g. minimal VM kernels) are built without sch_netem: keep the rate, say what is lost.
+    if [ "$delay" != 0 ] || [ "$loss" != 0 ]; then
+      echo "fedge-device-boot: this kernel has no netem qdisc: $1 gets its rate (${2} kbit/s) but not its" \
+           "${delay} ms delay or ${loss} % loss" >&2
+    fi
+    tc qdisc replace dev "$1" root handle 10: tbf rate "$2kbit" burst "$burst" latency 5s
+  fi
 }
 
 if [ -n "${FEDGE_UPLINK_KBIT:-}" ]; then

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -169,7 +170,15 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     missing = wanted - set(rates)
     if missing:
         rates.update(calibrate(missing, embed_dim=cfg.run.embed_dim, cache=outp / "calibration.json"))
-    limits = [limits_for(p, rates[(p.arch, p.batch_size)], loss_pct=loss_pct) for p in plans]
+    cores = len(os.sched_getaffinity(0))
+    limits = [limits_for(p, rates[(p.arch, p.batch_size)], host_cores=cores, loss_pct=loss_pct) for p in plans]
+    for lim in limits:
+        if lim.cpus < lim.cpus_wanted:
+            log.warning("%s: its profile trains as fast as %.2f host cores; this host has %d, so it runs slower",
+                        lim.device_id, lim.cpus_wanted, cores)
+    if sum(lim.cpus for lim in limits) > cores:
+        log.warning("the devices' CPU quotas add up to %.2f cores, more than this host's %d: devices that train "
+                    "at the same time run slower than their profiles", sum(lim.cpus for lim in limits), cores)
     shutil.copyfile(fleet_path, outp / "fleet.toml")
     shutil.rmtree(outp / "broker" / "data", ignore_errors=True)
     # Mosquitto runs as root in its container (no account to drop to) and the devices reach it as "broker".

@@ -53,8 +53,9 @@ def source_hash() -> str:
     return h.hexdigest()[:12]
 
 
-def image_tags(arch: str, base: str | None = None) -> Images:
-    h = source_hash()
+def image_tags(arch: str, h: str | None = None) -> Images:
+    """The images of an emulation on ``arch`` for fedge source hash ``h`` (default: this checkout's)."""
+    h = h or source_hash()
     return Images(device=f"fedge-device:{arch}-{h}", coordinator=f"fedge-coordinator:{h}",
                   broker=os.environ.get("FEDGE_BROKER_IMAGE", "fedge-broker:bookworm"))
 
@@ -137,11 +138,12 @@ def _build(client: Any, ctx: Path, dockerfile: str, tag: str, buildargs: dict[st
 def ensure_images(client: Any, arch: str = "amd64", *, base: str | None = None) -> Images:
     """Build whatever image of this emulation is missing; returns the tags."""
     check_arch(arch)
-    tags = image_tags(arch)
+    h = source_hash()  # once: the tags must agree even if the checkout changes while images build
+    tags = image_tags(arch, h)
     ddir = docker_dir()
     wanted = {arch} | ({"amd64"} if not _exists(client, tags.coordinator) else set())
     for a in sorted(wanted):
-        dev = image_tags(a).device
+        dev = image_tags(a, h).device
         if _exists(client, dev):
             continue
         base_tag = ensure_base(client, a, base if a == arch else None)
@@ -158,7 +160,7 @@ def ensure_images(client: Any, arch: str = "amd64", *, base: str | None = None) 
             shutil.copy(ddir / f, ctx / f)
         if not _exists(client, tags.coordinator):
             _build(client, ctx, "coordinator.Dockerfile", tags.coordinator,
-                   {"DEVICE_IMAGE": image_tags("amd64").device})
+                   {"DEVICE_IMAGE": image_tags("amd64", h).device})
         if not _exists(client, tags.broker):
             _build(client, ctx, "broker.Dockerfile", tags.broker,
                    {"BASE_IMAGE": ensure_base(client, "amd64", None)})

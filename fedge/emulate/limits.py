@@ -99,6 +99,8 @@ class DeviceLimits:
     profile: str
     cpus: float
     """Fraction of host cores (Docker's ``cpus``: CFS quota ÷ period)."""
+    cpus_wanted: float
+    """What the profile's speed needs; more than ``cpus`` when the host has too few cores."""
     threads: int
     """torch threads in the container (``OMP_NUM_THREADS``): enough to use the quota, at most the profile's cores."""
     mem_limit_mb: int
@@ -128,15 +130,20 @@ def container_memory_mb(profile: Profile) -> int:
     return profile.hardware.ram_mb - OS_SHARE_MB
 
 
-def limits_for(dp: DevicePlan, host_mac_rate: float, *, loss_pct: float = 0.0) -> DeviceLimits:
-    """Container limits for ``dp``, given the host core's measured training rate on its model."""
+def limits_for(dp: DevicePlan, host_mac_rate: float, *, host_cores: int, loss_pct: float = 0.0) -> DeviceLimits:
+    """Container limits for ``dp``, given the host core's measured training rate on its model.
+
+    A device faster than ``host_cores`` host cores gets them all (Docker allows no more); its
+    ``cpus_wanted`` says how far short the emulation falls.
+    """
     if host_mac_rate <= 0 or not math.isfinite(host_mac_rate):
         raise ValueError(f"host MAC rate must be positive, got {host_mac_rate}")
     rate = device_mac_rate(dp.profile)
-    cpus = max(MIN_CPUS, round(rate / host_mac_rate, 3))
+    wanted = max(MIN_CPUS, round(rate / host_mac_rate, 3))
+    cpus = min(wanted, float(host_cores))
     net = dp.profile.network
     return DeviceLimits(
-        device_id=dp.device_id, profile=dp.profile.name, cpus=cpus,
+        device_id=dp.device_id, profile=dp.profile.name, cpus=cpus, cpus_wanted=wanted,
         threads=max(1, min(dp.profile.hardware.cores, math.ceil(cpus))),
         mem_limit_mb=container_memory_mb(dp.profile),
         uplink_kbit=max(1, round(net.uplink_kbps)), downlink_kbit=max(1, round(net.downlink_kbps)),
