@@ -47,6 +47,12 @@ if [ ! -f "$out/deps/.complete" ] || [ "$(cat "$out/deps/.complete")" != "$torch
   $pip download --quiet --only-binary=:all: --python-version 3.11 --implementation cp $plats \
     -d "$out/deps" "$spec" $torch
   rm -f "$out"/deps/fedge-*.whl
+  if [ "$plat" != "$(uname -m)" ]; then
+    # pip evaluates environment markers for the host, not for --platform: on an x86_64 host it fetches
+    # torch's `platform_machine == "x86_64"` CUDA dependencies for aarch64 too. The aarch64 torch is a
+    # CPU build that needs none of them (pip inside the image evaluates the markers for aarch64).
+    rm -f "$out"/deps/nvidia_*.whl "$out"/deps/triton-*.whl "$out"/deps/cuda_*.whl
+  fi
   echo "$torch $extra" > "$out/deps/.complete"
 fi
 echo "wheelhouse $out: $(ls "$out/deps" | grep -c '\.whl$') dependency wheels ($(du -sh "$out/deps" | cut -f1)), $(basename "$wheel")"

@@ -42,8 +42,11 @@ class CoordinatorArgs:
 
 
 def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: CoordinatorArgs,
-                 *, platform: str | None = None) -> dict[str, Any]:
-    """The compose document (a dict ready for YAML). ``out`` is the emulation directory (absolute)."""
+                 *, platform: str | None = None, device_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The compose document (a dict ready for YAML). ``out`` is the emulation directory (absolute).
+
+    ``device_args`` are appended to every device's ``fedge edge run`` (e.g. ``--keep-running``).
+    """
     broker_dir = str(out / "broker")
     services: dict[str, Any] = {
         BROKER: {
@@ -92,6 +95,8 @@ def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: C
             "networks": [NETWORK],
             "labels": {ROLE_LABEL: "device", PROFILE_LABEL: lim.profile},
         }
+        if device_args:
+            svc["command"] = list(device_args)
         if platform:
             svc["platform"] = platform
         services[lim.device_id] = svc

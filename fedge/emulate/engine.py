@@ -146,7 +146,8 @@ class Emulation:
 # -- up -----------------------------------------------------------------------------------------------
 def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", images: Images,
             rates: dict[tuple[str, int], float] | None = None, loss_pct: float = 0.0,
-            min_devices: int | None = None, deadline_slack: float = 3.0) -> Emulation:
+            min_devices: int | None = None, deadline_slack: float = 3.0,
+            device_args: tuple[str, ...] = ()) -> Emulation:
     """Write the emulation directory (broker config, flashed devices, compose.yaml); start nothing.
 
     ``rates`` maps (arch, batch) to the host's training MAC/s (:func:`fedge.emulate.calibrate.calibrate`
@@ -191,7 +192,9 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     (outp / "coordinator").mkdir()
     coord = CoordinatorArgs(devices=len(ids), min_devices=len(ids) if min_devices is None else min_devices,
                             deadline_slack=deadline_slack)
-    doc = compose_dict(outp, images, limits, coord, platform=f"linux/{arch}" if arch != "amd64" else None)
+    # No `platform:` key: an image made by `docker import` on a 20.10 engine is labelled with the host's
+    # architecture whatever its binaries are, and binfmt_misc runs them regardless.
+    doc = compose_dict(outp, images, limits, coord, device_args=device_args)
     header = (f"fedge emulation of {fleet_path} ({len(ids)} devices, {arch}), written by `fedge emulate up`.\n"
               "Each device's cpus, mem_limit and FEDGE_* link settings come from its profile (docs/emulate.md).\n"
               f"Run it by hand: docker-compose -p {project_name(outp)} -f compose.yaml up -d")
