@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "fedge.export.cli",
     "fedge.broker.cli",
     "fedge.flash.cli",
+    "fedge.emulate.cli",
 )
 
 

@@ -57,3 +57,9 @@ class ExportError(FedgeError):
     """ONNX export, quantization or verification failed."""
 
     exit_code = 7
+
+
+class EmulationError(FedgeError):
+    """The Docker emulation of a fleet cannot run (no engine, no image, no binfmt) or a container failed."""
+
+    exit_code = 9

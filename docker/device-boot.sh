@@ -1,0 +1,47 @@
+#!/bin/sh
+# Boot an emulated device: shape its link like its profile's, install the flashed payload, start the agent.
+#
+# The flashed payload (fedge flash --to DIR) is mounted read-only at /boot/firmware. The link is shaped from
+# the environment `fedge emulate up` sets from the device's profile:
+#   FEDGE_UPLINK_KBIT / FEDGE_DOWNLINK_KBIT   sustained rates (tbf)
+#   FEDGE_DELAY_MS                            one-way delay on each direction (netem; RTT = 2 x this)
+#   FEDGE_LOSS_PCT                            packet loss on each direction (netem)
+# Egress is shaped on eth0; ingress is redirected to an ifb device and shaped there.
+set -eu
+dev=${FEDGE_IFACE:-eth0}
+
+shape() {  # shape IFACE RATE_KBIT
+  # burst: at least one MTU-sized packet and ~10 ms at the rate; latency bounds the queue to 5 s of data.
+  burst=$(( $2 * 1000 / 8 / 100 )); [ "$burst" -lt 3200 ] && burst=3200
+  delay=${FEDGE_DELAY_MS:-0}; loss=${FEDGE_LOSS_PCT:-0}
+  # netem (delay, loss) at the root and tbf (rate) below it: the classic netem + tbf chain.
+  if tc qdisc replace dev "$1" root handle 1: netem delay "${delay}ms" loss "${loss}%" limit 100000 2>/dev/null; then
+    tc qdisc replace dev "$1" parent 1:1 handle 10: tbf rate "$2kbit" burst "$burst" latency 5s
+  else
+    # Some kernels (e.g. minimal VM kernels) are built without sch_netem: keep the rate, say what is lost.
+    if [ "$delay" != 0 ] || [ "$loss" != 0 ]; then
+      echo "fedge-device-boot: this kernel has no netem qdisc: $1 gets its rate (${2} kbit/s) but not its" \
+           "${delay} ms delay or ${loss} % loss" >&2
+    fi
+    tc qdisc replace dev "$1" root handle 10: tbf rate "$2kbit" burst "$burst" latency 5s
+  fi
+}
+
+if [ -n "${FEDGE_UPLINK_KBIT:-}" ]; then
+  shape "$dev" "$FEDGE_UPLINK_KBIT"
+fi
+if [ -n "${FEDGE_DOWNLINK_KBIT:-}" ]; then
+  ip link add ifb0 type ifb 2>/dev/null || true
+  ip link set ifb0 up
+  tc qdisc replace dev "$dev" handle ffff: ingress
+  tc filter replace dev "$dev" parent ffff: protocol all u32 match u32 0 0 action mirred egress redirect dev ifb0
+  shape ifb0 "$FEDGE_DOWNLINK_KBIT"
+fi
+
+boot=/boot/firmware/fedge
+if [ ! -f "$boot/install.sh" ]; then
+  echo "fedge-device-boot: no flashed payload at $boot (mount DIR/devices/ID at /boot/firmware)" >&2
+  exit 78
+fi
+sh "$boot/install.sh" --no-systemd --venv /opt/fedge/venv
+exec /opt/fedge/bin/fedge-edge "$@"

@@ -1,0 +1,118 @@
+"""``fedge emulate``: a fleet config as Docker containers that behave like their profiles."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_DIR = "runs/emulate"
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    e = sub.add_parser("emulate", help="run a fleet as Docker containers limited like their profiles",
+                       description="Emulate a fleet in Docker: one container per device with its profile's CPU "
+                                   "speed, memory and link, booting from its flashed payload; Mosquitto and the "
+                                   "coordinator in containers too. See docs/emulate.md.")
+    esub = e.add_subparsers(dest="emulate_command", metavar="ACTION", required=True)
+
+    up = esub.add_parser("up", help="write compose.yaml, flash the devices, build images if missing, start",
+                         description="Write DIR/compose.yaml, the broker config and each device's flashed "
+                                     "payload, build the images that are missing, start broker, coordinator "
+                                     "and devices.")
+    up.add_argument("fleet", metavar="FLEET.toml", help="the fleet config")
+    up.add_argument("--out", default=DEFAULT_DIR, metavar="DIR", help=f"emulation directory (default {DEFAULT_DIR})")
+    up.add_argument("--arch", default="amd64", choices=("amd64", "arm64"),
+                    help="device containers' CPU architecture (arm64 runs under QEMU: needs binfmt_misc)")
+    up.add_argument("--base-image", metavar="IMAGE",
+                    help="base image with Python 3.11 (default: fedge-base:bookworm-ARCH, built with debootstrap)")
+    up.add_argument("--loss", type=float, default=0.0, metavar="PCT", help="packet loss on every device link, %%")
+    up.add_argument("--min-devices", type=int, metavar="N",
+                    help="devices online before a round starts (default: all, so round 1 matches fedge simulate)")
+    up.add_argument("--deadline-slack", type=float, default=3.0,
+                    help="coordinator round deadline = slack x the slowest device's expected time (default 3)")
+    up.add_argument("--no-start", action="store_true", help="write and build, start nothing")
+    up.add_argument("--wait", action="store_true", help="wait for the coordinator to finish, then print status")
+    up.add_argument("--timeout", type=float, default=3600.0, help="with --wait: give up after S seconds")
+    up.set_defaults(func=_up)
+
+    for name, helptext in (("status", "per device: state, round, CPU, memory, bytes sent"),
+                           ("down", "stop and remove the containers (results stay in DIR)")):
+        p = esub.add_parser(name, help=helptext, description=helptext)
+        p.add_argument("--dir", default=DEFAULT_DIR, help=f"emulation directory (default {DEFAULT_DIR})")
+        p.set_defaults(func=_status if name == "status" else _down)
+
+    lg = esub.add_parser("logs", help="a container's log", description="Print a device's, the broker's or the "
+                                                                        "coordinator's log.")
+    lg.add_argument("service", help="device id, broker or coordinator")
+    lg.add_argument("--tail", type=int, help="last N lines")
+    lg.add_argument("--dir", default=DEFAULT_DIR)
+    lg.set_defaults(func=_logs)
+
+    f = esub.add_parser("fault", help="kill, pause or partition a device; restart broker or coordinator",
+                        description="kill DEVICE (SIGKILL; --for S starts it again: a reboot), pause DEVICE "
+                                    "(freeze), partition DEVICE (disconnect from the fleet network), resume DEVICE "
+                                    "(undo pause/partition), restart broker|coordinator.")
+    f.add_argument("action", choices=("kill", "pause", "partition", "resume", "restart"))
+    f.add_argument("target", help="device id, or broker/coordinator for restart")
+    f.add_argument("--for", dest="duration", type=float, metavar="S", help="undo the fault after S seconds")
+    f.add_argument("--dir", default=DEFAULT_DIR)
+    f.set_defaults(func=_fault)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from fedge.emulate import engine, images
+
+    images.check_arch(args.arch)
+    client = engine.docker_client()
+    tags = images.ensure_images(client, args.arch, base=args.base_image)
+    emu = engine.prepare(args.fleet, args.out, arch=args.arch, images=tags, loss_pct=args.loss,
+                         min_devices=args.min_devices, deadline_slack=args.deadline_slack)
+    print(f"wrote {emu.out / 'compose.yaml'} ({len(emu.devices)} devices; images {tags.device}, "
+          f"{tags.coordinator}, {tags.broker})")
+    for dev, lim in emu.limits.items():
+        plan = emu.plans[dev]
+        print(f"  {dev:<18} {lim['profile']:<13} cpus {lim['cpus']:<6g} mem {lim['mem_limit_mb']} MiB  "
+              f"up {lim['uplink_kbit']} / down {lim['downlink_kbit']} kbit/s  delay {lim['delay_ms']:g} ms each way  "
+              f"plan {plan['arch']} batch {plan['batch_size']}, est. {plan['round_time_s']:.1f} s/round")
+    if args.no_start:
+        return 0
+    engine.start(emu, client)
+    print(f"started project {emu.project}: fedge emulate status --dir {args.out}")
+    if args.wait:
+        code = engine.wait_exited(emu, client, "coordinator", args.timeout)
+        print(engine.format_status(engine.status(emu, client), emu, client))
+        return 0 if code == 0 else 1
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from fedge.emulate import engine
+
+    emu = engine.Emulation.load(args.dir)
+    client = engine.docker_client()
+    print(engine.format_status(engine.status(emu, client), emu, client))
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from fedge.emulate import engine
+
+    emu = engine.Emulation.load(args.dir)
+    engine.down(emu)
+    print(f"removed the containers of {emu.project}; results stay in {emu.out}")
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from fedge.emulate import engine
+
+    emu = engine.Emulation.load(args.dir)
+    print(engine.logs(emu, engine.docker_client(), args.service, tail=args.tail), end="")
+    return 0
+
+
+def _fault(args: argparse.Namespace) -> int:
+    from fedge.emulate import engine
+
+    emu = engine.Emulation.load(args.dir)
+    print(engine.fault(emu, engine.docker_client(), args.action, args.target, duration=args.duration))
+    return 0

@@ -1,0 +1,111 @@
+"""The compose file of an emulated fleet: broker, coordinator and one service per device.
+
+Plain Compose-spec (no ``version:`` key, no top-level ``name:``), which both Debian's
+docker-compose 1.29 and ``docker compose`` v2 accept; paths are relative to the file's directory
+except the broker's config, which Mosquitto reads by the absolute path ``fedge broker config``
+wrote into it, so it is mounted at that same path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedge.emulate.limits import DeviceLimits
+
+BROKER = "broker"
+COORDINATOR = "coordinator"
+NETWORK = "fleet"
+ROLE_LABEL = "io.fedge.role"
+PROFILE_LABEL = "io.fedge.profile"
+
+
+@dataclass(frozen=True)
+class Images:
+    """Image tags of one emulation."""
+
+    device: str
+    coordinator: str
+    broker: str
+
+
+@dataclass(frozen=True)
+class CoordinatorArgs:
+    """What the coordinator container runs with (paths inside the container)."""
+
+    devices: int
+    min_devices: int
+    deadline_slack: float = 3.0
+    round_timeout_s: float = 600.0
+    quorum_timeout_s: float = 600.0
+
+
+def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: CoordinatorArgs,
+                 *, platform: str | None = None, device_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The compose document (a dict ready for YAML). ``out`` is the emulation directory (absolute).
+
+    ``device_args`` are appended to every device's ``fedge edge run`` (e.g. ``--keep-running``).
+    """
+    broker_dir = str(out / "broker")
+    services: dict[str, Any] = {
+        BROKER: {
+            "image": images.broker,
+            "command": ["-c", f"{broker_dir}/mosquitto.conf"],
+            "volumes": [f"./broker:{broker_dir}"],
+            "networks": [NETWORK],
+            "labels": {ROLE_LABEL: "broker"},
+        },
+        COORDINATOR: {
+            "image": images.coordinator,
+            "command": [
+                "--config", "/fedge/fleet.toml", "--state-dir", "/fedge/state",
+                "--broker", f"mqtt://{BROKER}:1883", "--username", "fedge-coordinator",
+                "--password-file", "/fedge/broker/coordinator/password",
+                # Round 1 waits for every device, as `fedge simulate` starts with all of them.
+                "--min-devices", str(coord.min_devices), "--quorum-timeout", f"{coord.quorum_timeout_s:g}",
+                "--deadline-slack", f"{coord.deadline_slack:g}", "--round-timeout", f"{coord.round_timeout_s:g}",
+            ],
+            "volumes": ["./fleet.toml:/fedge/fleet.toml:ro", "./broker/coordinator:/fedge/broker/coordinator:ro",
+                        "./coordinator:/fedge/state"],
+            "environment": {"PYTHONUNBUFFERED": "1"},
+            "depends_on": [BROKER],
+            "networks": [NETWORK],
+            "labels": {ROLE_LABEL: "coordinator"},
+        },
+    }
+    for lim in limits:
+        svc: dict[str, Any] = {
+            "image": images.device,
+            "hostname": lim.device_id,
+            "volumes": [f"./devices/{lim.device_id}:/boot/firmware:ro"],
+            # tc inside the container shapes its own link (docker/device-boot.sh).
+            "cap_add": ["NET_ADMIN"],
+            "cpus": lim.cpus,
+            "mem_limit": f"{lim.mem_limit_mb}m",
+            "memswap_limit": f"{lim.mem_limit_mb}m",  # no swap: a Pi without zram/swap runs out, not slows down
+            "environment": {
+                "OMP_NUM_THREADS": str(lim.threads),
+                "FEDGE_UPLINK_KBIT": str(lim.uplink_kbit),
+                "FEDGE_DOWNLINK_KBIT": str(lim.downlink_kbit),
+                "FEDGE_DELAY_MS": f"{lim.delay_ms:g}",
+                "FEDGE_LOSS_PCT": f"{lim.loss_pct:g}",
+            },
+            "depends_on": [BROKER],
+            "networks": [NETWORK],
+            "labels": {ROLE_LABEL: "device", PROFILE_LABEL: lim.profile},
+        }
+        if device_args:
+            svc["command"] = list(device_args)
+        if platform:
+            svc["platform"] = platform
+        services[lim.device_id] = svc
+    return {"services": services, "networks": {NETWORK: {}}}
+
+
+def to_yaml(doc: dict[str, Any], header: str) -> str:
+    """Readable YAML: keys in the order written, one comment header."""
+    import yaml
+
+    body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=120)
+    return "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body

@@ -1,0 +1,141 @@
+"""fedge emulate without a Docker engine: profile limits, compose.yaml, payload layout, binfmt error.
+
+The tests that need a running engine are in test_emulate_docker.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fedge.emulate import images
+from fedge.emulate.compose import CoordinatorArgs, Images, compose_dict, to_yaml
+from fedge.emulate.limits import OS_SHARE_MB, device_plans, limits_for, oom_message
+from fedge.emulate.payload import flash_device
+from fedge.errors import EmulationError
+from fedge.fleet.config import parse_fleet
+from fedge.profiles import load_profile
+from fedge.profiles.planner import EFFICIENCY_MAC_PER_CYCLE
+
+FLEET = {
+    "run": {"method": "fedproto", "rounds": 2, "dataset": "digits", "fleet": "t"},
+    "devices": [{"profile": "x86-gateway"}, {"profile": "rpi4-4gb"}, {"profile": "rpi-zero-2w", "count": 2}],
+}
+
+
+def _plans():
+    cfg = parse_fleet(FLEET)
+    return device_plans(cfg, {"x86-gateway-1": 300, "rpi4-4gb-1": 300, "rpi-zero-2w-1": 300, "rpi-zero-2w-2": 300})
+
+
+def test_cpu_quota_follows_the_planner_speed_model() -> None:
+    plans = {p.device_id: p for p in _plans()}
+    host = 4e9  # training MAC/s of one host core
+    gw = limits_for(plans["x86-gateway-1"], host, host_cores=64)
+    pi4 = limits_for(plans["rpi4-4gb-1"], host, host_cores=64)
+    zero = limits_for(plans["rpi-zero-2w-1"], host, host_cores=64)
+    # cores x GHz x efficiency / host rate: N100 4 x 3.4, Pi 4 4 x 1.8, Zero 2 W 4 x 1.0
+    assert gw.cpus == pytest.approx(4 * 3.4e9 * EFFICIENCY_MAC_PER_CYCLE / host, abs=1e-3)
+    assert zero.cpus == pytest.approx(4 * 1.0e9 * EFFICIENCY_MAC_PER_CYCLE / host, abs=1e-3)
+    assert gw.cpus / zero.cpus == pytest.approx(3.4, rel=1e-2)
+    assert pi4.cpus / zero.cpus == pytest.approx(load_profile("rpi4-4gb").hardware.clock_ghz, rel=1e-2)
+    assert zero.threads == 1 and gw.threads == 1  # 0.25 and 0.85 of a core need one thread
+    capped = limits_for(plans["x86-gateway-1"], 1e9, host_cores=2)
+    assert capped.cpus == 2.0 and capped.cpus_wanted == pytest.approx(3.4) and capped.threads == 2
+
+
+def test_memory_and_link_come_from_the_profile() -> None:
+    lim = {p.device_id: limits_for(p, 4e9, host_cores=2, loss_pct=0.5) for p in _plans()}
+    assert lim["rpi-zero-2w-2"].mem_limit_mb == 512 - OS_SHARE_MB
+    assert lim["x86-gateway-1"].mem_limit_mb == 8192 - OS_SHARE_MB
+    z = lim["rpi-zero-2w-1"]
+    assert (z.uplink_kbit, z.downlink_kbit, z.delay_ms, z.loss_pct) == (375, 600, 75.0, 0.5)
+
+
+def test_oom_message_names_the_plan_and_the_profile() -> None:
+    cfg = parse_fleet({**FLEET, "devices": [{"profile": "rpi-zero-2w", "arch": "tier-xl"}],
+                       "train": {"batch_size": 512}})
+    (dp,) = device_plans(cfg, {"rpi-zero-2w-1": 700})
+    msg = oom_message(dp)
+    assert msg.startswith("rpi-zero-2w-1 ran out of memory: its plan (tier-xl at batch 512) needs ")
+    assert f"{dp.train_memory_mb:.0f} MiB for training" in msg and dp.train_memory_mb > 300
+    assert "the profile rpi-zero-2w has 512 MiB (432 MiB once the OS has its 80 MiB)" in msg
+
+
+def _compose(tmp_path: Path) -> Path:
+    plans = _plans()
+    doc = compose_dict(tmp_path, Images("fedge-device:amd64-x", "fedge-coordinator:x", "fedge-broker:bookworm"),
+                       [limits_for(p, 4e9, host_cores=2) for p in plans],
+                       CoordinatorArgs(devices=len(plans), min_devices=len(plans)))
+    path = tmp_path / "compose.yaml"
+    path.write_text(to_yaml(doc, "test"))
+    return path
+
+
+def test_compose_yaml_carries_the_limits(tmp_path: Path) -> None:
+    import yaml
+
+    doc = yaml.safe_load(_compose(tmp_path).read_text())
+    zero = doc["services"]["rpi-zero-2w-1"]
+    assert zero["cpus"] == pytest.approx(0.25) and zero["mem_limit"] == "432m" and zero["memswap_limit"] == "432m"
+    assert zero["cap_add"] == ["NET_ADMIN"] and zero["volumes"] == ["./devices/rpi-zero-2w-1:/boot/firmware:ro"]
+    assert zero["environment"]["FEDGE_UPLINK_KBIT"] == "375"
+    # Mosquitto reads its files by the absolute paths `fedge broker config` wrote: mounted at that path.
+    assert doc["services"]["broker"]["volumes"] == [f"./broker:{tmp_path}/broker"]
+    assert "--min-devices" in doc["services"]["coordinator"]["command"]
+
+
+def test_compose_yaml_passes_docker_compose_config(tmp_path: Path) -> None:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose; .ci/run does it as root)")
+    path = _compose(tmp_path)
+    proc = subprocess.run([exe, "-f", str(path), "config"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    import yaml
+
+    resolved = yaml.safe_load(proc.stdout)
+    assert set(resolved["services"]) == {"broker", "coordinator", "x86-gateway-1", "rpi4-4gb-1", "rpi-zero-2w-1",
+                                         "rpi-zero-2w-2"}
+    assert resolved["services"]["rpi-zero-2w-1"]["cpus"] == pytest.approx(0.25)
+
+
+def test_payload_has_the_contract_layout(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "bundle.toml").write_text('device_id = "d-1"\n')
+    (bundle / "password").write_text("secret\n")
+    meta = json.loads(flash_device("d-1", "rpi4-4gb", "aarch64", bundle, tmp_path / "boot").read_text())
+    root = tmp_path / "boot" / "fedge"
+    assert {f["path"] for f in meta["files"]} == {"bundle/bundle.toml", "bundle/password", "install.sh",
+                                                   "fedge-edge.service"}
+    assert (root / "bundle" / "password").stat().st_mode & 0o077 == 0
+    # install.sh under a scratch prefix: bundle copied (secret 0600), data dir made, launcher written.
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(shutil.which("python3") or "/usr/bin/python3")
+    prefix = tmp_path / "root"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run(["sh", str(root / "install.sh"), "--prefix", str(prefix), "--no-systemd", "--venv",
+                           str(venv)], capture_output=True, text=True, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert (prefix / "etc/fedge/bundle/password").read_text() == "secret\n"
+    assert (prefix / "etc/fedge/bundle/password").stat().st_mode & 0o777 == 0o600
+    assert (prefix / "var/lib/fedge/data").is_dir()
+    launcher = (prefix / "opt/fedge/bin/fedge-edge").read_text()
+    assert f'edge run --bundle "{prefix}/etc/fedge/bundle"' in launcher
+
+
+def test_foreign_arch_without_binfmt_says_how_to_enable_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(images, "BINFMT", tmp_path)  # an empty binfmt_misc: no handler registered
+    foreign = "arm64" if images.os.uname().machine == "x86_64" else "amd64"
+    with pytest.raises(EmulationError) as err:
+        images.check_arch(foreign)
+    assert "binfmt_misc has no enabled qemu-" in err.value.message
+    assert "qemu-user-static" in (err.value.hint or "") and "/register" in (err.value.hint or "")
+    with pytest.raises(EmulationError, match="unknown"):
+        images.check_arch("mips")
