@@ -70,6 +70,9 @@ def check_payload(boot: Path, device: str) -> dict[str, object]:
         assert (entry["bytes"], entry["sha256"]) == (len(data), hashlib.sha256(data).hexdigest()), rel
     assert (meta["device_id"], meta["fleet"], meta["profile"], meta["cpu_arch"]) == (device, "own", "rpi4-2gb",
                                                                                       "aarch64")
+    # FAT keeps no modes: payload.json carries them (install.sh applies them on the device).
+    modes = {rel: e["mode"] for rel, e in meta["files"].items()}
+    assert (modes["bundle/password"], modes["install.sh"], modes["bundle/bundle.toml"]) == ("0600", "0755", "0644")
     return meta
 
 
@@ -122,6 +125,47 @@ def test_cloud_init_user_data_is_merged_not_overwritten(tmp_path: Path) -> None:
     assert (boot / "meta-data").read_text() == "instance-id: rpi-imager-1700000000\n"
     assert (boot / "cmdline.txt").read_text() == CMDLINE and not (boot / "firstrun.sh").exists()
     assert json.loads((boot / "fedge" / "payload.json").read_text())["init"] == "cloud-init"
+
+
+def test_the_hook_is_detected_from_the_partition_and_init_forces_it(tmp_path: Path) -> None:
+    fleet, broker = fleet_and_broker(tmp_path)
+    plan = prepare("rpi4-2gb-1", fleet, broker)
+    user_data = "#cloud-config\nhostname: cam-07\n"
+
+    def boot(name: str, cloud: bool) -> Path:
+        b = rpi_boot(tmp_path / name, firstrun=False)
+        if cloud:
+            (b / "user-data").write_text(user_data)
+        return b
+
+    # Detected: cloud-init's seed files win over cmdline.txt.
+    auto = boot("auto", cloud=True)
+    assert flash_dir(auto, plan).init == "cloud-init"
+    assert (auto / "cmdline.txt").read_text() == CMDLINE and RUNCMD in (auto / "user-data").read_text()
+    # --init firstrun on the same kind of partition: the firstrun hook, user-data left as it was.
+    forced = boot("forced", cloud=True)
+    assert flash_dir(forced, plan, init="firstrun").init == "firstrun"
+    assert (forced / "cmdline.txt").read_text().count(CMDLINE_ENTRY) == 1 and (forced / "firstrun.sh").is_file()
+    assert (forced / "user-data").read_text() == user_data
+    # --init cloud-init where there is no user-data yet: written, with meta-data; cmdline.txt untouched.
+    seeded = boot("seeded", cloud=False)
+    assert flash_dir(seeded, plan, init="cloud-init").init == "cloud-init"
+    assert yaml.safe_load((seeded / "user-data").read_text())["runcmd"] == [RUNCMD]
+    assert (seeded / "meta-data").read_text() == "instance-id: fedge-rpi4-2gb-1\n"
+    assert (seeded / "cmdline.txt").read_text() == CMDLINE
+    # --init none: the payload only.
+    bare = boot("bare", cloud=False)
+    assert flash_dir(bare, plan, init="none").init == "none"
+    assert sorted(p.name for p in bare.iterdir()) == ["cmdline.txt", "config.txt", "fedge"]
+    assert (bare / "cmdline.txt").read_text() == CMDLINE
+    # Another first-boot program on the kernel command line is not replaced silently.
+    other = boot("other", cloud=False)
+    (other / "cmdline.txt").write_text(CMDLINE.strip() + " systemd.run=/boot/firmware/setup.sh\n")
+    with pytest.raises(ConfigError, match="already runs another first-boot program") as err:
+        flash_dir(other, plan)
+    assert "--init none" in (err.value.hint or "") and not (other / "fedge").exists()
+    with pytest.raises(ConfigError, match="--init 'grub'"):
+        flash_dir(bare, plan, init="grub")
 
 
 def _need(*tools: str) -> None:
@@ -184,6 +228,40 @@ def test_flash_image_edits_the_fat_partition_without_mounting(tmp_path: Path) ->
     assert image.read_bytes()[49152 * 512:] == root_part  # the root partition is untouched
 
 
+def write_model(out: Path, **change: object) -> Path:
+    """An exported model directory as `fedge export` writes it for rpi4-2gb-1 of the test fleet (tier-xs, the
+    ten digit classes), with ``change`` applied to its manifest; the graph file is a stand-in of the size the
+    manifest states (flash checks sizes; the runtime checks hashes when it loads the model)."""
+    from fedge.common.preprocess import NORMALIZATION
+    from fedge.runtime.manifest import FORMAT
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model.onnx").write_bytes(b"\x08\x07")
+    manifest: dict[str, object] = {
+        "format": FORMAT, "arch": "tier-xs", "quant": "fp32", "opset": 17, "input_shape": ["batch", 1, 32, 32],
+        "normalization": {"dataset": "digits", **NORMALIZATION["digits"].to_dict()},
+        "classes": [str(i) for i in range(10)], "files": {"model.onnx": {"sha256": "0" * 64, "bytes": 2}},
+        "graphs": {"model": {"file": "model.onnx", "input": "x", "output": "y"}}, "profile": "rpi4-2gb"}
+    manifest.update(change)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ({"profile": "rpi5-8gb"}, "was exported for profile 'rpi5-8gb', but rpi4-2gb-1 is a 'rpi4-2gb'"),
+    ({"arch": "tier-s"}, "holds a tier-s model, but the fleet config gives rpi4-2gb-1 tier-xs"),
+    ({"classes": ["cat", "dog"] + [str(i) for i in range(2, 10)]}, r"classifies \['cat', 'dog'"),
+    ({"files": {"model.onnx": {"sha256": "0" * 64, "bytes": 3}}}, "model.onnx is missing or not 3 bytes"),
+])
+def test_a_model_exported_for_another_device_is_refused(tmp_path: Path, change: dict[str, object],
+                                                        error: str) -> None:
+    fleet, broker = fleet_and_broker(tmp_path)
+    model = write_model(tmp_path / "m", **change)
+    with pytest.raises(ExportError, match=error) as err:
+        prepare("rpi4-2gb-1", fleet, broker, export_dir=model)
+    assert str(model) in err.value.message and err.value.hint
+
+
 def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
     fleet, broker = fleet_and_broker(tmp_path)
     with pytest.raises(ConfigError, match="has no device 'rpi4-2gb-9'"):
@@ -198,27 +276,25 @@ def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
                                                                           "train_memory_mb = 0.5"))
     small_fleet = tmp_path / "small.toml"
     small_fleet.write_text(fleet.read_text().replace('profile = "rpi4-2gb"', 'profile = "tiny.toml"'))
-    with pytest.raises(ProfileError, match="tiny-1"):
+    with pytest.raises(ProfileError, match=r"tiny-1: profile 'tiny': no model tier fits") as err:
         prepare("tiny-1", small_fleet, broker)
-    # A model exported for another profile.
-    model = tmp_path / "export" / "rpi4-2gb-1"
-    model.mkdir(parents=True)
-    (model / "model.onnx").write_bytes(b"\x08\x07")
-    manifest = {"format": "fedge-onnx/1", "arch": "tier-xs", "quant": "fp32", "opset": 17,
-                "input_shape": ["batch", 1, 32, 32], "normalization": {}, "classes": [str(i) for i in range(10)],
-                "files": {"model.onnx": {"sha256": "0" * 64, "bytes": 2}},
-                "graphs": {"model": {"file": "model.onnx", "input": "x", "output": "y"}}, "profile": "rpi5-8gb"}
-    from fedge.runtime.manifest import FORMAT
-
-    manifest["format"] = FORMAT
-    (model / "manifest.json").write_text(json.dumps(manifest))
+    assert "budgets.train_memory_mb" in (err.value.hint or "")
+    # A fleet config that pins a bigger model than the profile's memory holds (a simulation may; a board cannot).
+    big = tmp_path / "big.toml"
+    big.write_text(fleet.read_text().replace('arch = "tier-xs"', 'arch = "tier-xl"')
+                   .replace('profile = "rpi4-2gb"', 'profile = "rpi-zero-2w"'))
+    with pytest.raises(ProfileError, match=r"rpi-zero-2w-1: the fleet config has it train tier-xl at batch \d+, "
+                                           r"which needs \d+ MiB .* grants 48 MiB"):
+        prepare("rpi-zero-2w-1", big, broker)
+    # A model exported for another profile; an export without this device.
+    export = tmp_path / "export"
+    write_model(export / "rpi4-2gb-1", profile="rpi5-8gb")
     with pytest.raises(ExportError, match="exported for profile 'rpi5-8gb'"):
-        prepare("rpi4-2gb-1", fleet, broker, export_dir=tmp_path / "export")
-    with pytest.raises(ExportError, match="no exported model for rpi4-2gb-2"):
-        prepare("rpi4-2gb-2", fleet, broker, export_dir=tmp_path / "export")
-    manifest["profile"] = "rpi4-2gb"
-    (model / "manifest.json").write_text(json.dumps(manifest))
-    plan = prepare("rpi4-2gb-1", fleet, broker, export_dir=tmp_path / "export")
+        prepare("rpi4-2gb-1", fleet, broker, export_dir=export)
+    with pytest.raises(ExportError, match=r"no exported model for rpi4-2gb-2 \(it has rpi4-2gb-1\)"):
+        prepare("rpi4-2gb-2", fleet, broker, export_dir=export)
+    write_model(export / "rpi4-2gb-1")
+    plan = prepare("rpi4-2gb-1", fleet, broker, export_dir=export)
     assert [s.rel for s in plan.files if s.rel.startswith("model/")] == ["model/manifest.json", "model/model.onnx"]
     # Not a boot partition without --force; an image without a FAT partition.
     plain = tmp_path / "plain"
@@ -229,7 +305,7 @@ def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
     # The Python entry point (what `fedge emulate` calls) writes the same payload as the command's path.
     again = tmp_path / "again"
     again.mkdir()
-    assert flash("rpi4-2gb-1", fleet, broker, again, export=tmp_path / "export", force=True).init == "none"
+    assert flash("rpi4-2gb-1", fleet, broker, again, export=export, force=True).init == "none"
     assert tree(again / "fedge") == tree(plain / "fedge")
     _need("sfdisk")
     image = tmp_path / "linux.img"
@@ -254,6 +330,11 @@ def test_cli_dry_run_lists_every_file_and_writes_nothing(tmp_path: Path) -> None
     assert {r[2]: int(r[1]) for r in rows} == {k: len(v[0]) for k, v in tree(boot).items() if k != "config.txt"}
     bad = subprocess.run([*cmd[:4], "nope-1", *cmd[5:]], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "has no device 'nope-1'" in bad.stderr
+    # --init forces the hook the partition does not suggest (cmdline.txt alone means firstrun).
+    cloud = subprocess.run([*cmd, "--init", "cloud-init", "--dry-run"], capture_output=True, text=True, env=env,
+                           timeout=60)
+    assert cloud.returncode == 0 and "first-boot hook: cloud-init" in cloud.stderr, cloud.stderr
+    assert {r.split()[2] for r in cloud.stdout.splitlines()} >= {"user-data", "meta-data"}
 
 
 def install(boot: Path, prefix: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -403,8 +484,8 @@ def test_wheelhouse_command_targets_the_profiles_cpu_and_python(tmp_path: Path) 
     assert platforms and all(p.endswith("_aarch64") for p in platforms)
     assert "--only-binary=:all:" in cmd and cmd[cmd.index("--python-version") + 1] == "3.13"
     assert cmd[cmd.index("--abi") + 1] == "cp313"
-    assert {r.split(">")[0] for r in cmd[-6:]} == {"numpy", "safetensors", "paho-mqtt", "torch", "onnxruntime",
-                                                   "pillow"}
+    assert {r.split(">")[0] for r in cmd[-7:]} == {"numpy", "safetensors", "paho-mqtt", "torch", "onnxruntime",
+                                                   "pillow", "tqdm"}
     with pytest.raises(ConfigError, match=r"MAJOR\.MINOR"):
         download_command("aarch64", "311", tmp_path, [])
 

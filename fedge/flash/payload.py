@@ -184,8 +184,9 @@ def prepare(device_id: str, fleet_config: str | os.PathLike[str], broker_dir: st
     """Check the device and collect its payload files (nothing is written)."""
     from fedge.common.tomlconf import read_toml
     from fedge.fleet.config import load_fleet
-    from fedge.fleet.slots import device_profile
+    from fedge.fleet.slots import device_arch_spec, device_profile
     from fedge.profiles import plan as plan_profile
+    from fedge.profiles.planner import train_memory_mb
 
     fleet_path = Path(fleet_config)
     cfg = load_fleet(fleet_path)
@@ -200,6 +201,18 @@ def prepare(device_id: str, fleet_config: str | os.PathLike[str], broker_dir: st
         raise ProfileError(f"{device_id}: the plan needs {p.train_memory_mb:.0f} MiB of training memory, the "
                            f"profile grants {profile.budgets.train_memory_mb:g} MiB",
                            hint="raise budgets.train_memory_mb or choose a smaller model")
+    # The fleet config may pin the architecture or the batch size (a simulation may overcommit on purpose;
+    # a board would run out of memory): what the device will train must fit too.
+    batch = cfg.train.batch_size or p.batch_size
+    if arch is not None or batch != p.batch_size:
+        need = train_memory_mb(device_arch_spec(cfg, arch or p.arch), batch)
+        if need > profile.budgets.train_memory_mb:
+            raise ProfileError(f"{device_id}: the fleet config has it train {arch or p.arch} at batch {batch}, "
+                               f"which needs {need:.0f} MiB of training memory; profile {profile.name!r} grants "
+                               f"{profile.budgets.train_memory_mb:g} MiB (its plan picks {p.arch} at batch "
+                               f"{p.batch_size})",
+                               hint=f"drop arch/archs or [train] batch_size from {cfg.source} for this device's "
+                                    "group (the plan then decides), or give it a profile with more memory")
     bdir = check_bundle(Path(broker_dir), device_id, fleet_path)
     bundle = read_toml(bdir / "bundle.toml")
     if bundle.get("device_id") != device_id:

@@ -119,6 +119,13 @@ def device_profile(cfg: FleetConfig, group: int) -> Profile:
     return load_profile(ref)
 
 
+def device_arch_spec(cfg: FleetConfig, arch_name: str) -> ArchSpec:
+    """The architecture ``arch_name`` as a device of ``cfg`` builds it (the fleet's embedding and classes)."""
+    # GeFL CNNs carry their embedding in the name (cnn3 = published sizes, cnn3-p64 = shared p).
+    spec = arch_by_name(arch_name, embed_dim=cfg.run.embed_dim if arch_name.startswith("tier-") else None)
+    return dataclasses.replace(spec, num_classes=len(fleet_classes(cfg)))
+
+
 def device_slot(cfg: FleetConfig, index: int, labels: np.ndarray, split: DeviceSplit) -> DeviceSlot:
     """The slot of device number ``index`` (fleet order), whose share of ``labels`` is ``split``."""
     ids = device_ids(cfg)
@@ -131,9 +138,7 @@ def device_slot(cfg: FleetConfig, index: int, labels: np.ndarray, split: DeviceS
         p = dataclasses.replace(p, upload_precision=group.upload_precision,
                                 reasons={**p.reasons, "upload_precision": "set by the fleet config's [[devices]]"})
     arch_name = group.arch or (group.archs[k % len(group.archs)] if group.archs else p.arch)
-    # GeFL CNNs carry their embedding in the name (cnn3 = published sizes, cnn3-p64 = shared p).
-    spec = arch_by_name(arch_name, embed_dim=cfg.run.embed_dim if arch_name.startswith("tier-") else None)
-    spec = dataclasses.replace(spec, num_classes=len(fleet_classes(cfg)))
+    spec = device_arch_spec(cfg, arch_name)
     return DeviceSlot(
         device_id=dev_id,
         index=index,
