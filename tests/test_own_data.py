@@ -83,7 +83,8 @@ def test_new_images_are_picked_up_and_corrupt_files_skipped_and_counted(tmp_path
     assert (third.num_images, third.skipped, third.new) == (81, {}, 1)
 
 
-@pytest.mark.parametrize("case", ["unknown-class", "empty", "stray-file", "not-an-image", "too-small", "npz-label"])
+@pytest.mark.parametrize("case", ["unknown-class", "empty", "stray-file", "not-an-image", "too-small", "float-pixels",
+                                  "npz-label"])
 def test_bad_data_is_a_clear_error_naming_the_path_and_the_fix(tmp_path: Path, case: str) -> None:
     root = tmp_path / "data"
     write_digit_pngs(root, 2, classes=(0, 1))
@@ -92,6 +93,7 @@ def test_bad_data_is_a_clear_error_naming_the_path_and_the_fix(tmp_path: Path, c
         "stray-file": root / "notes.png",
         "not-an-image": root / "1" / "labels.csv",
         "too-small": root / "1" / "dot.png",
+        "float-pixels": root / "1" / "scan.tif",
         "npz-label": root / "more.npz",
     }.get(case)
     if case == "unknown-class":
@@ -106,6 +108,9 @@ def test_bad_data_is_a_clear_error_naming_the_path_and_the_fix(tmp_path: Path, c
     elif case == "too-small":
         assert bad is not None
         Image.fromarray(np.zeros((1, 1), np.uint8)).save(bad)
+    elif case == "float-pixels":  # a readable image, but not one a fleet input can be made of: not "skipped"
+        assert bad is not None
+        Image.fromarray(np.full((8, 8), 0.5, np.float32)).save(bad)
     else:
         assert bad is not None
         np.savez(bad, x=np.zeros((2, 8, 8), np.uint8), y=np.array([0, 10]))
@@ -114,7 +119,8 @@ def test_bad_data_is_a_clear_error_naming_the_path_and_the_fix(tmp_path: Path, c
     msg, hint = err.value.message, err.value.hint or ""
     assert str(bad or root) in msg
     want = {"unknown-class": "[data] classes", "empty": "sub-folder per class", "stray-file": "sub-folder",
-            "not-an-image": "remove it", "too-small": "remove the file", "npz-label": "positions in [data] classes"}
+            "not-an-image": "remove it", "too-small": "remove the file", "float-pixels": "8- or 16-bit image",
+            "npz-label": "positions in [data] classes"}
     assert want[case] in hint
 
 
@@ -179,6 +185,38 @@ def test_agent_trains_on_new_images_and_survives_a_bad_rescan(tmp_path: Path) ->
     assert len(transport.sent) == 3 and len(dev.method.ctx.train) == 50
     st = json.loads(status.read_text())
     assert st["round"] == 3 and st["train"] == 50 and "cats" in st["error"] and "[data] classes" in st["error"]
+    (root / "cats").rmdir()
+    # A corrupt file: skipped, counted, its path in the status; the other images train.
+    broken = root / "4" / "cut.jpg"
+    broken.write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    agent.handle_round(info(4))
+    st = json.loads(status.read_text())
+    assert (st["round"], st["train"], st["skipped"], st["error"]) == (4, 50, 1, None)
+    assert list(st["skipped_files"]) == [str(broken)] and "not a readable image" in st["skipped_files"][str(broken)]
+    # The folder emptied (a card swapped, a cleanup script): the device keeps its last data, says why.
+    for f in root.rglob("*.png"):
+        f.unlink()
+    agent.handle_round(info(5))
+    assert len(transport.sent) == 5 and Message.from_bytes(transport.sent[-1]).info["num_samples"] == 50
+    st = json.loads(status.read_text())
+    assert st["train"] == 50 and "the data set is empty (1 unreadable files)" in st["error"]
+
+
+def test_a_device_whose_folder_cannot_start_says_why_in_its_status(tmp_path: Path) -> None:
+    """At first boot the data folder is still empty: `fedge edge run --data` exits with the data error (systemd
+    starts it again later), no traceback, and the status file says what to do."""
+    cfg_path = own_data_fleet(tmp_path / "f.toml")
+    empty = tmp_path / "data"
+    (empty / "3").mkdir(parents=True)
+    status = tmp_path / "state" / "status.json"
+    proc = subprocess.run([sys.executable, "-m", "fedge", "edge", "run", "--config", str(cfg_path), "--device-id",
+                           "rpi4-2gb-1", "--broker", "mqtt://127.0.0.1:9", "--data", str(empty), "--status-file",
+                           str(status)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == DataError.exit_code, proc.stderr
+    assert f"{empty}: the data set is empty (no images)" in proc.stderr and "Traceback" not in proc.stderr
+    st = json.loads(status.read_text())
+    assert (st["device"], st["train"], st["round"]) == ("rpi4-2gb-1", 0, 0)
+    assert "the data set is empty" in st["error"] and "fix: put images in one sub-folder per class" in st["error"]
 
 
 @pytest.mark.mqtt
@@ -244,6 +282,9 @@ def test_a_data_device_sends_only_the_methods_artifacts(tmp_path: Path, mosquitt
         raw = next(p for p in by_kind["update"] if Message.from_bytes(p).round == upd.round)
         # Less than two preprocessed images' worth per round: no room for the 100 training images.
         assert len(raw) < 2 * image_bytes, len(raw)
+    # The device reports its accuracy on its own held-out split (20 images: a multiple of 1/20).
+    acc = updates[-1].info["metrics"]["acc_local"]
+    assert 0.0 <= acc <= 1.0 and round(acc * 20, 6).is_integer(), acc
     for _, payload in captured:
         assert not any(n.encode() in payload for n in names)  # no file names either
         assert str(root).encode() not in payload

@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import Any
 
-from fedge.errors import ConfigError, ProfileError
+from fedge.errors import ConfigError, FedgeError, ProfileError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _device(cfg_path: str, device_id: str, profile: str | None,
-            data_dir: str | None = None) -> tuple[Any, Any, Any]:
+            data_dir: str | None = None, status_file: str | None = None) -> tuple[Any, Any, Any]:
     """(fleet config, SimDevice, own-data (LocalData, Scan) or None) of ``device_id``, with its profile's
     round-time budget in the hello."""
     from fedge.fleet.config import load_fleet
@@ -65,10 +65,15 @@ def _device(cfg_path: str, device_id: str, profile: str | None,
                           hint=f"its devices are {', '.join(ids[:8])}{' ...' if len(ids) > 8 else ''}")
     own = None
     if data_dir is not None:
-        from fedge.edge.own_data import build_own_device, local_data
+        from fedge.edge.own_data import build_own_device, local_data, start_failed_status, write_status
 
-        data = local_data(cfg, data_dir)
-        dev, scan = build_own_device(cfg, device_id, data)
+        try:
+            data = local_data(cfg, data_dir)
+            dev, scan = build_own_device(cfg, device_id, data)
+        except FedgeError as exc:
+            if status_file:
+                write_status(status_file, start_failed_status(device_id, data_dir, exc))
+            raise
         own = (data, scan)
     else:
         dev = build_device(cfg, load_fleet_data(cfg), ids.index(device_id))
@@ -96,14 +101,14 @@ def _run(args: argparse.Namespace) -> int:
         if args.config or args.device_id:
             raise ConfigError("give either --bundle or --config/--device-id, not both")
         b = Bundle.load(args.bundle)
-        cfg, dev, own = _device(b.fleet_config, b.device_id, args.profile, args.data)
+        cfg, dev, own = _device(b.fleet_config, b.device_id, args.profile, args.data, args.status_file)
         settings = parse_broker_url(args.broker or b.broker, username=args.username or b.username,
                                     password=args.password or b.password(), ca_file=args.ca or b.ca_file,
                                     tls=True if args.tls else None)
     else:
         if not (args.config and args.device_id and args.broker):
             raise ConfigError("fedge edge run needs --bundle DIR, or --config FLEET.toml --device-id ID --broker URL")
-        cfg, dev, own = _device(args.config, args.device_id, args.profile, args.data)
+        cfg, dev, own = _device(args.config, args.device_id, args.profile, args.data, args.status_file)
         settings = broker_settings(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, global_timeout_s=args.global_timeout)
     transport = MqttDeviceTransport(settings, cfg.run.fleet, dev.info.device_id, wire)

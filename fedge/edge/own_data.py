@@ -111,12 +111,25 @@ class OwnDataAgent(DeviceAgent):
                 "time": time.time()}
 
     def _write_status(self, round_: int) -> None:
-        if self.status_file is None:
-            return
-        try:
-            self.status_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.status_file.with_name(self.status_file.name + ".tmp")
-            tmp.write_text(json.dumps(self.status(round_), indent=2) + "\n")
-            os.replace(tmp, self.status_file)
-        except OSError as exc:  # a status file is a convenience: never a reason to stop training
-            log.warning("%s: cannot write the status file %s: %s", self.device.device_id, self.status_file, exc)
+        if self.status_file is not None:
+            write_status(self.status_file, self.status(round_))
+
+
+def write_status(path: str | os.PathLike[str], status: dict[str, Any]) -> None:
+    """Replace the status file ``path`` with ``status`` (JSON) in one step; a failure is only logged."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(json.dumps(status, indent=2) + "\n")
+        os.replace(tmp, target)
+    except OSError as exc:  # a status file is a convenience: never a reason to stop training
+        log.warning("cannot write the status file %s: %s", target, exc)
+
+
+def start_failed_status(device_id: str, data_dir: str | os.PathLike[str], exc: FedgeError) -> dict[str, Any]:
+    """The status of a device whose data folder cannot start a run (e.g. still empty at first boot): the
+    agent exits, systemd starts it again later, and the status file says why meanwhile."""
+    error = exc.message if exc.hint is None else f"{exc.message} (fix: {exc.hint})"
+    return {"device": device_id, "data": str(data_dir), "round": 0, "train": 0, "test": 0, "skipped": 0,
+            "skipped_files": {}, "error": error, "time": time.time()}

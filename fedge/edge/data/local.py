@@ -17,7 +17,11 @@ the deployed model will.
 the last scan are converted (converted files are cached by path, size and
 modification time), files that disappeared drop out. A file that cannot be
 read (corrupt, truncated, still being written) is skipped and reported in
-:attr:`Scan.skipped`; it is tried again at the next scan if it changed.
+:attr:`Scan.skipped`; it is tried again at the next scan if it changed. A file
+that reads but cannot become a fleet input (an unknown class folder, a
+non-image file in a class folder, 32-bit float pixels, a 1x1 image, an .npz
+with bad labels) is a :class:`~fedge.errors.DataError` naming the path and the
+fix: the device's owner has to act, retrying will not help.
 
 The local test split is stratified and seeded: within each class, files are
 ranked by a keyed hash of their relative path and the first
@@ -134,8 +138,11 @@ class LocalData:
         stamp = _stamp(path)
         try:
             pixels, full_scale = read_image(path, self.norm.channels)
-        except PayloadError as exc:  # corrupt, truncated, still being written: skip, retry when it changes
-            return _Entry(stamp, None, None, exc.message)
+        except PayloadError as exc:
+            if isinstance(exc.__cause__, OSError):  # corrupt, truncated, still being written: skip, retry later
+                return _Entry(stamp, None, None, exc.message)
+            # A readable image of a kind no fleet input is made of (32-bit float or integer pixels).
+            raise DataError(exc.message, hint=f"{exc.hint or 'convert it'}, or remove it from the folder") from exc
         try:
             x = prepare(pixels[None], self.norm, max_value=full_scale, what=str(path))
         except PayloadError as exc:
@@ -165,8 +172,9 @@ class LocalData:
         top = 1.0 if np.issubdtype(raw.dtype, np.floating) and raw.size and float(raw.max()) <= 1.0 else 255.0
         try:
             x = prepare(raw, self.norm, max_value=top, what=str(path))
-        except PayloadError as exc:
-            raise DataError(exc.message, hint=exc.hint or "x holds raw images: (N, H, W) or (N, H, W, C)") from exc
+        except PayloadError as exc:  # the runtime's hints speak of its API (max_value=...): say it for an .npz
+            raise DataError(exc.message, hint="x holds raw images, (N, H, W) or (N, H, W, C): 0..255 pixels "
+                                              "(uint8; 16-bit scans divided by 257) or floats scaled to 0..1") from exc
         return _Entry(stamp, x, y.astype(np.int64))
 
     # -- the scan ------------------------------------------------------------------------
