@@ -121,3 +121,28 @@ def test_flash_runs_on_the_core_install(tmp_path: Path) -> None:
                                       "--broker-dir", str(broker), "--to", str(boot))
     assert (rc, tried) == (0, []), err
     assert (boot / "fedge" / "payload.json").is_file() and "fedge/install.sh" in out
+
+
+def test_a_flashed_model_is_installed_and_classifies_on_the_runtime_set(exported: Path, tmp_path: Path) -> None:
+    """--export: a real exported model travels in the payload, install.sh puts it under opt/fedge/model, and
+    `fedge infer` on the runtime set (torch and the rest unfindable) classifies a digit with it."""
+    from test_flash import fleet_and_broker, install, rpi_boot
+
+    from fedge.flash.flash import flash_dir
+    from fedge.flash.payload import prepare
+
+    fleet, broker = fleet_and_broker(tmp_path)
+    boot = rpi_boot(tmp_path / "boot")
+    flash_dir(boot, prepare("rpi4-2gb-1", fleet, broker, export_dir=exported))
+    meta = json.loads((boot / "fedge" / "payload.json").read_text())
+    shipped = sorted(rel[len("model/"):] for rel in meta["files"] if rel.startswith("model/"))
+    assert shipped == sorted(str(p.relative_to(exported)) for p in exported.rglob("*") if p.is_file())
+    prefix = tmp_path / "root"
+    done = install(boot, prefix, "--no-systemd")
+    assert done.returncode == 0, done.stderr
+    model = prefix / "opt" / "fedge" / "model"
+    assert (model / "manifest.json").read_bytes() == (exported / "manifest.json").read_bytes()
+    png = digit_png(tmp_path / "seven.png")
+    rc, out, err, tried = run_without(NOT_RUNTIME, "infer", "--model", str(model), str(png), "--json")
+    assert (rc, tried) == (0, []), err
+    assert json.loads(out)[0]["top"][0]["class"] == "7"
