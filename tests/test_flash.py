@@ -91,6 +91,7 @@ def test_flash_to_writes_the_contract_payload_chains_firstrun_and_is_idempotent(
     for name in ("bundle.toml", "fleet.toml", "password"):
         assert files[f"fedge/bundle/{name}"][0] == (bundle / name).read_bytes()
     assert files["fedge/bundle/password"][1] == 0o600 and files["fedge/install.sh"][1] == 0o755
+    assert "\nEXTRA=device\n" in files["fedge/install.sh"][0].decode()  # own data: the device set only
     assert not any("rpi4-2gb-1" in k for k in files)  # its own credentials only
     # The kernel command line gets the hook once, everything else untouched.
     assert (boot / "cmdline.txt").read_text() == CMDLINE.strip() + " " + CMDLINE_ENTRY + "\n"
@@ -488,6 +489,32 @@ def test_wheelhouse_command_targets_the_profiles_cpu_and_python(tmp_path: Path) 
                                                    "pillow", "tqdm"}
     with pytest.raises(ConfigError, match=r"MAJOR\.MINOR"):
         download_command("aarch64", "311", tmp_path, [])
+
+
+def test_a_benchmark_data_fleet_installs_what_rebuilding_its_share_needs(tmp_path: Path) -> None:
+    """Without [data] classes a device rebuilds its share of the benchmark data set (digits: scikit-learn), so
+    its payload installs fedge[sim], not fedge[device] (on which such a device could not start)."""
+    from fedge.flash.wheels import device_requirements
+
+    fleet, broker = fleet_and_broker(tmp_path)
+    own = prepare("rpi4-2gb-1", fleet, broker)
+    bench = tmp_path / "bench.toml"
+    bench.write_text(re.sub(r"\[data\]\nclasses = \[[^]]*\]\n", "", fleet.read_text()))
+    (broker / "bundles" / "rpi4-2gb-1" / "fleet.toml").write_bytes(bench.read_bytes())
+    plan = prepare("rpi4-2gb-1", bench, broker)
+    assert (own.install_extra, plan.install_extra) == ("device", "sim")
+    boot = rpi_boot(tmp_path / "boot")
+    flash_dir(boot, plan)
+    assert json.loads((boot / "fedge" / "payload.json").read_text())["install_extra"] == "sim"
+    script = (boot / "fedge" / "install.sh").read_text()
+    assert "\nEXTRA=sim\n" in script and "\nOWN_DATA=0\n" in script and '"fedge[$EXTRA]==$VERSION"' in script
+    assert "scikit-learn" in " ".join(device_requirements(plan.install_extra))
+    cli = subprocess.run([sys.executable, "-m", "fedge", "flash", "rpi4-2gb-1", "--fleet", str(bench), "--broker-dir",
+                          str(broker), "--to", str(boot), "--dry-run", "--wheels"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert "has no [data] classes" in cli.stderr and "installs fedge[sim]" in cli.stderr
+    assert "'scikit-learn>=" in cli.stderr  # the wheelhouse a dry run would download
 
 
 def test_the_firstrun_hook_runs_the_previous_script_enables_the_install_and_removes_itself(tmp_path: Path) -> None:

@@ -24,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="the output of `fedge broker config` (the device's bundle is DIR/bundles/DEVICE_ID)")
     f.add_argument("--export", metavar="DIR", help="exported models (`fedge export`): DIR/DEVICE_ID or one model dir")
     f.add_argument("--wheels", action="store_true",
-                   help="add an offline wheelhouse of fedge[device] for the device's CPU (from its profile) and Python")
+                   help="add an offline wheelhouse of fedge[device] (fedge[sim] for a fleet without [data] "
+                        "classes) for the device's CPU (from its profile) and Python")
     f.add_argument("--wheel-index", action="append", default=[], metavar="URL",
                    help="--wheels: an extra package index, e.g. https://download.pytorch.org/whl/cpu (PyPI's torch "
                         "for aarch64 pulls CUDA packages; the CPU-only build does not)")
@@ -52,18 +53,23 @@ def _flash(args: argparse.Namespace) -> int:
 
     plan = prepare(args.device_id, args.fleet, args.broker_dir, export_dir=args.export, python=args.python)
     init = None if args.init == "auto" else args.init
+    if not plan.own_data:
+        print(f"note: {args.fleet} has no [data] classes: {plan.device_id} will train on its share of the "
+              "benchmark data set, rebuilt on the device, and installs fedge[sim] for it; add [data] classes to "
+              "train on the device's own images (fedge[device])", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="fedge-wheels-") as tmp:
         wheels: list[Source] = []
         if args.wheels and args.dry_run:
             from fedge.flash.wheels import device_requirements, download_command
 
-            cmd = download_command(plan.cpu_arch, plan.python, Path("WHEELS"), device_requirements(),
-                                   tuple(args.wheel_index))
+            cmd = download_command(plan.cpu_arch, plan.python, Path("WHEELS"),
+                                   device_requirements(plan.install_extra), tuple(args.wheel_index))
             print(f"--wheels (not downloaded in a dry run): {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr)
         elif args.wheels:
             from fedge.flash.wheels import build_wheelhouse
 
-            wheels = build_wheelhouse(plan.cpu_arch, plan.python, Path(tmp), tuple(args.wheel_index))
+            wheels = build_wheelhouse(plan.cpu_arch, plan.python, Path(tmp), tuple(args.wheel_index),
+                                      plan.install_extra)
         if args.to:
             from fedge.flash.flash import flash_dir
 

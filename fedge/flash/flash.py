@@ -92,5 +92,5 @@ def flash(device_id: str, fleet: str | os.PathLike[str], broker_dir: str | os.Pa
         if wheels and not dry_run:
             from fedge.flash.wheels import build_wheelhouse
 
-            sources = build_wheelhouse(plan.cpu_arch, plan.python, Path(tmp), wheel_indexes)
+            sources = build_wheelhouse(plan.cpu_arch, plan.python, Path(tmp), wheel_indexes, plan.install_extra)
         return flash_dir(Path(to), plan, init=init, force=force, dry_run=dry_run, wheels=sources)

@@ -5,7 +5,8 @@ Layout (under the boot partition, ``BOOT/fedge/``)::
     payload.json          device, fleet, profile, CPU arch, fedge version, every file's size and sha256
     bundle/               the device bundle as `fedge broker config` wrote it (password 0600)
     model/                with --export: the device's exported ONNX directory (manifest + graphs)
-    wheels/               with --wheels: an offline wheelhouse of fedge[device] for the device's CPU and Python
+    wheels/               with --wheels: an offline wheelhouse of fedge[device] (fedge[sim] for a fleet without
+                          [data] classes) for the device's CPU and Python
     install.sh            idempotent installer (--prefix, --venv, --no-systemd)
     fedge-edge.service    the hardened systemd unit; ExecStart is the launcher install.sh writes
     fedge-install.service installs fedge at the first boot with a network (enabled by firstrun.sh)
@@ -77,11 +78,19 @@ class DevicePlan:
     files: list[Source] = field(default_factory=list)
     wheels: list[Path] = field(default_factory=list)
 
+    @property
+    def install_extra(self) -> str:
+        """The fedge extra the device installs: ``device`` to train on its own data; ``sim`` on a fleet without
+        ``[data] classes``, whose devices rebuild their share of the benchmark data set (digits needs
+        scikit-learn, CIFAR-10 torchvision)."""
+        return "device" if self.own_data else "sim"
+
     def info(self) -> dict[str, Any]:
         """payload.json without its file list."""
         return {"format": PAYLOAD_FORMAT, "device_id": self.device_id, "fleet": self.fleet, "profile": self.profile,
                 "cpu_arch": self.cpu_arch, "python": self.python, "fedge_version": __version__,
-                "own_data": self.own_data, "broker": self.broker, "arch": self.arch}
+                "own_data": self.own_data, "install_extra": self.install_extra, "broker": self.broker,
+                "arch": self.arch}
 
 
 def _template(name: str) -> str:
@@ -92,7 +101,7 @@ def render(name: str, plan: DevicePlan) -> bytes:
     """A template with the device's values filled in (device ids and fleet names are plain names)."""
     text = _template(name)
     for key, value in (("@DEVICE_ID@", plan.device_id), ("@FLEET@", plan.fleet), ("@VERSION@", __version__),
-                       ("@OWN_DATA@", "1" if plan.own_data else "0")):
+                       ("@OWN_DATA@", "1" if plan.own_data else "0"), ("@EXTRA@", plan.install_extra)):
         text = text.replace(key, value)
     return text.encode()
 

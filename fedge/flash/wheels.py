@@ -158,10 +158,11 @@ def download_closure(cpu_arch: str, python: str, dest: Path, requirements: list[
     return sorted(got.values())
 
 
-def build_wheelhouse(cpu_arch: str, python: str, dest: Path, extra_indexes: tuple[str, ...] = ()) -> list[Source]:
-    """Download the device set into ``dest`` and return it as payload sources (``wheels/NAME.whl``)."""
+def build_wheelhouse(cpu_arch: str, python: str, dest: Path, extra_indexes: tuple[str, ...] = (),
+                     extra: str = "device") -> list[Source]:
+    """Download fedge[``extra``] into ``dest`` and return it as payload sources (``wheels/NAME.whl``)."""
     dest.mkdir(parents=True, exist_ok=True)
-    download_closure(cpu_arch, python, dest, device_requirements(), extra_indexes)
+    download_closure(cpu_arch, python, dest, device_requirements(extra), extra_indexes)
     with tempfile.TemporaryDirectory() as tmp:
         # Build from a copy: building in place leaves build/ and fedge.egg-info in the source tree.
         src = Path(tmp) / "src"

@@ -36,6 +36,9 @@ OPT=$ROOT/opt/fedge
 [ -n "$VENV" ] || VENV=$OPT/venv
 VERSION=@VERSION@
 OWN_DATA=@OWN_DATA@
+# device: train on the device's own data; sim: a fleet without [data] classes, whose devices rebuild their share
+# of the benchmark data set (scikit-learn's digits, ...).
+EXTRA=@EXTRA@
 say() { echo "fedge install: $*"; }
 
 # 1. A dedicated system account (only for a real root install: a scratch prefix has no users).
@@ -49,7 +52,7 @@ if [ -z "$ROOT" ] && [ "$(id -u)" = 0 ]; then
 fi
 own() { [ -z "$OWNER" ] || chown "$OWNER:$OWNER" "$@"; }
 
-# 2. The virtualenv and fedge[device]: from the offline wheelhouse when the payload has one, else the index.
+# 2. The virtualenv and fedge[$EXTRA]: from the offline wheelhouse when the payload has one, else the index.
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import fedge' 2>/dev/null; then
   have=$("$VENV/bin/python" -c 'import fedge; print(fedge.__version__)')
   say "fedge $have already installed in $VENV (payload: $VERSION): not reinstalling"
@@ -58,11 +61,11 @@ else
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV" || {
     echo "install.sh: cannot create a virtualenv at $VENV (apt-get install python3-venv)" >&2; exit 3; }
   if ls "$HERE"/wheels/*.whl >/dev/null 2>&1; then
-    "$VENV/bin/python" -m pip install --quiet --no-index --find-links "$HERE/wheels" "fedge[device]==$VERSION"
-    say "installed fedge[device] $VERSION from the payload's wheelhouse"
+    "$VENV/bin/python" -m pip install --quiet --no-index --find-links "$HERE/wheels" "fedge[$EXTRA]==$VERSION"
+    say "installed fedge[$EXTRA] $VERSION from the payload's wheelhouse"
   else
-    "$VENV/bin/python" -m pip install --quiet "fedge[device]==$VERSION"
-    say "installed fedge[device] $VERSION from the package index"
+    "$VENV/bin/python" -m pip install --quiet "fedge[$EXTRA]==$VERSION"
+    say "installed fedge[$EXTRA] $VERSION from the package index"
   fi
 fi
 
