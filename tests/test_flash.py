@@ -388,8 +388,10 @@ def test_flashed_install_runs_an_agent_on_real_images_that_is_aggregated(tmp_pat
     done = install(boot, prefix, "--no-systemd")
     assert done.returncode == 0, done.stderr
     assert "not reinstalling" in done.stdout
-    again = install(boot, prefix, "--no-systemd")  # idempotent
+    first = tree(prefix)
+    again = install(boot, prefix, "--no-systemd")  # idempotent: the same files, modes and bytes
     assert again.returncode == 0, again.stderr
+    assert tree(prefix) == first
     pw = prefix / "etc/fedge/bundle/password"
     assert stat.S_IMODE(pw.stat().st_mode) == 0o600 and pw.read_bytes() == (boot / "fedge/bundle/password").read_bytes()
     assert not (prefix / "etc/systemd").exists()
