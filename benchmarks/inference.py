@@ -336,8 +336,11 @@ def main() -> int:
                 f"{len(train):,} training images. Sizes are relative to the fp32 file.\n\n"
                 + markdown_table(header, rows) + "\n\n"
                 + f"fedge's runtime vs a bare `InferenceSession.run` (same session, same input, pre-built feed, one "
-                  f"thread, batch 1): {args.repeats} repeats of {args.overhead_runs} interleaved calls each; the "
-                  "ratio is the median over the repeats, the range their spread.\n\n"
+                  f"thread, batch 1{load_note(overhead)}): {args.repeats} repeats of {args.overhead_runs} "
+                  "interleaved calls each; the ratio is the median over the repeats, the range their spread. "
+                  "*core* is the C++ session under the Python wrapper (`InferenceSession._sess.run`), which fedge "
+                  "calls directly: `bare / core` is what the wrapper adds, `predict / core` what fedge adds to "
+                  "ONNX Runtime's own floor.\n\n"
                 + markdown_table(oheader, orows) + "\n\n" + "\n".join(f"- {t}" for t in meta["targets"]))
         write_docs_section("inference-benchmark", body, path=DOCS)
         print(f"updated {DOCS}")

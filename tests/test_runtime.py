@@ -358,6 +358,23 @@ def test_directory_input_classifies_every_image(model_dir: Path, tmp_path: Path,
     assert "write a .csv or a .json file" in capsys.readouterr().err
 
 
+def test_progress_line_needs_no_tqdm() -> None:
+    # fedge infer's progress display: drawn in place on a terminal, nothing when redirected.
+    import io
+
+    from fedge.common.progress import Progress
+
+    shown = io.StringIO()
+    with Progress(5, desc="classifying", unit="file", stream=shown, enabled=True, interval=0) as bar:
+        bar.update(2)
+        bar.update(3)
+    assert shown.getvalue() == "\rclassifying: 2/5 files (40%)\rclassifying: 5/5 files (100%)\n"
+    redirected = io.StringIO()  # not a terminal
+    with Progress(5, desc="classifying", unit="file", stream=redirected) as bar:
+        bar.update(5)
+    assert redirected.getvalue() == "" and bar.done == 5
+
+
 # -- execution providers -------------------------------------------------------------------
 def test_provider_order_and_choice() -> None:
     from fedge.errors import ConfigError
