@@ -312,6 +312,21 @@ def test_manifest_normalization_must_hold_numbers(copy_dir: Path) -> None:
         assert err.value.message == f"{copy_dir / MANIFEST_NAME}: normalization.{key} must be {expect}"
 
 
+def test_manifest_entries_of_the_wrong_kind_are_errors(copy_dir: Path) -> None:
+    manifest = json.loads((copy_dir / MANIFEST_NAME).read_text())
+    for key, value, expect in [
+        ("input_shape", 5, "'input_shape' must be a list such as [\"batch\", 1, 32, 32], got 5"),
+        ("metrics", "fast", "'metrics' must be an object, got 'fast'"),
+        ("quantization", ["fp32"], "'quantization' must be an object, got ['fp32']"),
+        ("profile", 3, "'profile' must be a profile name, got 3"),
+    ]:
+        bad = {**manifest, key: value}
+        (copy_dir / MANIFEST_NAME).write_text(json.dumps(bad))
+        with pytest.raises(ExportError) as err:
+            EdgeModel.load(copy_dir)
+        assert err.value.message == f"{copy_dir / MANIFEST_NAME}: {expect}"
+
+
 def test_class_list_must_match_the_model(copy_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     manifest = json.loads((copy_dir / MANIFEST_NAME).read_text())
     manifest["classes"] = ["a", "b", "c"]
