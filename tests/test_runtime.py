@@ -218,6 +218,11 @@ def test_16bit_png_is_scaled_not_clipped(model_dir: Path, tmp_path: Path) -> Non
     assert np.array_equal(model.predict(b.x, preprocessed=True).labels, model.predict(u8).labels)
     Image.fromarray(u8[0].astype(np.uint16) * 257).save(tmp_path / "d0.tiff")  # 16-bit TIFF: the same rule
     assert np.abs(load_inputs([tmp_path / "d0.tiff"], model.norm).x - b.x[:1]).max() < 1e-5
+    Image.fromarray(u8[0].astype(np.int32) * 257).save(tmp_path / "i.tiff")  # mode "I" holding 16-bit values
+    assert np.abs(load_inputs([tmp_path / "i.tiff"], model.norm).x - b.x[:1]).max() < 1e-5
+    Image.fromarray(u8[0].astype(np.int32)).save(tmp_path / "i8.tiff")  # mode "I", values 0..255: which range?
+    with pytest.raises(PayloadError, match=r"i8\.tiff: a 32-bit integer image whose values all lie within 0\.\.255"):
+        load_inputs([tmp_path / "i8.tiff"], model.norm)
     Image.fromarray(u8[0].astype(np.float32)).save(tmp_path / "f.tiff")  # mode "F": no defined pixel range
     with pytest.raises(PayloadError, match=r"f\.tiff: a 32-bit floating point image; pixels must be 8 or 16-bit"):
         load_inputs([tmp_path / "f.tiff"], model.norm)
