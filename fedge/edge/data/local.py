@@ -144,7 +144,7 @@ class LocalData:
             # A readable image of a kind no fleet input is made of (32-bit float or integer pixels).
             raise DataError(exc.message, hint=f"{exc.hint or 'convert it'}, or remove it from the folder") from exc
         try:
-            x = prepare(pixels[None], self.norm, max_value=full_scale, what=str(path))
+            x = prepare(pixels, self.norm, max_value=full_scale, what=str(path))  # (H, W) or (H, W, 3): one image
         except PayloadError as exc:
             raise DataError(f"{path}: cannot be converted to the fleet's {self.norm.channels}x{self.norm.size}x"
                             f"{self.norm.size} input: {exc.message}",
