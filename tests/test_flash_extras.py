@@ -81,7 +81,7 @@ def test_infer_runs_on_the_runtime_set_without_touching_torch(exported: Path, tm
     (["PIL"], ["infer", "--model", "{model}", "{png}"], "runtime"),
     (["torch"], ["edge", "run", "--config", "{fleet}", "--device-id", "rpi4-2gb-1", "--broker",
                  "mqtt://127.0.0.1:9", "--data", "{data}"], "device"),
-    (["torchvision", "matplotlib", "sklearn", "amqtt"], ["simulate", "{fleet}", "--out", "{out}"], "sim"),
+    (["tqdm", "torchvision", "matplotlib", "sklearn", "amqtt"], ["simulate", "{fleet}", "--out", "{out}"], "sim"),
 ])
 def test_a_missing_extra_is_named(exported: Path, tmp_path: Path, blocked: list[str], args: list[str],
                                   extra: str) -> None:
@@ -106,9 +106,9 @@ def test_extras_in_pyproject_hold_what_the_helper_names() -> None:
         reqs = {r.split(">")[0].split("<")[0].split("=")[0] for r in device_requirements(extra)}
         assert dist in reqs, (module, extra)
     device = {r.split(">")[0] for r in device_requirements("device")}
-    assert device == {"numpy", "safetensors", "paho-mqtt", "onnxruntime", "pillow", "tqdm", "torch"}
+    assert device == {"numpy", "safetensors", "paho-mqtt", "onnxruntime", "pillow", "torch"}
     runtime = {r.split(">")[0] for r in device_requirements("runtime")}
-    assert runtime == {"numpy", "safetensors", "paho-mqtt", "onnxruntime", "pillow", "tqdm"}
+    assert runtime == {"numpy", "safetensors", "paho-mqtt", "onnxruntime", "pillow"}
 
 
 def test_flash_runs_on_the_core_install(tmp_path: Path) -> None:

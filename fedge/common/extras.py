@@ -16,12 +16,12 @@ from fedge.errors import FedgeError
 EXTRA_OF: dict[str, tuple[str, str]] = {
     "onnxruntime": ("onnxruntime", "runtime"),
     "PIL": ("pillow", "runtime"),
-    "tqdm": ("tqdm", "runtime"),
     "torch": ("torch", "device"),
     "onnx": ("onnx", "export"),
     "onnxscript": ("onnxscript", "export"),
     "torchvision": ("torchvision", "sim"),
     "matplotlib": ("matplotlib", "sim"),
+    "tqdm": ("tqdm", "sim"),
     "sklearn": ("scikit-learn", "sim"),
     "amqtt": ("amqtt", "sim"),
     "yaml": ("pyyaml", "flash"),
