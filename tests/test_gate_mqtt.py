@@ -213,3 +213,79 @@ def test_a_mutated_sample_over_mosquitto_never_stops_the_coordinator(tmp_path: P
     assert all(sorted(r.accepted) == ["d0", "d1", "d2"] for r in reports)
     assert sum(sum(r.rejected.values()) for r in reports) > 100  # most mutations are refused, and counted
     assert np.all(np.isfinite(engine.globals[PROTOTYPES_ARTIFACT]["protos"]))
+
+
+SLOT_FLEET = """
+[run]
+method = "fedproto"
+rounds = 1
+dataset = "digits"
+fleet = "slots"
+
+[partition]
+kind = "dirichlet"
+alpha = 1.0
+
+[[devices]]
+profile = "rpi4-2gb"
+count = 2
+arch = "tier-xs"
+"""
+
+
+def test_fedge_coordinator_run_refuses_a_hello_that_contradicts_its_slot(tmp_path: Path,
+                                                                         mosquitto: MosquittoProcess) -> None:
+    """The issue's case, against the real command: device 1's credential announces a tier-l, fp32, 629-sample
+    device in a tier-xs, fp16 slot; the coordinator refuses it (counted, and told on its refused topic)
+    and keeps waiting for its quorum; device 2's true hello is accepted (its refused topic stays empty)."""
+    import os
+    import subprocess
+    import sys
+
+    from fedge.common.rounds import DeviceInfo
+    from fedge.fleet.config import load_fleet
+    from fedge.fleet.slots import checked_slots
+
+    path = tmp_path / "slots.toml"
+    path.write_text(SLOT_FLEET)
+    slots = checked_slots(load_fleet(path))
+    good, bad = slots[1].info(), slots[0].info()
+    assert (bad.arch, bad.upload_precision, bad.feature_dim) == ("tier-xs", "fp16", 64)
+    lie = DeviceInfo(bad.device_id, "tier-l", bad.profile, "fp32", 629, 64, {})
+    t = FleetTopics("slots")
+    refused: dict[str, bytes] = {}
+    got = threading.Event()
+    spy = new_paho_client("spy", clean_session=True)
+
+    def on_message(_c: object, _u: object, m: Any, *_: object) -> None:
+        refused[m.topic.rsplit("/", 1)[1]] = bytes(m.payload)
+        if m.payload:
+            got.set()
+
+    spy.on_message = on_message
+    spy.connect("127.0.0.1", mosquitto.port)
+    spy.subscribe(f"{t.base}/refused/#", qos=1)
+    spy.loop_start()
+    for info in (lie, good):
+        msg = Message("hello", info.device_id, 0, "slots", info={"device": info.to_dict()}).to_bytes()
+        spy.publish(t.hello(info.device_id), msg, qos=1, retain=True).wait_for_publish(10)
+    proc = subprocess.Popen([sys.executable, "-m", "fedge", "coordinator", "run", "--config", str(path),
+                             "--broker", mosquitto.url, "--state-dir", str(tmp_path / "state"), "--quorum", "1",
+                             "--quorum-timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert got.wait(60), "no refusal within 60 s"
+        assert proc.poll() is None  # still waiting for its quorum: a refused hello stops nothing
+    finally:
+        proc.kill()
+        out = proc.communicate(timeout=10)[0].decode()
+        spy.loop_stop()
+        spy.disconnect()
+    refusal = Message.from_bytes(refused[bad.device_id])
+    assert refusal.kind == "refused" and refusal.info["reason"] == "slot", refusal.info
+    assert refusal.info["message"] == (
+        f"slot: {bad.device_id}'s hello contradicts its slot in the fleet config: arch: expected 'tier-xs', got "
+        f"'tier-l'; upload_precision: expected 'fp16', got 'fp32'; num_samples: expected {bad.num_samples}, "
+        "got 629")
+    assert refused.get(good.device_id, b"") == b""  # accepted: a refusal is cleared, never set
+    assert f"refused a hello from {bad.device_id} (hello-slot)" in out
