@@ -120,7 +120,7 @@ class CoordinatorSection:
 
         [coordinator]
         aggregation = "trimmed"   # mean | trimmed | median
-        trim = 0.2                # trimmed: weight cut at each end of every coordinate
+        trim = 0.2                # trimmed: fraction of the devices cut at each end of every coordinate
         clip = 2.0                # clip each update to 2 x the median distance from the median (0: off)
         quorum = 0.8
         deadline_slack = 3.0
