@@ -62,13 +62,14 @@ def test_fedproto_prototypes_are_count_weighted() -> None:
 def test_bytes_counted_are_the_encoded_sizes(precision: str) -> None:
     fleet = tiny_fleet("fedavg", ["tier-xs", "tier-xs"], rounds=1, precision=precision)
     uploads = capture_uploads(fleet.agents)
-    reports = fleet.engine.run()
+    descriptors: list[bytes] = []  # as published in each round (the run's end withdraws the last one)
+    reports = fleet.engine.run(on_round=lambda _: descriptors.append(fleet.bus.round_msg or b""))
     sent = {u.msg.sender: len(u.data) for u in uploads if u.msg.round == 1}
     assert reports[0].bytes_up == sent
     d0_sent = [len(u.data) for u in uploads if u.msg.sender == "d0"]
     assert [t.bytes_up for t in fleet.agents[0].traffic] == d0_sent
     # downlink of round 2 = round descriptor + the group artifact, as published
-    down = len(fleet.bus.round_msg or b"") + len(fleet.bus.globals[group_artifact("tier-xs")])
+    down = len(descriptors[1]) + len(fleet.bus.globals[group_artifact("tier-xs")])
     assert fleet.agents[0].traffic[1].bytes_down == down
     params = sum(w.size for w in weights(fleet, 0).values())
     per_value = {"fp32": 4, "fp16": 2, "int8": 1}[precision]

@@ -304,6 +304,32 @@ def test_unknown_profile(tmp_path: Path, checkpoint: Path) -> None:
     assert leftovers(tmp_path / "o") == []
 
 
+def test_a_generator_checkpoint_is_named_as_such(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Read from the checkpoint's metadata before anything is built (it used to fail with
+    # "unknown builder 'CVAE'"); a run saves its generators under checkpoints/generators/.
+    from safetensors.numpy import save_file
+
+    from fedge.cli import main
+    from fedge.common.generators import GeneratorSpec
+    from fedge.edge.generators.modules import build_generator
+
+    gen = tmp_path / "checkpoints" / "generators" / "cvae.safetensors"
+    save_checkpoint(build_generator(GeneratorSpec("cvae", (1, 32, 32), tier="tiny"), seed=0), gen,
+                    extra={"fedge.dataset": "digits"})
+    with pytest.raises(ExportError) as err:
+        export_checkpoint(gen, tmp_path / "o", profile=_any_profile(), options=FAST)
+    assert err.value.message == (f"{gen} is a generator checkpoint (CVAE), not a classifier: fedge export exports "
+                                 "a device's classifier (FedgeNet)")
+    assert "RUN/checkpoints/<device id>.safetensors" in (err.value.hint or "")
+    assert main(["export", "--checkpoint", str(gen), "--out", str(tmp_path / "o")]) == ExportError.exit_code
+    assert "is a generator checkpoint (CVAE), not a classifier" in capsys.readouterr().err
+    foreign = tmp_path / "foreign.safetensors"  # safetensors, but not written by fedge
+    save_file({"w": np.zeros(3, np.float32)}, str(foreign))
+    with pytest.raises(ExportError, match=r"records no fedge\.builder: not a checkpoint written by fedge"):
+        export_checkpoint(foreign, tmp_path / "o", profile=_any_profile(), options=FAST)
+    assert leftovers(tmp_path / "o") == []
+
+
 def test_export_cli(tmp_path: Path, checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from fedge.cli import main
 
@@ -352,6 +378,48 @@ def test_run_export_every_device(tmp_path: Path) -> None:
     assert [d["id"] for d in index["devices"]] == ["a-1", "b-1"]
     assert [d["quant"] for d in index["devices"]] == ["fp32", shipped]
     assert EdgeModel.load(out / "b-1").predict(digits()[1].x[:3], preprocessed=True).labels.shape == (3,)
+
+
+GEFL_PROTOCOL = sorted((Path(__file__).resolve().parent.parent / "examples").glob("gefl-protocol-*.toml"))
+
+
+def test_gefl_protocol_examples_never_inherit_int8(tmp_path: Path) -> None:
+    # Issue 16: every device of the gefl-protocol examples runs a GeFL CNN on x86-gateway, whose
+    # plan picks int8-static for tier-xl; int8 is only a candidate for the CNN, timed on it.
+    from fedge.common.archs import arch_by_name
+    from fedge.export.decide import request_quant
+    from fedge.fleet.config import load_fleet
+    from fedge.fleet.slots import device_profile
+    from fedge.profiles import plan
+
+    assert len(GEFL_PROTOCOL) == 6
+    candidates = 0
+    for path in GEFL_PROTOCOL:
+        cfg = load_fleet(path)
+        for gi, group in enumerate(cfg.devices):
+            p = plan(device_profile(cfg, gi), embed_dim=cfg.run.embed_dim, samples=600)
+            for name in group.archs or ([group.arch] if group.arch else [p.arch]):
+                arch = arch_by_name(name, embed_dim=cfg.run.embed_dim if name.startswith("tier-") else None).name
+                request = request_quant(arch, profile=group.profile, plan=p.to_dict())
+                if request.quant.startswith("int8"):
+                    assert request.speed_check and f"made for {p.arch} (this model is {arch})" in request.source
+                    candidates += 1
+    assert candidates == 60  # 6 examples x 10 devices, all planned int8-static for tier-xl
+    # And one of them exported for real, from a run laid out as the simulator writes it.
+    cfg = load_fleet(GEFL_PROTOCOL[0])
+    planned = plan(device_profile(cfg, 0), embed_dim=cfg.run.embed_dim, samples=600).to_dict()
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    save_checkpoint(trained("cnn1"), run / "checkpoints" / "client-1.safetensors", extra={"fedge.dataset": "digits"})
+    (run / "results.json").write_text(json.dumps({"dataset": "digits", "devices": [
+        {"id": "client-1", "profile": "x86-gateway", "arch": "cnn1", "plan": planned}]}))
+    m = export_run(run, tmp_path / "out", test_samples=200, options=TIMED)["client-1"]
+    decision, lat = m.extra["quantization"], m.metrics["latency_ms"]
+    assert decision["requested"] == "int8-static" and set(lat) == {"fp32", "int8-static"}
+    assert m.quant == decision["shipped"] == ("fp32" if lat["int8-static"] >= lat["fp32"] else "int8-static"), lat
+    if m.quant == "fp32":  # on the x86 hosts this was written on: cnn1 int8 ~2-3x slower than fp32
+        assert decision["reason"].startswith("int8-static (from plan of profile 'x86-gateway', made for tier-xl "
+                                             "(this model is cnn1)") and decision["reason"].endswith("shipping fp32")
 
 
 def test_run_export_calibrates_on_the_devices_own_share(tmp_path: Path) -> None:

@@ -133,6 +133,25 @@ def test_npz_files_hold_raw_images_and_label_ids(tmp_path: Path) -> None:
     assert sorted(map(bytes, all_x)) == sorted(map(bytes, ref))
 
 
+def test_16bit_images_are_scaled_not_clipped(tmp_path: Path) -> None:
+    # The runtime's image reader keeps 16 bits and says so (full scale 65535): a folder of
+    # 16-bit scans trains on the same inputs as their 8-bit originals, not on saturated ones.
+    eight, sixteen = tmp_path / "u8", tmp_path / "u16"
+    files = write_digit_pngs(eight, 3, classes=(0, 1))
+    for paths in files.values():
+        for p in paths:
+            dst = sixteen / p.parent.name / p.name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.asarray(Image.open(p)).astype(np.uint16) * 257).save(dst)
+    with Image.open(dst) as im:
+        assert im.mode == "I;16"
+    a = LocalData(eight, DIGIT_CLASSES, NORM, test_fraction=0.0).scan()
+    b = LocalData(sixteen, DIGIT_CLASSES, NORM, test_fraction=0.0).scan()
+    assert b.num_images == a.num_images == 6 and b.skipped == {}
+    assert np.abs(np.sort(b.train.x, axis=None) - np.sort(a.train.x, axis=None)).max() < 1e-5
+    assert float(b.train.x.max()) > 1.0  # not a saturated image squeezed into a few grey levels
+
+
 def test_fleet_data_section_is_validated(tmp_path: Path) -> None:
     base = own_data_fleet(tmp_path / "f.toml").read_text()
     cases = {'classes = ["a", "a"]': "twice", 'classes = ["a", "b/c"]': "folder name",

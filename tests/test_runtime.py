@@ -218,6 +218,11 @@ def test_16bit_png_is_scaled_not_clipped(model_dir: Path, tmp_path: Path) -> Non
     assert np.array_equal(model.predict(b.x, preprocessed=True).labels, model.predict(u8).labels)
     Image.fromarray(u8[0].astype(np.uint16) * 257).save(tmp_path / "d0.tiff")  # 16-bit TIFF: the same rule
     assert np.abs(load_inputs([tmp_path / "d0.tiff"], model.norm).x - b.x[:1]).max() < 1e-5
+    Image.fromarray(u8[0].astype(np.int32) * 257).save(tmp_path / "i.tiff")  # mode "I" holding 16-bit values
+    assert np.abs(load_inputs([tmp_path / "i.tiff"], model.norm).x - b.x[:1]).max() < 1e-5
+    Image.fromarray(u8[0].astype(np.int32)).save(tmp_path / "i8.tiff")  # mode "I", values 0..255: which range?
+    with pytest.raises(PayloadError, match=r"i8\.tiff: a 32-bit integer image whose values all lie within 0\.\.255"):
+        load_inputs([tmp_path / "i8.tiff"], model.norm)
     Image.fromarray(u8[0].astype(np.float32)).save(tmp_path / "f.tiff")  # mode "F": no defined pixel range
     with pytest.raises(PayloadError, match=r"f\.tiff: a 32-bit floating point image; pixels must be 8 or 16-bit"):
         load_inputs([tmp_path / "f.tiff"], model.norm)
@@ -312,6 +317,21 @@ def test_manifest_normalization_must_hold_numbers(copy_dir: Path) -> None:
         assert err.value.message == f"{copy_dir / MANIFEST_NAME}: normalization.{key} must be {expect}"
 
 
+def test_manifest_entries_of_the_wrong_kind_are_errors(copy_dir: Path) -> None:
+    manifest = json.loads((copy_dir / MANIFEST_NAME).read_text())
+    for key, value, expect in [
+        ("input_shape", 5, "'input_shape' must be a list such as [\"batch\", 1, 32, 32], got 5"),
+        ("metrics", "fast", "'metrics' must be an object, got 'fast'"),
+        ("quantization", ["fp32"], "'quantization' must be an object, got ['fp32']"),
+        ("profile", 3, "'profile' must be a profile name, got 3"),
+    ]:
+        bad = {**manifest, key: value}
+        (copy_dir / MANIFEST_NAME).write_text(json.dumps(bad))
+        with pytest.raises(ExportError) as err:
+            EdgeModel.load(copy_dir)
+        assert err.value.message == f"{copy_dir / MANIFEST_NAME}: {expect}"
+
+
 def test_class_list_must_match_the_model(copy_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     manifest = json.loads((copy_dir / MANIFEST_NAME).read_text())
     manifest["classes"] = ["a", "b", "c"]
@@ -356,6 +376,23 @@ def test_directory_input_classifies_every_image(model_dir: Path, tmp_path: Path,
     assert f"{tmp_path / 'nope.png'}: no such file or directory" in capsys.readouterr().err
     assert main(["infer", "--model", str(model_dir), str(images), "--out", str(tmp_path / "p.txt")]) == 2
     assert "write a .csv or a .json file" in capsys.readouterr().err
+
+
+def test_progress_line_needs_no_tqdm() -> None:
+    # fedge infer's progress display: drawn in place on a terminal, nothing when redirected.
+    import io
+
+    from fedge.common.progress import Progress
+
+    shown = io.StringIO()
+    with Progress(5, desc="classifying", unit="file", stream=shown, enabled=True, interval=0) as bar:
+        bar.update(2)
+        bar.update(3)
+    assert shown.getvalue() == "\rclassifying: 2/5 files (40%)\rclassifying: 5/5 files (100%)\n"
+    redirected = io.StringIO()  # not a terminal
+    with Progress(5, desc="classifying", unit="file", stream=redirected) as bar:
+        bar.update(5)
+    assert redirected.getvalue() == "" and bar.done == 5
 
 
 # -- execution providers -------------------------------------------------------------------

@@ -10,6 +10,7 @@ from fedge.cli import main
 from fedge.errors import ConfigError
 from fedge.fleet.config import device_ids, load_fleet, parse_fleet
 from fedge.fleet.devices import build_devices, load_fleet_data
+from fedge.sim.simulate import simulate
 
 GOOD = """
 [run]
@@ -123,3 +124,18 @@ def test_data_stats_prints_each_device_histogram(tmp_path: Path, capsys: pytest.
     nums = [list(map(int, r.split()[1:])) for r in rows]
     assert all(sum(n[:10]) == n[10] for n in nums)
     assert sum(n[10] + n[11] for n in nums) == 1347  # the whole digits training split
+
+
+def test_no_local_split_sends_no_local_accuracy() -> None:
+    """local_test_fraction = 0 (the GeFL protocol examples): the devices have no local split, so their
+    updates carry acc_global only; a NaN acc_local would be refused by the coordinator (JSON has no NaN)."""
+    cfg = parse_fleet({"run": {"method": "fedavg", "rounds": 1, "dataset": "digits"},
+                       "partition": {"local_test_fraction": 0.0},
+                       "devices": [{"profile": "rpi5-8gb", "count": 2, "arch": "tier-xs"}]})
+    res = simulate(cfg)
+    for report in res.reports:
+        assert report.rejected == {}
+        assert sorted(report.accepted) == ["rpi5-8gb-1", "rpi5-8gb-2"]
+    final = res.reports[-1].metrics
+    assert all(set(m) >= {"acc_global"} and "acc_local" not in m for m in final.values())
+    assert all(0.0 <= m["acc_global"] <= 1.0 for m in final.values())

@@ -150,9 +150,9 @@ def _infer(args: argparse.Namespace) -> int:
     files = expand_inputs(args.inputs)
     k = min(args.top, len(model.classes))
     rows: list[dict[str, Any]] = []
-    from tqdm import tqdm
+    from fedge.common.progress import Progress  # not tqdm: the device-sized install has none
 
-    with tqdm(total=len(files), unit="file", desc="classifying", disable=None, file=sys.stderr) as bar:
+    with Progress(len(files), desc="classifying", unit="file", stream=sys.stderr) as bar:
         for start in range(0, len(files), INFER_CHUNK):
             chunk = files[start : start + INFER_CHUNK]
             batch = load_inputs(chunk, model.norm, preprocessed=args.preprocessed)

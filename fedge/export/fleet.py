@@ -64,6 +64,24 @@ def resolve_profile(ref: str) -> Target:
 def load_net(checkpoint: str | os.PathLike[str]) -> tuple[FedgeNet, dict[str, str]]:
     """A :class:`FedgeNet` and the checkpoint's metadata; anything else is an :class:`ExportError`."""
     meta = read_checkpoint_meta(checkpoint)
+    # Decided from the metadata before anything is built: a generator's builder is not
+    # registered here, and "unknown builder 'CVAE'" would not say what went wrong.
+    builder = meta.get("fedge.builder")
+    if builder is None:
+        raise ExportError(f"{checkpoint} records no fedge.builder: not a checkpoint written by fedge",
+                          hint="export a device model checkpoint (RUN/checkpoints/<device id>.safetensors)")
+    if builder != "FedgeNet":
+        from fedge.edge.generators.modules import GENERATOR_BUILDERS
+
+        if builder in GENERATOR_BUILDERS:
+            raise ExportError(
+                f"{checkpoint} is a generator checkpoint ({builder}), not a classifier: fedge export exports "
+                "a device's classifier (FedgeNet)",
+                hint="pass the device's model checkpoint, RUN/checkpoints/<device id>.safetensors (generators "
+                     "are saved under RUN/checkpoints/generators/ and stay in PyTorch)",
+            )
+        raise ExportError(f"{checkpoint} holds a {builder}, not a classifier (FedgeNet)",
+                          hint="export a device model checkpoint (RUN/checkpoints/<device id>.safetensors)")
     net = load_checkpoint(checkpoint)
     if not isinstance(net, FedgeNet):
         raise ExportError(f"{checkpoint} holds a {type(net).__name__}, not a classifier (FedgeNet)",

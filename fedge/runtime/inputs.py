@@ -192,6 +192,12 @@ def read_image(path: str | os.PathLike[str], channels: int) -> tuple[np.ndarray,
                 if arr.min() < 0 or arr.max() > 65535:
                     raise PayloadError(f"{path}: a 32-bit integer image with values outside 0..65535",
                                        hint="save it as an 8- or 16-bit image")
+                if img.mode == "I" and arr.max() <= 255:
+                    # A 32-bit container says nothing of the pixels' range: 8-bit pixels scaled as
+                    # 16-bit would read as an almost black image, a silently wrong answer.
+                    raise PayloadError(f"{path}: a 32-bit integer image whose values all lie within 0..255 "
+                                       f"(max {int(arr.max())}): 8-bit or 16-bit pixels?",
+                                       hint="save it as an 8-bit (or 16-bit) image, so that its range is known")
                 if channels != 1:
                     arr = np.repeat(arr[:, :, None], 3, axis=2)
                 return arr.astype(np.uint16), 65535.0

@@ -116,6 +116,17 @@ class Manifest:
                               hint="re-export the model with `fedge export`")
         if not isinstance(d["opset"], int) or isinstance(d["opset"], bool):
             raise ExportError(f"{source}: 'opset' must be an integer, got {d['opset']!r}")
+        shape = d["input_shape"]
+        if not isinstance(shape, list) or not all(isinstance(v, int | str) and not isinstance(v, bool) for v in shape):
+            raise ExportError(f"{source}: 'input_shape' must be a list such as [\"batch\", 1, 32, 32], got {shape!r}",
+                              hint="re-export the model with `fedge export`")
+        # Optional entries the runtime and `fedge infer -v` read: objects (or absent/null), never anything else.
+        for key in ("metrics", "plan", "quantization", "calibration"):
+            if d.get(key) is not None and not isinstance(d[key], dict):
+                raise ExportError(f"{source}: '{key}' must be an object, got {d[key]!r}",
+                                  hint="re-export the model with `fedge export`")
+        if d.get("profile") is not None and not isinstance(d["profile"], str):
+            raise ExportError(f"{source}: 'profile' must be a profile name, got {d['profile']!r}")
         known = set(_REQUIRED) | {"profile", "plan", "metrics"}
         return cls(
             arch=str(d["arch"]),

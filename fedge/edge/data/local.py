@@ -137,7 +137,7 @@ class LocalData:
         except PayloadError as exc:  # corrupt, truncated, still being written: skip, retry when it changes
             return _Entry(stamp, None, None, exc.message)
         try:
-            x = prepare(pixels[None], self.norm, max_value=full_scale, what=str(path))
+            x = prepare(pixels, self.norm, max_value=full_scale, what=str(path))  # (H, W) or (H, W, 3): one image
         except PayloadError as exc:
             raise DataError(f"{path}: cannot be converted to the fleet's {self.norm.channels}x{self.norm.size}x"
                             f"{self.norm.size} input: {exc.message}",

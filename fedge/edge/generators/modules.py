@@ -339,6 +339,9 @@ class VTCDecoder(ConditionalGenerator):
 _KINDS: dict[str, type[ConditionalGenerator]] = {
     "cvae": CVAE, "dcgan": ConditionalDCGAN, "ddpm": ConditionalDDPM, "vtc": VTCDecoder}
 
+GENERATOR_BUILDERS: frozenset[str] = frozenset(cls.__name__ for cls in _KINDS.values())
+"""The checkpoint builder names of generators (a checkpoint's ``fedge.builder``), e.g. ``CVAE``."""
+
 
 def build_generator(spec: GeneratorSpec | dict[str, Any], *, seed: int | None = None) -> ConditionalGenerator:
     """Build a generator from its spec; ``seed`` makes the initial weights reproducible."""

@@ -80,7 +80,8 @@ class DeviceMethod(ABC):
         """Train locally; return (arrays to upload, JSON-able info)."""
 
     def evaluate(self) -> dict[str, float]:
-        """Accuracy of the current model on the global test set and the local test split.
+        """Accuracy of the current model on the global test set and the local test split
+        (each only where that set is not empty).
 
         Cached on a digest of the model's state: rounds that leave the model untouched (the
         generator phases of GeFL and GeFL-F) cost no second pass over the test sets.
@@ -89,8 +90,12 @@ class DeviceMethod(ABC):
         digest = state_digest(ctx.model)
         if self._eval_cache is not None and self._eval_cache[0] == digest:
             return dict(self._eval_cache[1])
-        out = {"acc_local": accuracy(ctx.model, ctx.local_test.x, ctx.local_test.y)}
-        if ctx.global_test is not None:
+        # A metric that does not exist is left out, never sent as NaN: the coordinator refuses
+        # NaN in a message (JSON has no NaN), and a fleet with local_test_fraction = 0 has no local split.
+        out: dict[str, float] = {}
+        if len(ctx.local_test.y):
+            out["acc_local"] = accuracy(ctx.model, ctx.local_test.x, ctx.local_test.y)
+        if ctx.global_test is not None and len(ctx.global_test.y):
             out["acc_global"] = accuracy(ctx.model, ctx.global_test.x, ctx.global_test.y)
         self._eval_cache = (digest, dict(out))
         return out
