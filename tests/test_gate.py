@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gate_helpers import CLASSES, DIM, FLEET, StatsFleet, device, expected_prototypes, hello, honest_arrays, stats_fleet
 
-from fedge.common.boundedjson import loads
+from fedge.common.boundedjson import loads, nesting_depth
 from fedge.common.messages import PROTOCOL_VERSION, Message
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo
 from fedge.common.tensorcodec import SchemaError, decode
@@ -173,6 +173,10 @@ def test_bounded_json_refuses_depth_size_and_numbers_without_recursing() -> None
     with pytest.raises(PayloadError, match="exceeds the limit of 10 bytes"):
         loads('{"a": 12345678}', max_bytes=10, max_depth=8)
     assert loads('{"a": "[[[[[[[[[[", "b": [[1]]}', max_bytes=100, max_depth=3) == {"a": "[[[[[[[[[[", "b": [[1]]}
+    # short documents are counted in Python, long ones with numpy: the same depths either way
+    docs = (b"1", b'{"a": "[[[[", "b": [[1]]}', b"[" * 9 + b"]" * 9, b"[]" * 40, b'["]]]]", ["[["]]' * 20,
+            b"[" * 60 + b"]" * 60, b"{" * 70 + b"}" * 70)
+    assert [nesting_depth(d) for d in docs] == [0, 3, 9, 1, 2, 60, 70]
 
 
 def test_a_hello_that_contradicts_its_slot_is_refused_and_the_device_is_told_why() -> None:

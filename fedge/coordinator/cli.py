@@ -70,7 +70,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     g = r.add_argument_group("aggregation (flags override the fleet config's [coordinator] table)")
     g.add_argument("--aggregation", choices=("mean", "trimmed", "median"),
                    help="how updates are combined (default mean; fedavg, lgfedavg and fedproto)")
-    g.add_argument("--trim", type=float, help="trimmed: fraction of the devices cut at each end of every coordinate (default 0.2)")
+    g.add_argument("--trim", type=float,
+                   help="trimmed: fraction of the devices cut at each end of every coordinate (default 0.2)")
     g.add_argument("--clip", type=float, help="clip updates to CLIP x the median distance from the median (0: off)")
     w = r.add_argument_group("wire")
     w.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
