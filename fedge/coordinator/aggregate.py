@@ -85,11 +85,12 @@ class WeightedMean:
 
 def weighted_median(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Coordinate-wise weighted median of ``x`` (N, D) with weights ``w`` (N,) > 0: (D,)."""
-    order = np.argsort(x, axis=0, kind="stable")
-    xs = np.take_along_axis(x, order, 0)
-    cw = np.cumsum(w[order], axis=0)
-    idx = np.minimum((cw < 0.5 * cw[-1]).sum(axis=0), len(w) - 1)
-    return xs[idx, np.arange(x.shape[1])]
+    xt = np.ascontiguousarray(x.T)  # one row per coordinate: sorting along contiguous memory
+    order = np.argsort(xt, axis=1, kind="stable")
+    xs = np.take_along_axis(xt, order, 1)
+    cw = np.cumsum(w[order], axis=1)
+    idx = np.minimum((cw < 0.5 * cw[:, -1:]).sum(axis=1), len(w) - 1)
+    return xs[np.arange(xt.shape[0]), idx]
 
 
 def trimmed_count(n: int, trim: float) -> int:
@@ -105,12 +106,17 @@ def weighted_trimmed_mean(x: np.ndarray, w: np.ndarray, trim: float) -> np.ndarr
     its value counts, never whether it survives the trim. Cutting by weight instead lets a few
     devices that hold most of a class's samples (common under non-IID data) outlast the trim.
     """
-    k = trimmed_count(len(w), trim)
-    order = np.argsort(x, axis=0, kind="stable")
-    keep = order[k : len(w) - k]  # (N - 2k, D): row indices kept in each column
-    xs = np.take_along_axis(x, keep, 0)
+    n = len(w)
+    k = trimmed_count(n, trim)
+    if k == 0:
+        return (x * w[:, None]).sum(axis=0) / np.maximum(w.sum(), np.finfo(np.float64).tiny)
+    # One row per coordinate (contiguous), partitioned rather than sorted: only which k values are
+    # the smallest and the largest matters, not their order (O(N) per coordinate, not O(N log N)).
+    xt = np.ascontiguousarray(x.T)
+    keep = np.argpartition(xt, (k - 1, n - k), axis=1)[:, k : n - k]  # (D, N - 2k): devices kept
+    xs = np.take_along_axis(xt, keep, 1)
     ws = w[keep]
-    return (xs * ws).sum(axis=0) / np.maximum(ws.sum(axis=0), np.finfo(np.float64).tiny)
+    return (xs * ws).sum(axis=1) / np.maximum(ws.sum(axis=1), np.finfo(np.float64).tiny)
 
 
 def robust_combine(x: np.ndarray, w: np.ndarray, agg: Aggregation) -> np.ndarray:
