@@ -212,8 +212,8 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = 
                   qos=1, retain=True)
 
     def on_message(i: int, c: paho.Client, msg: paho.MQTTMessage) -> None:
-        if msg.topic != t.round:
-            return  # global prototypes: a statistics-only device just receives them
+        if msg.topic != t.round or not msg.payload:
+            return  # global prototypes: a statistics-only device just receives them; empty: the run is over
         meta = read_header(bytes(msg.payload))[1]
         if answered[i] == meta["msg_id"]:
             return
@@ -265,8 +265,12 @@ def coordinator_main(args: argparse.Namespace) -> None:
         ends.append(time.perf_counter())
         cpu_rounds.append(_cpu())
         rss_rounds.append(_rss_kb() / 1024)
-        # The strategy's running sums: all the aggregation keeps, whatever N is.
-        agg_bytes.append(sum(v.nbytes for v in vars(strat).values() if isinstance(v, np.ndarray)))
+        # What the round's accumulator held: the running sums of the mean (the same whatever N is), or
+        # every device's rows for a robust rule (N x (C x p float32 + C int64)).
+        acc = strat.protos
+        held = [v for v in vars(acc).values() if isinstance(v, np.ndarray)]
+        held += [a for row in acc.rows for a in row]
+        agg_bytes.append(sum(a.nbytes for a in held))
 
     accepted: list[int] = []
     rejected = 0

@@ -18,6 +18,7 @@ from fedge.coordinator.aggregate import (
     ClassMean,
     RobustMean,
     WeightedMean,
+    trimmed_count,
     weighted_median,
     weighted_trimmed_mean,
 )
@@ -30,11 +31,20 @@ def test_weighted_median_and_trimmed_mean_by_hand() -> None:
     w = np.array([1.0, 1.0, 1.0, 1.0])
     assert weighted_median(x, w)[0] == 2.0  # first value whose cumulative weight reaches half
     assert weighted_median(x, np.array([1.0, 1.0, 5.0, 1.0]))[0] == 3.0
-    # trim 0.25 of 4 equal weights: drop 1 and 100, mean of 2 and 3
+    # trim 0.25 of 4 devices: drop 1 and 100, mean of 2 and 3
     assert weighted_trimmed_mean(x, w, 0.25)[0] == pytest.approx(2.5)
-    # trim 0.1 of weight 4 = 0.4 cut at each end: 0.6 x 1 + 2 + 3 + 0.6 x 100, over 3.2
-    assert weighted_trimmed_mean(x, w, 0.1)[0] == pytest.approx((0.6 + 2 + 3 + 60) / 3.2)
+    # trim 0.1 of 4 devices: ceil(0.4) = 1 cut at each end too
+    assert weighted_trimmed_mean(x, w, 0.1)[0] == pytest.approx(2.5)
     assert weighted_trimmed_mean(x, w, 0.0)[0] == pytest.approx(26.5)  # no trim: the weighted mean
+    # the cut counts devices, not weight: 100 holds 90 % of the weight and is cut all the same; the
+    # survivors keep their weights (2 x 1 + 3 x 3) / 4
+    heavy = np.array([1.0, 1.0, 3.0, 45.0])
+    assert weighted_trimmed_mean(x, heavy, 0.2)[0] == pytest.approx((2 * 1 + 3 * 3) / 4)
+    # columns are trimmed independently (3 devices: one cut at each end); with 2 nothing can be cut
+    two = np.array([[0.0, 5.0], [10.0, -5.0], [4.0, 1.0]])
+    np.testing.assert_allclose(weighted_trimmed_mean(two, np.ones(3), 0.2), [4.0, 1.0])
+    assert weighted_trimmed_mean(two[:2], np.ones(2), 0.4)[0] == pytest.approx(5.0)
+    assert [trimmed_count(n, 0.2) for n in (1, 2, 3, 5, 8, 10, 11)] == [0, 0, 1, 1, 2, 2, 3]
 
 
 def test_clipping_pulls_an_outlier_to_the_median_distance() -> None:

@@ -4,6 +4,7 @@ strategy, in-memory transport; the same cases over Mosquitto are in test_gate_mq
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import tracemalloc
@@ -13,9 +14,9 @@ import numpy as np
 import pytest
 from gate_helpers import CLASSES, DIM, FLEET, StatsFleet, device, expected_prototypes, hello, honest_arrays, stats_fleet
 
-from fedge.common.boundedjson import loads
+from fedge.common.boundedjson import loads, nesting_depth
 from fedge.common.messages import PROTOCOL_VERSION, Message
-from fedge.common.rounds import PROTOTYPES_ARTIFACT
+from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo
 from fedge.common.tensorcodec import SchemaError, decode
 from fedge.coordinator.config import DeviceSlotCheck
 from fedge.coordinator.engine import EngineConfig
@@ -172,6 +173,10 @@ def test_bounded_json_refuses_depth_size_and_numbers_without_recursing() -> None
     with pytest.raises(PayloadError, match="exceeds the limit of 10 bytes"):
         loads('{"a": 12345678}', max_bytes=10, max_depth=8)
     assert loads('{"a": "[[[[[[[[[[", "b": [[1]]}', max_bytes=100, max_depth=3) == {"a": "[[[[[[[[[[", "b": [[1]]}
+    # short documents are counted in Python, long ones with numpy: the same depths either way
+    docs = (b"1", b'{"a": "[[[[", "b": [[1]]}', b"[" * 9 + b"]" * 9, b"[]" * 40, b'["]]]]", ["[["]]' * 20,
+            b"[" * 60 + b"]" * 60, b"{" * 70 + b"}" * 70)
+    assert [nesting_depth(d) for d in docs] == [0, 3, 9, 1, 2, 60, 70]
 
 
 def test_a_hello_that_contradicts_its_slot_is_refused_and_the_device_is_told_why() -> None:
@@ -202,3 +207,32 @@ def test_a_hello_that_contradicts_its_slot_is_refused_and_the_device_is_told_why
     fleet.bus.hellos.append(hello(devices[2]))
     fleet.engine.register_pending()
     assert "d2" not in fleet.bus.refusals
+
+
+def test_the_slots_a_coordinator_checks_come_from_the_fleet_config(tmp_path: Path) -> None:
+    """Benchmark data: every field of a device's hello is fixed by its slot. Own data: only its id,
+    profile and embedding size (its model and precision follow a sample count only the device knows)."""
+    from own_data_helpers import own_data_fleet
+
+    from fedge.coordinator.config import OWN_DATA_FIELDS, SLOT_FIELDS, slot_checks
+    from fedge.fleet.config import load_fleet
+    from fedge.fleet.devices import build_devices, load_fleet_data
+    from fedge.fleet.slots import checked_slots
+
+    path = own_data_fleet(tmp_path / "own.toml", method="fedproto")
+    own = load_fleet(path)
+    checks = slot_checks(checked_slots(own), own_data=True)
+    assert sorted(checks) == ["rpi4-2gb-1", "rpi4-2gb-2"]
+    c = checks["rpi4-2gb-1"]
+    assert (c.fields, c.classes, c.info.profile, c.info.feature_dim) == (OWN_DATA_FIELDS, None, "rpi4-2gb", 64)
+    hello_ = DeviceInfo("rpi4-2gb-1", "tier-s", "rpi4-2gb", "int8", 37, 64, {})  # whatever its data made it
+    assert c.mismatches(hello_) == []
+    assert c.mismatches(dataclasses.replace(hello_, feature_dim=32, profile="x")) == [
+        "profile: expected 'rpi4-2gb', got 'x'", "feature_dim: expected 64, got 32"]
+    # the same fleet on benchmark data: the devices fedge builds say exactly what their slots say
+    bench = dataclasses.replace(own, data=dataclasses.replace(own.data, classes=()))
+    checks = slot_checks(checked_slots(bench), own_data=False)
+    for dev in build_devices(bench, load_fleet_data(bench)):
+        check = checks[dev.info.device_id]
+        assert check.fields == SLOT_FIELDS and check.mismatches(dev.info) == []
+        assert check.classes is not None and len(check.classes) >= 2

@@ -327,7 +327,7 @@ def test_hostile_payloads_are_rejected_and_counted_and_the_run_is_unharmed(tmp_p
                 return
             if m.sender == victim:
                 captured.setdefault(m.round, bytes(msg.payload))
-        elif msg.topic == t.round:
+        elif msg.topic == t.round and msg.payload:  # empty: the run is over (the descriptor is cleared)
             rnd = Message.from_bytes(bytes(msg.payload)).round
             if rnd == 2 and not attacked.is_set():
                 # not inside paho's callback: a paho callback must never block

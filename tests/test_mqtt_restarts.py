@@ -33,7 +33,7 @@ from fedge.mqtt.transport import TransportSettings
 from fedge.sim.inprocess import run_inprocess
 from fedge.sim.over_mqtt import start_fleet
 
-pytestmark = [pytest.mark.mqtt, pytest.mark.slow]
+pytestmark = pytest.mark.mqtt  # ~10-15 s per test: the proof runs in `make test`
 
 FLEET_TOML = """
 [run]

@@ -4,7 +4,7 @@
 raises ``RecursionError`` (not a ``ValueError``), and one nested a few hundred
 deep parses but breaks whoever serializes it again. :func:`loads` measures the
 nesting depth first without recursing (strings blanked with one regular
-expression, brackets counted with a cumulative sum) and refuses deep documents
+expression, the brackets' +1/-1 steps summed in order) and refuses deep documents
 with a :class:`~fedge.errors.PayloadError`, as it does oversize ones, ``NaN``,
 ``Infinity``, numbers that overflow to infinity and integers of absurd length.
 """
@@ -22,8 +22,12 @@ from fedge.errors import PayloadError
 
 # A JSON string: quote, then runs of plain characters or escapes, then quote (no backtracking blow-up).
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_OPEN = np.frombuffer(b"[{", np.uint8)
-_CLOSE = np.frombuffer(b"]}", np.uint8)
+# bytes.translate deletes everything but brackets; each bracket's step: +1 opens, -1 closes
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = np.zeros(256, np.int64)
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+_SHORT = 64  # brackets counted in Python below this many (numpy's per-call cost is larger)
 MAX_INT_DIGITS = 40  # far beyond any count or size fedge exchanges (2**63 has 19 digits)
 
 
@@ -35,9 +39,14 @@ def nesting_depth(data: bytes) -> int:
     """Deepest ``[``/``{`` nesting of ``data`` (brackets inside strings do not count); no recursion."""
     if b"[" not in data and b"{" not in data:
         return 0
-    codes = np.frombuffer(_STRING.sub(b'""', data), np.uint8)
-    steps = np.isin(codes, _OPEN).astype(np.int64) - np.isin(codes, _CLOSE)
-    return int(steps.cumsum().max(initial=0))
+    brackets = _STRING.sub(b'""', data).translate(None, _NOT_BRACKETS)
+    if len(brackets) < _SHORT:  # every message fedge sends: a few brackets
+        depth = deepest = 0
+        for c in brackets:
+            depth += 1 if c in b"[{" else -1
+            deepest = max(deepest, depth)
+        return deepest
+    return int(_STEP[np.frombuffer(brackets, np.uint8)].cumsum().max(initial=0))
 
 
 def _finite_float(text: str) -> float:

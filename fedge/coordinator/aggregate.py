@@ -6,9 +6,9 @@
 * :class:`RobustMean` keeps each update (float32) until the round ends, then
   applies :class:`Aggregation`'s rule: optional **norm clipping** (each update's
   distance from the coordinate-wise median shrunk to at most ``clip`` × the
-  median distance) followed by a weighted **trimmed mean** (``trim`` of the
-  weight cut at each end of every coordinate) or a weighted coordinate-wise
-  **median**. Memory: one float32 copy of every update of the round.
+  median distance) followed by a **trimmed mean** (in every coordinate the
+  ``ceil(trim × N)`` smallest and largest of the N devices' values cut, the rest
+  weighted) or a weighted coordinate-wise **median**. Memory: one float32 copy of every update of the round.
 * :class:`ClassMean` is the same per class row for class statistics
   (prototypes weighted by class counts): a class's row from a device counts
   only if that device has samples of the class.
@@ -20,6 +20,7 @@ fleet config's ``[coordinator]`` table (see :mod:`fedge.coordinator.config`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -36,7 +37,7 @@ class Aggregation:
     """How a round's updates are combined (``[coordinator] aggregation``, ``trim``, ``clip``)."""
 
     rule: str = "mean"  # one of RULES
-    trim: float = 0.2  # trimmed: fraction of the total weight cut at each end of every coordinate
+    trim: float = 0.2  # trimmed: fraction of the devices cut at each end of every coordinate
     clip: float = 0.0  # > 0: clip each update's distance from the median to clip x the median distance
 
     def __post_init__(self) -> None:
@@ -84,24 +85,38 @@ class WeightedMean:
 
 def weighted_median(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Coordinate-wise weighted median of ``x`` (N, D) with weights ``w`` (N,) > 0: (D,)."""
-    order = np.argsort(x, axis=0, kind="stable")
-    xs = np.take_along_axis(x, order, 0)
-    cw = np.cumsum(w[order], axis=0)
-    idx = np.minimum((cw < 0.5 * cw[-1]).sum(axis=0), len(w) - 1)
-    return xs[idx, np.arange(x.shape[1])]
+    xt = np.ascontiguousarray(x.T)  # one row per coordinate: sorting along contiguous memory
+    order = np.argsort(xt, axis=1, kind="stable")
+    xs = np.take_along_axis(xt, order, 1)
+    cw = np.cumsum(w[order], axis=1)
+    idx = np.minimum((cw < 0.5 * cw[:, -1:]).sum(axis=1), len(w) - 1)
+    return xs[np.arange(xt.shape[0]), idx]
+
+
+def trimmed_count(n: int, trim: float) -> int:
+    """Values cut at each end of a column of ``n``: ``ceil(trim × n)``, leaving at least one."""
+    return min(math.ceil(trim * n - 1e-9), (n - 1) // 2)
 
 
 def weighted_trimmed_mean(x: np.ndarray, w: np.ndarray, trim: float) -> np.ndarray:
-    """Coordinate-wise mean of ``x`` (N, D) over the weight in [trim W, (1 - trim) W] of each sorted column."""
-    order = np.argsort(x, axis=0, kind="stable")
-    xs = np.take_along_axis(x, order, 0)
-    ws = w[order]
-    hi_edge = np.cumsum(ws, axis=0)
-    total = hi_edge[-1]
-    lo, hi = trim * total, (1 - trim) * total
-    # the part of each value's weight interval [edge - w, edge] inside [lo, hi]
-    kept = np.clip(np.minimum(hi_edge, hi) - np.maximum(hi_edge - ws, lo), 0.0, None)
-    return (xs * kept).sum(axis=0) / np.maximum(kept.sum(axis=0), np.finfo(np.float64).tiny)
+    """Coordinate-wise trimmed mean of ``x`` (N, D): in each column the :func:`trimmed_count` smallest
+    and largest values are cut, device by device, and the rest averaged with their weights ``w`` (N,).
+
+    The cut counts devices, not weight: a device's weight (its sample or class count) says how much
+    its value counts, never whether it survives the trim. Cutting by weight instead lets a few
+    devices that hold most of a class's samples (common under non-IID data) outlast the trim.
+    """
+    n = len(w)
+    k = trimmed_count(n, trim)
+    if k == 0:
+        return (x * w[:, None]).sum(axis=0) / np.maximum(w.sum(), np.finfo(np.float64).tiny)
+    # One row per coordinate (contiguous), partitioned rather than sorted: only which k values are
+    # the smallest and the largest matters, not their order (O(N) per coordinate, not O(N log N)).
+    xt = np.ascontiguousarray(x.T)
+    keep = np.argpartition(xt, (k - 1, n - k), axis=1)[:, k : n - k]  # (D, N - 2k): devices kept
+    xs = np.take_along_axis(xt, keep, 1)
+    ws = w[keep]
+    return (xs * ws).sum(axis=1) / np.maximum(ws.sum(axis=1), np.finfo(np.float64).tiny)
 
 
 def robust_combine(x: np.ndarray, w: np.ndarray, agg: Aggregation) -> np.ndarray:

@@ -70,7 +70,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     g = r.add_argument_group("aggregation (flags override the fleet config's [coordinator] table)")
     g.add_argument("--aggregation", choices=("mean", "trimmed", "median"),
                    help="how updates are combined (default mean; fedavg, lgfedavg and fedproto)")
-    g.add_argument("--trim", type=float, help="trimmed: fraction of the weight cut at each end (default 0.2)")
+    g.add_argument("--trim", type=float,
+                   help="trimmed: fraction of the devices cut at each end of every coordinate (default 0.2)")
     g.add_argument("--clip", type=float, help="clip updates to CLIP x the median distance from the median (0: off)")
     w = r.add_argument_group("wire")
     w.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
@@ -85,11 +86,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from fedge.coordinator.config import EngineConfig
+    from fedge.coordinator.config import EngineConfig, slot_checks
     from fedge.coordinator.service import KEEP_REPORTS, CoordinatorService
     from fedge.fleet.config import device_ids, load_fleet
     from fedge.fleet.methods import method_entry
-    from fedge.fleet.slots import fleet_classes
+    from fedge.fleet.slots import checked_slots, fleet_classes
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.transport import MqttCoordinatorTransport, TransportSettings
 
@@ -109,7 +110,9 @@ def _run(args: argparse.Namespace) -> int:
         allowed_devices=None if args.any_device else frozenset(ids), max_update_bytes=int(pick("max_update_bytes")),
         min_devices=int(pick("min_devices")), quorum_fraction=pick("quorum"), quorum_timeout_s=pick("quorum_timeout_s"),
         deadline_slack=pick("deadline_slack"), round_timeout_s=pick("round_timeout_s"), min_round_s=pick("min_round_s"),
-        max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule())
+        max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule(),
+        # every hello is checked against its device's slot (arch, precision, samples, embedding size)
+        slots=slot_checks(checked_slots(cfg), own_data=cfg.own_data))
     strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
                                                          rounds=cfg.run.rounds)
 

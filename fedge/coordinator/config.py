@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.aggregate import Aggregation
 from fedge.errors import ConfigError
 
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
+
+
+# Hello fields a device's slot fixes (benchmark data: the fleet config partitions it, so all are known).
+SLOT_FIELDS: tuple[str, ...] = ("device_id", "profile", "arch", "upload_precision", "num_samples", "feature_dim")
+# What the fleet config fixes for a device that trains on its own data.
+OWN_DATA_FIELDS: tuple[str, ...] = ("device_id", "profile", "feature_dim")
 
 
 @dataclass(frozen=True)
@@ -23,14 +30,35 @@ class DeviceSlotCheck:
 
     info: DeviceInfo
     classes: tuple[int, ...] | None = None
+    # The hello fields that must equal ``info``'s. A device on its own data (``fedge edge run --data``)
+    # sizes its model and upload from a sample count only it knows: only OWN_DATA_FIELDS are checked.
+    fields: tuple[str, ...] = SLOT_FIELDS
 
     def mismatches(self, hello: DeviceInfo) -> list[str]:
         """How ``hello`` differs from this slot: one ``"field: expected X, got Y"`` per field."""
         return [
             f"{name}: expected {getattr(self.info, name)!r}, got {getattr(hello, name)!r}"
-            for name in ("device_id", "arch", "upload_precision", "num_samples", "feature_dim")
+            for name in self.fields
             if getattr(self.info, name) != getattr(hello, name)
         ]
+
+
+class Slot(Protocol):
+    """What the fleet layer says about one device (``fedge.fleet.slots.DeviceSlot``), as data."""
+
+    @property
+    def device_id(self) -> str: ...
+    @property
+    def classes(self) -> tuple[int, ...]: ...
+    def info(self) -> DeviceInfo: ...
+
+
+def slot_checks(slots: Iterable[Slot], *, own_data: bool) -> dict[str, DeviceSlotCheck]:
+    """One :class:`DeviceSlotCheck` per device of the fleet config (``own_data``: its devices train on
+    their own data, so only :data:`OWN_DATA_FIELDS` are known and class counts are not restricted)."""
+    if own_data:
+        return {s.device_id: DeviceSlotCheck(s.info(), None, OWN_DATA_FIELDS) for s in slots}
+    return {s.device_id: DeviceSlotCheck(s.info(), tuple(s.classes)) for s in slots}
 
 
 @dataclass(frozen=True)
@@ -92,7 +120,7 @@ class CoordinatorSection:
 
         [coordinator]
         aggregation = "trimmed"   # mean | trimmed | median
-        trim = 0.2                # trimmed: weight cut at each end of every coordinate
+        trim = 0.2                # trimmed: fraction of the devices cut at each end of every coordinate
         clip = 2.0                # clip each update to 2 x the median distance from the median (0: off)
         quorum = 0.8
         deadline_slack = 3.0

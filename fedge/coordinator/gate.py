@@ -157,8 +157,13 @@ class UpdateGate:
                 raise Rejected("slot", f"{dev.device_id}'s hello contradicts its slot in the fleet config: "
                                        + "; ".join(wrong))
         if self.strategy.settings.shares_features:
-            # prototypes and statistics live in one feature space: one embedding size fleet-wide
-            dims = {d.feature_dim for d in self.devices.values() if d.device_id != dev.device_id}
+            # Prototypes and statistics live in one feature space: one embedding size fleet-wide. The
+            # fleet config's slots say which; without them the devices registered so far do (whichever
+            # hello came first, so a coordinator run from a fleet config always passes slots).
+            if self.config.slots:
+                dims = {s.info.feature_dim for s in self.config.slots.values()}
+            else:
+                dims = {d.feature_dim for d in self.devices.values() if d.device_id != dev.device_id}
             if dims and dev.feature_dim not in dims:
                 raise Rejected("feature_dim", f"{dev.device_id} announces embedding size {dev.feature_dim}; "
                                               f"this {self.config.method} fleet uses {min(dims)}")

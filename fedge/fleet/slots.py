@@ -160,6 +160,20 @@ def device_slots(cfg: FleetConfig, labels: np.ndarray | None = None) -> list[Dev
     return [device_slot(cfg, i, labels, s) for i, s in enumerate(splits)]
 
 
+def checked_slots(cfg: FleetConfig) -> list[DeviceSlot]:
+    """The slots a coordinator checks hellos against, in fleet order.
+
+    On benchmark data every field is known (:func:`device_slots`). A device on its own data
+    chooses its model and upload precision from a sample count only it knows, so its slot is
+    built from a one-sample stand-in share: only its id, profile and embedding size mean
+    anything (the coordinator checks only those; see ``fedge.coordinator.config.OWN_DATA_FIELDS``).
+    """
+    if not cfg.own_data:
+        return device_slots(cfg)
+    one = DeviceSplit(np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    return [device_slot(cfg, i, np.zeros(1, dtype=np.int64), one) for i in range(cfg.num_devices)]
+
+
 def check_feature_dims(cfg: FleetConfig, dims: Iterable[int], *, shares_features: bool) -> None:
     """A method that shares features (prototypes, statistics) needs one embedding size (``dims``: each
     device's) across the fleet."""

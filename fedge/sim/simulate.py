@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedge.coordinator.config import slot_checks
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.models.checkpoint import save_checkpoint
 from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
 from fedge.fleet.methods import method_entry
+from fedge.fleet.slots import checked_slots
 from fedge.sim.transports import transport_runner
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,9 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
                                                          rounds=cfg.run.rounds)
     coord, agents, cleanup = connect(cfg, devices)
     try:
-        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method))
+        # the devices' hellos are checked against the fleet config's slots, as `fedge coordinator run` does
+        slots = slot_checks(checked_slots(cfg), own_data=cfg.own_data)
+        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=slots))
         reports = engine.run(on_round=on_round)
     finally:
         cleanup()
