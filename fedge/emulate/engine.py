@@ -155,7 +155,7 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     """
     from fedge.broker.config import BrokerOptions, write_broker_config
     from fedge.emulate.calibrate import calibrate
-    from fedge.emulate.payload import flash_device
+    from fedge.flash.flash import flash
     from fedge.fleet.config import device_ids, load_fleet
     from fedge.fleet.devices import load_fleet_data
 
@@ -183,10 +183,14 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     shutil.copyfile(fleet_path, outp / "fleet.toml")
     shutil.rmtree(outp / "broker" / "data", ignore_errors=True)
     # Mosquitto runs as root in its container (no account to drop to) and the devices reach it as "broker".
-    files = write_broker_config(cfg.run.fleet, ids, outp / "broker", BrokerOptions(hostname=BROKER, run_as="root"),
-                                fleet_config=outp / "fleet.toml")
-    for p, bundle in zip(plans, files.bundles, strict=True):
-        flash_device(p.device_id, p.profile.name, p.profile.hardware.arch, bundle, outp / "devices" / p.device_id)
+    write_broker_config(cfg.run.fleet, ids, outp / "broker", BrokerOptions(hostname=BROKER, run_as="root"),
+                        fleet_config=outp / "fleet.toml")
+    for p in plans:
+        # The payload `fedge flash DEVICE --to DIR` writes (no first-boot hook: the container's entry point,
+        # docker/device-boot.sh, runs its install.sh), so the emulation boots what a real card would carry.
+        boot = outp / "devices" / p.device_id
+        boot.mkdir(parents=True, exist_ok=True)
+        flash(p.device_id, outp / "fleet.toml", outp / "broker", boot, init="none", force=True)
     # A new run: the previous run's coordinator state and retained broker messages would resume it.
     shutil.rmtree(outp / "coordinator", ignore_errors=True)
     (outp / "coordinator").mkdir()
