@@ -19,6 +19,7 @@ Layout of the emulation directory::
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import logging
@@ -81,9 +82,14 @@ def compose_command() -> list[str]:
 
 
 def project_name(out: Path) -> str:
-    """Compose project name from the directory: lower-case letters, digits, '-' and '_'."""
-    name = re.sub(r"[^a-z0-9_-]", "-", f"fedge-{out.name}".lower()).strip("-_")
-    return name or "fedge-emulation"
+    """Compose project name of the emulation directory ``out`` (absolute): ``fedge-NAME-HASH``.
+
+    Lower-case letters, digits, '-' and '_' as compose requires; the 6 hex digits of the directory's
+    absolute path keep two emulations in directories of the same name (two test runs' ``.../emu``)
+    from sharing containers and a network on one engine.
+    """
+    name = re.sub(r"[^a-z0-9_-]", "-", f"fedge-{out.name}".lower()).strip("-_") or "fedge-emulation"
+    return f"{name}-{hashlib.sha256(str(out).encode()).hexdigest()[:6]}"
 
 
 @dataclass
@@ -267,7 +273,19 @@ def wait_online(emu: Emulation, client: Any, *, timeout: float) -> None:
             time.sleep(0.5)
     cli.loop_start()
     try:
+        next_check = time.monotonic() + 2.0
         while not set(emu.devices) <= online:
+            if time.monotonic() > next_check:
+                # A device that exited while booting never comes online: say so now, with its log's end.
+                next_check = time.monotonic() + 2.0
+                gone = [s for s in status(emu, client, sample=False)
+                        if s.device_id not in online and s.state not in ("running", "paused")]
+                if gone:
+                    tail = logs(emu, client, gone[0].device_id, tail=5).strip()
+                    raise EmulationError(
+                        f"{gone[0].device_id} {gone[0].state} before coming online"
+                        + (f" ({gone[0].message})" if gone[0].message else "") + f"; its log ends:\n{tail}",
+                        hint=f"fedge emulate logs {gone[0].device_id} --dir {emu.out}")
             if time.monotonic() > end:
                 dead = [s.device_id + " " + s.state for s in status(emu, client, sample=False)
                         if s.device_id not in online]
