@@ -474,14 +474,17 @@ def wait_exited(emu: Emulation, client: Any, service: str, timeout: float) -> in
 def format_status(rows: list[DeviceStatus], emu: Emulation, client: Any) -> str:
     """The table ``fedge emulate status`` prints, then one line per device that needs words."""
     lines = [f"broker: {service_state(emu, client, BROKER)}   coordinator: {service_state(emu, client, COORDINATOR)}"]
-    head = f"{'device':<18} {'profile':<13} {'state':<12} {'round':>5} {'cpu':>6} {'mem MiB':>13} {'sent':>10}"
+    # sent: update bytes the coordinator accepted from the device (kept after it exits); net tx: what its
+    # container sent on the fleet network, MQTT overhead included (only while the container runs).
+    head = (f"{'device':<18} {'profile':<13} {'state':<12} {'round':>5} {'cpu':>6} {'mem MiB':>13} {'sent':>10} "
+            f"{'net tx':>10}")
     lines += [head, "-" * len(head)]
     for r in rows:
         mem = f"{r.mem_mb:.0f}/{r.mem_limit_mb}" if r.mem_mb is not None else f"-/{r.mem_limit_mb}"
         cpu = f"{r.cpu_pct:.0f}%" if r.cpu_pct is not None else "-"
-        sent = r.tx_bytes if r.tx_bytes is not None else r.sent_bytes
+        tx = _human(r.tx_bytes) if r.tx_bytes is not None else "-"
         lines.append(f"{r.device_id:<18} {r.profile:<13} {r.state:<12} {r.round if r.round is not None else '-':>5} "
-                     f"{cpu:>6} {mem:>13} {_human(sent):>10}")
+                     f"{cpu:>6} {mem:>13} {_human(r.sent_bytes):>10} {tx:>10}")
     lines += [r.message for r in rows if r.message]
     return "\n".join(lines)
 
