@@ -3,6 +3,8 @@
 #
 #   docker/wheelhouse.sh [--arch amd64|arm64] [--out DIR] [--extra EXTRA]
 #
+# EXTRA (default sim): the fedge extra the images install. An emulated device trains on the fleet's
+# benchmark data set (digits comes from scikit-learn), which is fedge[sim]'s, not fedge[device]'s.
 # DIR/deps/  every dependency wheel for CPython 3.11 on ARCH (reused when DIR/deps/.complete exists)
 # DIR/fedge/ the fedge wheel of this checkout (rebuilt every time: it is small)
 #
@@ -13,13 +15,13 @@ set -eu
 here=$(cd "$(dirname "$0")/.." && pwd)
 arch=amd64
 out=""
-extra=""
+extra=sim
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) arch=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --extra) extra=$2; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "wheelhouse.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done

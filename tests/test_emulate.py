@@ -11,11 +11,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fedge.emulate import images
 from fedge.emulate.compose import CoordinatorArgs, Images, compose_dict, to_yaml
 from fedge.emulate.limits import OS_SHARE_MB, device_plans, limits_for, oom_message
-from fedge.emulate.payload import flash_device
 from fedge.errors import EmulationError
 from fedge.fleet.config import parse_fleet
 from fedge.profiles import load_profile
@@ -104,30 +104,29 @@ def test_compose_yaml_passes_docker_compose_config(tmp_path: Path) -> None:
     assert resolved["services"]["rpi-zero-2w-1"]["cpus"] == pytest.approx(0.25)
 
 
-def test_payload_has_the_contract_layout(tmp_path: Path) -> None:
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    (bundle / "bundle.toml").write_text('device_id = "d-1"\n')
-    (bundle / "password").write_text("secret\n")
-    meta = json.loads(flash_device("d-1", "rpi4-4gb", "aarch64", bundle, tmp_path / "boot").read_text())
-    root = tmp_path / "boot" / "fedge"
-    assert {f["path"] for f in meta["files"]} == {"bundle/bundle.toml", "bundle/password", "install.sh",
-                                                   "fedge-edge.service"}
-    assert (root / "bundle" / "password").stat().st_mode & 0o077 == 0
-    # install.sh under a scratch prefix: bundle copied (secret 0600), data dir made, launcher written.
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(shutil.which("python3") or "/usr/bin/python3")
-    prefix = tmp_path / "root"
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.run(["sh", str(root / "install.sh"), "--prefix", str(prefix), "--no-systemd", "--venv",
-                           str(venv)], capture_output=True, text=True, check=False, env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert (prefix / "etc/fedge/bundle/password").read_text() == "secret\n"
-    assert (prefix / "etc/fedge/bundle/password").stat().st_mode & 0o777 == 0o600
-    assert (prefix / "var/lib/fedge/data").is_dir()
-    launcher = (prefix / "opt/fedge/bin/fedge-edge").read_text()
-    assert f'edge run --bundle "{prefix}/etc/fedge/bundle"' in launcher
+def test_prepare_flashes_every_device_with_fedge_flash(tmp_path: Path) -> None:
+    from fedge.emulate import engine
+
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text('[run]\nmethod = "fedproto"\nrounds = 1\ndataset = "digits"\nfleet = "t"\n'
+                     '[[devices]]\nprofile = "rpi4-4gb"\n[[devices]]\nprofile = "rpi-zero-2w"\n')
+    tags = Images(device="d:1", coordinator="c:1", broker="b:1")
+    # Host rates given: no calibration (that times torch for seconds).
+    rates = {(a, b): 2e9 for a in ("tier-xs", "tier-s", "tier-m", "tier-l", "tier-xl") for b in (8, 16, 32, 64)}
+    emu = engine.prepare(fleet, tmp_path / "emu", images=tags, rates=rates)
+    assert emu.devices == ["rpi4-4gb-1", "rpi-zero-2w-1"]
+    for dev in emu.devices:
+        root = tmp_path / "emu" / "devices" / dev / "fedge"
+        meta = json.loads((root / "payload.json").read_text())
+        # The payload is fedge flash's own (its format and metadata), for this device and its profile.
+        assert meta["format"] == "fedge-flash/1" and meta["device_id"] == dev
+        assert meta["profile"] == emu.limits[dev]["profile"]
+        assert (root / "bundle" / "password").stat().st_mode & 0o077 == 0
+        assert (root / "bundle" / "password").read_text().strip() == \
+            (tmp_path / "emu" / "broker" / "bundles" / dev / "password").read_text().strip()
+        assert "edge run --bundle" in (root / "install.sh").read_text()
+    doc = yaml.safe_load((tmp_path / "emu" / "compose.yaml").read_text())
+    assert doc["services"]["rpi-zero-2w-1"]["volumes"] == ["./devices/rpi-zero-2w-1:/boot/firmware:ro"]
 
 
 def test_foreign_arch_without_binfmt_says_how_to_enable_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

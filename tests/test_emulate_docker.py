@@ -121,7 +121,10 @@ def test_limits_reach_the_containers_and_an_over_memory_plan_is_oom_killed(
     assert "the profile rpi-zero-2w has 512 MiB" in rows["rpi-zero-2w-1"].message
     assert rows["x86-gateway-1"].state in ("running", "exited (0)")
     reports = _reports(emu)
-    assert reports[0]["accepted"] == ["x86-gateway-1"] and "rpi-zero-2w-1" in reports[0]["missing"]
+    # The Zero never delivers; the coordinator names it missing (in round 1 when the kill comes after the
+    # round's start, else in the next round: its last will took it off round 1's list).
+    assert all(r["accepted"] == ["x86-gateway-1"] for r in reports), reports
+    assert any("rpi-zero-2w-1" in r["missing"] for r in reports), reports
     text = engine.format_status(list(rows.values()), emu, client)
     assert "OOM-killed" in text and "ran out of memory" in text
 
@@ -153,9 +156,10 @@ count = 2
 """
 
 # Final global accuracy of each surviving device vs `fedge simulate` of the same config (all four
-# devices, no fault), in points. What differs: the killed device's prototypes are missing from
-# round 2 on, and the containers run torch 2.13 CPU while the host runs torch 2.14.
-TOLERANCE = 0.10
+# devices, no fault), as a fraction. What differs: the killed device's prototypes are missing from
+# round 2 on, and the containers run torch 2.13 CPU while the host runs torch 2.14. Measured
+# (2026-12-01): +0.000, +0.003 and -0.011 for the three survivors.
+TOLERANCE = 0.05
 
 
 def test_fedproto_fleet_in_docker_survives_a_killed_device_and_matches_simulate(
@@ -166,7 +170,9 @@ def test_fedproto_fleet_in_docker_survives_a_killed_device_and_matches_simulate(
 
     client, tags = docker_env
     fleet = _write(tmp_path, "fleet.toml", FEDPROTO_FLEET)
-    emu = engine.prepare(fleet, tmp_path / "emu", images=tags, min_devices=3)
+    # A generous deadline slack: on a loaded CI host a device's round can take several times its
+    # plan; the killed device costs nothing extra, its last will ends its wait at once.
+    emu = engine.prepare(fleet, tmp_path / "emu", images=tags, min_devices=3, deadline_slack=10)
     emulation.append(emu)
     assert len({p["profile"] for p in emu.plans.values()}) == 3 and len(emu.devices) == 4
     engine.start(emu, client, online_timeout=300)
@@ -189,7 +195,8 @@ def test_fedproto_fleet_in_docker_survives_a_killed_device_and_matches_simulate(
     assert code == 0, engine.logs(emu, client, "coordinator", tail=30)
     reports = _reports(emu)
     assert [r["round"] for r in reports] == [1, 2, 3, 4]  # three rounds and the final evaluation
-    assert sorted(reports[0]["accepted"]) == sorted(emu.devices)  # round 1 had the whole fleet
+    # Round 1 had the whole fleet.
+    assert sorted(reports[0]["accepted"]) == sorted(emu.devices), (reports[0], engine.logs(emu, client, "coordinator"))
     assert victim in reports[1]["missing"] and len(reports[1]["accepted"]) == 3  # round 2 completed without it
     rows = {r.device_id: r for r in engine.status(emu, client, sample=False)}
     assert rows[victim].state == "exited (137)" and rows[victim].message == f"{victim} was killed (SIGKILL)"

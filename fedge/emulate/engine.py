@@ -19,6 +19,7 @@ Layout of the emulation directory::
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import logging
@@ -81,9 +82,14 @@ def compose_command() -> list[str]:
 
 
 def project_name(out: Path) -> str:
-    """Compose project name from the directory: lower-case letters, digits, '-' and '_'."""
-    name = re.sub(r"[^a-z0-9_-]", "-", f"fedge-{out.name}".lower()).strip("-_")
-    return name or "fedge-emulation"
+    """Compose project name of the emulation directory ``out`` (absolute): ``fedge-NAME-HASH``.
+
+    Lower-case letters, digits, '-' and '_' as compose requires; the 6 hex digits of the directory's
+    absolute path keep two emulations in directories of the same name (two test runs' ``.../emu``)
+    from sharing containers and a network on one engine.
+    """
+    name = re.sub(r"[^a-z0-9_-]", "-", f"fedge-{out.name}".lower()).strip("-_") or "fedge-emulation"
+    return f"{name}-{hashlib.sha256(str(out).encode()).hexdigest()[:6]}"
 
 
 @dataclass
@@ -155,7 +161,7 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     """
     from fedge.broker.config import BrokerOptions, write_broker_config
     from fedge.emulate.calibrate import calibrate
-    from fedge.emulate.payload import flash_device
+    from fedge.flash.flash import flash
     from fedge.fleet.config import device_ids, load_fleet
     from fedge.fleet.devices import load_fleet_data
 
@@ -183,10 +189,14 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     shutil.copyfile(fleet_path, outp / "fleet.toml")
     shutil.rmtree(outp / "broker" / "data", ignore_errors=True)
     # Mosquitto runs as root in its container (no account to drop to) and the devices reach it as "broker".
-    files = write_broker_config(cfg.run.fleet, ids, outp / "broker", BrokerOptions(hostname=BROKER, run_as="root"),
-                                fleet_config=outp / "fleet.toml")
-    for p, bundle in zip(plans, files.bundles, strict=True):
-        flash_device(p.device_id, p.profile.name, p.profile.hardware.arch, bundle, outp / "devices" / p.device_id)
+    write_broker_config(cfg.run.fleet, ids, outp / "broker", BrokerOptions(hostname=BROKER, run_as="root"),
+                        fleet_config=outp / "fleet.toml")
+    for p in plans:
+        # The payload `fedge flash DEVICE --to DIR` writes (no first-boot hook: the container's entry point,
+        # docker/device-boot.sh, runs its install.sh), so the emulation boots what a real card would carry.
+        boot = outp / "devices" / p.device_id
+        boot.mkdir(parents=True, exist_ok=True)
+        flash(p.device_id, outp / "fleet.toml", outp / "broker", boot, init="none", force=True)
     # A new run: the previous run's coordinator state and retained broker messages would resume it.
     shutil.rmtree(outp / "coordinator", ignore_errors=True)
     (outp / "coordinator").mkdir()
@@ -263,7 +273,19 @@ def wait_online(emu: Emulation, client: Any, *, timeout: float) -> None:
             time.sleep(0.5)
     cli.loop_start()
     try:
+        next_check = time.monotonic() + 2.0
         while not set(emu.devices) <= online:
+            if time.monotonic() > next_check:
+                # A device that exited while booting never comes online: say so now, with its log's end.
+                next_check = time.monotonic() + 2.0
+                gone = [s for s in status(emu, client, sample=False)
+                        if s.device_id not in online and s.state not in ("running", "paused")]
+                if gone:
+                    tail = logs(emu, client, gone[0].device_id, tail=5).strip()
+                    raise EmulationError(
+                        f"{gone[0].device_id} {gone[0].state} before coming online"
+                        + (f" ({gone[0].message})" if gone[0].message else "") + f"; its log ends:\n{tail}",
+                        hint=f"fedge emulate logs {gone[0].device_id} --dir {emu.out}")
             if time.monotonic() > end:
                 dead = [s.device_id + " " + s.state for s in status(emu, client, sample=False)
                         if s.device_id not in online]
@@ -452,14 +474,17 @@ def wait_exited(emu: Emulation, client: Any, service: str, timeout: float) -> in
 def format_status(rows: list[DeviceStatus], emu: Emulation, client: Any) -> str:
     """The table ``fedge emulate status`` prints, then one line per device that needs words."""
     lines = [f"broker: {service_state(emu, client, BROKER)}   coordinator: {service_state(emu, client, COORDINATOR)}"]
-    head = f"{'device':<18} {'profile':<13} {'state':<12} {'round':>5} {'cpu':>6} {'mem MiB':>13} {'sent':>10}"
+    # sent: update bytes the coordinator accepted from the device (kept after it exits); net tx: what its
+    # container sent on the fleet network, MQTT overhead included (only while the container runs).
+    head = (f"{'device':<18} {'profile':<13} {'state':<12} {'round':>5} {'cpu':>6} {'mem MiB':>13} {'sent':>10} "
+            f"{'net tx':>10}")
     lines += [head, "-" * len(head)]
     for r in rows:
         mem = f"{r.mem_mb:.0f}/{r.mem_limit_mb}" if r.mem_mb is not None else f"-/{r.mem_limit_mb}"
         cpu = f"{r.cpu_pct:.0f}%" if r.cpu_pct is not None else "-"
-        sent = r.tx_bytes if r.tx_bytes is not None else r.sent_bytes
+        tx = _human(r.tx_bytes) if r.tx_bytes is not None else "-"
         lines.append(f"{r.device_id:<18} {r.profile:<13} {r.state:<12} {r.round if r.round is not None else '-':>5} "
-                     f"{cpu:>6} {mem:>13} {_human(sent):>10}")
+                     f"{cpu:>6} {mem:>13} {_human(r.sent_bytes):>10} {tx:>10}")
     lines += [r.message for r in rows if r.message]
     return "\n".join(lines)
 

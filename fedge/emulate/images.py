@@ -43,12 +43,16 @@ def docker_dir() -> Path:
 
 
 def source_hash() -> str:
-    """12 hex digits over fedge's source files and pyproject.toml: the images' version tag."""
+    """12 hex digits over fedge's source files, pyproject.toml and docker/: the images' version tag.
+
+    docker/ counts too: a change to a Dockerfile or to device-boot.sh (copied into the device image)
+    must not reuse an image built from the old one.
+    """
     root = Path(fedge.__file__).resolve().parent
     h = hashlib.sha256()
-    files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".toml") and "__pycache__" not in p.parts)
-    pyproject = root.parent / "pyproject.toml"
-    for p in [*files, *([pyproject] if pyproject.is_file() else [])]:
+    files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".toml", ".sh") and "__pycache__" not in p.parts)
+    extra = [root.parent / "pyproject.toml", *sorted((root.parent / "docker").glob("*"))]
+    for p in [*files, *(f for f in extra if f.is_file())]:
         h.update(str(p.relative_to(root.parent)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:12]
 
