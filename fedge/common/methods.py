@@ -43,17 +43,19 @@ class LGFedAvgSettings(MethodSettings):
 class PersonalSettings(MethodSettings):
     """Personalisation, a key set every generative and statistics method shares (issue 17).
 
-    FedRoD-style two heads (Chen & Chao, ICLR 2022) fitted FedBABU-style (Oh et al., ICLR 2022):
-    at every evaluation a device fine-tunes a copy of its federated classifier head on the
-    features of its own real data, keeps it only if it beats the federated head on a held-out
-    validation split, and answers its own distribution with the chosen head; the federated
-    (generic) head keeps serving the global task and the federation, so neither bytes nor the
-    other devices change.
+    FedRoD-style generic and personal predictors (Chen & Chao, ICLR 2022), the personal one
+    fitted FedBABU-style (Oh et al., ICLR 2022): at every evaluation a device fine-tunes a copy
+    of its federated model (or only its head) on its own real data, keeps it if it does at least
+    as well as the federated model on a held-out validation split, and answers its own
+    distribution with it; the federated model keeps serving the global task and the federation,
+    so neither bytes nor the other devices change.
     """
 
-    personalize: bool = setting(False, "fine-tune a personal copy of the head on the device's real data and use "
-                                       "it for its own distribution when it wins on the validation split")
-    personal_epochs: int = setting(10, "epochs of the personal head on the device's real features", minimum=1)
+    personalize: bool = setting(False, "fine-tune a personal copy of the model on the device's real data and "
+                                       "use it for its own distribution when it wins on the validation split")
+    personal_part: str = setting("model", "what the personal copy fine-tunes: the whole model, or only the head "
+                                          "on the federated features", choices=("model", "head"))
+    personal_epochs: int = setting(5, "epochs of the personal copy on the device's real data", minimum=1)
     val_fraction: float = setting(0.2, "held-out share of the device's training data that decides between the "
                                        "heads (and, with `guard`, about the synthetic samples); 0 < f < 1")
 

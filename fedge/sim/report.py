@@ -112,7 +112,7 @@ def _personal_and_guard(reports: list[RoundReport], dev_id: str) -> dict[str, An
             out[key] = vals
             out["final_" + key] = vals[-1] if vals else None
     guard = [{"round": r.round, "used": bool(i["guard_used"]), "effect": i.get("guard_effect"),
-              "loss_effect": i.get("guard_loss_effect")}
+              "loss_effect": i.get("guard_loss_effect"), "weight": i.get("guard_weight")}
              for r in reports if "guard_used" in (i := r.info.get(dev_id, {}))]
     if guard:
         out["guard"] = guard

@@ -126,7 +126,9 @@ class FedVTCDevice(PersonalMixin, DeviceMethod):
         self.g_scale = torch.ones(1)  # (p,) the floored σ the KL and DM terms normalise by
         self.g_classes: np.ndarray = np.zeros(0, dtype=np.int64)  # classes with a global count > 0
         self.g_mask: torch.Tensor | None = None  # (C,) bool
-        self.guard_decision: GuardDecision | None = None  # the guard's verdict on this round's fine-tuning
+        # the guard's verdict on this round's fine-tuning, and the synthetic weight it judged
+        self.guard_decision: tuple[GuardDecision, float] | None = None
+        self.synthetic_weight = 1.0  # scales the decoded sample count; only the guard changes it
         log.info("%s: VTC decoder tier %s, %d parameters", ctx.device_id, self.tier, self.dec_spec.num_params())
 
     # -- global statistics ------------------------------------------------------------------
@@ -186,7 +188,8 @@ class FedVTCDevice(PersonalMixin, DeviceMethod):
 
     def _finetune(self, rnd: int = 0) -> float:
         ctx = self.ctx
-        n = max(2, round(self.synthetic_ratio * len(ctx.train)))
+        weight = self.synthetic_weight
+        n = max(2, round(weight * self.synthetic_ratio * len(ctx.train)))
         xs, ys = self.synthesize(n)
         guard = guard_settings(self.settings)
         rest, val = (holdout(len(ctx.train), guard.val_fraction, ctx.seed, fold=rnd) if guard is not None
@@ -219,7 +222,8 @@ class FedVTCDevice(PersonalMixin, DeviceMethod):
         decision = guarded_step(model, lambda: losses.append(tune(xs, ys)),
                                 lambda: losses.append(tune(xr, yr)) if self.finetune_real else None,
                                 ctx.train.x[val], ctx.train.y[val], guard.guard_tolerance)
-        self.guard_decision = decision
+        self.guard_decision = (decision, weight)
+        self.synthetic_weight = decision.next_weight(weight)
         return losses[-1]
 
     # -- local training ---------------------------------------------------------------------
@@ -313,7 +317,7 @@ class FedVTCDevice(PersonalMixin, DeviceMethod):
         protos, sigma, counts = stats
         info_out: dict[str, Any] = {"loss": float(np.mean(losses)), "dec_loss": float(np.mean(dec_losses))}
         if self.guard_decision is not None:  # decided when this round's global statistics arrived
-            info_out.update(self.guard_decision.info())
+            info_out.update(self.guard_decision[0].info(self.guard_decision[1]))
             self.guard_decision = None
         return {"protos": protos, "sigma": sigma, "counts": counts}, info_out
 

@@ -108,6 +108,7 @@ class GenerativeMixin(PersonalMixin):
         self.synthetic_epochs = cfg.synthetic_epochs
         self.real_epochs = cfg.real_epochs_or(self.ctx.train_cfg.local_epochs)
         self.synthetic_ratio = cfg.synthetic_ratio
+        self.synthetic_weight = 1.0  # scales the synthetic sample count; only the guard changes it
         log.info("%s: %s generator %s, tier %s, %d parameters", self.ctx.device_id, cfg.level, kind,
                  self.gen_tier, self.gen_spec.num_params())
 
@@ -148,7 +149,8 @@ class GenerativeMixin(PersonalMixin):
         out: dict[str, Any] = {}
         real_epochs = self.real_epochs
         if self.generator_loaded and self.synthetic_epochs > 0 and self.synthetic_ratio > 0:
-            xs, ys = self._synthetic(max(2, round(self.synthetic_ratio * len(y_real))))
+            weight = self.synthetic_weight
+            xs, ys = self._synthetic(max(2, round(weight * self.synthetic_ratio * len(y_real))))
             xs = to_model_space(xs)
 
             def synthetic() -> None:
@@ -159,9 +161,13 @@ class GenerativeMixin(PersonalMixin):
             if guard is not None and len(y_real) >= 2:
                 rest, val = holdout(len(y_real), guard.val_fraction, ctx.seed, fold=rnd)
 
+                # Both branches see the real samples in the same order, so the synthetic samples are
+                # the only difference the held-out fold measures.
+                order_seed = int(ctx.rng.integers(1 << 31))
+
                 def real_epoch() -> None:
-                    train_epochs(model, x_real[rest], y_real[rest], ctx.train_cfg, ctx.rng, epochs=1,
-                                 params=params, forward=forward)
+                    train_epochs(model, x_real[rest], y_real[rest], ctx.train_cfg, np.random.default_rng(order_seed),
+                                 epochs=1, params=params, forward=forward)
 
                 def with_synthetic() -> None:
                     synthetic()
@@ -169,7 +175,8 @@ class GenerativeMixin(PersonalMixin):
 
                 decision = guarded_step(model, with_synthetic, real_epoch, x_real[val], y_real[val],
                                         guard.guard_tolerance, forward)
-                out.update(decision.info())
+                out.update(decision.info(weight))
+                self.synthetic_weight = decision.next_weight(weight)
                 real_epochs -= 1
             else:
                 synthetic()

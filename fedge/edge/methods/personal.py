@@ -3,17 +3,21 @@
 Both decide on data the device holds out from its own training set, never on a test split:
 
 * **Personal head** (``[method] personalize``): FedRoD's two heads (Chen & Chao, ICLR 2022),
-  the personal one fitted as FedBABU does (Oh et al., ICLR 2022: fine-tune the head on local
-  data after federated training). At every evaluation the device fits a copy of its federated
-  head on the features of its real data (the extractor stays as the federation left it),
-  compares the two heads on the held-out split, and answers its own distribution with the
-  better one. The federated head keeps serving the global test set and the federation itself:
-  no bytes, no change for the other devices.
+  the personal one fitted as FedBABU does (Oh et al., ICLR 2022: fine-tune on local data after
+  federated training). At every evaluation the device fits a copy of its federated model
+  (``personal_part = "model"``) or only of its head on the frozen features (``"head"``) on its
+  real data minus a held-out split, compares it with the federated model on that split (a tie
+  goes to the personal one), refits the winner on all its real data, and answers its own
+  distribution with it. The federated model keeps serving the global test set and the
+  federation itself: no bytes, no change for the other devices.
 * **Guard** (``[method] guard``): each round the device trains twice from the same start — once
   as the method does with this round's synthetic samples, once without them, both followed by
   one epoch on its real data minus a held-out fold — and keeps the synthetic branch only if its
   held-out accuracy is not lower (``guard_tolerance`` points of slack, the held-out loss breaks a
-  tie). The fold rotates with the round, so over the rounds every real sample trains.
+  tie). A round that hurts also halves the device's synthetic weight (the share of synthetic
+  samples it draws in later rounds); only a round that helps doubles it again, up to 1 — so
+  samples whose harm a real epoch merely hides (a tie) stay down-weighted. The fold rotates with
+  the round, so over the rounds every real sample trains.
 """
 
 from __future__ import annotations
@@ -62,25 +66,38 @@ def _features(model: Any, x: np.ndarray, batch_size: int = 1024) -> torch.Tensor
                       for i in range(0, len(x), batch_size)])
 
 
-@torch.no_grad()
-def _head_accuracy(head: nn.Module, feats: torch.Tensor, y: np.ndarray) -> float:
-    if len(y) == 0:
-        return float("nan")
-    head.eval()
-    return float((head(feats).argmax(1).numpy() == y).mean())
-
-
 @dataclass(frozen=True)
 class PersonalChoice:
-    """The heads a device compared and which one answers its own distribution."""
+    """The two predictors a device compared and which one answers its own distribution."""
 
-    personal: bool  # the personal head won on the held-out split
-    val_generic: float  # held-out accuracy of the federated head
-    val_personal: float  # held-out accuracy of the personal head (fitted without the held-out split)
+    personal: bool  # the personal predictor won on the held-out split
+    val_generic: float  # held-out accuracy of the federated model
+    val_personal: float  # held-out accuracy of the personal one (fitted without the held-out split)
+
+
+Predict = Callable[[np.ndarray], np.ndarray]  # inputs -> predicted labels
+
+
+@torch.no_grad()
+def _predict_with(model: Any, head: nn.Module | None = None) -> Predict:
+    """Labels from ``model`` (its own head, or ``head`` on its features), in eval mode."""
+    def predict(x: np.ndarray) -> np.ndarray:
+        if len(x) == 0:
+            return np.zeros(0, dtype=np.int64)
+        feats = _features(model, x)
+        h = head if head is not None else model.head
+        h.eval()
+        return h(feats).argmax(1).numpy()
+    return predict
+
+
+def _accuracy(predict: Predict, x: np.ndarray, y: np.ndarray) -> float:
+    return float((predict(x) == y).mean()) if len(y) else float("nan")
 
 
 class PersonalMixin:
-    """``evaluate`` with a personal head (``[method] personalize``); put it before :class:`DeviceMethod`."""
+    """``evaluate`` with a personal head or model (``[method] personalize``); put it before
+    :class:`DeviceMethod`."""
 
     settings: Any
 
@@ -88,44 +105,51 @@ class PersonalMixin:
         s = self.settings
         return s if isinstance(s, PersonalSettings) and s.personalize else None
 
-    def _fit_head(self, head: nn.Module, feats: torch.Tensor, y: np.ndarray) -> nn.Module:
-        """A copy of ``head`` trained on ``feats`` for ``personal_epochs`` with the device's SGD settings."""
-        dm: DeviceMethod = self  # type: ignore[assignment]
-        cfg = self._personal_settings()
-        assert cfg is not None
-        mine = copy.deepcopy(head)
-
-        def forward(fb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return mine(fb), fb
-
-        train_epochs(mine, feats.numpy(), y, dm.ctx.train_cfg, np.random.default_rng(dm.ctx.seed),
-                     epochs=cfg.personal_epochs, forward=forward)
-        return mine
-
-    def personal_head(self) -> tuple[nn.Module, PersonalChoice]:
-        """The head that answers this device's own distribution, and how it was chosen."""
+    def _fit(self, idx: np.ndarray, feats: torch.Tensor) -> Predict:
+        """A personal predictor fitted from the federated one on the real samples ``idx``."""
         dm: DeviceMethod = self  # type: ignore[assignment]
         cfg = self._personal_settings()
         assert cfg is not None
         ctx = dm.ctx
         model: Any = ctx.model
-        feats = _features(model, ctx.train.x)
+        rng = np.random.default_rng(ctx.seed)
+        if cfg.personal_part == "model":
+            mine = copy.deepcopy(model)
+            train_epochs(mine, ctx.train.x[idx], ctx.train.y[idx], ctx.train_cfg, rng, epochs=cfg.personal_epochs)
+            return _predict_with(mine)
+        head = copy.deepcopy(model.head)
+
+        def forward(fb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return head(fb), fb
+
+        train_epochs(head, feats[idx].numpy(), ctx.train.y[idx], ctx.train_cfg, rng, epochs=cfg.personal_epochs,
+                     forward=forward)
+        return _predict_with(model, head)
+
+    def personal_predictor(self) -> tuple[Predict, PersonalChoice]:
+        """What answers this device's own distribution, and how it was chosen."""
+        dm: DeviceMethod = self  # type: ignore[assignment]
+        cfg = self._personal_settings()
+        assert cfg is not None
+        ctx = dm.ctx
+        feats = _features(ctx.model, ctx.train.x) if cfg.personal_part == "head" else torch.zeros(0)
         rest, val = holdout(len(ctx.train), cfg.val_fraction, ctx.seed)
-        generic = model.head
-        candidate = self._fit_head(generic, feats[rest], ctx.train.y[rest])
-        acc_g = _head_accuracy(generic, feats[val], ctx.train.y[val])
-        acc_p = _head_accuracy(candidate, feats[val], ctx.train.y[val])
-        choice = PersonalChoice(bool(acc_p > acc_g), acc_g, acc_p)
+        generic = _predict_with(ctx.model)
+        candidate = self._fit(rest, feats)
+        xv, yv = ctx.train.x[val], ctx.train.y[val]
+        # a tie goes to the personal one: it has seen this device's distribution, and nothing else
+        choice = PersonalChoice(bool(_accuracy(candidate, xv, yv) >= _accuracy(generic, xv, yv)),
+                                _accuracy(generic, xv, yv), _accuracy(candidate, xv, yv))
         if not choice.personal:
             return generic, choice
-        # The held-out split chose the personal head; the head itself then sees every real sample.
-        return self._fit_head(generic, feats, ctx.train.y), choice
+        # The held-out split chose the personal one; it is then fitted on every real sample.
+        return self._fit(np.arange(len(ctx.train)), feats), choice
 
     def evaluate(self) -> dict[str, float]:
-        """The federated model's accuracies, plus (``personalize``) the personal head's.
+        """The federated model's accuracies, plus (``personalize``) the personal predictor's.
 
-        ``acc_local`` is the chosen head's on the device's local split, ``acc_global`` the
-        federated head's on the global test set; ``acc_local_generic`` and
+        ``acc_local`` is the chosen predictor's on the device's local split, ``acc_global`` the
+        federated model's on the global test set; ``acc_local_generic`` and
         ``acc_global_personal`` are the two other pairings, so nothing is hidden.
         """
         cfg = self._personal_settings()
@@ -137,17 +161,15 @@ class PersonalMixin:
         cached = getattr(self, "_personal_cache", None)
         if cached is not None and cached[0] == digest:
             return dict(cached[1])
-        model: Any = ctx.model
-        head, choice = self.personal_head()
-        local = _features(model, ctx.local_test.x)
-        out = {"acc_local": _head_accuracy(head, local, ctx.local_test.y),
-               "acc_local_generic": _head_accuracy(model.head, local, ctx.local_test.y),
+        mine, choice = self.personal_predictor()
+        generic = _predict_with(ctx.model)
+        out = {"acc_local": _accuracy(mine, ctx.local_test.x, ctx.local_test.y),
+               "acc_local_generic": _accuracy(generic, ctx.local_test.x, ctx.local_test.y),
                "personal": float(choice.personal),
                "val_gain_personal": 100.0 * (choice.val_personal - choice.val_generic)}
         if ctx.global_test is not None:
-            glob = _features(model, ctx.global_test.x)
-            out["acc_global"] = _head_accuracy(model.head, glob, ctx.global_test.y)
-            out["acc_global_personal"] = (_head_accuracy(head, glob, ctx.global_test.y) if choice.personal
+            out["acc_global"] = _accuracy(generic, ctx.global_test.x, ctx.global_test.y)
+            out["acc_global_personal"] = (_accuracy(mine, ctx.global_test.x, ctx.global_test.y) if choice.personal
                                           else out["acc_global"])
         out = {k: v for k, v in out.items() if not np.isnan(v)}
         self._personal_cache = (digest, dict(out))
@@ -164,10 +186,17 @@ class GuardDecision:
     effect: float  # held-out accuracy with − without the synthetic samples, points
     loss_effect: float  # held-out cross-entropy with − without
 
-    def info(self) -> dict[str, Any]:
-        """The keys a round's update carries (``results.json`` per device and round)."""
+    def info(self, weight: float) -> dict[str, Any]:
+        """The keys a round's update carries (``results.json`` per device and round); ``weight`` is the
+        synthetic weight this round's samples were drawn at."""
         return {"guard_used": self.used, "guard_effect": round(self.effect, 3),
-                "guard_loss_effect": round(self.loss_effect, 5)}
+                "guard_loss_effect": round(self.loss_effect, 5), "guard_weight": weight}
+
+    def next_weight(self, weight: float) -> float:
+        """The synthetic weight of the next round: halved after harm, doubled (at most 1) after help."""
+        if not self.used:
+            return weight / 2
+        return min(1.0, weight * 2) if self.effect > 0 else weight
 
 
 def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -214,5 +243,5 @@ def guard_settings(settings: Any) -> GuardedSettings | None:
     return settings if isinstance(settings, GuardedSettings) and settings.guard else None
 
 
-__all__ = ["GuardDecision", "PersonalChoice", "PersonalMixin", "guard_settings", "guarded_step", "held_out_metrics",
-           "holdout"]
+__all__ = ["GuardDecision", "PersonalChoice", "PersonalMixin", "Predict", "guard_settings", "guarded_step",
+           "held_out_metrics", "holdout"]
