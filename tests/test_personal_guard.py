@@ -21,8 +21,8 @@ from fedge.fleet.methods import method_entry
 
 PARTITION: dict[str, Any] = {"alpha": 0.3}
 NOISY = "d3"  # the largest share (448 training digits): a held-out fold of ~90
-GEFL: dict[str, Any] = {"generator": "cvae", "generator_tier": "tiny", "gen_rounds": 2, "gen_epochs": 1, "gen_lr": 0.003,
-        "gen_weight_decay": 0.0, "synthetic_ratio": 2}
+GEFL: dict[str, Any] = {"generator": "cvae", "generator_tier": "tiny", "gen_rounds": 2, "gen_epochs": 1,
+                        "gen_lr": 0.003, "gen_weight_decay": 0.0, "synthetic_ratio": 2}
 
 _local: dict[int, dict[str, dict[str, float]]] = {}
 
