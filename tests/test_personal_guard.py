@@ -18,6 +18,7 @@ from fedge.common.methods import FedProtoSettings, FedVTCSettings, GeFLFSettings
 from fedge.edge.methods.personal import guarded_step, holdout
 from fedge.errors import ConfigError
 from fedge.fleet.methods import method_entry
+from fedge.sim.report import format_table, personal_and_guard
 
 PARTITION: dict[str, Any] = {"alpha": 0.3}
 NOISY = "d3"  # the largest share (448 training digits): a held-out fold of ~90
@@ -113,6 +114,11 @@ def test_guard_skips_noise_and_the_device_stays_near_local() -> None:
     weights = [d["guard_weight"] for d in decisions]
     assert weights[0] == 1.0 and weights[-1] <= 0.5, decisions
     assert fleet.methods()[3].synthetic_weight <= 0.5
+    # results.json: one entry per target round, with the verdict, its measured effect and the weight
+    logged = personal_and_guard(reports, NOISY)["guard"]
+    assert [g["round"] for g in logged] == [r.round for r in reports if "guard_used" in r.info.get(NOISY, {})]
+    assert [(g["used"], g["effect"], g["weight"]) for g in logged] == [
+        (d["guard_used"], d["guard_effect"], d["guard_weight"]) for d in decisions]
     local = local_metrics(rounds - GEFL["gen_rounds"])[NOISY]["acc_local"]  # as many real epochs
     mine = reports[-1].metrics[NOISY]["acc_local"]
     assert mine >= local - 0.05, f"{NOISY}: {mine:.3f} vs Local {local:.3f}"
@@ -135,3 +141,22 @@ def test_personal_head_never_falls_behind_local() -> None:
     assert np.mean([m["acc_local"] for m in final.values()]) >= np.mean(
         [m["acc_local"] for m in local.values()]) - 0.01
     assert any(m["acc_local"] > m["acc_local_generic"] + 0.1 for m in final.values())
+    extras = {dev: personal_and_guard(reports, dev) for dev in final}
+    assert all(e["final_personal"] == final[dev]["personal"] for dev, e in extras.items())
+    assert all("guard" not in e for e in extras.values())  # FedProto has no synthetic samples
+
+
+def test_table_shows_the_chosen_predictor_and_the_guard() -> None:
+    dev = {"id": "d0", "profile": "pi4", "arch": "cnn1", "params": 10, "final_acc_global": 0.5, "best_acc_global": 0.5,
+           "final_acc_local": 0.9, "final_acc_local_generic": 0.7, "final_personal": 1.0,
+           "guard": [{"round": 3, "used": False}, {"round": 4, "used": True}],
+           "bytes_up": [1024], "bytes_down": [2048], "upload_precision": "fp32"}
+    results = {"devices": [dev], "method": "gefl", "dataset": "digits", "rounds": 4, "seconds": 1.0,
+               "summary": {"mean_final_acc_global": 0.5, "mean_best_acc_global": 0.5, "mean_final_acc_local": 0.9,
+                           "mean_final_acc_local_generic": 0.7, "mean_final_acc_global_personal": 0.45,
+                           "personal_devices": 1, "guard_used": 1, "guard_decisions": 2}}
+    table = format_table(results)
+    header, row = table.splitlines()[0], table.splitlines()[2]
+    assert "local, federated %" in header and "synthetic kept" in header
+    assert row.split()[6:10] == ["90.0", "70.0", "personal", "1/2"]
+    assert "personal predictor chosen on 1 of 1 devices" in table and "kept in 1 of 2 device-rounds" in table

@@ -39,7 +39,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
             up[i] = rep.bytes_up.get(dev_id, 0)
             down[i] = rep.bytes_down.get(dev_id, 0)
         seen = [a for a in acc_g if a is not None]
-        devices.append({**_personal_and_guard(reports, dev_id),
+        devices.append({**personal_and_guard(reports, dev_id),
             "id": dev_id,
             "profile": d.info.profile,
             "arch": d.info.arch,
@@ -98,10 +98,10 @@ def build_results(res: SimResult) -> dict[str, Any]:
     }
 
 
-def _personal_and_guard(reports: list[RoundReport], dev_id: str) -> dict[str, Any]:
+def personal_and_guard(reports: list[RoundReport], dev_id: str) -> dict[str, Any]:
     """A device's personal-head metrics and guard decisions (issue 17), when its method reports them.
 
-    Personal head: ``acc_local`` is then the chosen head's and ``acc_global`` the federated head's;
+    Personal predictor: ``acc_local`` is then the chosen predictor's and ``acc_global`` the federated model's;
     ``acc_local_generic`` / ``acc_global_personal`` are the other pairings. Guard: one entry per
     round in which it decided, with the held-out effect of the synthetic samples in points.
     """
@@ -181,7 +181,7 @@ def format_table(results: dict[str, Any]) -> str:
     personal = any("final_personal" in d for d in devs)
     guard = any("guard" in d for d in devs)
     header = ["device", "profile", "model", "params", "acc global %", "best %", "acc local %"]
-    header += ["local, fed. head %", "head"] if personal else []
+    header += ["local, federated %", "predictor"] if personal else []
     header += ["synthetic kept"] if guard else []
     header += ["up", "down", "prec"]
     rows = [header]
@@ -209,9 +209,9 @@ def format_table(results: dict[str, Any]) -> str:
         f"(best {_pct(s['mean_best_acc_global'])} %), local {_pct(s['mean_final_acc_local'])} %"
     )
     if personal:
-        lines.append(f"personal head chosen on {s['personal_devices']} of {len(devs)} devices; local accuracy "
-                     f"with the federated head {_pct(s['mean_final_acc_local_generic'])} %, global accuracy "
-                     f"with the chosen head {_pct(s['mean_final_acc_global_personal'])} %")
+        lines.append(f"personal predictor chosen on {s['personal_devices']} of {len(devs)} devices; local accuracy "
+                     f"with the federated model {_pct(s['mean_final_acc_local_generic'])} %, global accuracy "
+                     f"with the chosen predictor {_pct(s['mean_final_acc_global_personal'])} %")
     if guard:
         lines.append(f"guard: synthetic samples kept in {s['guard_used']} of {s['guard_decisions']} device-rounds")
     return "\n".join(lines)
