@@ -35,6 +35,13 @@ class Method:
 
 
 def table1_methods(published: bool, quick: bool = False) -> dict[str, Method]:
+    """Rows of table 1 (see :func:`_table1_rows`) and each generative row with the guard on."""
+    rows = _table1_rows(published, quick)
+    guarded = [with_options(rows[k], "guard", "guard", GUARD) for k in TABLE1_GUARDED]
+    return {**rows, **{m.key: m for m in guarded}}
+
+
+def _table1_rows(published: bool, quick: bool = False) -> dict[str, Method]:
     """Rows of table 1.
 
     Budget (default), chosen so one seed takes about an hour of one core: image generators at
@@ -81,7 +88,8 @@ def table1_methods(published: bool, quick: bool = False) -> dict[str, Method]:
 # Rows that are ablations, not methods: left out of the "every generative method" target check.
 TABLE1_ABLATIONS = ("geflf-nogen",)
 # Rows beyond issue 3's list (fedge's variants and an ablation): left out of the 3-hour budget check.
-TABLE1_EXTRAS = ("gefl-cvae-noavg", "geflf-cvae-x3", *TABLE1_ABLATIONS)
+TABLE1_EXTRAS = ("gefl-cvae-noavg", "geflf-cvae-x3", *TABLE1_ABLATIONS,
+                 *(f"{k}-guard" for k in ("gefl-cvae", "gefl-dcgan", "geflf-cvae", "fedvtc")))
 
 
 # FedVTC outside table 1's --published schedule: the tiny decoder, trained once per round.
@@ -92,7 +100,30 @@ VTC_BUDGET: dict[str, Any] = {"generator_tier": "tiny", "decoder_epochs": 1}
 TABLE2_VARIANTS = ("fedvtc-small", "fedvtc-rn", "fedvtc-local")
 
 
+# Issue 17's switches. A personal head changes only the evaluation, so a "-pers" cell also holds the
+# federated model's figures (acc_local_generic); the guard changes training, hence "-pg" rows.
+PERS: dict[str, Any] = {"personalize": True}
+PERS_GUARD: dict[str, Any] = {"personalize": True, "guard": True}
+
+
+def with_options(m: Method, suffix: str, label: str, options: dict[str, Any]) -> Method:
+    """Row ``m`` with issue 17's ``options`` added to its ``[method]`` table."""
+    return dataclasses.replace(m, key=f"{m.key}-{suffix}", label=f"{m.label}, {label}", config={**m.config, **options})
+
+
 def table2_methods(rounds: int) -> dict[str, Method]:
+    rows = _table2_rows(rounds)
+    extra = [with_options(rows[k], "pers", "personal head", PERS) for k in ("fedproto", "geflf-cvae", "fedvtc")]
+    extra += [with_options(rows[k], "pg", "personal head + guard", PERS_GUARD) for k in ("geflf-cvae", "fedvtc")]
+    return {**rows, **{m.key: m for m in extra}}
+
+
+# Table 1 rows with the guard on (issue 17: no generative method below FedAvg within group).
+GUARD: dict[str, Any] = {"guard": True}
+TABLE1_GUARDED = ("gefl-cvae", "gefl-dcgan", "geflf-cvae", "fedvtc")
+
+
+def _table2_rows(rounds: int) -> dict[str, Method]:
     vtc = VTC_BUDGET
     return {m.key: m for m in (
         Method("local", "Local", "local", {}, rounds, True),

@@ -46,6 +46,15 @@ def run_cell(cfg: FleetConfig, precision: str | None = None) -> dict[str, Any]:
                       if any(x is not None for x in col) else None
                       for col in zip(*(d["acc_global"] for d in out["devices"]), strict=True)],
         "wall_seconds": time.perf_counter() - t0,
+        "seconds_per_round": out["seconds_per_round"],
+        # Per device (issue 17): both accuracies, and with a personal head or the guard their decisions.
+        "per_device": {d["id"]: {k: d.get(k) for k in (
+            "final_acc_local", "final_acc_global", "final_acc_local_generic", "final_acc_global_personal",
+            "final_personal", "num_train") if k in d}
+            | ({"guard_used": sum(g["used"] for g in d["guard"]), "guard_decisions": len(d["guard"])}
+               if d.get("guard") else {})
+            for d in out["devices"]},
+        **{k: v for k, v in out["summary"].items() if k.startswith(("mean_final_acc_", "guard_", "personal_"))},
     }
 
 

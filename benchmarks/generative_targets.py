@@ -34,3 +34,15 @@ class Table3Targets:
 TABLE1 = Table1Targets()
 TABLE2 = Table2Targets()
 TABLE3 = Table3Targets()
+
+
+@dataclass(frozen=True)
+class NoWorseTargets:
+    """Issue 17: no device worse off than alone (table 2, every α; table 1 for the guard)."""
+
+    local_within: float = 1.0  # points: each personalised method's mean local accuracy ≥ Local's − this
+    geflf_gain_kept: float = 0.8  # share of GeFL-F's global-test gain over Local kept with personalisation
+    device_margin: float = 1.0  # points: a device counts as "below Local" when it trails by more than this
+
+
+NO_WORSE = NoWorseTargets()

@@ -40,7 +40,45 @@ class LGFedAvgSettings(MethodSettings):
 
 
 @dataclass(frozen=True)
-class FedProtoSettings(MethodSettings):
+class PersonalSettings(MethodSettings):
+    """Personalisation, a key set every generative and statistics method shares (issue 17).
+
+    FedRoD-style generic and personal predictors (Chen & Chao, ICLR 2022), the personal one
+    fitted FedBABU-style (Oh et al., ICLR 2022): at every evaluation a device fine-tunes a copy
+    of its federated model (or only its head) on its own real data, keeps it if it does at least
+    as well as the federated model on a held-out validation split, and answers its own
+    distribution with it; the federated model keeps serving the global task and the federation,
+    so neither bytes nor the other devices change.
+    """
+
+    personalize: bool = setting(False, "fine-tune a personal copy of the model on the device's real data and "
+                                       "use it for its own distribution when it wins on the validation split")
+    personal_part: str = setting("model", "what the personal copy fine-tunes: the whole model, or only the head "
+                                          "on the federated features", choices=("model", "head"))
+    personal_epochs: int = setting(5, "epochs of the personal copy on the device's real data", minimum=1)
+    val_fraction: float = setting(0.2, "held-out share of the device's training data that decides between the "
+                                       "heads (and, with `guard`, about the synthetic samples); 0 < f < 1")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"[method] val_fraction must lie strictly between 0 and 1, got {self.val_fraction!r}",
+                              hint="0 leaves nothing to validate on, 1 nothing to train on: use e.g. 0.2")
+
+
+@dataclass(frozen=True)
+class GuardedSettings(PersonalSettings):
+    """Personalisation plus the guard on synthetic knowledge (methods that train on synthetic samples)."""
+
+    guard: bool = setting(False, "each round, keep this round's synthetic samples only if they do not lower "
+                                 "accuracy on the held-out split (measured against the same round without "
+                                 "them)")
+    guard_tolerance: float = setting(0.0, "points of validation accuracy the synthetic samples may cost and "
+                                          "still be kept")
+
+
+@dataclass(frozen=True)
+class FedProtoSettings(PersonalSettings):
     """FedProto (Tan et al., AAAI 2022)."""
 
     method: ClassVar[str] = "fedproto"
@@ -52,6 +90,13 @@ class FedProtoSettings(MethodSettings):
     head_protos: float = setting(0.0, "w: also train the head on every global prototype, w · CE(h(c_y), y) "
                                       "(fedge; 0 = the paper)")
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.personalize and self.inference != "head":
+            raise ConfigError('[method] personalize needs inference = "head" (a personal head has nothing to '
+                              'replace when the nearest prototype classifies)',
+                              hint='set inference = "head" or personalize = false')
+
 
 GEFL_GENERATORS = ("cvae", "dcgan")  # image level (GeFL)
 GEFLF_GENERATORS = ("cvae", "dcgan", "ddpm")  # feature level (GeFL-F): DDPM-F too
@@ -60,7 +105,7 @@ _TIER_DOC = "generator size for every device (else each device's plan decides)"
 
 
 @dataclass(frozen=True)
-class GenerativeSettings(MethodSettings):
+class GenerativeSettings(GuardedSettings):
     """What GeFL and GeFL-F share: the federated generator and the target schedule."""
 
     level: ClassVar[str] = IMAGE_LEVEL  # generators of the 1×32×32 inputs (GeFL-F: of the 3×16×16 stem output)
@@ -134,7 +179,7 @@ class GeFLFSettings(GenerativeSettings):
 
 
 @dataclass(frozen=True)
-class FedVTCSettings(MethodSettings):
+class FedVTCSettings(GuardedSettings):
     """FedVTC (arXiv 2508.01669): statistics up, a local decoder, fine-tuning on decoded images."""
 
     method: ClassVar[str] = "fedvtc"

@@ -39,7 +39,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
             up[i] = rep.bytes_up.get(dev_id, 0)
             down[i] = rep.bytes_down.get(dev_id, 0)
         seen = [a for a in acc_g if a is not None]
-        devices.append({
+        devices.append({**personal_and_guard(reports, dev_id),
             "id": dev_id,
             "profile": d.info.profile,
             "arch": d.info.arch,
@@ -59,7 +59,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
         })
 
     def mean(key: str) -> float | None:
-        vals = [d[key] for d in devices if d[key] is not None]
+        vals = [d[key] for d in devices if d.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
 
     def per_round(key: str) -> float:
@@ -79,6 +79,13 @@ def build_results(res: SimResult) -> dict[str, Any]:
             "mean_final_acc_global": mean("final_acc_global"),
             "mean_best_acc_global": mean("best_acc_global"),
             "mean_final_acc_local": mean("final_acc_local"),
+            **({"mean_final_acc_local_generic": mean("final_acc_local_generic"),
+                "mean_final_acc_global_personal": mean("final_acc_global_personal"),
+                "personal_devices": sum(bool(d["final_personal"]) for d in devices)}
+               if any("final_personal" in d for d in devices) else {}),
+            **({"guard_used": sum(g["used"] for d in devices for g in d.get("guard", [])),
+                "guard_decisions": sum(len(d.get("guard", [])) for d in devices)}
+               if any(d.get("guard") for d in devices) else {}),
             "mean_bytes_up_per_round": per_round("bytes_up"),
             "mean_bytes_down_per_round": per_round("bytes_down"),
         },
@@ -89,6 +96,27 @@ def build_results(res: SimResult) -> dict[str, Any]:
         ],
         "devices": devices,
     }
+
+
+def personal_and_guard(reports: list[RoundReport], dev_id: str) -> dict[str, Any]:
+    """A device's personal-head metrics and guard decisions (issue 17), when its method reports them.
+
+    Personal predictor: ``acc_local`` is then the chosen predictor's and ``acc_global`` the federated model's;
+    ``acc_local_generic`` / ``acc_global_personal`` are the other pairings. Guard: one entry per
+    round in which it decided, with the held-out effect of the synthetic samples in points.
+    """
+    out: dict[str, Any] = {}
+    if any("personal" in r.metrics.get(dev_id, {}) for r in reports):
+        for key in ("acc_local_generic", "acc_global_personal", "personal"):
+            vals = [_nan_to_none(r.metrics.get(dev_id, {}).get(key)) for r in reports]
+            out[key] = vals
+            out["final_" + key] = vals[-1] if vals else None
+    guard = [{"round": r.round, "used": bool(i["guard_used"]), "effect": i.get("guard_effect"),
+              "loss_effect": i.get("guard_loss_effect"), "weight": i.get("guard_weight")}
+             for r in reports if "guard_used" in (i := r.info.get(dev_id, {}))]
+    if guard:
+        out["guard"] = guard
+    return out
 
 
 def write_results(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
@@ -147,15 +175,28 @@ def _pct(x: float | None) -> str:
 
 
 def format_table(results: dict[str, Any]) -> str:
-    """The per-device summary table the CLI prints."""
-    header = ["device", "profile", "model", "params", "acc global %", "best %", "acc local %", "up", "down", "prec"]
+    """The per-device summary table the CLI prints (with the personal head's and the guard's columns
+    when the method reports them)."""
+    devs = results["devices"]
+    personal = any("final_personal" in d for d in devs)
+    guard = any("guard" in d for d in devs)
+    header = ["device", "profile", "model", "params", "acc global %", "best %", "acc local %"]
+    header += ["local, federated %", "predictor"] if personal else []
+    header += ["synthetic kept"] if guard else []
+    header += ["up", "down", "prec"]
     rows = [header]
-    for d in results["devices"]:
-        rows.append([
-            d["id"], d["profile"], d["arch"], f"{d['params']:,}" if d["params"] else "-",
-            _pct(d["final_acc_global"]), _pct(d["best_acc_global"]), _pct(d["final_acc_local"]),
-            _fmt_bytes(sum(d["bytes_up"])), _fmt_bytes(sum(d["bytes_down"])), d["upload_precision"],
-        ])
+    for d in devs:
+        row = [d["id"], d["profile"], d["arch"], f"{d['params']:,}" if d["params"] else "-",
+               _pct(d["final_acc_global"]), _pct(d["best_acc_global"]), _pct(d["final_acc_local"])]
+        if personal:
+            chosen = d.get("final_personal")
+            row += [_pct(d.get("final_acc_local_generic")),
+                    "-" if chosen is None else ("personal" if chosen else "federated")]
+        if guard:
+            g = d.get("guard", [])
+            row.append(f"{sum(x['used'] for x in g)}/{len(g)}")
+        row += [_fmt_bytes(sum(d["bytes_up"])), _fmt_bytes(sum(d["bytes_down"])), d["upload_precision"]]
+        rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
@@ -167,4 +208,10 @@ def format_table(results: dict[str, Any]) -> str:
         f"{results['seconds']:.1f} s: mean global accuracy {_pct(s['mean_final_acc_global'])} % "
         f"(best {_pct(s['mean_best_acc_global'])} %), local {_pct(s['mean_final_acc_local'])} %"
     )
+    if personal:
+        lines.append(f"personal predictor chosen on {s['personal_devices']} of {len(devs)} devices; local accuracy "
+                     f"with the federated model {_pct(s['mean_final_acc_local_generic'])} %, global accuracy "
+                     f"with the chosen predictor {_pct(s['mean_final_acc_global_personal'])} %")
+    if guard:
+        lines.append(f"guard: synthetic samples kept in {s['guard_used']} of {s['guard_decisions']} device-rounds")
     return "\n".join(lines)

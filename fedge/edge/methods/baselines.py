@@ -11,6 +11,7 @@ from fedge.common.methods import FedAvgSettings, FedProtoSettings, LGFedAvgSetti
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, PROTOTYPES_ARTIFACT, RoundInfo, group_artifact
 from fedge.common.settings import MethodSettings
 from fedge.edge.methods.base import Arrays, DeviceMethod, load_arrays, model_arrays
+from fedge.edge.methods.personal import PersonalMixin
 from fedge.edge.models.zoo import EXTRACTOR
 from fedge.edge.training import class_feature_stats, train_epochs
 
@@ -58,7 +59,7 @@ class LGFedAvgDevice(FedAvgDevice):
         return [EXTRACTOR_ARTIFACT, *super().needed_artifacts(info)]
 
 
-class FedProtoDevice(DeviceMethod):
+class FedProtoDevice(PersonalMixin, DeviceMethod):
     """FedProto (Tan et al., AAAI 2022): upload per-class feature means and counts; train with
     cross-entropy plus ``lambda * ||g(x) - c_y||^2`` toward the global prototypes.
 

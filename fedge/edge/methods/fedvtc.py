@@ -45,6 +45,7 @@ from fedge.edge.generators.modules import VTCDecoder, build_generator
 from fedge.edge.generators.train import uniform_labels
 from fedge.edge.methods.base import Arrays, DeviceContext, DeviceMethod
 from fedge.edge.methods.gefl import device_tier
+from fedge.edge.methods.personal import GuardDecision, PersonalMixin, guard_settings, guarded_step, holdout
 from fedge.edge.training import batches, class_feature_stats, train_epochs
 from fedge.errors import ConfigError
 
@@ -74,7 +75,7 @@ def local_statistics(model: nn.Module, x: np.ndarray, y: np.ndarray,
     return protos.astype(np.float32), sigma.astype(np.float32), counts.astype(np.int64)
 
 
-class FedVTCDevice(DeviceMethod):
+class FedVTCDevice(PersonalMixin, DeviceMethod):
     """FedVTC: statistics up, a local decoder ψ_k, whole-model fine-tuning on decoded images."""
 
     name = "fedvtc"
@@ -125,6 +126,9 @@ class FedVTCDevice(DeviceMethod):
         self.g_scale = torch.ones(1)  # (p,) the floored σ the KL and DM terms normalise by
         self.g_classes: np.ndarray = np.zeros(0, dtype=np.int64)  # classes with a global count > 0
         self.g_mask: torch.Tensor | None = None  # (C,) bool
+        # the guard's verdict on this round's fine-tuning, and the synthetic weight it judged
+        self.guard_decision: tuple[GuardDecision, float] | None = None
+        self.synthetic_weight = 1.0  # scales the decoded sample count; only the guard changes it
         log.info("%s: VTC decoder tier %s, %d parameters", ctx.device_id, self.tier, self.dec_spec.num_params())
 
     # -- global statistics ------------------------------------------------------------------
@@ -145,7 +149,7 @@ class FedVTCDevice(DeviceMethod):
             log.info("%s: classes %s are on no device; they get no synthetic samples", self.ctx.device_id,
                      sorted(set(range(self.ctx.num_classes)) - set(self.g_classes.tolist())))
         if self.decoder_trained and len(self.s_classes) and self.finetune_epochs > 0:
-            self._finetune()
+            self._finetune(info.round)
 
     @property
     def s_classes(self) -> np.ndarray:
@@ -182,16 +186,22 @@ class FedVTCDevice(DeviceMethod):
               for i in range(0, n, 256)]
         return torch.cat(xs).numpy(), labels.numpy()
 
-    def _finetune(self) -> float:
+    def _finetune(self, rnd: int = 0) -> float:
         ctx = self.ctx
-        n = max(2, round(self.synthetic_ratio * len(ctx.train)))
+        weight = self.synthetic_weight
+        n = max(2, round(weight * self.synthetic_ratio * len(ctx.train)))
         xs, ys = self.synthesize(n)
+        guard = guard_settings(self.settings)
+        rest, val = (holdout(len(ctx.train), guard.val_fraction, ctx.seed, fold=rnd) if guard is not None
+                     else (np.arange(len(ctx.train)), np.zeros(0, dtype=np.int64)))
+        xr, yr = ctx.train.x[rest], ctx.train.y[rest]
         if self.finetune_real:
             # Decoded images are blurrier than real ones; ending every round on them alone costs
             # accuracy on real data, so by default the epoch mixes them with the real samples.
-            xs, ys = np.concatenate([xs, ctx.train.x]), np.concatenate([ys, ctx.train.y])
+            xs, ys = np.concatenate([xs, xr]), np.concatenate([ys, yr])
         model = ctx.model
         params = list(model.head.parameters()) if self.finetune == "head" else list(model.parameters())
+        forward = None
         if self.finetune == "head":
             # Head-only ablation: the extractor must not drift (BN statistics included).
             def forward(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,9 +210,21 @@ class FedVTCDevice(DeviceMethod):
                     feats = model.features(xb)
                 return model.head(feats), feats
 
-            return train_epochs(model, xs, ys, ctx.train_cfg, ctx.rng, epochs=self.finetune_epochs,
-                                params=params, forward=forward)
-        return train_epochs(model, xs, ys, ctx.train_cfg, ctx.rng, epochs=self.finetune_epochs, params=params)
+        def tune(x: np.ndarray, y: np.ndarray) -> float:
+            return train_epochs(model, x, y, ctx.train_cfg, ctx.rng, epochs=self.finetune_epochs, params=params,
+                                forward=forward)
+
+        if guard is None or len(val) == 0:
+            return tune(xs, ys)
+        # The guard: the same fine-tuning without the decoded images (on the real samples only, or
+        # none at all when the method's fine-tuning has no real samples), judged on the held-out fold.
+        losses: list[float] = []
+        decision = guarded_step(model, lambda: losses.append(tune(xs, ys)),
+                                lambda: losses.append(tune(xr, yr)) if self.finetune_real else None,
+                                ctx.train.x[val], ctx.train.y[val], guard.guard_tolerance)
+        self.guard_decision = (decision, weight)
+        self.synthetic_weight = decision.next_weight(weight)
+        return losses[-1]
 
     # -- local training ---------------------------------------------------------------------
     def _kl_loss(self, model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, logits: torch.Tensor,
@@ -293,8 +315,11 @@ class FedVTCDevice(DeviceMethod):
         # The last alternation always ends with a decoder epoch, which leaves the model (weights and
         # BN statistics, in eval mode) untouched: the statistics computed before it are the upload.
         protos, sigma, counts = stats
-        return ({"protos": protos, "sigma": sigma, "counts": counts},
-                {"loss": float(np.mean(losses)), "dec_loss": float(np.mean(dec_losses))})
+        info_out: dict[str, Any] = {"loss": float(np.mean(losses)), "dec_loss": float(np.mean(dec_losses))}
+        if self.guard_decision is not None:  # decided when this round's global statistics arrived
+            info_out.update(self.guard_decision[0].info(self.guard_decision[1]))
+            self.guard_decision = None
+        return {"protos": protos, "sigma": sigma, "counts": counts}, info_out
 
     def grid_samples(self, per_class: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Decoded images of every class from the global distribution, for an image grid ([0, 1])."""

@@ -104,7 +104,8 @@ class GeFLFDevice(GenerativeMixin, LGFedAvgDevice):
             logits = model.from_stem(zb)
             return logits, logits
 
-        extra = self._train_target(feats, ctx.train.y, lambda z: z, params=self._head_params(), forward=forward)
+        extra = self._train_target(feats, ctx.train.y, lambda z: z, params=self._head_params(), forward=forward,
+                                   rnd=info.round)
         return model_arrays(model, exclude=[EXTRACTOR]), extra
 
 

@@ -1,0 +1,89 @@
+"""Issue 17's block of table 2 and table 1: personal head and guard against Local, per method and device.
+
+A ``-pers`` cell holds both the personal figures (``mean_final_acc_local``: the chosen predictor on
+each device's own split) and the federated model's (``mean_final_acc_local_generic``,
+``mean_final_acc``), so one run shows what personalisation adds. A ``-pg`` cell also has the guard.
+"""
+
+from __future__ import annotations
+
+from common import markdown_table, mean_std, text_table
+from generative_rows import Method
+from generative_targets import NO_WORSE
+
+Cells = dict[str, list[dict]]
+
+
+def _mean(cs: list[dict], key: str) -> float | None:
+    vals = [100 * c[key] for c in cs if c.get(key) is not None]
+    return mean_std(vals)[0] if vals else None
+
+
+def _f(x: float | None, signed: bool = False) -> str:
+    return "-" if x is None else (f"{x:+.2f}" if signed else f"{x:.2f}")
+
+
+def _below_local(cs: list[dict], local: list[dict]) -> str:
+    """Devices whose own-split accuracy trails Local's on the same device and seed by > the margin."""
+    by_seed = {c["seed"]: c.get("per_device") for c in local}
+    below = total = 0
+    for c in cs:
+        ref = by_seed.get(c["seed"])
+        if not ref or not c.get("per_device"):
+            continue
+        for dev, d in c["per_device"].items():
+            if dev in ref and d.get("final_acc_local") is not None and ref[dev].get("final_acc_local") is not None:
+                total += 1
+                below += 100 * (ref[dev]["final_acc_local"] - d["final_acc_local"]) > NO_WORSE.device_margin
+    return f"{below}/{total}" if total else "-"
+
+
+def table2_block(by_alpha: dict[float, Cells], methods: dict[str, Method]) -> tuple[str, str, list[str]]:
+    """(text table, markdown table, target checks) of the rows with a personal head or the guard."""
+    header = ["method", "α", "local, own (%)", "local, federated (%)", "Local's local (%)", "Δ local vs Local",
+              "global, federated (%)", "global, personal (%)", "Δ global vs Local", "devices below Local",
+              "synthetic kept", "s/round", "seeds"]
+    rows, checks = [], []
+    for alpha, cells in by_alpha.items():
+        local = cells.get("local", [])
+        loc_local = _mean(local, "mean_final_acc_local")
+        loc_global = _mean(local, "mean_final_acc")
+        for key, cs in cells.items():
+            cfg = methods[key].config
+            if not (cfg.get("personalize") or cfg.get("guard")):
+                continue
+            seeds = {c["seed"] for c in cs}
+            ref = [c for c in local if c["seed"] in seeds]
+            own, glob = _mean(cs, "mean_final_acc_local"), _mean(cs, "mean_final_acc")
+            ref_l, ref_g = _mean(ref, "mean_final_acc_local"), _mean(ref, "mean_final_acc")
+            dl = None if own is None or ref_l is None else own - ref_l
+            dg = None if glob is None or ref_g is None else glob - ref_g
+            kept = [(c.get("guard_used"), c.get("guard_decisions")) for c in cs if c.get("guard_decisions")]
+            rows.append([methods[key].label, f"{alpha}", _f(own), _f(_mean(cs, "mean_final_acc_local_generic")),
+                         _f(loc_local), _f(dl, True), _f(glob), _f(_mean(cs, "mean_final_acc_global_personal")),
+                         _f(dg, True), _below_local(cs, local),
+                         " ".join(f"{u}/{n}" for u, n in kept) or "-",
+                         " ".join(f"{c['seconds_per_round']:.0f}" for c in cs if "seconds_per_round" in c) or "-",
+                         " ".join(str(s) for s in sorted(seeds))])
+            if dl is not None:
+                ok = dl >= -NO_WORSE.local_within
+                checks.append(f"α = {alpha}: {key} local accuracy − Local's = {dl:+.2f} points (target ≥ "
+                              f"−{NO_WORSE.local_within:g}: {'met' if ok else 'missed'}; seeds "
+                              f"{' '.join(map(str, sorted(seeds)))}).")
+        for key in (k for k in cells if k.startswith("geflf-cvae-p")):
+            base = cells.get("geflf-cvae", [])
+            seeds = {c["seed"] for c in cells[key]}
+            ref = [c for c in local if c["seed"] in seeds]
+            b = [c for c in base if c["seed"] in seeds]
+            g, gb, gl = _mean(cells[key], "mean_final_acc"), _mean(b, "mean_final_acc"), _mean(ref, "mean_final_acc")
+            if None in (g, gb, gl) or gb - gl <= 0:  # type: ignore[operator]
+                continue
+            kept_share = (g - gl) / (gb - gl)  # type: ignore[operator]
+            checks.append(f"α = {alpha}: {key} keeps {100 * kept_share:.0f} % of GeFL-F's global-test gain over "
+                          f"Local ({g - gl:+.2f} of {gb - gl:+.2f} points; target ≥ "  # type: ignore[operator]
+                          f"{100 * NO_WORSE.geflf_gain_kept:.0f} %: "
+                          f"{'met' if kept_share >= NO_WORSE.geflf_gain_kept else 'missed'}).")
+        del loc_global
+    if not rows:
+        return "", "", []
+    return text_table(header, rows), markdown_table(header, rows), checks
