@@ -109,7 +109,8 @@ def _run(args: argparse.Namespace) -> int:
         allowed_devices=None if args.any_device else frozenset(ids), max_update_bytes=int(pick("max_update_bytes")),
         min_devices=int(pick("min_devices")), quorum_fraction=pick("quorum"), quorum_timeout_s=pick("quorum_timeout_s"),
         deadline_slack=pick("deadline_slack"), round_timeout_s=pick("round_timeout_s"), min_round_s=pick("min_round_s"),
-        max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule())
+        max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule(),
+        privacy=cfg.privacy_mechanism)
     strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
                                                          rounds=cfg.run.rounds)
 
@@ -149,8 +150,10 @@ def _run(args: argparse.Namespace) -> int:
                     if isinstance(a := m.get("acc_global"), int | float) and not isinstance(a, bool)]
             acc = f", mean acc {100 * sum(accs) / len(accs):.1f}%" if accs else ""
             missing = f", missing {', '.join(rep.missing)}" if rep.missing else ""
+            p = rep.privacy
+            eps = f", ε {p['epsilon']:.3g} at δ {p['delta']:g} (+{p['epsilon_round']:.3g}/round)" if p else ""
             print(f"round {rep.round}/{total} ({rep.phase}): {len(rep.accepted)} updates, rejected {rejected}"
-                  f"{missing}{acc}, {rep.seconds:.1f} s", flush=True)
+                  f"{missing}{acc}{eps}, {rep.seconds:.1f} s", flush=True)
 
         service.run(on_round=on_round)
     finally:

@@ -48,7 +48,8 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
                                                          rounds=cfg.run.rounds)
     coord, agents, cleanup = connect(cfg, devices)
     try:
-        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method))
+        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method,
+                                                          privacy=cfg.privacy_mechanism))
         reports = engine.run(on_round=on_round)
     finally:
         cleanup()
