@@ -90,6 +90,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
         "rounds": rounds,
         "seed": res.cfg.run.seed,
         "config": res.cfg.source,
+        "data_dir": res.cfg.run.data_dir,
         "seconds": res.seconds,
         "seconds_per_round": sum(r.seconds for r in reports[:rounds]) / max(rounds, 1),
         "summary": {
