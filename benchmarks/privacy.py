@@ -37,14 +37,15 @@ ARCHS_P64 = [f"cnn{k}-p64" for k in range(1, 11)]
 
 MND_METHODS: dict[str, str] = {
     # name -> [run] + [method] tables (digits, 10 devices, IID)
-    "gefl-cvae": 'method = "gefl"\nrounds = 25\n\n[method]\ngenerator = "cvae"\ngen_rounds = 20\n',
-    "geflf-cvae": 'method = "geflf"\nrounds = 30\n\n[method]\ngenerator = "cvae"\nwarmup_rounds = 5\n'
-                  'gen_rounds = 20\n',
-    "fedvtc": 'method = "fedvtc"\nrounds = 20\n\n[method]\ngenerator_tier = "small"\n',
+    "gefl-cvae": 'method = "gefl"\nrounds = 20\n\n[method]\ngenerator = "cvae"\ngenerator_tier = "small"\n'
+                 'gen_rounds = 15\n',
+    "geflf-cvae": 'method = "geflf"\nrounds = 25\n\n[method]\ngenerator = "cvae"\ngenerator_tier = "small"\n'
+                  'warmup_rounds = 5\ngen_rounds = 15\n',
+    "fedvtc": 'method = "fedvtc"\nrounds = 15\n\n[method]\ngenerator_tier = "small"\n',
 }
 EPSILONS: tuple[float, ...] = (1.0, 4.0, 16.0, math.inf)
 ALPHAS = (0.1, 1.0)
-DP_ROUNDS = {"fedproto": 15, "fedvtc": 8}
+DP_ROUNDS = {"fedproto": 10, "fedvtc": 6}
 
 
 def mnd_config(name: str) -> str:
@@ -61,7 +62,7 @@ eval_every = 5
 
 [partition]
 kind = "iid"
-local_test_fraction = 0.0
+local_test_fraction = 0.1
 
 [train]
 lr = 0.1
@@ -201,7 +202,7 @@ def report() -> str:
                  "closer to the device's training images than fresh images of the same classes do.\n")
     parts.append(markdown_table(mnd_header, mnd_rows))
     parts.append("\nAccuracy against ε (`python benchmarks/privacy.py dp`): digits, 6 devices (3 rpi4-2gb, "
-                 "3 rpi5-8gb), Dirichlet α, FedProto 15 rounds, FedVTC 8 rounds (tiny decoder), "
+                 "3 rpi5-8gb), Dirichlet α, FedProto 10 rounds, FedVTC 6 rounds (tiny decoder), "
                  "`[privacy] epsilon = ε, delta = 1e-5, clip = 5, sigma_clip = 1` (device-level: each prototype "
                  "and σ is one clipped contribution); cells: mean final global / local test accuracy %, "
                  "z the calibrated noise multiplier.\n")
@@ -213,6 +214,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=("mnd", "dp", "report"))
     ap.add_argument("--only", help="run one cell: a method name (mnd) or method:alpha:eps (dp)")
+    ap.add_argument("--method", choices=tuple(DP_ROUNDS), help="dp: only this method")
     ap.add_argument("--force", action="store_true", help="recompute saved cells")
     ap.add_argument("--docs", action="store_true", help="also write the docs/results.md section")
     args = ap.parse_args()
@@ -227,6 +229,8 @@ def main() -> None:
                   f"acc {_pct(c['acc'])}", flush=True)
     elif args.part == "dp":
         for method in DP_ROUNDS:
+            if args.method and args.method != method:
+                continue
             for alpha in ALPHAS:
                 for eps in EPSILONS:
                     if args.only and args.only != f"{method}:{alpha}:{eps}":
