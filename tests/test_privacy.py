@@ -143,3 +143,17 @@ def test_the_run_stops_when_its_budget_is_spent() -> None:
     assert out["epsilon"] == pytest.approx(m.epsilon(2))
     assert out["epsilon_per_round"] == pytest.approx(m.epsilon(1))
     assert not out["budget_spent"]
+
+
+def test_received_statistics_are_projected_into_the_clip() -> None:
+    from fedge.common.privacy import project_global
+
+    m = mech(1.0)
+    rng = np.random.default_rng(2)
+    glob = {"prototypes": {"protos": rng.normal(0, 50, (10, 64)).astype(np.float32), "counts": np.ones(10)},
+            "other": {"w": np.full(3, 100.0)}}
+    out = project_global(glob, m)
+    assert np.linalg.norm(out["prototypes"]["protos"], axis=1).max() <= 2.0 + 1e-5
+    np.testing.assert_array_equal(out["other"]["w"], glob["other"]["w"])  # other artifacts untouched
+    # an inf (a diverged device) becomes finite, not NaN
+    assert np.isfinite(clip_rows(np.array([[np.inf, 1.0]]), 1.0)).all()

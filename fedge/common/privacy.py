@@ -128,6 +128,7 @@ class Mechanism:
 
 def clip_rows(x: np.ndarray, bound: float) -> np.ndarray:
     """Scale every row of ``x`` (2-D) whose L2 norm exceeds ``bound`` down to norm ``bound``."""
+    x = np.where(np.isfinite(x), x, 0.0)  # a diverged model's inf/NaN must not turn into NaN after scaling
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     return x * np.minimum(1.0, bound / np.maximum(norms, 1e-12))
 
@@ -148,6 +149,27 @@ def privatize(arrays: dict[str, np.ndarray], mech: Mechanism, rng: np.random.Gen
         if nonneg:
             noised = np.maximum(noised, 0.0)
         out[name] = noised.astype(np.asarray(arrays[name]).dtype)
+    return out
+
+
+def project_global(artifacts: dict[str, dict[str, np.ndarray]], mech: Mechanism) -> dict[str, dict[str, np.ndarray]]:
+    """Clip the *received* global statistics back into the bounds every upload had (runs on the device).
+
+    Every true contribution lies within the clip, so their average does too; the noise does not. Projecting
+    the noised average back onto the ball is post-processing (free under DP) and keeps a method's losses
+    toward the global prototypes bounded: without it, a noise norm 100× the prototypes' makes FedProto's
+    λ‖g(x) − c_y‖² diverge on the device.
+    """
+    out = {}
+    for name, arrays in artifacts.items():
+        arrays = dict(arrays)
+        for key, (kind, _) in STAT_ARRAYS.items():
+            if key in arrays and key in mech.stats:
+                x = np.asarray(arrays[key], dtype=np.float64)
+                bound = mech.clip if kind == "rows" else mech.sigma_clip
+                flat = x.reshape(len(x), -1) if kind == "rows" else x.reshape(1, -1)
+                arrays[key] = clip_rows(flat, bound).reshape(x.shape).astype(np.asarray(arrays[key]).dtype)
+        out[name] = arrays
     return out
 
 

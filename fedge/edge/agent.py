@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from fedge.common.messages import Message
-from fedge.common.privacy import privatize
+from fedge.common.privacy import privatize, project_global
 from fedge.common.rounds import DeviceInfo, RoundInfo
 from fedge.common.transport import DeviceTransport
 from fedge.edge.methods.base import DeviceMethod
@@ -89,6 +89,8 @@ class DeviceAgent:
                 continue  # nothing aggregated yet (first round)
             down += len(data)
             artifacts[name] = Message.from_bytes(data).tensors
+        if self.method.ctx.privacy is not None:
+            artifacts = project_global(artifacts, self.method.ctx.privacy)
         self.method.apply_global(info, artifacts)
         metrics = {}
         if info.is_final or (info.round - 1) % self.eval_every == 0:
