@@ -150,7 +150,8 @@ def test_received_statistics_are_projected_into_the_clip() -> None:
 
     m = mech(1.0)
     rng = np.random.default_rng(2)
-    glob: dict[str, dict[str, np.ndarray]] = {"prototypes": {"protos": rng.normal(0, 50, (10, 64)).astype(np.float32), "counts": np.ones(10)},
+    glob: dict[str, dict[str, np.ndarray]] = {
+        "prototypes": {"protos": rng.normal(0, 50, (10, 64)).astype(np.float32), "counts": np.ones(10)},
             "other": {"w": np.full(3, 100.0)}}
     out = project_global(glob, m)
     assert np.linalg.norm(out["prototypes"]["protos"], axis=1).max() <= 2.0 + 1e-5
