@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import sys
 import time
@@ -173,6 +174,9 @@ def report() -> str:
         f = OUT / f"mnd-{name}.json"
         if f.is_file():
             c = json.loads(f.read_text())
+            fig = Path(c["audit"]["audits"][0]["figure"])
+            if fig.is_file():  # the first device's figure is kept beside the cells (the runs are not committed)
+                shutil.copyfile(fig, OUT / f"closest-{name}.png")
             mnd_rows.append([name, f"{c['pixel_ratio']:.3f} (min {c['pixel_ratio_min']:.3f})",
                              f"{c['feature_ratio']:.3f} (min {c['feature_ratio_min']:.3f})",
                              f"{c['n_train']:.0f} / {c['n_val']:.0f}", _pct(c["acc"]),
@@ -201,6 +205,10 @@ def report() -> str:
                  "(held-out pool: half of the digits test split, 225 images). MND ratio < 1: synthetic samples sit "
                  "closer to the device's training images than fresh images of the same classes do.\n")
     parts.append(markdown_table(mnd_header, mnd_rows))
+    figs = [n for n in MND_METHODS if (OUT / f"closest-{n}.png").is_file()]
+    if figs:
+        parts.append("\nThe closest synthetic samples of the first device (top) above their nearest training images: "
+                     + ", ".join(f"[{n}](../benchmarks/results/privacy/closest-{n}.png)" for n in figs) + ".\n")
     parts.append("\nAccuracy against ε (`python benchmarks/privacy.py dp`): digits, 6 devices (3 rpi4-2gb, "
                  "3 rpi5-8gb), Dirichlet α, FedProto 10 rounds, FedVTC 6 rounds (tiny decoder), "
                  "`[privacy] epsilon = ε, delta = 1e-5, clip = 5, sigma_clip = 1` (device-level: each prototype "
