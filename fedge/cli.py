@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "fedge.broker.cli",
     "fedge.flash.cli",
     "fedge.emulate.cli",
+    "fedge.audit.cli",
 )
 
 

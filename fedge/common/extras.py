@@ -25,6 +25,7 @@ EXTRA_OF: dict[str, tuple[str, str]] = {
     "sklearn": ("scikit-learn", "sim"),
     "amqtt": ("amqtt", "sim"),
     "yaml": ("pyyaml", "flash"),
+    "dp_accounting": ("dp-accounting", "privacy"),
 }
 
 

@@ -83,6 +83,7 @@ class FedProtoSettings(PersonalSettings):
 
     method: ClassVar[str] = "fedproto"
     shares_features: ClassVar[bool] = True
+    private_stats: ClassVar[tuple[str, ...]] = ("protos",)
 
     lam: float = setting(1.0, "λ, the weight of ‖g(x) − c_y‖² toward the global prototypes", key="lambda")
     inference: str = setting("head", "how a device classifies: its local head, or the nearest global prototype "
@@ -184,6 +185,7 @@ class FedVTCSettings(GuardedSettings):
 
     method: ClassVar[str] = "fedvtc"
     shares_features: ClassVar[bool] = True
+    private_stats: ClassVar[tuple[str, ...]] = ("protos", "sigma")
 
     generator_tier: str | None = setting(None, "decoder size (`vtc` row of the tier table)",
                                          choices=GENERATOR_TIERS, shown="the plan's")

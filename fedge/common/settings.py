@@ -67,6 +67,8 @@ class MethodSettings:
     method: ClassVar[str] = ""
     # True when devices exchange feature-space statistics, so every device needs the same p.
     shares_features: ClassVar[bool] = False
+    # Upload arrays that are statistics [privacy] clips and noises (fedge.common.privacy.STAT_ARRAYS).
+    private_stats: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))

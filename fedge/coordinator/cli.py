@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
         deadline_slack=pick("deadline_slack"), round_timeout_s=pick("round_timeout_s"), min_round_s=pick("min_round_s"),
         max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule(),
         # every hello is checked against its device's slot (arch, precision, samples, embedding size)
-        slots=slot_checks(checked_slots(cfg), own_data=cfg.own_data))
+        slots=slot_checks(checked_slots(cfg), own_data=cfg.own_data), privacy=cfg.privacy_mechanism)
     strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
                                                          rounds=cfg.run.rounds)
 
@@ -152,8 +152,10 @@ def _run(args: argparse.Namespace) -> int:
                     if isinstance(a := m.get("acc_global"), int | float) and not isinstance(a, bool)]
             acc = f", mean acc {100 * sum(accs) / len(accs):.1f}%" if accs else ""
             missing = f", missing {', '.join(rep.missing)}" if rep.missing else ""
+            p = rep.privacy
+            eps = f", ε {p['epsilon']:.3g} at δ {p['delta']:g} (+{p['epsilon_round']:.3g}/round)" if p else ""
             print(f"round {rep.round}/{total} ({rep.phase}): {len(rep.accepted)} updates, rejected {rejected}"
-                  f"{missing}{acc}, {rep.seconds:.1f} s", flush=True)
+                  f"{missing}{acc}{eps}, {rep.seconds:.1f} s", flush=True)
 
         service.run(on_round=on_round)
     finally:

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fedge.common.privacy import Mechanism
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.aggregate import Aggregation
 from fedge.errors import ConfigError
@@ -97,6 +98,9 @@ class EngineConfig:
     # long-running coordinator keeps only the last few: per-device report entries would otherwise grow
     # its memory by ~1 KB per device per round.
     keep_reports: int = 0
+    # [privacy]: the mechanism the devices apply; the engine reports ε per round and stops (or warns)
+    # once the budget is spent (fedge.common.privacy).
+    privacy: Mechanism | None = None
 
     def __post_init__(self) -> None:
         if self.min_devices < 0:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fedge.common.messages import Message
+from fedge.common.privacy import PrivacyLedger
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.config import DEFAULT_MAX_UPDATE_BYTES, EngineConfig
@@ -188,6 +189,8 @@ class RoundEngine:
         self.gate.end_round(missing)
         if not info.is_final:
             self._publish(self.strategy.finish_round(rnd), rnd)
+            if self.config.privacy is not None:
+                report.privacy = PrivacyLedger(self.config.privacy).entry(rnd)
         report.seconds = time.perf_counter() - t0
         self.reports.append(report)
         self.completed = rnd
@@ -217,14 +220,34 @@ class RoundEngine:
         self.register_pending()
         if self.completed:
             self._republish()
-        for rnd in range(self.completed + 1, self.strategy.total_rounds() + 2):
+        final = self.strategy.total_rounds() + 1
+        rnd = self.completed + 1
+        while rnd <= final:
+            if rnd < final and not self._privacy_allows(rnd):
+                rnd = final  # the budget is spent: no more releases, only the final evaluation
+                continue
             report = self.run_round(rnd)
             if on_round is not None:
                 on_round(report)
+            rnd += 1
         # Over MQTT this clears the retained descriptor, so no device answers this run's final
         # round once the run is over (the base hook has nothing to clear).
         self.transport.end_run()
         return self.reports
+
+    def _privacy_allows(self, rnd: int) -> bool:
+        """Whether training round ``rnd`` keeps the fleet within its [privacy] budget ("warn": always)."""
+        mech = self.config.privacy
+        if mech is None or PrivacyLedger(mech).allows(rnd):
+            return True
+        eps = mech.epsilon(rnd)
+        if mech.on_budget == "stop":
+            log.warning("privacy budget ε = %g (δ = %g) would be exceeded by round %d (ε = %.3g): "
+                        "stopping after round %d", mech.budget, mech.delta, rnd, eps, rnd - 1)
+            return False
+        log.warning("privacy budget ε = %g (δ = %g) exceeded in round %d: ε = %.3g", mech.budget, mech.delta,
+                    rnd, eps)
+        return True
 
     def _republish(self) -> None:
         for name, arrays in self.globals.items():

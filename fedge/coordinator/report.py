@@ -25,3 +25,5 @@ class RoundReport:
     # messages as ``rejected``, which counts them by reason only). Messages whose sender is unknown
     # (not even a parsable envelope on an unvouched transport) are counted under "?".
     rejected_by_device: dict[str, dict[str, int]] = field(default_factory=dict)
+    # [privacy]: ε spent per round and cumulative at δ after this round (fedge.common.privacy.PrivacyLedger).
+    privacy: dict[str, Any] = field(default_factory=dict)

@@ -10,7 +10,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from fedge.common.messages import Message
+from fedge.common.privacy import privatize, project_global
 from fedge.common.rounds import DeviceInfo, RoundInfo
 from fedge.common.transport import DeviceTransport
 from fedge.edge.methods.base import DeviceMethod
@@ -42,6 +45,7 @@ class DeviceAgent:
         self.traffic: list[Traffic] = []
         self.trained_runs: set[str] = set()  # run ids (of round descriptors) this agent trained a round in
         self._ignored_run = ""
+        self._noise_rng = np.random.default_rng()  # [privacy] noise: OS entropy, never the run's seed
 
     def hello(self) -> None:
         msg = Message("hello", self.device.device_id, 0, self.fleet, info={"device": self.device.to_dict()})
@@ -85,6 +89,8 @@ class DeviceAgent:
                 continue  # nothing aggregated yet (first round)
             down += len(data)
             artifacts[name] = Message.from_bytes(data).tensors
+        if self.method.ctx.privacy is not None:
+            artifacts = project_global(artifacts, self.method.ctx.privacy)
         self.method.apply_global(info, artifacts)
         metrics = {}
         if info.is_final or (info.round - 1) % self.eval_every == 0:
@@ -94,6 +100,11 @@ class DeviceAgent:
             extra: dict[str, Any] = {}
         else:
             arrays, extra = self.method.train_round(info)
+            mech = self.method.ctx.privacy
+            if mech is not None:
+                # On the device, before anything leaves it; fresh OS entropy, so the coordinator (or anyone
+                # who knows the run's seed) cannot regenerate the noise and subtract it.
+                arrays = privatize(arrays, mech, self._noise_rng)
         update = Message(
             "update", self.device.device_id, info.round, self.fleet, tensors=arrays,
             info={"metrics": metrics, "bytes_down": down, "num_samples": self.device.num_samples, **extra},

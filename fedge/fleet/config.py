@@ -18,12 +18,14 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from fedge.common.catalog import DATASETS, NUM_CLASSES
 from fedge.common.preprocess import NORMALIZATION, Normalization
+from fedge.common.privacy import Mechanism, PrivacySettings
 from fedge.common.settings import MethodSettings
 from fedge.common.tensorcodec import PRECISIONS
 from fedge.common.tomlconf import build, read_toml
@@ -166,6 +168,7 @@ class FleetConfig:
     method: dict[str, Any] = field(default_factory=dict)
     coordinator: dict[str, Any] = field(default_factory=dict)  # parsed by fedge.coordinator.config
     data: DataSection = field(default_factory=DataSection)
+    privacy: PrivacySettings = field(default_factory=PrivacySettings)  # fedge.common.privacy (issue 18)
     source: str = "<memory>"
     # The [method] table parsed once, by the run's method (both halves read it): unknown keys, wrong
     # types and out-of-range values fail here, at load time.
@@ -173,6 +176,17 @@ class FleetConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method_config", method_entry(self.run.method).parse(self.method))
+
+    @functools.cached_property
+    def privacy_mechanism(self) -> Mechanism | None:
+        """The ``[privacy]`` mechanism every device applies and the coordinator accounts (None: off)."""
+        if not self.privacy.enabled:
+            return None
+        stats = self.method_config.private_stats
+        if not stats:
+            raise ConfigError(f"{self.source}: [privacy] applies to fedproto and fedvtc, not {self.run.method!r}",
+                              hint="leave [privacy] out for this method (docs/privacy.md)")
+        return self.privacy.mechanism(stats=stats, num_classes=self.num_classes, rounds=self.run.rounds)
 
     @property
     def base_dir(self) -> Path:
@@ -223,7 +237,13 @@ def parse_fleet(data: dict[str, Any], *, source: str = "<memory>") -> FleetConfi
     if not isinstance(groups, list):
         raise ConfigError(f"{source}: devices must be an array of tables ([[devices]])")
     devices = tuple(build(DeviceGroup, g, source=source, section=f"devices[{i}]") for i, g in enumerate(groups))
-    return build(FleetConfig, {**data, "devices": devices, "source": source}, source=source)
+    cfg = build(FleetConfig, {**data, "devices": devices, "source": source}, source=source)
+    if "privacy" in data:
+        if not cfg.privacy.enabled:
+            raise ConfigError(f"{source}: [privacy] sets neither noise_multiplier nor epsilon",
+                              hint="add `epsilon = 4` (total ε of the run) or `noise_multiplier = 1.0`")
+        cfg.privacy_mechanism  # noqa: B018  (a method without statistics fails now, at load time)
+    return cfg
 
 
 def load_fleet(path: str | Path) -> FleetConfig:

@@ -84,6 +84,7 @@ def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
         global_test=data.test,
         profile=slot.profile,
         plan=p.to_dict(),
+        privacy=cfg.privacy_mechanism,
     )
     return SimDevice(slot.info(), entry.build_device(ctx), p.to_dict())
 

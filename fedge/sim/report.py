@@ -21,6 +21,23 @@ def _nan_to_none(x: float | None) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
+def _finite(x: float) -> float | None:
+    return None if math.isinf(x) else x
+
+
+def _privacy(res: SimResult) -> dict[str, Any] | None:
+    """[privacy]: the mechanism and the ε the coordinator accounted (None: the run had no [privacy])."""
+    mech = res.cfg.privacy_mechanism
+    if mech is None:
+        return None
+    spent = [r.privacy for r in res.reports if r.privacy]
+    last = spent[-1] if spent else {"epsilon": 0.0, "budget_spent": False}
+    eps = last["epsilon"]
+    # ε = ∞ (noise_multiplier 0: clipping only) is written as null: JSON has no infinity.
+    return {**mech.to_dict(), "epsilon_per_round": _finite(mech.epsilon(1)), "epsilon": _finite(eps),
+            "training_rounds_released": len(spent), "budget_spent": last["budget_spent"]}
+
+
 def build_results(res: SimResult) -> dict[str, Any]:
     """The JSON document of a run."""
     reports: list[RoundReport] = res.reports
@@ -73,6 +90,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
         "rounds": rounds,
         "seed": res.cfg.run.seed,
         "config": res.cfg.source,
+        "data_dir": res.cfg.run.data_dir,
         "seconds": res.seconds,
         "seconds_per_round": sum(r.seconds for r in reports[:rounds]) / max(rounds, 1),
         "summary": {
@@ -91,9 +109,10 @@ def build_results(res: SimResult) -> dict[str, Any]:
         },
         "rounds_log": [
             {"round": r.round, "phase": r.phase, "seconds": r.seconds, "accepted": len(r.accepted),
-             "rejected": r.rejected}
+             "rejected": r.rejected, **({"epsilon": _finite(r.privacy["epsilon"])} if r.privacy else {})}
             for r in reports
         ],
+        "privacy": _privacy(res),
         "devices": devices,
     }
 
@@ -214,4 +233,10 @@ def format_table(results: dict[str, Any]) -> str:
                      f"with the chosen predictor {_pct(s['mean_final_acc_global_personal'])} %")
     if guard:
         lines.append(f"guard: synthetic samples kept in {s['guard_used']} of {s['guard_decisions']} device-rounds")
+    p = results.get("privacy")
+    if p:
+        eps = "∞" if p["epsilon"] is None else f"{p['epsilon']:.3g}"
+        lines.append(f"privacy: ε = {eps} at δ = {p['delta']:g} after {p['training_rounds_released']} rounds "
+                     f"(noise multiplier {p['noise_multiplier']:.3g}, clip {p['clip']:g}, σ clip {p['sigma_clip']:g})"
+                     + (", budget spent" if p["budget_spent"] else ""))
     return "\n".join(lines)

@@ -52,7 +52,8 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
     try:
         # the devices' hellos are checked against the fleet config's slots, as `fedge coordinator run` does
         slots = slot_checks(checked_slots(cfg), own_data=cfg.own_data)
-        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=slots))
+        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=slots,
+                                                          privacy=cfg.privacy_mechanism))
         reports = engine.run(on_round=on_round)
     finally:
         cleanup()

@@ -9,6 +9,7 @@ samples (3×16×16 extractor maps) are shown as RGB, each sample min-max scaled.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterable
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors.numpy
 
 from fedge.edge.models.checkpoint import save_checkpoint
 
@@ -68,8 +70,10 @@ def write_sample_grids(methods: Iterable[Any], out_dir: str | os.PathLike[str], 
     and ``checkpoints/generators/<key>.safetensors`` under ``out_dir``.
     """
     out = Path(out_dir)
+    gen_dir = out / "checkpoints" / "generators"
     written: list[Path] = []
     seen: set[str] = set()
+    index: dict[str, str] = {}  # device id -> the generator it used (fedge audit privacy reads it)
     id_list = list(ids) if ids is not None else None
     for i, m in enumerate(methods):
         fn = getattr(m, "grid_samples", None)
@@ -78,13 +82,19 @@ def write_sample_grids(methods: Iterable[Any], out_dir: str | os.PathLike[str], 
         dev = id_list[i] if id_list is not None else m.ctx.device_id
         key = getattr(m, "gen_artifact", None) or f"vtc-{dev}"
         if key in seen:
+            index[dev] = key
             continue
         samples = fn(per_class)
         if samples is None:
             log.info("%s: no trained generator to sample", dev)
             continue
         seen.add(key)
+        index[dev] = key
         written.append(save_grid(out / "samples" / f"{key}.png", samples[0], per_class))
-        save_checkpoint(m.generator, out / "checkpoints" / "generators" / f"{key}.safetensors",
-                        extra={"fedge.device": dev})
+        save_checkpoint(m.generator, gen_dir / f"{key}.safetensors", extra={"fedge.device": dev})
+        latents = getattr(m, "latent_distribution", None)
+        if latents is not None:  # FedVTC: the decoder samples around the global prototypes, with the global σ
+            safetensors.numpy.save_file(latents(), str(gen_dir / f"{key}.latents.safetensors"))
+    if index:
+        (gen_dir / "index.json").write_text(json.dumps(index, indent=1))
     return written

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from fedge.common.privacy import Mechanism
 from fedge.common.rounds import RoundInfo
 from fedge.common.settings import MethodSettings
 from fedge.edge.data.datasets import Dataset
@@ -35,6 +36,7 @@ class DeviceContext:
     global_test: Dataset | None = None
     profile: str = "custom"
     plan: dict[str, Any] = field(default_factory=dict)
+    privacy: Mechanism | None = None  # [privacy]: the agent clips and noises the statistics before upload
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)

@@ -321,6 +321,11 @@ class FedVTCDevice(PersonalMixin, DeviceMethod):
             self.guard_decision = None
         return {"protos": protos, "sigma": sigma, "counts": counts}, info_out
 
+    def latent_distribution(self) -> dict[str, np.ndarray]:
+        """The global prototypes c^y and σ this device decodes from (saved beside its decoder)."""
+        assert self.g_protos is not None and self.g_sigma is not None
+        return {"protos": self.g_protos.numpy(), "sigma": self.g_sigma.numpy()}
+
     def grid_samples(self, per_class: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Decoded images of every class from the global distribution, for an image grid ([0, 1])."""
         if self.g_protos is None or not self.decoder_trained:

@@ -1,0 +1,257 @@
+"""Privacy benchmark: memorization (MND) of each method's generators, and accuracy against ε.
+
+Two parts, each resumable (one JSON cell per run under benchmarks/results/privacy/):
+
+* ``mnd``: GeFL-CVAE, GeFL-F (CVAE-F) and FedVTC on a table-1-like fleet — CNN-1 ... CNN-10,
+  one device each, IID — reduced to what two shared cores run: digits (about 134 training
+  images per device) and short schedules. Each run is audited with ``fedge audit privacy``
+  (the same code: :func:`fedge.audit.privacy.audit_run`).
+* ``dp``: FedProto and FedVTC under ``[privacy] epsilon`` ∈ {1, 4, 16} and without ``[privacy]``
+  (ε = ∞), at Dirichlet α = 0.1 and 1.0, on the 6-device digits fleet of examples/.
+
+    python benchmarks/privacy.py mnd
+    python benchmarks/privacy.py dp
+    python benchmarks/privacy.py report     # tables + docs/results.md section from the saved cells
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, cached_cell, markdown_table, text_table, write_docs_section
+
+OUT = RESULTS / "privacy"
+RUNS = OUT / "runs"
+ARCHS = [f"cnn{k}" for k in range(1, 11)]
+ARCHS_P64 = [f"cnn{k}-p64" for k in range(1, 11)]
+
+MND_METHODS: dict[str, str] = {
+    # name -> [run] + [method] tables (digits, 10 devices, IID)
+    "gefl-cvae": 'method = "gefl"\nrounds = 20\n\n[method]\ngenerator = "cvae"\ngenerator_tier = "small"\n'
+                 'gen_rounds = 15\n',
+    "geflf-cvae": 'method = "geflf"\nrounds = 25\n\n[method]\ngenerator = "cvae"\ngenerator_tier = "small"\n'
+                  'warmup_rounds = 5\ngen_rounds = 15\n',
+    "fedvtc": 'method = "fedvtc"\nrounds = 15\n\n[method]\ngenerator_tier = "small"\n',
+}
+EPSILONS: tuple[float, ...] = (1.0, 4.0, 16.0, math.inf)
+ALPHAS = (0.1, 1.0)
+DP_ROUNDS = {"fedproto": 10, "fedvtc": 6}
+
+
+def mnd_config(name: str) -> str:
+    body = MND_METHODS[name]
+    archs = ARCHS_P64 if name == "fedvtc" else ARCHS
+    run, method = body.split("\n\n", 1)
+    return f"""# benchmarks/privacy.py mnd: a table-1-like fleet on digits (CNN-1..10, IID), short schedule
+[run]
+name = "privacy-mnd-{name}"
+{run}
+dataset = "digits"
+seed = 0
+eval_every = 5
+
+[partition]
+kind = "iid"
+local_test_fraction = 0.1
+
+[train]
+lr = 0.1
+batch_size = 32
+local_epochs = 2
+
+{method}
+[[devices]]
+profile = "x86-gateway"
+count = 10
+archs = [{", ".join(f'"{a}"' for a in archs)}]
+id_prefix = "client"
+"""
+
+
+def dp_config(method: str, alpha: float, eps: float) -> str:
+    privacy = "" if math.isinf(eps) else f"\n[privacy]\nepsilon = {eps}\ndelta = 1e-5\nclip = 5.0\nsigma_clip = 1.0\n"
+    extra = '\n[method]\ngenerator_tier = "tiny"\n' if method == "fedvtc" else ""
+    return f"""# benchmarks/privacy.py dp
+[run]
+name = "privacy-dp-{method}-a{alpha}-e{eps}"
+method = "{method}"
+rounds = {DP_ROUNDS[method]}
+dataset = "digits"
+seed = 0
+eval_every = {DP_ROUNDS[method]}
+
+[partition]
+kind = "dirichlet"
+alpha = {alpha}
+
+[train]
+lr = 0.05
+local_epochs = 2
+{extra}{privacy}
+[[devices]]
+profile = "rpi4-2gb"
+count = 3
+
+[[devices]]
+profile = "rpi5-8gb"
+count = 3
+"""
+
+
+def simulate_dir(run_dir: Path, toml: str, *, samples: bool) -> dict[str, Any]:
+    """Write the config into ``run_dir`` and run it as ``fedge simulate CONFIG --out RUN_DIR [--samples]``."""
+    from fedge.edge.generators.grid import write_sample_grids
+    from fedge.fleet.config import load_fleet
+    from fedge.sim.report import build_results, write_results
+    from fedge.sim.simulate import simulate
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = run_dir / "config.toml"
+    cfg_path.write_text(toml)
+    res = simulate(load_fleet(cfg_path), out_dir=run_dir)
+    results = build_results(res)
+    write_results(results, run_dir)
+    if samples:
+        write_sample_grids([d.method for d in res.devices], run_dir)
+    return results
+
+
+def mnd_cell(name: str) -> dict[str, Any]:
+    from fedge.audit.privacy import audit_run
+
+    run_dir = RUNS / f"mnd-{name}"
+    t0 = time.perf_counter()
+    results = simulate_dir(run_dir, mnd_config(name), samples=True)
+    t1 = time.perf_counter()
+    report = audit_run(run_dir)
+    audits = report["audits"]
+    return {
+        "method": name, "config": mnd_config(name), "sim_seconds": t1 - t0,
+        "audit_seconds": time.perf_counter() - t1,
+        "acc": results["summary"]["mean_best_acc_global"],
+        "pixel_ratio": statistics.fmean(a["pixel"]["ratio"] for a in audits),
+        "pixel_ratio_min": min(a["pixel"]["ratio"] for a in audits),
+        "feature_ratio": statistics.fmean(a["features"]["ratio"] for a in audits),
+        "feature_ratio_min": min(a["features"]["ratio"] for a in audits),
+        "n_train": statistics.fmean(a["n_train"] for a in audits),
+        "n_val": statistics.fmean(a["n_val"] for a in audits),
+        "devices": len(audits), "feature_net_acc": report["feature_network"]["train_accuracy"],
+        "audit": report,
+    }
+
+
+def dp_cell(method: str, alpha: float, eps: float) -> dict[str, Any]:
+    run_dir = RUNS / f"dp-{method}-a{alpha}-e{eps}"
+    t0 = time.perf_counter()
+    results = simulate_dir(run_dir, dp_config(method, alpha, eps), samples=False)
+    p = results.get("privacy") or {}
+    return {"method": method, "alpha": alpha, "epsilon_target": None if math.isinf(eps) else eps,
+            "config": dp_config(method, alpha, eps), "seconds": time.perf_counter() - t0,
+            "acc_global": results["summary"]["mean_final_acc_global"],
+            "acc_local": results["summary"]["mean_final_acc_local"],
+            "epsilon_spent": p.get("epsilon"), "noise_multiplier": p.get("noise_multiplier")}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def report() -> str:
+    parts = []
+    mnd_rows = []
+    for name in MND_METHODS:
+        f = OUT / f"mnd-{name}.json"
+        if f.is_file():
+            c = json.loads(f.read_text())
+            fig = Path(c["audit"]["audits"][0]["figure"])
+            if fig.is_file():  # the first device's figure is kept beside the cells (the runs are not committed)
+                shutil.copyfile(fig, OUT / f"closest-{name}.png")
+            mnd_rows.append([name, f"{c['pixel_ratio']:.3f} (min {c['pixel_ratio_min']:.3f})",
+                             f"{c['feature_ratio']:.3f} (min {c['feature_ratio_min']:.3f})",
+                             f"{c['n_train']:.0f} / {c['n_val']:.0f}", _pct(c["acc"]),
+                             f"{c['sim_seconds']:.0f} + {c['audit_seconds']:.0f}"])
+    mnd_header = ["method", "MND ratio, pixels (mean over devices)", "MND ratio, features", "train / held-out",
+                  "best acc %", "s (run + audit)"]
+    dp_rows = []
+    for method in DP_ROUNDS:
+        for alpha in ALPHAS:
+            row = [method, str(alpha)]
+            for eps in EPSILONS:
+                f = OUT / f"dp-{method}-a{alpha}-e{eps}.json"
+                if f.is_file():
+                    c = json.loads(f.read_text())
+                    z = c["noise_multiplier"]
+                    row.append(f"{_pct(c['acc_global'])} / {_pct(c['acc_local'])}" + (f" (z {z:.2g})" if z else ""))
+                else:
+                    row.append("-")
+            dp_rows.append(row)
+    dp_header = ["method", "α", *[("ε = ∞" if math.isinf(e) else f"ε = {e:g}") for e in EPSILONS]]
+    print(text_table(mnd_header, mnd_rows))
+    print()
+    print(text_table(dp_header, dp_rows))
+    parts.append("Memorization (`python benchmarks/privacy.py mnd`): digits, 10 devices CNN-1..10 (FedVTC: "
+                 "cnnK-p64), IID, about 134 training images per device; each run audited by `fedge audit privacy` "
+                 "(held-out pool: half of the digits test split, 225 images). MND ratio < 1: synthetic samples sit "
+                 "closer to the device's training images than fresh images of the same classes do.\n")
+    parts.append(markdown_table(mnd_header, mnd_rows))
+    figs = [n for n in MND_METHODS if (OUT / f"closest-{n}.png").is_file()]
+    if figs:
+        parts.append("\nThe closest synthetic samples of the first device (top) above their nearest training images: "
+                     + ", ".join(f"[{n}](../benchmarks/results/privacy/closest-{n}.png)" for n in figs) + ".\n")
+    parts.append("\nAccuracy against ε (`python benchmarks/privacy.py dp`): digits, 6 devices (3 rpi4-2gb, "
+                 "3 rpi5-8gb), Dirichlet α, FedProto 10 rounds, FedVTC 6 rounds (tiny decoder), "
+                 "`[privacy] epsilon = ε, delta = 1e-5, clip = 5, sigma_clip = 1` (device-level: each prototype "
+                 "and σ is one clipped contribution); cells: mean final global / local test accuracy %, "
+                 "z the calibrated noise multiplier.\n")
+    parts.append(markdown_table(dp_header, dp_rows))
+    return "\n".join(parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", choices=("mnd", "dp", "report"))
+    ap.add_argument("--only", help="run one cell: a method name (mnd) or method:alpha:eps (dp)")
+    ap.add_argument("--method", choices=tuple(DP_ROUNDS), help="dp: only this method")
+    ap.add_argument("--force", action="store_true", help="recompute saved cells")
+    ap.add_argument("--docs", action="store_true", help="also write the docs/results.md section")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.part == "mnd":
+        for name in MND_METHODS:
+            if args.only and args.only != name:
+                continue
+            c = cached_cell(OUT / f"mnd-{name}.json", lambda n=name: mnd_cell(n), force=args.force,  # type: ignore[misc]
+                            expect={"config": mnd_config(name)})
+            print(f"{name}: pixel ratio {c['pixel_ratio']:.3f}, feature ratio {c['feature_ratio']:.3f}, "
+                  f"acc {_pct(c['acc'])}", flush=True)
+    elif args.part == "dp":
+        for method in DP_ROUNDS:
+            if args.method and args.method != method:
+                continue
+            for alpha in ALPHAS:
+                for eps in EPSILONS:
+                    if args.only and args.only != f"{method}:{alpha}:{eps}":
+                        continue
+                    c = cached_cell(OUT / f"dp-{method}-a{alpha}-e{eps}.json",
+                                    lambda m=method, a=alpha, e=eps: dp_cell(m, a, e),  # type: ignore[misc]
+                                    force=args.force, expect={"config": dp_config(method, alpha, eps)})
+                    print(f"{method} α {alpha} ε {eps}: acc {_pct(c['acc_global'])} / {_pct(c['acc_local'])}, "
+                          f"{c['seconds']:.0f} s", flush=True)
+    body = report()
+    if args.docs:
+        write_docs_section("privacy", body)
+
+
+if __name__ == "__main__":
+    main()
