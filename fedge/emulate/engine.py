@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedge.common.units import format_bytes
 from fedge.emulate.compose import BROKER, COORDINATOR, NETWORK, CoordinatorArgs, Images, compose_dict, to_yaml
 from fedge.emulate.limits import DeviceLimits, DevicePlan, device_plans, limits_for, oom_message
 from fedge.errors import ConfigError, EmulationError
@@ -482,19 +483,12 @@ def format_status(rows: list[DeviceStatus], emu: Emulation, client: Any) -> str:
     for r in rows:
         mem = f"{r.mem_mb:.0f}/{r.mem_limit_mb}" if r.mem_mb is not None else f"-/{r.mem_limit_mb}"
         cpu = f"{r.cpu_pct:.0f}%" if r.cpu_pct is not None else "-"
-        tx = _human(r.tx_bytes) if r.tx_bytes is not None else "-"
+        tx = format_bytes(r.tx_bytes, binary=False) if r.tx_bytes is not None else "-"
         lines.append(f"{r.device_id:<18} {r.profile:<13} {r.state:<12} {r.round if r.round is not None else '-':>5} "
-                     f"{cpu:>6} {mem:>13} {_human(r.sent_bytes):>10} {tx:>10}")
+                     f"{cpu:>6} {mem:>13} {format_bytes(r.sent_bytes, binary=False):>10} {tx:>10}")
     lines += [r.message for r in rows if r.message]
     return "\n".join(lines)
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 def limits_of(emu: Emulation) -> list[DeviceLimits]:

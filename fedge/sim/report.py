@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fedge.common.units import format_bytes
 from fedge.coordinator.engine import RoundReport
 from fedge.sim.simulate import SimResult
 
@@ -181,13 +182,6 @@ def write_results(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     return paths
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
@@ -214,7 +208,7 @@ def format_table(results: dict[str, Any]) -> str:
         if guard:
             g = d.get("guard", [])
             row.append(f"{sum(x['used'] for x in g)}/{len(g)}")
-        row += [_fmt_bytes(sum(d["bytes_up"])), _fmt_bytes(sum(d["bytes_down"])), d["upload_precision"]]
+        row += [format_bytes(sum(d["bytes_up"])), format_bytes(sum(d["bytes_down"])), d["upload_precision"]]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
