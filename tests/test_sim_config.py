@@ -59,7 +59,8 @@ def test_good_config_loads(tmp_path: Path) -> None:
         ("[run]\nmethod='local'\nrounds=1\n", ["no [[devices]] tables"]),
         # [method] is parsed by the run's method when the config loads: a typo is not a silent default.
         (GOOD + "[method]\nlamda = 0.5\n", ["[method] unknown key 'lamda' for method 'fedproto'",
-                                             "did you mean 'lambda'?", "valid keys: lambda, inference, head_protos"]),
+                                             "did you mean 'lambda'?", "valid keys: ", "lambda", "inference",
+                                             "head_protos", "personalize"]),
         (GOOD + '[method]\nlambda = "big"\n', ["[method] lambda must be a number >= 0, got 'big'"]),
         (GOOD + '[method]\ninference = "nearest"\n', ["inference must be 'head' or 'prototype', got 'nearest'"]),
         (GOOD.replace('method = "fedproto"', 'method = "fedavg"') + "[method]\nlambda = 1\n",
