@@ -145,6 +145,28 @@ def test_the_run_stops_when_its_budget_is_spent() -> None:
     assert not out["budget_spent"]
 
 
+def test_on_budget_warn_goes_on_and_reports_the_overspend(caplog: pytest.LogCaptureFixture) -> None:
+    from fedge.sim.report import build_results
+    from fedge.sim.simulate import simulate
+
+    cfg = parse_fleet(fleet_doc("fedproto", {"noise_multiplier": 5.0, "budget": 4.5, "on_budget": "warn"},
+                                rounds=3))
+    m = cfg.privacy_mechanism
+    assert m is not None and m.epsilon(2) <= 4.5 < m.epsilon(3)
+    with caplog.at_level("WARNING", logger="fedge.coordinator.engine"):
+        res = simulate(cfg)
+    assert [r.round for r in res.reports] == [1, 2, 3, 4]  # every training round ran, then the final one
+    warned = [r.getMessage() for r in caplog.records if "privacy budget" in r.getMessage()]
+    assert len(warned) == 1 and "exceeded in round 3" in warned[0], warned
+    out = build_results(res)["privacy"]
+    assert out["training_rounds_released"] == 3
+    assert out["epsilon"] == pytest.approx(m.epsilon(3))
+    assert out["budget_spent"] is True
+    log_ = build_results(res)["rounds_log"]
+    assert [r["epsilon"] for r in log_[:3]] == pytest.approx([m.epsilon(1), m.epsilon(2), m.epsilon(3)])
+    assert "epsilon" not in log_[3]  # the final evaluation round releases nothing
+
+
 def test_received_statistics_are_projected_into_the_clip() -> None:
     from fedge.common.privacy import project_global
 
