@@ -35,6 +35,26 @@ def test_copies_of_the_training_set_score_zero_and_fresh_data_one() -> None:
     assert 0.9 < mnd(fresh, val, train)[0].ratio < 1.1
 
 
+def test_the_inversion_round_trip_is_measured_beside_the_samples() -> None:
+    from fedge.audit.report import format_audit_table
+    from fedge.edge.models import build_model
+
+    rng = np.random.default_rng(2)
+    train01, val01 = rng.random((60, 1, 32, 32)).astype(np.float32), rng.random((40, 1, 32, 32)).astype(np.float32)
+    split = Split(train01, np.zeros(60, np.int64), val01, np.zeros(40, np.int64), 0.5, 0.25)
+    net = build_model("cnn5", seed=0, num_classes=10)  # any fixed network: the mechanics, not the figures
+    syn = train01[:40] + 0.01  # near-copies of training images
+    plain = audit_samples("g", "d0", syn, split, net).to_dict()
+    assert "roundtrip" not in plain
+    a = audit_samples("g", "d0", syn, split, net, level="feature", roundtrip01=val01).to_dict()
+    rt = a["roundtrip"]
+    assert rt["pixel"]["ratio"] == pytest.approx(1.0) and rt["features"]["ratio"] == pytest.approx(1.0)
+    assert rt["ratio_synthetic_to_roundtrip"]["pixel"] == pytest.approx(a["pixel"]["ratio"])  # round trip = held-out
+    assert a["pixel"]["ratio"] < 0.1
+    assert "held-out images through the extractor and the same inverter score ratio 1.000 px" in format_audit_table(
+        {"audits": [a]})
+
+
 def _cvae(x01: np.ndarray, y: np.ndarray, epochs: int) -> ConditionalGenerator:
     g = build_generator(GeneratorSpec("cvae", (1, 32, 32), tier="tiny"), seed=0)
     GeneratorTrainer(g).fit(x01, y, epochs=epochs, batch_size=min(32, len(y)), rng=np.random.default_rng(0),
