@@ -179,8 +179,13 @@ def audit_summary(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def dp_cell(method: str, alpha: float, eps: float, rounds: int | None = None) -> dict[str, Any]:
-    run_dir = RUNS / (f"dp-{method}-a{alpha}-e{eps}" if rounds is None else f"dp-local{rounds}-a{alpha}")
+def dp_file(method: str, alpha: float, eps: float, draw: int = 1) -> Path:
+    """A dp cell's file; draws 2, 3, ... repeat a cell with fresh noise (the noise is never seeded)."""
+    return OUT / (f"dp-{method}-a{alpha}-e{eps}" + (f"-d{draw}" if draw > 1 else "") + ".json")
+
+
+def dp_cell(method: str, alpha: float, eps: float, rounds: int | None = None, draw: int = 1) -> dict[str, Any]:
+    run_dir = RUNS / (dp_file(method, alpha, eps, draw).stem if rounds is None else f"dp-local{rounds}-a{alpha}")
     t0 = time.perf_counter()
     results = simulate_dir(run_dir, dp_config(method, alpha, eps, rounds), samples=False)
     p = results.get("privacy") or {}
@@ -219,11 +224,12 @@ def report() -> str:
         for alpha in ALPHAS:
             row = [method, str(alpha)]
             for eps in EPSILONS:
-                f = OUT / f"dp-{method}-a{alpha}-e{eps}.json"
-                if f.is_file():
-                    c = json.loads(f.read_text())
-                    z = c["noise_multiplier"]
-                    row.append(f"{_pct(c['acc_global'])} / {_pct(c['acc_local'])}" + (f" (z {z:.2g})" if z else ""))
+                files = [dp_file(method, alpha, eps, d) for d in range(1, 10)]
+                cells = [json.loads(f.read_text()) for f in files if f.is_file()]
+                if cells:
+                    z = cells[0]["noise_multiplier"]
+                    row.append("; ".join(f"{_pct(c['acc_global'])} / {_pct(c['acc_local'])}" for c in cells)
+                               + (f" (z {z:.2g})" if z else ""))
                 else:
                     row.append("-")
             dp_rows.append(row)
@@ -253,7 +259,8 @@ def report() -> str:
                  "prototype classifies), FedVTC 6 rounds (tiny decoder); `local`: the same fleet with nothing "
                  "shared. `[privacy] epsilon = ε, delta = 1e-5, clip = 5, sigma_clip = 1` (device-level: each "
                  "prototype and σ is one clipped contribution); ε = ∞: no `[privacy]` table (no clipping either). "
-                 "Cells: mean final global / local test accuracy %, z the calibrated noise multiplier.\n")
+                 "Cells: mean final global / local test accuracy % (several: repeated draws of the noise, "
+                 "`--draw 2`), z the calibrated noise multiplier.\n")
     parts.append(markdown_table(dp_header, dp_rows))
     return "\n".join(parts)
 
@@ -265,6 +272,7 @@ def main() -> None:
     ap.add_argument("--method", choices=(*DP_ROUNDS, "local"), help="dp: only this row (fedproto-pi: prototype "
                     "inference)")
     ap.add_argument("--force", action="store_true", help="recompute saved cells")
+    ap.add_argument("--draw", type=int, default=1, help="dp: repeat the finite-ε cells as draw N (fresh noise)")
     ap.add_argument("--reaudit", action="store_true", help="mnd: audit the saved runs again (current audit code)")
     ap.add_argument("--docs", action="store_true", help="also write the docs/results.md section")
     args = ap.parse_args()
@@ -288,8 +296,10 @@ def main() -> None:
                 for eps in EPSILONS:
                     if args.only and args.only != f"{method}:{alpha}:{eps}":
                         continue
-                    c = cached_cell(OUT / f"dp-{method}-a{alpha}-e{eps}.json",
-                                    lambda m=method, a=alpha, e=eps: dp_cell(m, a, e),  # type: ignore[misc]
+                    if args.draw > 1 and math.isinf(eps):
+                        continue  # without [privacy] nothing is random beyond the run's seed
+                    c = cached_cell(dp_file(method, alpha, eps, args.draw),
+                                    lambda m=method, a=alpha, e=eps: dp_cell(m, a, e, draw=args.draw),  # type: ignore[misc]
                                     force=args.force, expect={"config": dp_config(method, alpha, eps)})
                     print(f"{method} α {alpha} ε {eps}: acc {_pct(c['acc_global'])} / {_pct(c['acc_local'])}, "
                           f"{c['seconds']:.0f} s", flush=True)
