@@ -245,9 +245,13 @@ def report() -> str:
     print()
     print(text_table(dp_header, dp_rows))
     parts.append("Memorization (`python benchmarks/privacy.py mnd`): digits, 10 devices CNN-1..10 (FedVTC: "
-                 "cnnK-p64), IID, about 134 training images per device; each run audited by `fedge audit privacy` "
-                 "(held-out pool: half of the digits test split, 225 images). MND ratio < 1: synthetic samples sit "
-                 "closer to the device's training images than fresh images of the same classes do.\n")
+                 "cnnK-p64), IID, seed 0, 121 training images per device; each run audited by `fedge audit privacy` "
+                 "(held-out: half of the digits test split, 225 images; as many synthetic samples, same labels; "
+                 "features: CNN-5 trained on the other half). MND ratio < 1: synthetic samples sit "
+                 "closer to the device's training images than fresh images of the same classes do. Inverted "
+                 "held-out (GeFL-F only): the held-out images through the device's extractor and the audit's "
+                 "inverter, measured like the samples (about 1: the inverter itself neither pulls towards nor "
+                 "pushes away from the training images).\n")
     parts.append(markdown_table(mnd_header, mnd_rows))
     figs = [n for n in MND_METHODS if (OUT / f"closest-{n}.png").is_file()]
     if figs:

@@ -114,11 +114,40 @@ def test_fedge_audit_privacy_on_a_fedvtc_run(vtc_run: Path, capsys: pytest.Captu
     assert "vtc-rpi4-2gb-1" in out and "ratio px" in out
     report = json.loads((vtc_run / "audit" / "privacy.json").read_text())
     assert [a["device"] for a in report["audits"]] == ["rpi4-2gb-1", "rpi4-2gb-2"]
+    # the fixed network and the split are stated in the report
+    assert report["feature_network"]["arch"] == "cnn5" and "disjoint" in report["feature_network"]["trained_on"]
+    assert report["split"]["n_train_max"] == 1000 and report["split"]["n_val_max"] == 100
     for a in report["audits"]:
         assert a["kind"] == "vtc" and a["n_val"] == a["n_synthetic"] == 100
         assert 0 < a["n_train"] <= 1000
         assert a["pixel"]["ratio"] > 0 and a["features"]["ratio"] > 0
         assert Path(a["figure"]).is_file() and Path(a["figure"]).stat().st_size > 1000
+
+
+def test_a_geflf_feature_generator_is_judged_through_the_inverter(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from fedge.cli import main
+
+    cfg = tmp_path / "fleet.toml"
+    cfg.write_text('[run]\nmethod = "geflf"\nrounds = 3\ndataset = "digits"\n\n[partition]\nkind = "iid"\n'
+                   'fraction = 0.3\n\n[train]\nlocal_epochs = 1\n\n[method]\ngenerator_tier = "tiny"\n'
+                   'warmup_rounds = 1\ngen_rounds = 1\ngen_epochs = 1\n\n'
+                   '[[devices]]\nprofile = "rpi4-2gb"\ncount = 2\n')
+    torch.set_num_threads(1)
+    run = tmp_path / "out"
+    assert main(["simulate", str(cfg), "--out", str(run), "--samples", "--no-progress"]) == 0
+    assert main(["audit", "privacy", str(run), "--held-out", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out images through the extractor and the same inverter score ratio" in out
+    report = json.loads((run / "audit" / "privacy.json").read_text())
+    assert len(report["audits"]) == 2
+    for a in report["audits"]:
+        assert a["level"] == "feature" and a["n_val"] == a["n_synthetic"] == 60
+        rt = a["roundtrip"]
+        assert rt["pixel"]["validation"] == pytest.approx(a["pixel"]["validation"])  # the same held-out set
+        assert rt["ratio_synthetic_to_roundtrip"]["pixel"] == pytest.approx(
+            a["pixel"]["synthetic"] / rt["pixel"]["synthetic"])
+        assert Path(a["figure"]).is_file()
 
 
 def test_a_run_without_generators_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
