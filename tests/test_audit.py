@@ -82,7 +82,7 @@ def test_an_overfit_generator_scores_clearly_more_memorized() -> None:
         a = audit_samples(name, "d0", syn, split, net)
         ratios[name] = (a.pixel.ratio, a.features.ratio)
         assert len(a.closest) == 8 and a.closest[0][2] <= a.closest[-1][2]
-    # measured: overfit 0.37 / 0.38, normal 1.00 / 1.06 (pixels / features)
+    # measured: overfit 0.45 / 0.47, normal 1.20 / 1.25 (pixels / features; an earlier tree: 0.37 / 0.38, 1.00 / 1.06)
     for space in (0, 1):
         assert ratios["overfit"][space] < 0.6, ratios
         assert ratios["normal"][space] > 0.8, ratios
