@@ -130,7 +130,7 @@ def test_a_geflf_feature_generator_is_judged_through_the_inverter(tmp_path: Path
 
     cfg = tmp_path / "fleet.toml"
     cfg.write_text('[run]\nmethod = "geflf"\nrounds = 3\ndataset = "digits"\n\n[partition]\nkind = "iid"\n'
-                   'fraction = 0.3\n\n[train]\nlocal_epochs = 1\n\n[method]\ngenerator_tier = "tiny"\n'
+                   'fraction = 0.1\n\n[train]\nlocal_epochs = 1\n\n[method]\ngenerator_tier = "tiny"\n'
                    'warmup_rounds = 1\ngen_rounds = 1\ngen_epochs = 1\n\n'
                    '[[devices]]\nprofile = "rpi4-2gb"\ncount = 2\n')
     torch.set_num_threads(1)

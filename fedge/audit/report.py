@@ -58,7 +58,7 @@ def format_audit_table(report: dict[str, Any]) -> str:
             rt = a["roundtrip"]
             lines.append(f"{a['device']} / {a['generator']}: held-out images through the extractor and the same "
                          f"inverter score ratio {rt['pixel']['ratio']:.3f} px, {rt['features']['ratio']:.3f} feat "
-                         "(the inverter's own pull towards the training images)")
+                         "(1: the inverter itself adds no pull towards the training images)")
     lines.append("")
     lines.append("MND ratio = mean nearest-training-image distance of synthetic samples / that of held-out real "
                  "images (1: as far as fresh data; lower: closer to the training images, i.e. memorized)")
