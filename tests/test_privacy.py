@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from fleet_helpers import capture_uploads
 from fedge.common.privacy import Mechanism, PrivacySettings, calibrate_noise, clip_rows, privatize
 from fedge.errors import ConfigError
 from fedge.fleet.config import parse_fleet
+from fedge.mqtt.broker import MosquittoProcess
 
 dp_accounting = pytest.importorskip("dp_accounting", reason="the privacy extra (dp-accounting) is not installed")
 
@@ -145,6 +148,28 @@ def test_the_run_stops_when_its_budget_is_spent() -> None:
     assert not out["budget_spent"]
 
 
+def test_on_budget_warn_goes_on_and_reports_the_overspend(caplog: pytest.LogCaptureFixture) -> None:
+    from fedge.sim.report import build_results
+    from fedge.sim.simulate import simulate
+
+    cfg = parse_fleet(fleet_doc("fedproto", {"noise_multiplier": 5.0, "budget": 4.5, "on_budget": "warn"},
+                                rounds=3))
+    m = cfg.privacy_mechanism
+    assert m is not None and m.epsilon(2) <= 4.5 < m.epsilon(3)
+    with caplog.at_level("WARNING", logger="fedge.coordinator.engine"):
+        res = simulate(cfg)
+    assert [r.round for r in res.reports] == [1, 2, 3, 4]  # every training round ran, then the final one
+    warned = [r.getMessage() for r in caplog.records if "privacy budget" in r.getMessage()]
+    assert len(warned) == 1 and "exceeded in round 3" in warned[0], warned
+    out = build_results(res)["privacy"]
+    assert out["training_rounds_released"] == 3
+    assert out["epsilon"] == pytest.approx(m.epsilon(3))
+    assert out["budget_spent"] is True
+    log_ = build_results(res)["rounds_log"]
+    assert [r["epsilon"] for r in log_[:3]] == pytest.approx([m.epsilon(1), m.epsilon(2), m.epsilon(3)])
+    assert "epsilon" not in log_[3]  # the final evaluation round releases nothing
+
+
 def test_received_statistics_are_projected_into_the_clip() -> None:
     from fedge.common.privacy import project_global
 
@@ -158,3 +183,39 @@ def test_received_statistics_are_projected_into_the_clip() -> None:
     np.testing.assert_array_equal(out["other"]["w"], glob["other"]["w"])  # other artifacts untouched
     # an inf (a diverged device) becomes finite, not NaN
     assert np.isfinite(clip_rows(np.array([[np.inf, 1.0]]), 1.0)).all()
+
+
+@pytest.mark.mqtt
+def test_fedge_coordinator_run_reports_epsilon_each_round(tmp_path: Path, mosquitto: MosquittoProcess) -> None:
+    """The standalone coordinator over a real Mosquitto prints ε per round and keeps it in reports.jsonl."""
+    import subprocess
+    import sys
+
+    from fedge.fleet.config import load_fleet
+    from fedge.fleet.devices import build_devices, load_fleet_data
+    from fedge.sim.over_mqtt import start_fleet
+
+    path = tmp_path / "fleet.toml"
+    path.write_text('[run]\nmethod = "fedproto"\nrounds = 2\ndataset = "digits"\nfleet = "dp"\n\n'
+                    '[partition]\nkind = "iid"\nfraction = 0.3\n\n[train]\nlocal_epochs = 1\n\n'
+                    '[privacy]\nnoise_multiplier = 5.0\ndelta = 1e-5\n\n'
+                    '[[devices]]\nprofile = "rpi4-2gb"\ncount = 2\n')
+    cfg = load_fleet(path)
+    m = cfg.privacy_mechanism
+    assert m is not None
+    _, _, stop = start_fleet(cfg, build_devices(cfg, load_fleet_data(cfg)), mosquitto.settings(), coordinator=False)
+    state = tmp_path / "state"
+    try:
+        run = subprocess.run([sys.executable, "-m", "fedge", "coordinator", "run", "--config", str(path), "--broker",
+                              mosquitto.url, "--state-dir", str(state), "--round-timeout", "0"],
+                             capture_output=True, text=True, timeout=180)
+    finally:
+        stop()
+    assert run.returncode == 0, run.stdout + run.stderr
+    for rnd in (1, 2):
+        line = next(s for s in run.stdout.splitlines() if s.startswith(f"round {rnd}/3"))
+        assert f"ε {m.epsilon(rnd):.3g} at δ 1e-05 (+{m.epsilon(1):.3g}/round)" in line, line
+    final = next(s for s in run.stdout.splitlines() if s.startswith("round 3/3"))
+    assert "ε" not in final  # the final evaluation releases nothing
+    reports = [json.loads(s) for s in (state / "reports.jsonl").read_text().splitlines()]
+    assert [r["privacy"].get("epsilon") for r in reports] == pytest.approx([m.epsilon(1), m.epsilon(2), None])

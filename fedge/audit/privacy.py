@@ -90,11 +90,23 @@ class GeneratorAudit:
     features: MND
     closest: list[tuple[int, int, float]] = field(default_factory=list)  # (synthetic i, train j, pixel dist)
     figure: str | None = None
+    # Feature-level generators only: the held-out images' own round trip (extractor, then the same inverter),
+    # measured like the synthetic samples: MND of the inverted held-out images, ratio to the raw held-out ones.
+    # An inverter fitted on the device's images pulls everything it decodes towards them; this is its share.
+    roundtrip_pixel: MND | None = None
+    roundtrip_features: MND | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("pixel", "features", "closest")}
-        return {**d, "pixel": self.pixel.to_dict(), "features": self.features.to_dict(),
-                "closest": [{"synthetic": i, "train": j, "distance": dist} for i, j, dist in self.closest]}
+        skip = ("pixel", "features", "closest", "roundtrip_pixel", "roundtrip_features")
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        out = {**d, "pixel": self.pixel.to_dict(), "features": self.features.to_dict(),
+               "closest": [{"synthetic": i, "train": j, "distance": dist} for i, j, dist in self.closest]}
+        if self.roundtrip_pixel is not None and self.roundtrip_features is not None:
+            out["roundtrip"] = {"pixel": self.roundtrip_pixel.to_dict(), "features": self.roundtrip_features.to_dict(),
+                                "ratio_synthetic_to_roundtrip": {
+                                    "pixel": self.pixel.synthetic / self.roundtrip_pixel.synthetic,
+                                    "features": self.features.synthetic / self.roundtrip_features.synthetic}}
+        return out
 
 
 def to01(x: np.ndarray, mean: float, std: float) -> np.ndarray:
@@ -102,14 +114,19 @@ def to01(x: np.ndarray, mean: float, std: float) -> np.ndarray:
 
 
 def audit_samples(name: str, device: str, synthetic01: np.ndarray, split: Split, feature_net: FedgeNet, *,
-                  kind: str = "", level: str = "image") -> GeneratorAudit:
-    """MND of ``synthetic01`` (N, 1, 32, 32) in [0, 1] against ``split``, in pixels and in features."""
+                  kind: str = "", level: str = "image", roundtrip01: np.ndarray | None = None) -> GeneratorAudit:
+    """MND of ``synthetic01`` (N, 1, 32, 32) in [0, 1] against ``split``, in pixels and in features;
+    ``roundtrip01``: the held-out images after the same inversion the synthetic ones went through (measured too)."""
     pix, dists, nn = mnd(synthetic01, split.val01, split.train01)
-    feat, _, _ = mnd(embed(feature_net, split.norm(synthetic01)), embed(feature_net, split.norm(split.val01)),
-                     embed(feature_net, split.norm(split.train01)))
+    val_f, train_f = embed(feature_net, split.norm(split.val01)), embed(feature_net, split.norm(split.train01))
+    feat, _, _ = mnd(embed(feature_net, split.norm(synthetic01)), val_f, train_f)
     order = np.argsort(dists)[:CLOSEST]
-    return GeneratorAudit(device, name, kind, level, len(split.train01), len(split.val01), len(synthetic01), pix,
-                          feat, [(int(i), int(nn[i]), float(dists[i])) for i in order])
+    a = GeneratorAudit(device, name, kind, level, len(split.train01), len(split.val01), len(synthetic01), pix,
+                       feat, [(int(i), int(nn[i]), float(dists[i])) for i in order])
+    if roundtrip01 is not None:
+        a.roundtrip_pixel = mnd(roundtrip01, split.val01, split.train01)[0]
+        a.roundtrip_features = mnd(embed(feature_net, split.norm(roundtrip01)), val_f, train_f)[0]
+    return a
 
 
 # -- a run directory --------------------------------------------------------------------------------------
@@ -158,9 +175,10 @@ def device_split(train: Dataset, test: Dataset, pool: np.ndarray, sizes: AuditSi
 
 def sample_generator(gen: ConditionalGenerator, labels: np.ndarray, *, seed: int, split: Split,
                      model: FedgeNet | None, latents: dict[str, np.ndarray] | None, full_train01: np.ndarray,
-                     full_train_norm: np.ndarray) -> np.ndarray:
+                     full_train_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Synthetic images in [0, 1] with ``labels``: decoded (FedVTC), sampled (GeFL) or sampled and inverted
-    (GeFL-F, through an inverter trained on the device's own images and extractor)."""
+    (GeFL-F, through an inverter trained on the device's own images and extractor). Second: for GeFL-F, the
+    held-out images of ``split`` through the extractor and the same inverter (None otherwise)."""
     g = torch.Generator().manual_seed(seed)
     lab = torch.from_numpy(labels.astype(np.int64))
     gen.eval()
@@ -170,13 +188,13 @@ def sample_generator(gen: ConditionalGenerator, labels: np.ndarray, *, seed: int
             protos = torch.from_numpy(latents["protos"])
             sigma = torch.from_numpy(latents["sigma"])
             v = protos[lab] + sigma * torch.randn((len(lab), protos.shape[1]), generator=g)
-            return gen(v).numpy()
+            return gen(v).numpy(), None
         out = torch.cat([gen.sample(lab[i : i + 256], g) for i in range(0, len(lab), 256)]).numpy()
     if gen.spec.out_shape == (1, 32, 32):
-        return out
+        return out, None
     assert model is not None
     inv = train_inverter(stem_features(model, full_train_norm), full_train01, seed=seed)
-    return invert(inv, out)
+    return invert(inv, out), invert(inv, stem_features(model, split.norm(split.val01)))
 
 
 def audit_run(run_dir: str | Path, *, config: str | None = None, data_dir: str | None = None,
@@ -231,9 +249,10 @@ def audit_run(run_dir: str | Path, *, config: str | None = None, data_dir: str |
         level = "image" if gen.spec.out_shape == (1, 32, 32) else "feature"
         if level == "feature":
             model = load_checkpoint(run / "checkpoints" / f"{dev}.safetensors", expect=FedgeNet)
-        syn = sample_generator(gen, split.val_y, seed=sizes.seed + di, split=split, model=model, latents=latents,
-                               full_train01=to01(train.x, split.mean, split.std), full_train_norm=train.x)
-        a = audit_samples(key, dev, syn, split, feature_net, kind=gen.spec.kind, level=level)
+        syn, roundtrip = sample_generator(gen, split.val_y, seed=sizes.seed + di, split=split, model=model,
+                                          latents=latents, full_train01=to01(train.x, split.mean, split.std),
+                                          full_train_norm=train.x)
+        a = audit_samples(key, dev, syn, split, feature_net, kind=gen.spec.kind, level=level, roundtrip01=roundtrip)
         a.figure = str(save_closest(out / f"closest-{key}-{dev}.png", syn, split.train01, a))
         log.info("%s / %s: MND ratio pixels %.3f, features %.3f", dev, key, a.pixel.ratio, a.features.ratio)
         audits.append(a)

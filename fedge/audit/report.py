@@ -53,6 +53,12 @@ def format_audit_table(report: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    for a in report["audits"]:
+        if "roundtrip" in a:
+            rt = a["roundtrip"]
+            lines.append(f"{a['device']} / {a['generator']}: held-out images through the extractor and the same "
+                         f"inverter score ratio {rt['pixel']['ratio']:.3f} px, {rt['features']['ratio']:.3f} feat "
+                         "(1: the inverter itself adds no pull towards the training images)")
     lines.append("")
     lines.append("MND ratio = mean nearest-training-image distance of synthetic samples / that of held-out real "
                  "images (1: as far as fresh data; lower: closer to the training images, i.e. memorized)")
