@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -149,11 +151,15 @@ def main() -> None:
     work = Path(args.work).resolve()
     shutil.rmtree(work, ignore_errors=True)  # a fresh calibration each run (prepare caches it per directory)
     work.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()
+    t_start = time.time()
     rows = [run_profile(client, tags, p, work, rounds=args.rounds) for p in args.profiles.split(",") if p]
     for r in rows:  # the issue's targets
         r["round_ok"] = 0.67 <= r["round_ratio"] <= 1.5
         r["upload_ok"] = abs(r["upload_ratio"] - 1) <= 0.2
-    result: dict[str, Any] = {"rounds": args.rounds, "profiles": rows}
+    result: dict[str, Any] = {"command": "python benchmarks/emulation.py " + " ".join(sys.argv[1:]),
+                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
+                              "loadavg_start": load_start, "rounds": args.rounds, "profiles": rows}
     if args.arm64:
         arm_tags = images.ensure_images(client, "arm64")
         # A smaller run than the profiles' (QEMU is ~10x slower), on both architectures back to back.
@@ -170,6 +176,7 @@ def main() -> None:
                            "slowdown": arm["wall_s"] / amd["wall_s"],
                            "round_slowdown": arm["round_s"] / amd["round_s"] if amd["round_s"] > 0 else None,
                            "max_abs_diff_globals": max(diffs) if diffs else None, "run": arm}
+    result["loadavg_end"] = os.getloadavg()  # the host is shared: other jobs' load is in the figures
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'profile':<13} {'model':<8} {'cpus':>5} {'round s':>8} {'planned':>8} {'ratio':>6} "
@@ -183,6 +190,7 @@ def main() -> None:
         a = result["arm64"]
         print(f"arm64 vs amd64 ({a['profile']}): wall {a['arm64_wall_s']:.0f} s vs {a['amd64_wall_s']:.0f} s "
               f"(x{a['slowdown']:.1f}); max |global prototype difference| {a['max_abs_diff_globals']}")
+    print(f"load average (1/5/15 min) at start {result['loadavg_start']}, at end {result['loadavg_end']}")
     print(f"wrote {args.out}")
 
 
