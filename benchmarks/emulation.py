@@ -133,6 +133,12 @@ def run_profile(client: Any, tags: Any, profile: str, work: Path, *, rounds: int
     }
 
 
+def _write(out: str, result: dict[str, Any]) -> None:
+    result["loadavg_end"] = os.getloadavg()  # the host is shared: other jobs' load is in the figures
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profiles", default="rpi-zero-2w,rpi4-4gb,x86-gateway")
@@ -160,6 +166,7 @@ def main() -> None:
     result: dict[str, Any] = {"command": "python benchmarks/emulation.py " + " ".join(sys.argv[1:]),
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
                               "loadavg_start": load_start, "rounds": args.rounds, "profiles": rows}
+    _write(args.out, result)  # now: the arm64 part takes long and may fail
     if args.arm64:
         arm_tags = images.ensure_images(client, "arm64")
         # A smaller run than the profiles' (QEMU is ~10x slower), on both architectures back to back.
@@ -176,9 +183,7 @@ def main() -> None:
                            "slowdown": arm["wall_s"] / amd["wall_s"],
                            "round_slowdown": arm["round_s"] / amd["round_s"] if amd["round_s"] > 0 else None,
                            "max_abs_diff_globals": max(diffs) if diffs else None, "run": arm}
-    result["loadavg_end"] = os.getloadavg()  # the host is shared: other jobs' load is in the figures
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    _write(args.out, result)
     print(f"{'profile':<13} {'model':<8} {'cpus':>5} {'round s':>8} {'planned':>8} {'ratio':>6} "
           f"{'upload s':>9} {'bytes/rate':>10} {'ratio':>6} {'peak RSS':>9} {'cgroup':>7} {'planned':>8}")
     for r in rows:
