@@ -85,10 +85,7 @@ def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: C
             "volumes": [f"./devices/{lim.device_id}:/boot/firmware:ro"],
             # tc inside the container shapes its own link (docker/device-boot.sh).
             "cap_add": ["NET_ADMIN"],
-            # cpus as a CFS quota over a short period: over Docker's 100 ms a 0.06-core device that used its
-            # 6 ms stalled for the other 94 ms, which made a 1.5 MB upload take a whole period or two.
-            "cpu_period": lim.cpu_period_us,
-            "cpu_quota": lim.cpu_quota_us,
+            "cpus": lim.cpus,
             "mem_limit": f"{lim.mem_limit_mb}m",
             "memswap_limit": f"{lim.mem_limit_mb}m",  # no swap: a Pi without zram/swap runs out, not slows down
             "environment": {

@@ -34,11 +34,6 @@ MIB = 2**20
 OS_SHARE_MB = 80
 # Docker refuses a CPU quota below 1 ms per 100 ms period.
 MIN_CPUS = 0.01
-# The CFS period the quota is spread over: short, so that a device with a small share of a core runs in
-# short slices (an upload or a message handler is not held up for most of 100 ms once the quota is used);
-# longer where 1 ms, Docker's smallest quota, would be more than the device's share.
-CPU_PERIOD_US = 10_000
-MIN_QUOTA_US = 1_000
 
 
 @dataclass(frozen=True)
@@ -120,8 +115,7 @@ class DeviceLimits:
 
     @property
     def cpu_period_us(self) -> int:
-        """The CFS period: :data:`CPU_PERIOD_US`, longer when the quota would fall below 1 ms."""
-        return min(100_000, max(CPU_PERIOD_US, math.ceil(MIN_QUOTA_US / self.cpus)))
+        return 100_000
 
     @property
     def cpu_quota_us(self) -> int:
