@@ -29,6 +29,14 @@ shape() {  # shape IFACE RATE_KBIT
   fi
 }
 
+if [ -n "${FEDGE_UPLINK_KBIT:-}${FEDGE_DOWNLINK_KBIT:-}" ] && ! tc qdisc show dev "$dev" >/dev/null 2>&1; then
+  # An arm64 device under QEMU user emulation: QEMU does not translate tc's netlink messages
+  # ("Cannot talk to rtnetlink: Operation not supported"), so this container cannot shape its link.
+  echo "fedge-device-boot: tc cannot talk to the kernel here ($(uname -m) under QEMU user emulation?):" \
+       "the link is NOT shaped (uplink ${FEDGE_UPLINK_KBIT:-?} kbit/s, downlink ${FEDGE_DOWNLINK_KBIT:-?}" \
+       "kbit/s, ${FEDGE_DELAY_MS:-0} ms delay are not emulated)" >&2
+  FEDGE_UPLINK_KBIT="" FEDGE_DOWNLINK_KBIT=""
+fi
 if [ -n "${FEDGE_UPLINK_KBIT:-}" ]; then
   shape "$dev" "$FEDGE_UPLINK_KBIT"
 fi

@@ -86,7 +86,8 @@ def test_compose_yaml_carries_the_limits(tmp_path: Path) -> None:
     assert zero["environment"]["FEDGE_UPLINK_KBIT"] == "375"
     # Mosquitto reads its files by the absolute paths `fedge broker config` wrote: mounted at that path.
     assert doc["services"]["broker"]["volumes"] == [f"./broker:{tmp_path}/broker"]
-    assert "--min-devices" in doc["services"]["coordinator"]["command"]
+    cmd = doc["services"]["coordinator"]["command"]
+    assert "--min-devices" in cmd and cmd[cmd.index("--wait-for-fleet") + 1] == "120"
 
 
 def test_compose_yaml_passes_docker_compose_config(tmp_path: Path) -> None:

@@ -59,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help=f"fraction of the fleet's devices online before a round starts (default {d['quorum']})")
     s.add_argument("--quorum-timeout", type=float, metavar="S",
                    help=f"give up waiting (default {d['quorum_timeout_s']:.0f})")
+    s.add_argument("--wait-for-fleet", type=float, default=0.0, metavar="S",
+                   help="before the first round, wait up to S s for a hello from every device of the fleet config, "
+                        "so round 1 has the whole fleet (default 0: start once the quorum is online)")
     s.add_argument("--deadline-slack", type=float,
                    help="round deadline = slack x the slowest expected device's round time "
                         f"(default {d['deadline_slack']:g}; 0: off)")
@@ -81,6 +84,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument("--any-device", action="store_true",
                    help="accept hellos from devices not listed in the fleet config")
     r.set_defaults(func=_run)
+
+
+def _wait_for_fleet(transport: Any, ids: list[str], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for every device's hello; the quorum decides when fewer say hello."""
+    from fedge.errors import TransportError
+
+    try:
+        transport.wait_for_hellos(ids, timeout_s)
+    except TransportError as exc:
+        log.warning("%s: starting with the devices online once the quorum is", exc.message)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -143,6 +156,8 @@ def _run(args: argparse.Namespace) -> int:
         if service.resumed_from:
             print(f"resuming {cfg.run.method} on fleet {cfg.run.fleet} after round {service.resumed_from} "
                   f"(state in {args.state_dir})", file=sys.stderr)
+        if args.wait_for_fleet > 0 and not service.resumed_from:
+            _wait_for_fleet(transport, ids, args.wait_for_fleet)
         total = strat.total_rounds() + 1
 
         def on_round(rep: Any) -> None:

@@ -39,6 +39,8 @@ class CoordinatorArgs:
     deadline_slack: float = 3.0
     round_timeout_s: float = 600.0
     quorum_timeout_s: float = 600.0
+    wait_for_fleet_s: float = 120.0
+    """Round 1 waits this long for every device's hello (the emulator starts the coordinator once all are online)."""
 
 
 def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: CoordinatorArgs,
@@ -62,7 +64,9 @@ def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: C
                 "--config", "/fedge/fleet.toml", "--state-dir", "/fedge/state",
                 "--broker", f"mqtt://{BROKER}:1883", "--username", "fedge-coordinator",
                 "--password-file", "/fedge/broker/coordinator/password",
-                # Round 1 waits for every device, as `fedge simulate` starts with all of them.
+                # Round 1 waits for every device's hello, as `fedge simulate` starts with all of them; later
+                # rounds start once --min-devices are online (a killed device does not stop the fleet).
+                "--wait-for-fleet", f"{coord.wait_for_fleet_s:g}",
                 "--min-devices", str(coord.min_devices), "--quorum-timeout", f"{coord.quorum_timeout_s:g}",
                 "--deadline-slack", f"{coord.deadline_slack:g}", "--round-timeout", f"{coord.round_timeout_s:g}",
             ],

@@ -197,7 +197,8 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
         # docker/device-boot.sh, runs its install.sh), so the emulation boots what a real card would carry.
         boot = outp / "devices" / p.device_id
         boot.mkdir(parents=True, exist_ok=True)
-        flash(p.device_id, outp / "fleet.toml", outp / "broker", boot, init="none", force=True)
+        # An over-memory plan is flashed all the same: the twin runs it to show the kernel's OOM kill.
+        flash(p.device_id, outp / "fleet.toml", outp / "broker", boot, init="none", force=True, check_memory=False)
     # A new run: the previous run's coordinator state and retained broker messages would resume it.
     shutil.rmtree(outp / "coordinator", ignore_errors=True)
     (outp / "coordinator").mkdir()

@@ -80,13 +80,16 @@ def flash_dir(boot: Path, plan: DevicePlan, *, init: str | None = None, force: b
 def flash(device_id: str, fleet: str | os.PathLike[str], broker_dir: str | os.PathLike[str],
           to: str | os.PathLike[str], *, export: str | os.PathLike[str] | None = None, wheels: bool = False,
           wheel_indexes: tuple[str, ...] = (), python: str | None = None, init: str | None = None,
-          force: bool = False, dry_run: bool = False) -> Listing:
-    """``fedge flash DEVICE_ID --fleet F --broker-dir B --to TO`` as a function (the Python entry point)."""
+          force: bool = False, dry_run: bool = False, check_memory: bool = True) -> Listing:
+    """``fedge flash DEVICE_ID --fleet F --broker-dir B --to TO`` as a function (the Python entry point).
+
+    ``check_memory=False``: see :func:`fedge.flash.payload.prepare` (``fedge emulate`` only).
+    """
     import tempfile
 
     from fedge.flash.payload import prepare
 
-    plan = prepare(device_id, fleet, broker_dir, export_dir=export, python=python)
+    plan = prepare(device_id, fleet, broker_dir, export_dir=export, python=python, check_memory=check_memory)
     with tempfile.TemporaryDirectory(prefix="fedge-wheels-") as tmp:
         sources: list[Source] = []
         if wheels and not dry_run:

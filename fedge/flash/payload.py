@@ -189,8 +189,14 @@ def check_export(export_dir: Path, plan: DevicePlan, classes: tuple[str, ...] | 
 
 
 def prepare(device_id: str, fleet_config: str | os.PathLike[str], broker_dir: str | os.PathLike[str], *,
-            export_dir: str | os.PathLike[str] | None = None, python: str | None = None) -> DevicePlan:
-    """Check the device and collect its payload files (nothing is written)."""
+            export_dir: str | os.PathLike[str] | None = None, python: str | None = None,
+            check_memory: bool = True) -> DevicePlan:
+    """Check the device and collect its payload files (nothing is written).
+
+    ``check_memory=False`` flashes a fleet config that pins a model or batch the profile's training memory
+    does not hold (a warning instead of the error): ``fedge emulate`` runs such a device to show its
+    out-of-memory kill.
+    """
     from fedge.common.tomlconf import read_toml
     from fedge.fleet.config import load_fleet
     from fedge.fleet.slots import device_arch_spec, device_profile
@@ -215,7 +221,11 @@ def prepare(device_id: str, fleet_config: str | os.PathLike[str], broker_dir: st
     batch = cfg.train.batch_size or p.batch_size
     if arch is not None or batch != p.batch_size:
         need = train_memory_mb(device_arch_spec(cfg, arch or p.arch), batch)
-        if need > profile.budgets.train_memory_mb:
+        if need > profile.budgets.train_memory_mb and not check_memory:
+            log.warning("%s: %s at batch %d needs %.0f MiB of training memory, profile %r grants %g MiB; "
+                        "flashed anyway", device_id, arch or p.arch, batch, need, profile.name,
+                        profile.budgets.train_memory_mb)
+        elif need > profile.budgets.train_memory_mb:
             raise ProfileError(f"{device_id}: the fleet config has it train {arch or p.arch} at batch {batch}, "
                                f"which needs {need:.0f} MiB of training memory; profile {profile.name!r} grants "
                                f"{profile.budgets.train_memory_mb:g} MiB (its plan picks {p.arch} at batch "
