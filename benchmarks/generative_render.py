@@ -134,7 +134,9 @@ guard on synthetic samples (`guard = true`). *Local, own*: each device's own spl
 predictor; *local, federated*: the same split with the federated model; *global, federated /
 personal*: the 10k test set with either. *Devices below Local*: devices trailing Local on their own
 split by more than {NO_WORSE.device_margin:g} point, over the seeds where Local's per-device figures exist.
-*Synthetic kept*: device-rounds in which the guard kept the synthetic samples.
+*Synthetic kept*: device-rounds in which the guard kept the synthetic samples. *Min/cell (× base)*:
+wall minutes of each seed's cell and the mean ratio to the same method's cell without these options
+(one process per cell on the shared 2-core machine: indicative); *KiB up* against the same base row.
 
 {p_md}
 
