@@ -125,6 +125,9 @@ def table2(by_alpha: dict[float, Cells], methods: dict[str, Method], *, rounds: 
     if not rows:
         return Rendered("", "")
     p_text, p_md, p_checks = personal.table2_block(by_alpha, methods)
+    p_keys = dict.fromkeys(k for cells in by_alpha.values() for k in cells
+                           if methods[k].config.get("personalize") or methods[k].config.get("guard"))
+    p_seeds = sorted({c["seed"] for cells in by_alpha.values() for k in p_keys for c in cells.get(k, [])})
     cmd = (f"python benchmarks/generative.py table2 --t2-rounds {rounds} "
            f"--alphas {' '.join(map(str, by_alpha))} --seeds {' '.join(map(str, seeds))}")
     p_section = "" if not p_md else f"""
@@ -134,11 +137,18 @@ guard on synthetic samples (`guard = true`). *Local, own*: each device's own spl
 predictor; *local, federated*: the same split with the federated model; *global, federated /
 personal*: the 10k test set with either. *Devices below Local*: devices trailing Local on their own
 split by more than {NO_WORSE.device_margin:g} point, over the seeds where Local's per-device figures exist.
-*Synthetic kept*: device-rounds in which the guard kept the synthetic samples.
+*Synthetic kept*: device-rounds in which the guard kept the synthetic samples. *Min/cell (× base)*:
+wall minutes of each seed's cell and the mean ratio to the same method's cell without these options
+(one process per cell on the shared 2-core machine: indicative); *KiB up* against the same base row.
 
 {p_md}
 
 {chr(10).join(p_checks)}
+
+The rows above run with table 2 by default; alone (the Local, FedProto, GeFL-F and FedVTC cells reused
+for the references): `python benchmarks/generative.py table2 --seeds {' '.join(map(str, p_seeds))} --methods
+local fedproto geflf-cvae fedvtc {' '.join(p_keys)}`
+(one process per row in the run recorded here).
 """
     return Rendered(text_table(header, rows) + ("\n\n" + p_text if p_text else ""), f"""
 ### Table 2 — label skew, Fashion-MNIST
