@@ -297,10 +297,12 @@ def test_hostile_payloads_are_rejected_and_counted_and_the_run_is_unharmed(tmp_p
         # The rogue joins and sends its NaN and wrong-shape updates first: the round closes as soon as
         # the genuine devices have answered, and an update after that counts as "late", not "shape".
         dim = good.tensors["protos"].shape[1]
-        as_victim = DeviceInfo(victim, "tier-xs", "x", num_samples=10, feature_dim=dim).to_dict()
+        # as many samples as the copied counts claim: the NaN update must be refused for its NaN, not its counts
+        n = int(good.tensors["counts"].sum())
+        as_victim = DeviceInfo(victim, "tier-xs", "x", num_samples=n, feature_dim=dim).to_dict()
         p(t.hello("rogue"), Message("hello", victim, 0, fleet, info={"device": as_victim}).to_bytes())  # spoofed
         hello = Message("hello", "rogue", 0, fleet, info={"device": DeviceInfo(
-            "rogue", "tier-xs", "x", num_samples=10, feature_dim=dim).to_dict()})
+            "rogue", "tier-xs", "x", num_samples=n, feature_dim=dim).to_dict()})
         p(t.hello("rogue"), hello.to_bytes(), qos=1).wait_for_publish(5)
         nan = good.tensors["protos"].copy()
         nan[0, 0] = np.nan
