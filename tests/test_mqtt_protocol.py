@@ -302,11 +302,12 @@ def test_publishing_while_the_broker_is_down_waits_for_it() -> None:
         wire = TransportSettings(chunk_bytes=16 * 1024, global_timeout_s=10)
         co = MqttCoordinatorTransport(broker.settings(reconnect_min_s=0.2, reconnect_max_s=1), "f1", wire).start()
         glob = Message("global", "coordinator", 1, "f1", tensors={"w": np.ones(20_000, np.float32)}).to_bytes()
+        restart = threading.Timer(1.5, broker.start)  # joined below: it must not outlive the test
         try:
             broker.kill()
             time.sleep(0.2)
             assert not co.client.connected
-            threading.Timer(1.5, broker.start).start()
+            restart.start()
             t0 = time.time()
             co.publish_global("group-a", glob)  # chunked: 5 parts + manifest, all queued while down
             co.announce_round(_round(2, {"group-a": 1}))
@@ -325,6 +326,8 @@ def test_publishing_while_the_broker_is_down_waits_for_it() -> None:
             with pytest.raises(TransportError, match=r"announcing the round: the broker .* did not acknowledge 1 of 1"):
                 short.announce_round(_round(3, {}))
         finally:
+            if restart.ident is not None:
+                restart.join()
             co.close()
 
 

@@ -219,7 +219,9 @@ class MosquittoProcess:
             wait_for_port(LOOPBACK, self.port, timeout_s)
         except TransportError as exc:
             self.stop()
-            raise TransportError(f"mosquitto did not start: {self.log_path.read_text()[-2000:]}") from exc
+            # the log may be gone with a temporary work directory (a start racing its owner's exit)
+            log = self.log_path.read_text()[-2000:] if self.log_path.is_file() else f"no log at {self.log_path}"
+            raise TransportError(f"mosquitto did not start: {log}") from exc
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
