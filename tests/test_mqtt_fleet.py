@@ -26,8 +26,7 @@ from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
 from fedge.edge.agent import DeviceAgent
 from fedge.errors import PayloadError
 from fedge.fleet.config import FleetConfig, load_fleet
-from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
-from fedge.fleet.methods import method_entry
+from fedge.fleet.devices import SimDevice
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.chunking import split
 from fedge.mqtt.client import new_paho_client
@@ -35,7 +34,7 @@ from fedge.mqtt.topics import FleetTopics
 from fedge.mqtt.transport import TransportSettings
 from fedge.sim.inprocess import run_inprocess
 from fedge.sim.over_mqtt import start_fleet
-from fedge.sim.simulate import simulate
+from fedge.sim.simulate import build_fleet, simulate
 
 pytestmark = pytest.mark.mqtt
 
@@ -79,11 +78,6 @@ def fleet_config(tmp: Path, method: str, fleet: str) -> FleetConfig:
     return load_fleet(path)
 
 
-def build(cfg: FleetConfig) -> tuple[list[SimDevice], Any]:
-    data = load_fleet_data(cfg)
-    strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=data.train.num_classes,
-                                                         rounds=cfg.run.rounds)
-    return build_devices(cfg, data), strat
 
 
 @dataclass
@@ -100,7 +94,7 @@ def reference(tmp: Path, method: str) -> Run:
     """The in-process run of the fleet (cached per method)."""
     if method not in _REFERENCE:
         cfg = fleet_config(tmp, method, f"ref-{method}")
-        devices, strat = build(cfg)
+        devices, strat = build_fleet(cfg)
         coord, _, _ = run_inprocess(cfg, devices)  # the simulator's own in-process wiring
         engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=method))
         _REFERENCE[method] = Run(engine, engine.run(), devices)
@@ -117,7 +111,7 @@ def assert_same_globals(a: dict[str, dict[str, np.ndarray]], b: dict[str, dict[s
 
 def run_over_mqtt(cfg: FleetConfig, broker: MosquittoProcess, engine_cfg: EngineConfig | None = None,
                   wire: TransportSettings | None = None, patch: Any = None) -> Run:
-    devices, strat = build(cfg)
+    devices, strat = build_fleet(cfg)
     coord, agents, stop = start_fleet(cfg, devices, broker.settings(), wire)
     assert coord is not None
     try:
@@ -208,7 +202,7 @@ def test_hung_device_misses_the_deadline_and_its_late_update_is_dropped(tmp_path
         if rep.round == 2:
             release.set()
 
-    devices, strat = build(cfg)
+    devices, strat = build_fleet(cfg)
     coord, agents, stop = start_fleet(cfg, devices, mosquitto.settings())
     assert coord is not None
     try:
@@ -230,7 +224,7 @@ def test_coordinator_killed_and_restarted_resumes_to_the_same_state(tmp_path: Pa
     fleet = "restart"
     cfg = fleet_config(tmp_path, "fedproto", fleet)
     state = tmp_path / "state"
-    devices, _ = build(cfg)
+    devices, _ = build_fleet(cfg)
 
     def slow_round_2(agents: list[DeviceAgent]) -> None:
         for agent in agents:

@@ -24,14 +24,13 @@ from fedge.common.tensorcodec import decode
 from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.edge.agent import DeviceAgent
 from fedge.fleet.config import FleetConfig, load_fleet
-from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
-from fedge.fleet.methods import method_entry
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.client import MqttClient
 from fedge.mqtt.topics import FleetTopics
 from fedge.mqtt.transport import TransportSettings
 from fedge.sim.inprocess import run_inprocess
 from fedge.sim.over_mqtt import start_fleet
+from fedge.sim.simulate import build_fleet
 
 pytestmark = pytest.mark.mqtt  # ~10-15 s per test: the proof runs in `make test`
 
@@ -69,15 +68,10 @@ def fleet(tmp: Path, name: str, rounds: int) -> FleetConfig:
     return load_fleet(path)
 
 
-def build(cfg: FleetConfig) -> tuple[list[SimDevice], Any]:
-    data = load_fleet_data(cfg)
-    strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=data.train.num_classes,
-                                                          rounds=cfg.run.rounds)
-    return build_devices(cfg, data), strat
 
 
 def uninterrupted(cfg: FleetConfig) -> dict[str, np.ndarray]:
-    devices, strat = build(cfg)
+    devices, strat = build_fleet(cfg)
     coord, _, _ = run_inprocess(cfg, devices)
     engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method))
     engine.run()
@@ -116,7 +110,7 @@ def test_ten_broker_restarts_mid_round_lose_nothing(tmp_path: Path, how: str) ->
 
                 agent.method.train_round = hooked  # type: ignore[method-assign]
 
-        devices, strat = build(cfg)
+        devices, strat = build_fleet(cfg)
         coord, agents, stop = start_fleet(cfg, devices, broker.settings(**FAST), WIRE)
         assert coord is not None
         try:
@@ -140,7 +134,7 @@ def test_five_coordinator_kills_mid_round_end_in_the_same_state(tmp_path: Path,
     cfg = fleet(tmp_path, "coord-kill", rounds)  # 6 training rounds + the final one
     reference = uninterrupted(cfg)
     state = tmp_path / "state"
-    devices, _ = build(cfg)
+    devices, _ = build_fleet(cfg)
     _, agents, stop = start_fleet(cfg, devices, mosquitto.settings(**FAST), WIRE, coordinator=False)
     for agent in agents:
         train = agent.method.train_round

@@ -17,6 +17,7 @@ from typing import Any
 
 from fedge.coordinator.config import slot_checks
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
+from fedge.coordinator.strategy import Strategy
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.models.checkpoint import save_checkpoint
 from fedge.fleet.config import FleetConfig
@@ -39,15 +40,20 @@ class SimResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def build_fleet(cfg: FleetConfig) -> tuple[list[SimDevice], Strategy]:
+    """The devices of ``cfg`` with their data shares, and the coordinator half of its method."""
+    data = load_fleet_data(cfg)
+    strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=data.train.num_classes,
+                                                         rounds=cfg.run.rounds)
+    return build_devices(cfg, data), strat
+
+
 def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | Path | None = None,
              on_round: Callable[[RoundReport], None] | None = None) -> SimResult:
     """Run ``cfg`` end to end; with ``out_dir``, save each device's final model there."""
     connect = transport_runner(transport)  # an unknown name fails before any work
     t0 = time.perf_counter()
-    data = load_fleet_data(cfg)
-    devices = build_devices(cfg, data)
-    strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=data.train.num_classes,
-                                                         rounds=cfg.run.rounds)
+    devices, strat = build_fleet(cfg)
     coord, agents, cleanup = connect(cfg, devices)
     try:
         # the devices' hellos are checked against the fleet config's slots, as `fedge coordinator run` does
