@@ -1,8 +1,8 @@
 # An emulated fedge device: Python 3.11, fedge and its dependencies in /opt/fedge/venv, tc for link shaping.
 # It boots from a flashed payload mounted at /boot/firmware (see docker/device-boot.sh).
 #
-# Build context: a directory with wheels/deps/*.whl, wheels/fedge/fedge-*.whl (docker/wheelhouse.sh) and
-# device-boot.sh. Nothing is downloaded while building unless the base image lacks tc (then apt-get fetches
+# Build context: a directory with wheels/deps/*.whl, wheels/fedge/fedge-*.whl (docker/wheelhouse.sh),
+# device-boot.sh and shape-link.sh. Nothing is downloaded while building unless the base image lacks tc (then apt-get fetches
 # iproute2: a registry user's python:3.11-slim image has no tc; fedge's debootstrap base has it).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
@@ -23,5 +23,6 @@ RUN /opt/fedge/venv/bin/pip install --quiet --no-index --no-cache-dir --disable-
  && rm -rf /tmp/fedge \
  && /opt/fedge/venv/bin/python -c "import fedge, torch; print('fedge', fedge.__version__, 'torch', torch.__version__)"
 COPY device-boot.sh /usr/local/bin/fedge-device-boot
+COPY shape-link.sh /usr/local/bin/fedge-shape-link
 ENV PATH=/opt/fedge/venv/bin:$PATH PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 ENTRYPOINT ["/bin/sh", "/usr/local/bin/fedge-device-boot"]

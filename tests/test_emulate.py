@@ -15,7 +15,7 @@ import yaml
 
 from fedge.emulate import images
 from fedge.emulate.compose import CoordinatorArgs, Images, compose_dict, to_yaml
-from fedge.emulate.limits import OS_SHARE_MB, device_plans, limits_for, oom_message
+from fedge.emulate.limits import OS_SHARE_MB, compose_cpus, device_plans, limits_for, oom_message
 from fedge.errors import EmulationError
 from fedge.fleet.config import parse_fleet
 from fedge.profiles import load_profile
@@ -46,6 +46,16 @@ def test_cpu_quota_follows_the_planner_speed_model() -> None:
     assert zero.threads == 1 and gw.threads == 1  # 0.25 and 0.85 of a core need one thread
     capped = limits_for(plans["x86-gateway-1"], 1e9, host_cores=2)
     assert capped.cpus == 2.0 and capped.cpus_wanted == pytest.approx(3.4) and capped.threads == 2
+
+
+def test_cpu_quotas_are_whole_nano_cpus_for_docker_compose() -> None:
+    # docker-compose 1.29 refuses cpus: 0.067 (0.067 x 10^9 = 67000000.00000001 in floats); a Pi 4 at
+    # 0.067 of this host's core stopped `fedge emulate up`. Every quota the calibration can give is moved
+    # to the nearest accepted value, by less than 0.2 %.
+    assert compose_cpus(0.25) == 0.25 and compose_cpus(0.067) in (0.0669, 0.0671)
+    for k in range(1, 4001):
+        got = compose_cpus(k / 1000)
+        assert (got * 1_000_000_000).is_integer() and abs(got - k / 1000) <= 0.002 * k / 1000, k
 
 
 def test_memory_and_link_come_from_the_profile() -> None:

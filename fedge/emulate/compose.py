@@ -83,7 +83,7 @@ def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: C
             "image": images.device,
             "hostname": lim.device_id,
             "volumes": [f"./devices/{lim.device_id}:/boot/firmware:ro"],
-            # tc inside the container shapes its own link (docker/device-boot.sh).
+            # tc inside the container shapes its own link (docker/shape-link.sh).
             "cap_add": ["NET_ADMIN"],
             "cpus": lim.cpus,
             "mem_limit": f"{lim.mem_limit_mb}m",

@@ -437,7 +437,7 @@ def fault(emu: Emulation, client: Any, action: str, target: str, *, duration: fl
         done = f"killed {target}"
         undo = c.start
     elif action == "pause":
-        c.pause()
+        _pause(client, c)
         done = f"paused {target}"
         undo = c.unpause
     elif action == "partition":
@@ -445,13 +445,13 @@ def fault(emu: Emulation, client: Any, action: str, target: str, *, duration: fl
         done = f"cut {target} off the fleet network"
 
         def undo() -> None:
-            net.connect(c, aliases=[target])
+            _reconnect(net, c, target)
     elif action == "resume":
         c.reload()
         if c.attrs["State"].get("Paused"):
             c.unpause()
         if net.name not in c.attrs["NetworkSettings"]["Networks"]:
-            net.connect(c, aliases=[target])
+            _reconnect(net, c, target)
         return f"resumed {target}"
     else:
         raise ConfigError(f"unknown fault {action!r}", hint="kill, pause, partition, resume or restart")
@@ -460,6 +460,55 @@ def fault(emu: Emulation, client: Any, action: str, target: str, *, duration: fl
         undo()
         done += f" for {duration:g} s, then undid it"
     return done
+
+
+def set_cpus(client: Any, container: Any, cpus: float) -> None:
+    """Change a running container's CPU quota (``--cpus``). docker-py's ``Container.update`` has no
+    NanoCpus, and the engine refuses a CpuQuota on a container created with NanoCpus: the API takes it."""
+    client.api._post_json(client.api._url("/containers/{0}/update", container.id),
+                          data={"NanoCpus": round(cpus * 1e9)})
+
+
+def _pause(client: Any, c: Any) -> None:
+    """Freeze a device's processes; with its CPU quota lifted for the moment of freezing if need be.
+
+    runc's cgroup-v1 freezer gives the tasks a few milliseconds to reach the frozen state and else fails
+    ("unable to freeze"); a device throttled to a few percent of a core sleeps ~94 ms of every 100 ms CFS
+    period, so a busy one often cannot freeze in time. The quota is restored as soon as it is frozen
+    (a frozen container uses no CPU).
+    """
+    try:
+        c.pause()
+        return
+    except docker_sdk().errors.APIError as exc:
+        if "freeze" not in str(exc):
+            raise
+        log.info("%s did not freeze under its CPU quota (%s); pausing it with the quota lifted", c.name, exc)
+    c.reload()
+    nano = c.attrs["HostConfig"].get("NanoCpus") or 0
+    set_cpus(client, c, len(os.sched_getaffinity(0)))
+    try:
+        c.pause()
+    finally:
+        if nano:
+            set_cpus(client, c, nano / 1e9)
+
+
+SHAPE_LINK = "/usr/local/bin/fedge-shape-link"
+"""In the device image (docker/shape-link.sh): shapes eth0 and the ingress ifb from the container's FEDGE_* env."""
+
+
+def _reconnect(net: Any, c: Any, device: str) -> None:
+    """Connect a partitioned device again and shape its link again.
+
+    The engine gives the container a new interface (a new veth pair, eth1 after eth0) without the qdiscs
+    and the ingress redirect the boot script put on the old one: unshaped, the device would upload at the host's speed.
+    """
+    net.connect(c, aliases=[device])
+    code, out = c.exec_run(["/bin/sh", SHAPE_LINK], user="root")
+    if code != 0:
+        log.warning("%s is reconnected but its link is not shaped again (%s exited %s): %s", device, SHAPE_LINK,
+                    code, out.decode("utf-8", "replace").strip() if isinstance(out, bytes) else out)
 
 
 def wait_exited(emu: Emulation, client: Any, service: str, timeout: float) -> int:

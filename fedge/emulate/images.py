@@ -155,7 +155,7 @@ def ensure_images(client: Any, arch: str = "amd64", *, base: str | None = None) 
         with tempfile.TemporaryDirectory(prefix="fedge-ctx-") as tmp:
             ctx = Path(tmp)
             shutil.copytree(wheels, ctx / "wheels", copy_function=_link_or_copy)
-            for f in ("device.Dockerfile", "device-boot.sh"):
+            for f in ("device.Dockerfile", "device-boot.sh", "shape-link.sh"):
                 shutil.copy(ddir / f, ctx / f)
             _build(client, ctx, "device.Dockerfile", dev, {"BASE_IMAGE": base_tag})
     with tempfile.TemporaryDirectory(prefix="fedge-ctx-") as tmp:

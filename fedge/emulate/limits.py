@@ -11,7 +11,7 @@
   :data:`fedge.profiles.schema.RUNTIME_RESERVE_MB`). Python, torch and training must fit in the
   rest, as on the device; no swap.
 * **Network.** The profile's uplink and downlink rates (tbf) and half its round-trip time on each
-  direction (netem), shaped inside the container (``docker/device-boot.sh``).
+  direction (netem), shaped inside the container (``docker/shape-link.sh``, run at boot and after a partition).
 
 No Docker and no torch here: the numbers only.
 """
@@ -130,6 +130,20 @@ def container_memory_mb(profile: Profile) -> int:
     return profile.hardware.ram_mb - OS_SHARE_MB
 
 
+def compose_cpus(cpus: float) -> float:
+    """``cpus`` itself, or the nearest value with at most 4 decimals that Debian's docker-compose 1.29
+    accepts: it refuses a ``cpus`` whose float product with 10^9 is not a whole number of nano-CPUs
+    ("cpus must have nine or less digits after decimal point"), which 0.067 (0.067 x 10^9 =
+    67000000.00000001) and about 1 in 40 three-decimal values are. The change is below 0.2 %."""
+    if (cpus * 1_000_000_000).is_integer():
+        return cpus
+    for step in range(1, 100):
+        for cand in (round(cpus - step * 1e-4, 4), round(cpus + step * 1e-4, 4)):
+            if cand > 0 and (cand * 1_000_000_000).is_integer():
+                return cand
+    raise ValueError(f"no docker-compose-safe CPU quota near {cpus}")  # not reached for 3-decimal values
+
+
 def limits_for(dp: DevicePlan, host_mac_rate: float, *, host_cores: int, loss_pct: float = 0.0) -> DeviceLimits:
     """Container limits for ``dp``, given the host core's measured training rate on its model.
 
@@ -140,7 +154,7 @@ def limits_for(dp: DevicePlan, host_mac_rate: float, *, host_cores: int, loss_pc
         raise ValueError(f"host MAC rate must be positive, got {host_mac_rate}")
     rate = device_mac_rate(dp.profile)
     wanted = max(MIN_CPUS, round(rate / host_mac_rate, 3))
-    cpus = min(wanted, float(host_cores))
+    cpus = compose_cpus(min(wanted, float(host_cores)))
     net = dp.profile.network
     return DeviceLimits(
         device_id=dp.device_id, profile=dp.profile.name, cpus=cpus, cpus_wanted=wanted,
