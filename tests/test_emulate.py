@@ -6,6 +6,7 @@ The tests that need a running engine are in test_emulate_docker.py.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from fedge.emulate import images
-from fedge.emulate.compose import CoordinatorArgs, Images, compose_dict, to_yaml
+from fedge.emulate.compose import CoordinatorArgs, Images, compose_dict, fleet_subnet, to_yaml
 from fedge.emulate.limits import OS_SHARE_MB, compose_cpus, device_plans, limits_for, oom_message
 from fedge.errors import EmulationError
 from fedge.fleet.config import parse_fleet
@@ -138,6 +139,16 @@ def test_prepare_flashes_every_device_with_fedge_flash(tmp_path: Path) -> None:
         assert "edge run --bundle" in (root / "install.sh").read_text()
     doc = yaml.safe_load((tmp_path / "emu" / "compose.yaml").read_text())
     assert doc["services"]["rpi-zero-2w-1"]["volumes"] == ["./devices/rpi-zero-2w-1:/boot/firmware:ro"]
+    # A configured subnet (fault partition reconnects a device with its address), one per emulation directory.
+    subnet = doc["networks"]["fleet"]["ipam"]["config"][0]["subnet"]
+    assert re.fullmatch(r"10\.2[0-4]\d\.\d{1,3}\.0/24", subnet), subnet
+    assert subnet == fleet_subnet(engine.project_name(tmp_path / "emu"))
+    assert fleet_subnet("fedge-emu-aaaaaa") != fleet_subnet("fedge-emu-bbbbbb")
+    exe = shutil.which("docker-compose")
+    if exe is not None:
+        proc = subprocess.run([exe, "-f", str(tmp_path / "emu" / "compose.yaml"), "config"], capture_output=True,
+                              text=True, check=False)
+        assert proc.returncode == 0 and subnet in proc.stdout, proc.stderr
 
 
 def test_foreign_arch_without_binfmt_says_how_to_enable_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ wrote into it, so it is mounted at that same path.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,11 +44,25 @@ class CoordinatorArgs:
     """Round 1 waits this long for every device's hello (the emulator starts the coordinator once all are online)."""
 
 
+def fleet_subnet(project: str) -> str:
+    """The fleet network's IPv4 subnet: a /24 in 10.200.0.0-10.249.255.0 picked by the project's hash.
+
+    A configured subnet (rather than the engine's pick) lets ``fault partition`` reconnect a device with
+    the address it had: the engine allows a fixed address only on a network with a configured subnet,
+    and with another address the device's open MQTT connection would hang until its keep-alive runs
+    out, as a real board's does when its address changes, which a short outage does not do.
+    """
+    h = hashlib.sha256(project.encode()).digest()
+    return f"10.{200 + h[0] % 50}.{h[1]}.0/24"
+
+
 def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: CoordinatorArgs,
-                 *, platform: str | None = None, device_args: tuple[str, ...] = ()) -> dict[str, Any]:
+                 *, platform: str | None = None, device_args: tuple[str, ...] = (),
+                 subnet: str | None = None) -> dict[str, Any]:
     """The compose document (a dict ready for YAML). ``out`` is the emulation directory (absolute).
 
-    ``device_args`` are appended to every device's ``fedge edge run`` (e.g. ``--keep-running``).
+    ``device_args`` are appended to every device's ``fedge edge run`` (e.g. ``--keep-running``);
+    ``subnet`` is the fleet network's (:func:`fleet_subnet`; default: the engine picks one).
     """
     broker_dir = str(out / "broker")
     services: dict[str, Any] = {
@@ -104,7 +119,8 @@ def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: C
         if platform:
             svc["platform"] = platform
         services[lim.device_id] = svc
-    return {"services": services, "networks": {NETWORK: {}}}
+    network: dict[str, Any] = {"ipam": {"config": [{"subnet": subnet}]}} if subnet else {}
+    return {"services": services, "networks": {NETWORK: network}}
 
 
 def to_yaml(doc: dict[str, Any], header: str) -> str:

@@ -33,7 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from fedge.common.units import format_bytes
-from fedge.emulate.compose import BROKER, COORDINATOR, NETWORK, CoordinatorArgs, Images, compose_dict, to_yaml
+from fedge.emulate.compose import (
+    BROKER,
+    COORDINATOR,
+    NETWORK,
+    CoordinatorArgs,
+    Images,
+    compose_dict,
+    fleet_subnet,
+    to_yaml,
+)
 from fedge.emulate.limits import DeviceLimits, DevicePlan, device_plans, limits_for, oom_message
 from fedge.errors import ConfigError, EmulationError
 
@@ -206,7 +215,7 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
                             deadline_slack=deadline_slack)
     # No `platform:` key: an image made by `docker import` on a 20.10 engine is labelled with the host's
     # architecture whatever its binaries are, and binfmt_misc runs them regardless.
-    doc = compose_dict(outp, images, limits, coord, device_args=device_args)
+    doc = compose_dict(outp, images, limits, coord, device_args=device_args, subnet=fleet_subnet(project_name(outp)))
     header = (f"fedge emulation of {fleet_path} ({len(ids)} devices, {arch}), written by `fedge emulate up`.\n"
               "Each device's cpus, mem_limit and FEDGE_* link settings come from its profile (docs/emulate.md).\n"
               f"Run it by hand: docker-compose -p {project_name(outp)} -f compose.yaml up -d")
@@ -441,17 +450,20 @@ def fault(emu: Emulation, client: Any, action: str, target: str, *, duration: fl
         done = f"paused {target}"
         undo = c.unpause
     elif action == "partition":
+        c.reload()
+        address = c.attrs["NetworkSettings"]["Networks"].get(net.name, {}).get("IPAddress") or None
         net.disconnect(c)
+        _partitions(emu, target, address)  # for `fault resume` in another process
         done = f"cut {target} off the fleet network"
 
         def undo() -> None:
-            _reconnect(net, c, target)
+            _reconnect(net, c, target, _partitions(emu, target))
     elif action == "resume":
         c.reload()
         if c.attrs["State"].get("Paused"):
             c.unpause()
         if net.name not in c.attrs["NetworkSettings"]["Networks"]:
-            _reconnect(net, c, target)
+            _reconnect(net, c, target, _partitions(emu, target))
         return f"resumed {target}"
     else:
         raise ConfigError(f"unknown fault {action!r}", hint="kill, pause, partition, resume or restart")
@@ -460,6 +472,21 @@ def fault(emu: Emulation, client: Any, action: str, target: str, *, duration: fl
         undo()
         done += f" for {duration:g} s, then undid it"
     return done
+
+
+PARTITIONS = "partitions.json"
+
+
+def _partitions(emu: Emulation, device: str, address: str | None = None) -> str | None:
+    """Remember the fleet address of a device being partitioned (``address`` given), or forget and
+    return it (to reconnect it with that address)."""
+    path = emu.out / PARTITIONS
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    old = known.pop(device, None)
+    if address is not None:
+        known[device] = address
+    path.write_text(json.dumps(known) + "\n")
+    return address if address is not None else old
 
 
 def set_cpus(client: Any, container: Any, cpus: float) -> None:
@@ -498,13 +525,23 @@ SHAPE_LINK = "/usr/local/bin/fedge-shape-link"
 """In the device image (docker/shape-link.sh): shapes eth0 and the ingress ifb from the container's FEDGE_* env."""
 
 
-def _reconnect(net: Any, c: Any, device: str) -> None:
-    """Connect a partitioned device again and shape its link again.
+def _reconnect(net: Any, c: Any, device: str, address: str | None = None) -> None:
+    """Connect a partitioned device again, with its old ``address`` if given, and shape its link again.
 
     The engine gives the container a new interface (a new veth pair, eth1 after eth0) without the qdiscs
-    and the ingress redirect the boot script put on the old one: unshaped, the device would upload at the host's speed.
+    and the ingress redirect the boot script put on the old one: unshaped, the device would upload at the
+    host's speed. Without ``address`` the engine may hand it another one (one a killed or restarted
+    container freed): its MQTT connection then hangs until the keep-alive runs out.
     """
-    net.connect(c, aliases=[device])
+    try:
+        net.connect(c, aliases=[device], ipv4_address=address)
+    except docker_sdk().errors.APIError as exc:
+        if not address:
+            raise
+        # An emulation written before the fleet network had a configured subnet: any address will do.
+        log.warning("%s: reconnecting with another address than %s (%s): its MQTT connection hangs until the "
+                    "keep-alive runs out", device, address, exc)
+        net.connect(c, aliases=[device])
     code, out = c.exec_run(["/bin/sh", SHAPE_LINK], user="root")
     if code != 0:
         log.warning("%s is reconnected but its link is not shaped again (%s exited %s): %s", device, SHAPE_LINK,
