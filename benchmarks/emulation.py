@@ -6,7 +6,11 @@ host's cores) and is measured against the planner:
 * round time: the mean training round minus the final (evaluation-only) round, both as the
   coordinator measured them, against the planner's estimate of local training (target 0.67-1.5);
 * upload: one full-model update of the plan's size and precision published from inside the
-  container with QoS 1 and timed to its PUBACK, against bytes x 8 / uplink rate (target within 20 %);
+  container with QoS 1 and timed from the first publish to the last PUBACK (the payload is made
+  before the clock starts; nothing is encoded), against bytes x 8 / uplink rate (target within
+  20 %). Decomposed (:func:`upload_decomposition`): the same upload with a 4 MiB socket send buffer,
+  and with the CPU quota lifted (the wire part), each with the CPU seconds and throttled CFS
+  periods it took;
 * memory: the agent's peak RSS (VmHWM of PID 1) and the cgroup's peak usage, against the planner's
   runtime share plus training estimate.
 
@@ -55,29 +59,127 @@ count = {count}
 """
 
 UPLOAD_SNIPPET = r"""
-import json, sys, time, tomllib
+import json, socket, sys, time, tomllib
 from pathlib import Path
-from fedge.mqtt.client import new_paho_client
+from fedge.mqtt.client import new_paho_client, no_delay
+
+def cg():  # cgroup v1 (cpu, cpuacct controllers), else v2
+    for f in ("/sys/fs/cgroup/cpu/cpu.stat", "/sys/fs/cgroup/cpu.stat"):
+        if Path(f).is_file():
+            st = dict(line.split() for line in Path(f).read_text().splitlines())
+            break
+    acct = Path("/sys/fs/cgroup/cpuacct/cpuacct.usage")
+    return {"periods": int(st.get("nr_periods", 0)), "throttled": int(st.get("nr_throttled", 0)),
+            "throttled_s": (int(st["throttled_time"]) / 1e9 if "throttled_time" in st
+                            else int(st.get("throttled_usec", 0)) / 1e6),
+            "usage_s": int(acct.read_text()) / 1e9 if acct.is_file() else int(st.get("usage_usec", 0)) / 1e6}
+
 b = Path("/etc/fedge/bundle")
 conf = tomllib.loads((b / "bundle.toml").read_text())
 host = conf["broker"].split("://")[1].split(":")[0]
+n, sndbuf, old = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "old"
 c = new_paho_client(conf["device_id"] + "-bench", clean_session=True)
 c.username_pw_set(conf["username"], (b / "password").read_text().strip())
+sends = []  # (time the send returned, bytes handed to the kernel)
+raw_send = c._sock_send
+def counted(buf):
+    k = raw_send(buf)
+    sends.append((time.perf_counter(), k))
+    return k
+c._sock_send = counted
+if not old:
+    c.on_socket_open = no_delay  # the agent's socket options and in-flight window (fedge.mqtt.client.MqttClient)
+    c.max_inflight_messages_set(100)
 c.connect(host, 1883, keepalive=120)
+if sndbuf:
+    c.socket().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+sndbuf_effective = c.socket().getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
 c.loop_start()
-n = int(sys.argv[1])
-# In chunks below the broker's max_packet_size (fedge's agent chunks its uploads the same way), QoS 1:
-# the clock stops at the last PUBACK.
+# In chunks below the broker's max_packet_size (fedge's agent chunks its uploads the same way), QoS 1.
 chunk = 128 * 1024
-t0 = time.perf_counter()
-infos = [c.publish("fedge/bench/devices/%s/bench" % conf["device_id"], bytes(min(chunk, n - i)), qos=1)
-         for i in range(0, n, chunk)]
+if old:
+    # The timer of the first version of this benchmark: the clock starts as soon as the network thread
+    # is started, before the broker's CONNACK, and the payload is made inside it.
+    cg0, p0 = cg(), time.process_time()
+    t_prep = t0 = time.perf_counter()
+    payloads = (bytes(min(chunk, n - i)) for i in range(0, n, chunk))
+else:
+    # On an established connection (as the agent's upload is), the payload made before the clock starts
+    # (nothing to encode: zeros); the clock runs from the first publish to the last PUBACK.
+    time.sleep(0.5)  # CONNACK
+    t_prep = time.perf_counter()
+    payloads = [bytes(min(chunk, n - i)) for i in range(0, n, chunk)]
+    sends.clear()
+    cg0, p0 = cg(), time.process_time()
+    t0 = time.perf_counter()
+infos = [c.publish("fedge/bench/devices/%s/bench" % conf["device_id"], p, qos=1) for p in payloads]
 for info in infos:
     info.wait_for_publish(timeout=600)
 dt = time.perf_counter() - t0
+cpu, cg1 = time.process_time() - p0, cg()
+data = [(t, k) for t, k in sends if k > 0]  # before the DISCONNECT
 c.loop_stop(); c.disconnect()
-print(json.dumps({"bytes": n, "seconds": dt}))
+print(json.dumps({"bytes": n, "seconds": dt, "prep_s": t0 - t_prep, "sndbuf": sndbuf,
+                  "sndbuf_effective": sndbuf_effective, "process_cpu_s": cpu,
+                  "cgroup_cpu_s": cg1["usage_s"] - cg0["usage_s"],
+                  "periods": cg1["periods"] - cg0["periods"], "throttled_periods": cg1["throttled"] - cg0["throttled"],
+                  "throttled_s": cg1["throttled_s"] - cg0["throttled_s"], "send_calls": len(data),
+                  "last_send_s": (data[-1][0] - t0) if data else None}))
 """
+
+
+FORWARD_SNIPPET = r"""
+import json, sys, torch
+from safetensors.torch import load_file, save_file
+from fedge.edge.models.zoo import build_model
+torch.set_num_threads(1)
+arch, embed_dim, tag = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+state, inp = load_file("/probe/weights.safetensors"), load_file("/probe/inputs.safetensors")
+m = build_model(arch, embed_dim=embed_dim)
+m.load_state_dict(state)
+m.eval()
+with torch.no_grad():
+    feats = m.features(inp["x"])
+    logits = m.head(feats)
+protos = torch.stack([feats[inp["y"] == k].mean(0) for k in range(int(inp["y"].max()) + 1)])
+save_file({"features": feats, "logits": logits, "prototypes": protos}, f"/probe/out-{tag}.safetensors")
+print(json.dumps({"torch": torch.__version__}))
+"""
+
+
+def forward_probe(client: Any, device_images: dict[str, str], work: Path, *, arch: str, embed_dim: int = 64,
+                  n: int = 256) -> dict[str, Any]:
+    """Kernel float differences alone: one set of weights (seed 0, untrained) and one batch of digits
+    test images, written on the host, run through the extractor (features, logits, per-class mean
+    features = prototypes) in a device container of each architecture. No training, so any difference
+    is the arithmetic (torch version, NEON vs AVX kernels), not a diverged optimisation."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fedge.edge.data.datasets import load_dataset
+    from fedge.edge.models.zoo import build_model
+
+    d = work / "forward-probe"
+    d.mkdir(parents=True, exist_ok=True)
+    model = build_model(arch, embed_dim=embed_dim, seed=0)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(d / "weights.safetensors"))
+    test = load_dataset("digits", train=False)
+    save_file({"x": torch.from_numpy(test.x[:n]).contiguous(), "y": torch.from_numpy(test.y[:n]).contiguous()},
+              str(d / "inputs.safetensors"))
+    outs: dict[str, dict[str, np.ndarray]] = {}
+    versions = {}
+    for a, image in device_images.items():
+        t0 = time.perf_counter()
+        raw = client.containers.run(image, entrypoint=["/opt/fedge/venv/bin/python", "-c", FORWARD_SNIPPET],
+                                    command=[arch, str(embed_dim), a],
+                                    volumes={str(d): {"bind": "/probe", "mode": "rw"}},
+                                    network_disabled=True, remove=True, nano_cpus=10**9)
+        versions[a] = {**json.loads(raw.decode().strip().splitlines()[-1]), "seconds": time.perf_counter() - t0}
+        outs[a] = {k: v.numpy() for k, v in load_file(str(d / f"out-{a}.safetensors")).items()}
+    ref, other = outs["amd64"], outs["arm64"]
+    return {"arch": arch, "images": n, "torch": versions,
+            **{f"max_abs_diff_{k}": float(np.max(np.abs(other[k] - ref[k]))) for k in ref},
+            **{f"max_rel_diff_{k}": float(np.max(np.abs(other[k] - ref[k])) / np.max(np.abs(ref[k]))) for k in ref}}
 
 
 def _vm_hwm_mb(container: Any) -> float | None:
@@ -85,6 +187,37 @@ def _vm_hwm_mb(container: Any) -> float | None:
     if code != 0:
         return None
     return int(out.split()[1]) / 1024
+
+
+BIG_SNDBUF = 4 * 2**20
+
+
+def _upload(c: Any, nbytes: int, sndbuf: int = 0, timer: str = "publish") -> dict[str, Any]:
+    code, out = c.exec_run(["/opt/fedge/venv/bin/python", "-c", UPLOAD_SNIPPET, str(nbytes), str(sndbuf), timer])
+    if code != 0:
+        return {"seconds": float("nan"), "error": out.decode("utf-8", "replace")[-500:]}
+    return dict(json.loads(out.decode().strip().splitlines()[-1]))
+
+
+def upload_decomposition(client: Any, c: Any, nbytes: int, *, host_cores: int) -> dict[str, Any]:
+    """One update's upload four ways, in the device container after its run:
+
+    * ``quota``: as the device is (its CPU quota, default socket buffer, the agent's socket options), on
+      an established connection, timed from the first publish to the last PUBACK: the benchmark's figure;
+    * ``quota_old_timer``: the first version's timer (clock started before the broker's CONNACK, payload
+      made inside it, paho's default socket options): what the figures before 2026-12-01 08:33 measured;
+    * ``quota_big_sndbuf``: the same with a 4 MiB socket send buffer, so the kernel keeps sending while
+      the CFS quota has the process stopped;
+    * ``unthrottled``: the quota lifted to the host's cores (the link shaping unchanged): the wire part.
+
+    Each reports the process's and the cgroup's CPU seconds and the throttled CFS periods during the
+    upload (cgroup cpu.stat), so the time can be split into wire and CPU.
+    """
+    runs = {"quota": _upload(c, nbytes), "quota_old_timer": _upload(c, nbytes, timer="old"),
+            "quota_big_sndbuf": _upload(c, nbytes, BIG_SNDBUF)}
+    engine.set_cpus(client, c, host_cores)
+    runs["unthrottled"] = _upload(c, nbytes)
+    return runs
 
 
 def run_profile(client: Any, tags: Any, profile: str, work: Path, *, rounds: int, arch: str = "amd64",
@@ -112,8 +245,8 @@ def run_profile(client: Any, tags: Any, profile: str, work: Path, *, rounds: int
         stats = c.stats(stream=False)
         cg_peak = stats.get("memory_stats", {}).get("max_usage", 0) / 2**20
         nbytes = plan["params"] * UPLOAD_BYTES[plan["upload_precision"]]
-        code, out = c.exec_run(["/opt/fedge/venv/bin/python", "-c", UPLOAD_SNIPPET, str(nbytes)])
-        upload = json.loads(out.decode().strip().splitlines()[-1]) if code == 0 else {"seconds": float("nan")}
+        uploads = upload_decomposition(client, c, nbytes, host_cores=len(os.sched_getaffinity(0)))
+        upload = uploads["quota"]
         globals_path = emu.out / "coordinator" / "globals.safetensors"
         protos = None
         if globals_path.is_file():
@@ -130,6 +263,10 @@ def run_profile(client: Any, tags: Any, profile: str, work: Path, *, rounds: int
         "round_s": round_s, "planned_round_s": plan["round_time_s"], "round_ratio": round_s / plan["round_time_s"],
         "round_seconds": train, "final_seconds": final, "upload_bytes": nbytes, "upload_s": upload["seconds"],
         "expected_upload_s": expected_upload, "upload_ratio": upload["seconds"] / expected_upload,
+        "upload_runs": uploads,
+        "upload_ratio_big_sndbuf": uploads["quota_big_sndbuf"]["seconds"] / expected_upload,
+        "upload_ratio_old_timer": uploads["quota_old_timer"]["seconds"] / expected_upload,
+        "upload_ratio_unthrottled": uploads["unthrottled"]["seconds"] / expected_upload,
         "peak_rss_mb": hwm, "cgroup_peak_mb": cg_peak, "planned_memory_mb": need,
         "mem_limit_mb": lim["mem_limit_mb"], "wall_s": wall, "globals": protos,
     }
@@ -149,6 +286,11 @@ def main() -> None:
     ap.add_argument("--arm64-only", action="store_true", help="only the arm64 comparison (no profile rows)")
     ap.add_argument("--arm64-rounds", type=int, default=2, help="rounds of the arm64 comparison (both arches)")
     ap.add_argument("--arm64-fraction", type=float, default=0.1, help="data fraction of the arm64 comparison")
+    ap.add_argument("--images-hash", metavar="H",
+                    help="use the images built for fedge source hash H (they must exist) instead of this checkout's")
+    ap.add_argument("--forward-only", action="store_true",
+                    help="with --arm64: only the untrained forward pass on both architectures (no fleet runs)")
+    ap.add_argument("--forward-arch", default="tier-xl", help="with --forward-only: the model (the Pi 4's plan)")
     ap.add_argument("--work", default="runs/bench-emulation")
     ap.add_argument("--out", default=str(RESULTS / "emulation.json"))
     args = ap.parse_args()
@@ -156,13 +298,14 @@ def main() -> None:
 
     torch.set_num_threads(1)
     client = engine.docker_client()
-    tags = images.ensure_images(client, "amd64")
+    tags = (images.image_tags("amd64", args.images_hash) if args.images_hash
+            else images.ensure_images(client, "amd64"))
     work = Path(args.work).resolve()
     shutil.rmtree(work, ignore_errors=True)  # a fresh calibration each run (prepare caches it per directory)
     work.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()
     t_start = time.time()
-    rows = [] if args.arm64_only else [run_profile(client, tags, p, work, rounds=args.rounds)
+    rows = [] if args.arm64_only or args.forward_only else [run_profile(client, tags, p, work, rounds=args.rounds)
                                        for p in args.profiles.split(",") if p]
     for r in rows:  # the issue's targets
         r["round_ok"] = 0.67 <= r["round_ratio"] <= 1.5
@@ -172,7 +315,13 @@ def main() -> None:
                               "loadavg_start": load_start, "rounds": args.rounds, "profiles": rows}
     _write(args.out, result)  # now: the arm64 part takes long and may fail
     if args.arm64:
-        arm_tags = images.ensure_images(client, "arm64")
+        arm_tags = (images.image_tags("arm64", args.images_hash) if args.images_hash
+                    else images.ensure_images(client, "arm64"))
+        result["images"] = {"amd64": tags.device, "arm64": arm_tags.device}
+    if args.arm64 and args.forward_only:
+        result["arm64_forward"] = forward_probe(client, {"amd64": tags.device, "arm64": arm_tags.device}, work,
+                                                arch=args.forward_arch)
+    elif args.arm64:
         # A smaller run than the profiles' on both architectures back to back, each device container with
         # one whole host core (host rate := the profile's rate, so cpus = 1): at the profile's quota (0.06 of a
         # core for a Pi 4) QEMU's slowdown made the arm64 device miss round 1's deadline (180 s).
@@ -183,10 +332,15 @@ def main() -> None:
         arm = run_profile(client, arm_tags, args.arm64, work / "arm64", arch="arm64", **small)
         diffs = [float(np.max(np.abs(np.asarray(arm["globals"][k]) - np.asarray(v))))
                  for k, v in (amd["globals"] or {}).items() if k in (arm["globals"] or {})]
+        scale = max((float(np.max(np.abs(np.asarray(v)))) for v in (amd["globals"] or {}).values()), default=0.0)
         result["arm64"] = {"profile": args.arm64, "amd64_wall_s": amd["wall_s"], "arm64_wall_s": arm["wall_s"],
                            "slowdown": arm["wall_s"] / amd["wall_s"],
                            "round_slowdown": arm["round_s"] / amd["round_s"] if amd["round_s"] > 0 else None,
-                           "max_abs_diff_globals": max(diffs) if diffs else None, "run": arm}
+                           "max_abs_diff_globals": max(diffs) if diffs else None,
+                           "max_rel_diff_globals": max(diffs) / scale if diffs and scale else None,
+                           "untrained_forward": forward_probe(client, {"amd64": tags.device, "arm64": arm_tags.device},
+                                                              work, arch=amd["device_arch"]),
+                           "run": arm}
     _write(args.out, result)
     print(f"{'profile':<13} {'model':<8} {'cpus':>5} {'round s':>8} {'planned':>8} {'ratio':>6} "
           f"{'upload s':>9} {'bytes/rate':>10} {'ratio':>6} {'peak RSS':>9} {'cgroup':>7} {'planned':>8}")
@@ -195,10 +349,23 @@ def main() -> None:
               f"{r['planned_round_s']:>8.2f} {r['round_ratio']:>6.2f} {r['upload_s']:>9.2f} "
               f"{r['expected_upload_s']:>10.2f} {r['upload_ratio']:>6.2f} {r['peak_rss_mb'] or 0:>8.0f}M "
               f"{r['cgroup_peak_mb']:>6.0f}M {r['planned_memory_mb']:>7.0f}M")
+    print("upload decomposition (s): at the quota / old timer (CONNACK inside) / 4 MiB send buffer / quota lifted;"
+          " process CPU s at the quota; throttled CFS periods")
+    for r in rows:
+        u = r["upload_runs"]
+        print(f"{r['profile']:<13} {u['quota']['seconds']:.3f} / {u['quota_old_timer']['seconds']:.3f} / "
+              f"{u['quota_big_sndbuf']['seconds']:.3f} / "
+              f"{u['unthrottled']['seconds']:.3f} (bytes/rate {r['expected_upload_s']:.3f}); "
+              f"cpu {u['quota'].get('process_cpu_s', float('nan')):.4f} s; "
+              f"throttled {u['quota'].get('throttled_periods')} of {u['quota'].get('periods')} periods")
     if "arm64" in result:
         a = result["arm64"]
         print(f"arm64 vs amd64 ({a['profile']}): wall {a['arm64_wall_s']:.0f} s vs {a['amd64_wall_s']:.0f} s "
               f"(x{a['slowdown']:.1f}); max |global prototype difference| {a['max_abs_diff_globals']}")
+    for f in [x for x in (result.get("arm64", {}).get("untrained_forward"), result.get("arm64_forward")) if x]:
+        print(f"untrained {f['arch']} on {f['images']} digits (same weights and inputs), arm64 - amd64 max |diff|: "
+              f"features {f['max_abs_diff_features']:.2e}, logits {f['max_abs_diff_logits']:.2e}, "
+              f"prototypes {f['max_abs_diff_prototypes']:.2e}")
     print(f"load average (1/5/15 min) at start {result['loadavg_start']}, at end {result['loadavg_end']}")
     print(f"wrote {args.out}")
 
