@@ -142,7 +142,19 @@ with torch.no_grad():
     feats = m.features(inp["x"])
     logits = m.head(feats)
 protos = torch.stack([feats[inp["y"] == k].mean(0) for k in range(int(inp["y"].max()) + 1)])
-save_file({"features": feats, "logits": logits, "prototypes": protos}, f"/probe/out-{tag}.safetensors")
+out = {"features": feats, "logits": logits, "prototypes": protos}
+# Then plain SGD on the same batches in the same order (no shuffling, no randomness): how the arithmetic's
+# differences grow with training. The weights' max |diff| after 1 and after 40 steps.
+m.train()
+opt = torch.optim.SGD(m.parameters(), lr=0.05)
+for step in range(1, 41):
+    i = (step - 1) % (len(inp["y"]) // 32) * 32
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(m(inp["x"][i:i + 32]), inp["y"][i:i + 32]).backward()
+    opt.step()
+    if step in (1, 40):
+        out[f"weights_after_{step}_steps"] = torch.cat([p.detach().flatten() for p in m.parameters()])
+save_file(out, f"/probe/out-{tag}.safetensors")
 print(json.dumps({"torch": torch.__version__}))
 """
 
@@ -152,7 +164,8 @@ def forward_probe(client: Any, device_images: dict[str, str], work: Path, *, arc
     """Kernel float differences alone: one set of weights (seed 0, untrained) and one batch of digits
     test images, written on the host, run through the extractor (features, logits, per-class mean
     features = prototypes) in a device container of each architecture. No training, so any difference
-    is the arithmetic (torch version, NEON vs AVX kernels), not a diverged optimisation."""
+    is the arithmetic (torch version, NEON vs AVX kernels), not a diverged optimisation. Then 40 plain
+    SGD steps on the same batches in the same order, to see how training grows that difference."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -365,7 +378,8 @@ def main() -> None:
     for f in [x for x in (result.get("arm64", {}).get("untrained_forward"), result.get("arm64_forward")) if x]:
         print(f"untrained {f['arch']} on {f['images']} digits (same weights and inputs), arm64 - amd64 max |diff|: "
               f"features {f['max_abs_diff_features']:.2e}, logits {f['max_abs_diff_logits']:.2e}, "
-              f"prototypes {f['max_abs_diff_prototypes']:.2e}")
+              f"prototypes {f['max_abs_diff_prototypes']:.2e}; weights after 1 / 40 SGD steps "
+              f"{f['max_abs_diff_weights_after_1_steps']:.2e} / {f['max_abs_diff_weights_after_40_steps']:.2e}")
     print(f"load average (1/5/15 min) at start {result['loadavg_start']}, at end {result['loadavg_end']}")
     print(f"wrote {args.out}")
 
