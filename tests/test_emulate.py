@@ -160,3 +160,18 @@ def test_foreign_arch_without_binfmt_says_how_to_enable_it(tmp_path: Path, monke
     assert "qemu-user-static" in (err.value.hint or "") and "/register" in (err.value.hint or "")
     with pytest.raises(EmulationError, match="unknown"):
         images.check_arch("mips")
+
+
+def test_a_partitioned_devices_address_is_kept_for_resume(tmp_path: Path) -> None:
+    # `fault partition DEVICE` and `fault resume DEVICE` run in two processes: the address the device had
+    # (to reconnect it with, see fedge.emulate.engine._reconnect) goes through the emulation directory.
+    from fedge.emulate import engine
+
+    emu = engine.Emulation(tmp_path, "fedge-t-000000", "amd64", "t", Images("d", "c", "b"), {}, {})
+    assert engine._partitions(emu, "rpi4-4gb-1", "10.201.7.3") == "10.201.7.3"
+    assert engine._partitions(emu, "x86-gateway-1", "10.201.7.4") == "10.201.7.4"
+    assert json.loads((tmp_path / engine.PARTITIONS).read_text()) == {"rpi4-4gb-1": "10.201.7.3",
+                                                                       "x86-gateway-1": "10.201.7.4"}
+    assert engine._partitions(emu, "rpi4-4gb-1") == "10.201.7.3"  # resumed: forgotten
+    assert engine._partitions(emu, "rpi4-4gb-1") is None
+    assert json.loads((tmp_path / engine.PARTITIONS).read_text()) == {"x86-gateway-1": "10.201.7.4"}

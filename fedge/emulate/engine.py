@@ -522,7 +522,7 @@ def _pause(client: Any, c: Any) -> None:
 
 
 SHAPE_LINK = "/usr/local/bin/fedge-shape-link"
-"""In the device image (docker/shape-link.sh): shapes eth0 and the ingress ifb from the container's FEDGE_* env."""
+"""In the device image (docker/shape-link.sh): shapes the fleet interface and the ingress ifb from the FEDGE_* env."""
 
 
 def _reconnect(net: Any, c: Any, device: str, address: str | None = None) -> None:
