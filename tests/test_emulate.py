@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from fedge.emulate import images
-from fedge.emulate.compose import CoordinatorArgs, Images, compose_dict, fleet_subnet, to_yaml
+from fedge.emulate.compose import CoordinatorArgs, Images, check_subnet, compose_dict, fleet_subnet, to_yaml
 from fedge.emulate.limits import OS_SHARE_MB, compose_cpus, device_plans, limits_for, oom_message
-from fedge.errors import EmulationError
+from fedge.errors import ConfigError, EmulationError
 from fedge.fleet.config import parse_fleet
 from fedge.profiles import load_profile
 from fedge.profiles.planner import EFFICIENCY_MAC_PER_CYCLE
@@ -149,6 +149,31 @@ def test_prepare_flashes_every_device_with_fedge_flash(tmp_path: Path) -> None:
         proc = subprocess.run([exe, "-f", str(tmp_path / "emu" / "compose.yaml"), "config"], capture_output=True,
                               text=True, check=False)
         assert proc.returncode == 0 and subnet in proc.stdout, proc.stderr
+    # --subnet overrides the pick (a host whose networks already use it).
+    engine.prepare(fleet, tmp_path / "emu2", images=tags, rates=rates, subnet="192.168.77.5/26")
+    doc = yaml.safe_load((tmp_path / "emu2" / "compose.yaml").read_text())
+    assert doc["networks"]["fleet"]["ipam"]["config"] == [{"subnet": "192.168.77.0/26"}]
+
+
+@pytest.mark.parametrize(("subnet", "message"), [
+    ("10.1.2.0/33", "is not a network"),
+    ("fleet", "is not a network"),
+    ("8.8.8.0/24", "not a private IPv4 network"),
+    ("fd00::/64", "not a private IPv4 network"),
+    ("10.9.9.0/30", "has 2 host addresses; the emulation needs 7"),
+])
+def test_a_bad_subnet_is_refused_before_anything_is_written(subnet: str, message: str, tmp_path: Path) -> None:
+    from fedge.emulate import engine
+
+    with pytest.raises(ConfigError, match=message):
+        check_subnet(subnet, devices=4)
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text('[run]\nmethod = "fedproto"\nrounds = 1\ndataset = "digits"\nfleet = "t"\n'
+                     '[[devices]]\nprofile = "rpi4-4gb"\n')
+    with pytest.raises(ConfigError, match=message.split(";")[0]):
+        engine.prepare(fleet, tmp_path / "emu", images=Images(device="d", coordinator="c", broker="b"),
+                       subnet=subnet)
+    assert not (tmp_path / "emu").exists()
 
 
 def test_foreign_arch_without_binfmt_says_how_to_enable_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     help="devices online before a round starts (default: all, so round 1 matches fedge simulate)")
     up.add_argument("--deadline-slack", type=float, default=3.0,
                     help="coordinator round deadline = slack x the slowest device's expected time (default 3)")
+    up.add_argument("--subnet", metavar="CIDR",
+                    help="the fleet network's private IPv4 subnet (default a /24 in 10.200-249.x.0 picked by the "
+                         "emulation directory's hash; set it when that one is taken on this host)")
     up.add_argument("--no-start", action="store_true", help="write and build, start nothing")
     up.add_argument("--wait", action="store_true", help="wait for the coordinator to finish, then print status")
     up.add_argument("--timeout", type=float, default=3600.0, help="with --wait: give up after S seconds")
@@ -65,7 +68,8 @@ def _up(args: argparse.Namespace) -> int:
     client = engine.docker_client()
     tags = images.ensure_images(client, args.arch, base=args.base_image)
     emu = engine.prepare(args.fleet, args.out, arch=args.arch, images=tags, loss_pct=args.loss,
-                         min_devices=args.min_devices, deadline_slack=args.deadline_slack)
+                         min_devices=args.min_devices, deadline_slack=args.deadline_slack,
+                         subnet=args.subnet)
     print(f"wrote {emu.out / 'compose.yaml'} ({len(emu.devices)} devices; images {tags.device}, "
           f"{tags.coordinator}, {tags.broker})")
     for dev, lim in emu.limits.items():

@@ -9,11 +9,13 @@ wrote into it, so it is mounted at that same path.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedge.emulate.limits import DeviceLimits
+from fedge.errors import ConfigError
 
 BROKER = "broker"
 COORDINATOR = "coordinator"
@@ -54,6 +56,23 @@ def fleet_subnet(project: str) -> str:
     """
     h = hashlib.sha256(project.encode()).digest()
     return f"10.{200 + h[0] % 50}.{h[1]}.0/24"
+
+
+def check_subnet(subnet: str, devices: int) -> str:
+    """``subnet`` (``fedge emulate up --subnet``) in canonical form, if it is a private IPv4 network with
+    room for the broker, the coordinator, ``devices`` devices and the engine's gateway; else ConfigError."""
+    try:
+        net = ipaddress.ip_network(subnet, strict=False)
+    except ValueError as exc:
+        raise ConfigError(f"--subnet {subnet!r} is not a network ({exc})", hint="e.g. --subnet 10.201.7.0/24") from exc
+    if net.version != 4 or not net.is_private:
+        raise ConfigError(f"--subnet {subnet} is not a private IPv4 network",
+                          hint="pick one in 10.0.0.0/8, 172.16.0.0/12 or 192.168.0.0/16 that no other network uses")
+    hosts = net.num_addresses - 2  # network and broadcast addresses
+    if hosts < devices + 3:
+        raise ConfigError(f"--subnet {subnet} has {hosts} host addresses; the emulation needs {devices + 3} "
+                          f"({devices} devices, broker, coordinator, gateway)", hint="use a larger prefix, e.g. /24")
+    return str(net)
 
 
 def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: CoordinatorArgs,

@@ -39,6 +39,7 @@ from fedge.emulate.compose import (
     NETWORK,
     CoordinatorArgs,
     Images,
+    check_subnet,
     compose_dict,
     fleet_subnet,
     to_yaml,
@@ -139,7 +140,11 @@ class Emulation:
         cmd = [*compose_command(), "-p", self.project, "-f", str(self.out / "compose.yaml"), *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=self.out)
         if check and proc.returncode != 0:
-            raise EmulationError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-1500:]}")
+            hint = None
+            if "overlaps" in proc.stderr:
+                # The fleet network's subnet (fleet_subnet's pick or --subnet) is in use on this host.
+                hint = "another network on this host uses that subnet: run `fedge emulate up` again with --subnet CIDR"
+            raise EmulationError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-1500:]}", hint=hint)
         return proc
 
     def containers(self, client: Any) -> dict[str, Any]:
@@ -163,8 +168,10 @@ class Emulation:
 def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", images: Images,
             rates: dict[tuple[str, int], float] | None = None, loss_pct: float = 0.0,
             min_devices: int | None = None, deadline_slack: float = 3.0,
-            device_args: tuple[str, ...] = ()) -> Emulation:
+            device_args: tuple[str, ...] = (), subnet: str | None = None) -> Emulation:
     """Write the emulation directory (broker config, flashed devices, compose.yaml); start nothing.
+
+    ``subnet`` is the fleet network's IPv4 subnet (default :func:`fleet_subnet`'s pick).
 
     ``rates`` maps (arch, batch) to the host's training MAC/s (:func:`fedge.emulate.calibrate.calibrate`
     measures what is missing).
@@ -176,9 +183,10 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     from fedge.fleet.devices import load_fleet_data
 
     outp = Path(out).resolve()
-    outp.mkdir(parents=True, exist_ok=True)
     cfg = load_fleet(fleet_path)
     ids = [i for i, _ in device_ids(cfg)]
+    subnet = check_subnet(subnet, len(ids)) if subnet else fleet_subnet(project_name(outp))
+    outp.mkdir(parents=True, exist_ok=True)
     data = load_fleet_data(cfg)
     samples = {dev: len(split.train) for dev, split in zip(ids, data.splits, strict=True)}
     plans = device_plans(cfg, samples)
@@ -215,7 +223,7 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
                             deadline_slack=deadline_slack)
     # No `platform:` key: an image made by `docker import` on a 20.10 engine is labelled with the host's
     # architecture whatever its binaries are, and binfmt_misc runs them regardless.
-    doc = compose_dict(outp, images, limits, coord, device_args=device_args, subnet=fleet_subnet(project_name(outp)))
+    doc = compose_dict(outp, images, limits, coord, device_args=device_args, subnet=subnet)
     header = (f"fedge emulation of {fleet_path} ({len(ids)} devices, {arch}), written by `fedge emulate up`.\n"
               "Each device's cpus, mem_limit and FEDGE_* link settings come from its profile (docs/emulate.md).\n"
               f"Run it by hand: docker-compose -p {project_name(outp)} -f compose.yaml up -d")
