@@ -132,8 +132,10 @@ def table2(by_alpha: dict[float, Cells], methods: dict[str, Method], *, rounds: 
            f"--alphas {' '.join(map(str, by_alpha))} --seeds {' '.join(map(str, seeds))}")
     p_section = "" if not p_md else f"""
 **No device worse off than alone (issue 17).** Rows with a personal head (`personalize = true`, a
-fine-tuned copy of the model chosen per device on a held-out 20 % of its training data) and the
-guard on synthetic samples (`guard = true`). *Local, own*: each device's own split with its chosen
+fine-tuned copy of the model — 5 epochs and at least 100 SGD steps, `personal_min_steps` — chosen
+per device on a held-out 20 % of its training data) and the guard on synthetic samples
+(`guard = true`). Only cells measured with the step floor are shown (earlier ones no longer match
+the rows' settings). *Local, own*: each device's own split with its chosen
 predictor; *local, federated*: the same split with the federated model; *global, federated /
 personal*: the 10k test set with either. *Devices below Local*: devices trailing Local on their own
 split by more than {NO_WORSE.device_margin:g} point, over the seeds where Local's per-device figures exist.

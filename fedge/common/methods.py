@@ -56,6 +56,9 @@ class PersonalSettings(MethodSettings):
     personal_part: str = setting("model", "what the personal copy fine-tunes: the whole model, or only the head "
                                           "on the federated features", choices=("model", "head"))
     personal_epochs: int = setting(5, "epochs of the personal copy on the device's real data", minimum=1)
+    personal_min_steps: int = setting(100, "at least this many SGD steps for the personal copy: a small device "
+                                           "runs more than `personal_epochs` epochs to reach them (0 = no floor)",
+                                      minimum=0)
     val_fraction: float = setting(0.2, "held-out share of the device's training data that decides between the "
                                        "heads (and, with `guard`, about the synthetic samples); 0 < f < 1")
 

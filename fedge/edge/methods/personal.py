@@ -6,10 +6,11 @@ Both decide on data the device holds out from its own training set, never on a t
   the personal one fitted as FedBABU does (Oh et al., ICLR 2022: fine-tune on local data after
   federated training). At every evaluation the device fits a copy of its federated model
   (``personal_part = "model"``) or only of its head on the frozen features (``"head"``) on its
-  real data minus a held-out split, compares it with the federated model on that split (a tie
-  goes to the personal one), refits the winner on all its real data, and answers its own
-  distribution with it. The federated model keeps serving the global test set and the
-  federation itself: no bytes, no change for the other devices.
+  real data minus a held-out split — ``personal_epochs`` epochs, and at least ``personal_min_steps``
+  SGD steps, so a device with one batch of data is not left with a handful of steps — compares
+  it with the federated model on that split (a tie goes to the personal one), refits the winner
+  on all its real data, and answers its own distribution with it. The federated model keeps
+  serving the global test set and the federation itself: no bytes, no change for the other devices.
 * **Guard** (``[method] guard``): each round the device trains twice from the same start — once
   as the method does with this round's synthetic samples, once without them, both followed by
   one epoch on its real data minus a held-out fold — and keeps the synthetic branch only if its
@@ -55,6 +56,19 @@ def holdout(n: int, fraction: float, seed: int, fold: int = 0) -> tuple[np.ndarr
     if len(val) == 0:  # n < k: hold out one sample
         val = perm[:1]
     return np.setdiff1d(np.arange(n), val), val
+
+
+def personal_fit_epochs(n: int, batch_size: int, epochs: int, min_steps: int) -> int:
+    """Epochs of a personal fit on ``n`` samples: ``epochs``, or more until ``min_steps`` SGD steps.
+
+    Counted in epochs alone, a fit gives a device with one batch of data one step per epoch
+    (5 steps for 15 images), while training alone it would have taken one per epoch of every
+    round; the floor gives every device at least ``min_steps`` steps, whatever its size.
+    """
+    if n == 0:
+        return epochs
+    per_epoch = -(-n // batch_size)  # ceil
+    return max(epochs, -(-min_steps // per_epoch))
 
 
 @torch.no_grad()
@@ -113,16 +127,17 @@ class PersonalMixin:
         ctx = dm.ctx
         model: Any = ctx.model
         rng = np.random.default_rng(ctx.seed)
+        epochs = personal_fit_epochs(len(idx), ctx.train_cfg.batch_size, cfg.personal_epochs, cfg.personal_min_steps)
         if cfg.personal_part == "model":
             mine = copy.deepcopy(model)
-            train_epochs(mine, ctx.train.x[idx], ctx.train.y[idx], ctx.train_cfg, rng, epochs=cfg.personal_epochs)
+            train_epochs(mine, ctx.train.x[idx], ctx.train.y[idx], ctx.train_cfg, rng, epochs=epochs)
             return _predict_with(mine)
         head = copy.deepcopy(model.head)
 
         def forward(fb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return head(fb), fb
 
-        train_epochs(head, feats[idx].numpy(), ctx.train.y[idx], ctx.train_cfg, rng, epochs=cfg.personal_epochs,
+        train_epochs(head, feats[idx].numpy(), ctx.train.y[idx], ctx.train_cfg, rng, epochs=epochs,
                      forward=forward)
         return _predict_with(model, head)
 
@@ -244,4 +259,4 @@ def guard_settings(settings: Any) -> GuardedSettings | None:
 
 
 __all__ = ["GuardDecision", "PersonalChoice", "PersonalMixin", "Predict", "guard_settings", "guarded_step",
-           "held_out_metrics", "holdout"]
+           "held_out_metrics", "holdout", "personal_fit_epochs"]
