@@ -91,7 +91,25 @@ def table1(cells: Cells, methods: dict[str, Method], *, seeds: list[int], publis
                f"measured while other cells shared the cores, so this is an upper bound).")
     cmd = "python benchmarks/generative.py table1" + (" --published" if published else "") + (
         " --quick" if quick else "") + f" --seeds {' '.join(map(str, seeds))}"
-    return Rendered(text_table(header, rows), f"""
+    g_text, g_md, g_checks = personal.table1_block(cells, methods)
+    guarded = " ".join(k for k in cells if methods[k].config.get("guard"))
+    g_section = "" if not g_md else f"""
+**The guard on synthetic knowledge (issue 17).** Rows with `guard = true`: every target round each
+device trains its synthetic epochs and first real epoch twice, with and without this round's synthetic
+samples, from the same state, and keeps the branch with the better accuracy on a held-out fold of its
+own data (a rotating 20 %, `val_fraction`); a rejected round halves the next round's synthetic share,
+an accepted one that helped doubles it back (at most 1). *Synthetic kept*: device-rounds that kept the
+synthetic samples, per seed. *Vs FedAvg*: paired by seed. *Min/cell (× base)*: wall minutes per seed
+and the mean ratio to the unguarded cell (one process per cell on the shared 2-core machine).
+
+{g_md}
+
+{chr(10).join(g_checks)}
+
+Command: `python benchmarks/generative.py table1 --methods {guarded}`
+(the FedAvg and unguarded cells are table 1's own).
+"""
+    return Rendered(text_table(header, rows) + ("\n\n" + g_text + "\n" + "\n".join(g_checks) if g_text else ""), f"""
 ### Table 1 — GeFL protocol, Fashion-MNIST{' (published schedules)' if published else ''}{
     ' — QUICK schedule (10 generator / 5 warm-up / 20 training rounds), not the protocol' if quick else ''}
 
@@ -103,7 +121,7 @@ listed. Generator tier in the method name; schedules in `benchmarks/generative_r
 {markdown_table(header, rows)}
 
 {targets}
-
+{g_section}
 Command: `{cmd}`; plot `benchmarks/results/generative/table1{tag}.png`. Wall times are per cell, one
 process per cell (torch single-threaded) on a 2-core machine shared with other jobs, so they are upper bounds.
 FedVTC runs on `cnnK-p64` (a 64-d embedding before the head), the others on the published CNNs.
