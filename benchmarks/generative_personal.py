@@ -105,8 +105,10 @@ def table1_block(cells: Cells, methods: dict[str, Method]) -> tuple[str, str, li
     status = "not judged yet (no guarded row has FedAvg's seeds)" if not judged_seeds else (
         f"{'missed' if below else 'met'}; below: {', '.join(below) or 'none'}; "
         f"at or above: {', '.join(above) or 'none'}")
+    missing = [m.label for k, m in methods.items() if m.config.get("guard") and k not in cells]
     check = (f"Guard target (issue 17: with the guard, no generative method below FedAvg within group, "
-             f"mean over FedAvg's seeds {' '.join(map(str, sorted(fedavg)))}): {status}.")
+             f"mean over FedAvg's seeds {' '.join(map(str, sorted(fedavg)))}): {status}"
+             + (f"; not measured yet: {', '.join(missing)}" if missing else "") + ".")
     return text_table(header, rows), markdown_table(header, rows), [check]
 
 
