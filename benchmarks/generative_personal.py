@@ -78,6 +78,7 @@ def table1_block(cells: Cells, methods: dict[str, Method]) -> tuple[str, str, li
     rows: list[list[str]] = []
     below: list[str] = []
     above: list[str] = []
+    partial: list[str] = []
     judged_seeds: set[int] = set()
     for key, cs in cells.items():
         if not methods[key].config.get("guard"):
@@ -97,6 +98,8 @@ def table1_block(cells: Cells, methods: dict[str, Method]) -> tuple[str, str, li
                      " ".join(map(str, seeds))])
         # The target is over FedAvg's seeds (3): a row with fewer is reported, not judged.
         if len(seeds) < len(fedavg):
+            partial.append(f"{methods[key].label} ({gain:+.2f}, seed{'s' * (len(seeds) > 1)} "
+                           f"{' '.join(map(str, seeds))} only)")
             continue
         judged_seeds.update(seeds)
         (below if gain < 0 else above).append(f"{methods[key].label} ({gain:+.2f})")
@@ -108,6 +111,7 @@ def table1_block(cells: Cells, methods: dict[str, Method]) -> tuple[str, str, li
     missing = [m.label for k, m in methods.items() if m.config.get("guard") and k not in cells]
     check = (f"Guard target (issue 17: with the guard, no generative method below FedAvg within group, "
              f"mean over FedAvg's seeds {' '.join(map(str, sorted(fedavg)))}): {status}"
+             + (f"; not judged, fewer seeds than FedAvg: {', '.join(partial)}" if partial else "")
              + (f"; not measured yet: {', '.join(missing)}" if missing else "") + ".")
     return text_table(header, rows), markdown_table(header, rows), [check]
 
