@@ -42,6 +42,14 @@ def cached_cell(path: Path, compute: Callable[[], dict[str, Any]], *, force: boo
     return out
 
 
+def paired_by_seed(cells: Sequence[dict], ref: Sequence[dict], metric: str) -> dict[int, float]:
+    """``metric`` of each cell minus the reference cell of the same seed, in points, by seed, on the seeds
+    both have (cells without the metric are left out)."""
+    by_seed = {c["seed"]: 100 * c[metric] for c in ref if c.get(metric) is not None}
+    return {c["seed"]: 100 * c[metric] - by_seed[c["seed"]] for c in sorted(cells, key=lambda c: c["seed"])
+            if c["seed"] in by_seed and c.get(metric) is not None}
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     if not values:
         return float("nan"), float("nan")

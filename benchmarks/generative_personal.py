@@ -7,7 +7,7 @@ each device's own split) and the federated model's (``mean_final_acc_local_gener
 
 from __future__ import annotations
 
-from common import markdown_table, mean_std, text_table
+from common import markdown_table, mean_std, paired_by_seed, text_table
 from generative_rows import Method
 from generative_targets import NO_WORSE
 
@@ -36,13 +36,6 @@ def _below_local(cs: list[dict], local: list[dict]) -> str:
                 total += 1
                 below += 100 * (ref[dev]["final_acc_local"] - d["final_acc_local"]) > NO_WORSE.device_margin
     return f"{below}/{total}" if total else "-"
-
-
-def paired_local(cs: list[dict], local: list[dict]) -> dict[int, float]:
-    """Each seed's mean local accuracy minus Local's on the same seed, in points."""
-    ref = {c["seed"]: c["mean_final_acc_local"] for c in local if c.get("mean_final_acc_local") is not None}
-    return {c["seed"]: 100 * (c["mean_final_acc_local"] - ref[c["seed"]]) for c in sorted(cs, key=lambda c: c["seed"])
-            if c["seed"] in ref and c.get("mean_final_acc_local") is not None}
 
 
 def _base_key(key: str) -> str:
@@ -88,9 +81,9 @@ def table1_block(cells: Cells, methods: dict[str, Method]) -> tuple[str, str, li
         seeds = sorted(c["seed"] for c in paired_cs)
         if not seeds:
             continue
-        gain = mean_std([100 * (c["mean_best_acc"] - fedavg[c["seed"]]["mean_best_acc"]) for c in paired_cs])[0]
+        gain = mean_std(list(paired_by_seed(paired_cs, list(fedavg.values()), "mean_best_acc").values()))[0]
         base_cs = [base[sd] for sd in seeds if sd in base]
-        base_gain = (mean_std([100 * (b["mean_best_acc"] - fedavg[b["seed"]]["mean_best_acc"]) for b in base_cs])[0]
+        base_gain = (mean_std(list(paired_by_seed(base_cs, list(fedavg.values()), "mean_best_acc").values()))[0]
                      if base_cs else None)
         kept = [f"{c['guard_used']}/{c['guard_decisions']}" for c in cs if c.get("guard_decisions")]
         rows.append([methods[key].label, _f(_mean(paired_cs, "mean_best_acc")), _f(_mean(base_cs, "mean_best_acc")),
@@ -145,7 +138,7 @@ def table2_block(by_alpha: dict[float, Cells], methods: dict[str, Method]) -> tu
             if dl is not None:
                 ok = local_ok[key] = dl >= -NO_WORSE.local_within
                 # The target is on the mean over seeds; each seed's own Δ is shown so a miss is not hidden.
-                per_seed = paired_local(cs, local) if len(seeds) > 1 else {}
+                per_seed = paired_by_seed(cs, local, "mean_final_acc_local") if len(seeds) > 1 else {}
                 missed = [sd for sd, d in per_seed.items() if d < -NO_WORSE.local_within]
                 detail = ("; per seed " + ", ".join(f"{sd}: {d:+.2f}" for sd, d in per_seed.items())
                           + (f", seed {' '.join(map(str, missed))} below −{NO_WORSE.local_within:g}" if missed else "")

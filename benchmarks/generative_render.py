@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import generative_personal as personal
-from common import markdown_table, mean_std, text_table
+from common import markdown_table, mean_std, paired_by_seed, text_table
 from generative_rows import PUBLISHED, TABLE1_ABLATIONS, TABLE1_EXTRAS, TABLE2_VARIANTS, Method
 from generative_targets import NO_WORSE, TABLE1, TABLE2, TABLE3
 
@@ -29,8 +29,7 @@ def pct(values: list[float | None]) -> tuple[float, float]:
 
 def paired(cells: list[dict], ref: list[dict], metric: str) -> list[float]:
     """``metric`` of each cell minus the reference cell of the same seed, in points, on the seeds both have."""
-    by_seed = {c["seed"]: 100 * c[metric] for c in ref}
-    return [100 * c[metric] - by_seed[c["seed"]] for c in cells if c["seed"] in by_seed]
+    return list(paired_by_seed(cells, ref, metric).values())
 
 
 def table1(cells: Cells, methods: dict[str, Method], *, seeds: list[int], published: bool, quick: bool,

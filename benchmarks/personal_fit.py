@@ -37,30 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, mean_std, text_table
 from generative_rows import build_config, table2_methods
 
-from fedge.coordinator.config import slot_checks
-from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.edge.methods.personal import held_out_metrics, holdout, personal_fit_epochs
 from fedge.edge.training import train_epochs
-from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice
-from fedge.fleet.slots import checked_slots
-from fedge.sim.simulate import build_fleet
-from fedge.sim.transports import transport_runner
+from fedge.sim.simulate import build_fleet, run_rounds
 
 OUT = RESULTS / "personal_fit"
 T2 = RESULTS / "generative" / "table2"
 VAL = 0.2  # the rows' val_fraction
-
-
-def run_fleet(cfg: FleetConfig, devices: list[SimDevice], strat: Any) -> None:
-    """The rounds of ``cfg`` over the in-process twin (what ``simulate`` does, on prepared devices)."""
-    coord, _agents, cleanup = transport_runner("inprocess")(cfg, devices)
-    try:
-        RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method,
-                                               slots=slot_checks(checked_slots(cfg), own_data=cfg.own_data),
-                                               privacy=cfg.privacy_mechanism)).run()
-    finally:
-        cleanup()
 
 
 def acc(model: Any, x: np.ndarray, y: np.ndarray) -> float:
@@ -84,7 +68,7 @@ def leaky(devices: list[SimDevice]) -> dict[str, dict[str, Any]]:
         xl, yl = ctx.local_test.x, ctx.local_test.y
         row: dict[str, Any] = {"n": n, "federated": acc(ctx.model, xl, yl), "shipped": 100 * dm.evaluate()["acc_local"]}
         for steps in (100, 300, 1000):
-            row[f"fit{steps}"] = acc(fitted(ctx.model, x, y, ctx, -(-steps // -(-n // bs))), xl, yl)
+            row[f"fit{steps}"] = acc(fitted(ctx.model, x, y, ctx, personal_fit_epochs(n, bs, 1, steps)), xl, yl)
         rest, val = holdout(n, VAL, ctx.seed)
         per_epoch = -(-len(rest) // bs)
         mine, rng = copy.deepcopy(ctx.model), np.random.default_rng(ctx.seed)
@@ -146,7 +130,7 @@ def main() -> int:
     t0 = time.perf_counter()
     devices, strat = build_fleet(cfg)
     if args.mode == "leaky":
-        run_fleet(cfg, devices, strat)
+        run_rounds(cfg, devices, strat)
         rows = leaky(devices)
     else:
         full, folds, init = {}, {}, {}
@@ -156,7 +140,7 @@ def main() -> int:
             init[d.info.device_id] = copy.deepcopy(ctx.model.state_dict())
             ctx.train = ctx.train.subset(folds[d.info.device_id][0])
             d.method.data_changed()
-        run_fleet(cfg, devices, strat)
+        run_rounds(cfg, devices, strat)
         rows = {}
         for d in devices:
             dev = d.info.device_id

@@ -48,21 +48,29 @@ def build_fleet(cfg: FleetConfig) -> tuple[list[SimDevice], Strategy]:
     return build_devices(cfg, data), strat
 
 
-def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | Path | None = None,
-             on_round: Callable[[RoundReport], None] | None = None) -> SimResult:
-    """Run ``cfg`` end to end; with ``out_dir``, save each device's final model there."""
-    connect = transport_runner(transport)  # an unknown name fails before any work
-    t0 = time.perf_counter()
-    devices, strat = build_fleet(cfg)
+def run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, transport: str = "inprocess",
+               on_round: Callable[[RoundReport], None] | None = None) -> tuple[list[DeviceAgent], list[RoundReport]]:
+    """Every round of ``cfg`` over ``transport`` with devices already built (``build_fleet``), which a
+    caller may prepare first (e.g. a benchmark that withholds part of each device's data)."""
+    connect = transport_runner(transport)
     coord, agents, cleanup = connect(cfg, devices)
     try:
         # the devices' hellos are checked against the fleet config's slots, as `fedge coordinator run` does
         slots = slot_checks(checked_slots(cfg), own_data=cfg.own_data)
         engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=slots,
                                                           privacy=cfg.privacy_mechanism))
-        reports = engine.run(on_round=on_round)
+        return agents, engine.run(on_round=on_round)
     finally:
         cleanup()
+
+
+def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | Path | None = None,
+             on_round: Callable[[RoundReport], None] | None = None) -> SimResult:
+    """Run ``cfg`` end to end; with ``out_dir``, save each device's final model there."""
+    transport_runner(transport)  # an unknown name fails before any work
+    t0 = time.perf_counter()
+    devices, strat = build_fleet(cfg)
+    agents, reports = run_rounds(cfg, devices, strat, transport=transport, on_round=on_round)
     if out_dir is not None:
         ckpt_dir = Path(out_dir) / "checkpoints"
         for d in devices:
