@@ -118,15 +118,23 @@ def clean_device(d: SimDevice, data: Any, rest: np.ndarray, val: np.ndarray, ini
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["leaky", "clean"])
-    ap.add_argument("--row", default="fedvtc-pers", help="a table-2 row with personalize = true")
+    rows_ = table2_methods(20)
+    ap.add_argument("--row", default="fedvtc-pers", help="a table-2 row with personalize = true",
+                    choices=[k for k, r in rows_.items() if r.config.get("personalize")])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--alpha", type=float, default=0.1)
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(1)
-    m = table2_methods(20)[args.row]
+    m = rows_[args.row]
     cfg = build_config(m, args.seed, devices=20, alpha=args.alpha, fraction=0.2, eval_every=m.rounds)
+    # The references are read after a long run: check them first.
+    refs = [T2 / f"local-a{args.alpha}-s{args.seed}-r20.json",
+            T2 / f"{args.row}-a{args.alpha}-s{args.seed}-r{m.rounds}.json"]
+    if missing := [p.name for p in refs if not p.is_file()]:
+        ap.error(f"no table-2 cell {', '.join(missing)} under {T2}: run `python benchmarks/generative.py table2 "
+                 f"--seeds {args.seed} --alphas {args.alpha} --methods local {args.row}` first")
     t0 = time.perf_counter()
     devices, strat = build_fleet(cfg)
     if args.mode == "leaky":
@@ -147,8 +155,7 @@ def main() -> int:
             budget = d.method.ctx.train_cfg.local_epochs * cfg.run.rounds  # what Local trains
             rows[dev] = clean_device(d, full[dev], *folds[dev], init[dev], budget)
             print(dev, {k: v for k, v in rows[dev].items() if k != "held_out"}, flush=True)
-    local = json.loads((T2 / f"local-a{args.alpha}-s{args.seed}-r20.json").read_text())["per_device"]
-    shipped = json.loads((T2 / f"{args.row}-a{args.alpha}-s{args.seed}-r{m.rounds}.json").read_text())["per_device"]
+    local, shipped = (json.loads(p.read_text())["per_device"] for p in refs)
     for dev, row in rows.items():
         row["Local"], row["row_cell"] = 100 * local[dev]["final_acc_local"], 100 * shipped[dev]["final_acc_local"]
     cols = [k for k, v in next(iter(rows.values())).items() if isinstance(v, float) and k != "n"]
