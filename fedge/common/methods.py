@@ -158,6 +158,15 @@ class GeFLSettings(GenerativeSettings):
     train_generator_in_target: bool | None = setting(None, "keep training the generator in target rounds "
                                                            "(GeFL `freeze_gen`)",
                                                      shown="false for CVAE, true for DCGAN")
+    guard_extractor: bool = setting(True, "with `guard` and `avg_extractor`: each target round, keep the fleet's "
+                                          "averaged extractor only if it does not lower held-out accuracy "
+                                          "against the group's own average (FedAvg within the group); false: "
+                                          "always the fleet's")
+
+    @property
+    def guards_extractor(self) -> bool:
+        """The device judges the fleet's extractor against its group's (the coordinator then sends both)."""
+        return self.guard and self.avg_extractor and self.guard_extractor
 
     @property
     def generator_trains_in_target(self) -> bool:

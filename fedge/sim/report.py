@@ -102,9 +102,9 @@ def build_results(res: SimResult) -> dict[str, Any]:
                 "mean_final_acc_global_personal": mean("final_acc_global_personal"),
                 "personal_devices": sum(bool(d["final_personal"]) for d in devices)}
                if any("final_personal" in d for d in devices) else {}),
-            **({"guard_used": sum(g["used"] for d in devices for g in d.get("guard", [])),
-                "guard_decisions": sum(len(d.get("guard", [])) for d in devices)}
-               if any(d.get("guard") for d in devices) else {}),
+            **{f"{key}_{part}": n for key in ("guard", "guard_stem") if any(d.get(key) for d in devices)
+               for part, n in (("used", sum(g["used"] for d in devices for g in d.get(key, []))),
+                               ("decisions", sum(len(d.get(key, [])) for d in devices)))},
             "mean_bytes_up_per_round": per_round("bytes_up"),
             "mean_bytes_down_per_round": per_round("bytes_down"),
         },
@@ -123,7 +123,8 @@ def personal_and_guard(reports: list[RoundReport], dev_id: str) -> dict[str, Any
 
     Personal predictor: ``acc_local`` is then the chosen predictor's and ``acc_global`` the federated model's;
     ``acc_local_generic`` / ``acc_global_personal`` are the other pairings. Guard: one entry per
-    round in which it decided, with the held-out effect of the synthetic samples in points.
+    round in which it decided, with the held-out effect of the synthetic samples in points
+    (``guard``) and of the fleet's extractor against the group's (``guard_stem``, GeFL).
     """
     out: dict[str, Any] = {}
     if any("personal" in r.metrics.get(dev_id, {}) for r in reports):
@@ -131,11 +132,13 @@ def personal_and_guard(reports: list[RoundReport], dev_id: str) -> dict[str, Any
             vals = [_nan_to_none(r.metrics.get(dev_id, {}).get(key)) for r in reports]
             out[key] = vals
             out["final_" + key] = vals[-1] if vals else None
-    guard = [{"round": r.round, "used": bool(i["guard_used"]), "effect": i.get("guard_effect"),
-              "loss_effect": i.get("guard_loss_effect"), "weight": i.get("guard_weight")}
-             for r in reports if "guard_used" in (i := r.info.get(dev_id, {}))]
-    if guard:
-        out["guard"] = guard
+    for key, prefix in (("guard", "guard"), ("guard_stem", "guard_stem")):
+        entries = [{"round": r.round, "used": bool(i[f"{prefix}_used"]), "effect": i.get(f"{prefix}_effect"),
+                    "loss_effect": i.get(f"{prefix}_loss_effect"),
+                    **({"weight": i[f"{prefix}_weight"]} if f"{prefix}_weight" in i else {})}
+                   for r in reports if f"{prefix}_used" in (i := r.info.get(dev_id, {}))]
+        if entries:
+            out[key] = entries
     return out
 
 

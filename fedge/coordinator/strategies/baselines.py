@@ -68,6 +68,9 @@ class LGFedAvgStrategy(FedAvgStrategy):
 
     name = "lgfedavg"
     settings_type: ClassVar[type[MethodSettings]] = LGFedAvgSettings
+    # True: the group artifacts carry the group's own average of the stem as well (FedAvg within the
+    # group), so a device can compare it with the fleet's; GeFL's guard sets it (docs/methods.md).
+    group_extractor: bool = False
 
     def begin_round(self, rnd: int) -> None:
         super().begin_round(rnd)
@@ -78,7 +81,7 @@ class LGFedAvgStrategy(FedAvgStrategy):
         shared = {k: v for k, v in arrays.items() if k.startswith(EXTRACTOR_PREFIX)}
         rest = {k: v for k, v in arrays.items() if not k.startswith(EXTRACTOR_PREFIX)}
         self.extractor.add(shared, w)
-        self.groups.add(device.group, rest, w)
+        self.groups.add(device.group, arrays if self.group_extractor else rest, w)
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
         out = super().finish_round(rnd)

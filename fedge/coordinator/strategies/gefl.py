@@ -108,6 +108,8 @@ class GeFLStrategy(Strategy):
         self.weights: FedAvgStrategy = (
             LGFedAvgStrategy(LGFedAvgSettings(), num_classes=num_classes, rounds=rounds) if self.avg_extractor
             else FedAvgStrategy(FedAvgSettings(), num_classes=num_classes, rounds=rounds))
+        if isinstance(self.weights, LGFedAvgStrategy):
+            self.weights.group_extractor = cfg.guards_extractor
 
     def phase(self, rnd: int) -> str:
         return GENERATOR_PHASE if rnd <= self.gen_rounds else TARGET_PHASE

@@ -201,11 +201,15 @@ class GuardDecision:
     effect: float  # held-out accuracy with − without the synthetic samples, points
     loss_effect: float  # held-out cross-entropy with − without
 
-    def info(self, weight: float) -> dict[str, Any]:
-        """The keys a round's update carries (``results.json`` per device and round); ``weight`` is the
-        synthetic weight this round's samples were drawn at."""
-        return {"guard_used": self.used, "guard_effect": round(self.effect, 3),
-                "guard_loss_effect": round(self.loss_effect, 5), "guard_weight": weight}
+    def info(self, weight: float | None = None, prefix: str = "guard") -> dict[str, Any]:
+        """The keys a round's update carries (``results.json`` per device and round): ``weight`` is the
+        synthetic weight this round's samples were drawn at; ``prefix`` names the knowledge judged
+        (``guard_stem``: the fleet's extractor, which has no weight)."""
+        out: dict[str, Any] = {f"{prefix}_used": self.used, f"{prefix}_effect": round(self.effect, 3),
+                               f"{prefix}_loss_effect": round(self.loss_effect, 5)}
+        if weight is not None:
+            out[f"{prefix}_weight"] = weight
+        return out
 
     def next_weight(self, weight: float) -> float:
         """The synthetic weight of the next round: halved after harm, doubled (at most 1) after help."""
