@@ -196,9 +196,11 @@ def format_table(results: dict[str, Any]) -> str:
     devs = results["devices"]
     personal = any("final_personal" in d for d in devs)
     guard = any("guard" in d for d in devs)
+    stem = any("guard_stem" in d for d in devs)
     header = ["device", "profile", "model", "params", "acc global %", "best %", "acc local %"]
     header += ["local, federated %", "predictor"] if personal else []
     header += ["synthetic kept"] if guard else []
+    header += ["fleet stem kept"] if stem else []
     header += ["up", "down", "prec"]
     rows = [header]
     for d in devs:
@@ -208,9 +210,10 @@ def format_table(results: dict[str, Any]) -> str:
             chosen = d.get("final_personal")
             row += [_pct(d.get("final_acc_local_generic")),
                     "-" if chosen is None else ("personal" if chosen else "federated")]
-        if guard:
-            g = d.get("guard", [])
-            row.append(f"{sum(x['used'] for x in g)}/{len(g)}")
+        for key, shown in (("guard", guard), ("guard_stem", stem)):
+            if shown:
+                g = d.get(key, [])
+                row.append(f"{sum(x['used'] for x in g)}/{len(g)}")
         row += [format_bytes(sum(d["bytes_up"])), format_bytes(sum(d["bytes_down"])), d["upload_precision"]]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -230,6 +233,9 @@ def format_table(results: dict[str, Any]) -> str:
                      f"with the chosen predictor {_pct(s['mean_final_acc_global_personal'])} %")
     if guard:
         lines.append(f"guard: synthetic samples kept in {s['guard_used']} of {s['guard_decisions']} device-rounds")
+    if stem:
+        lines.append(f"guard: the fleet's extractor kept in {s['guard_stem_used']} of {s['guard_stem_decisions']} "
+                     "device-rounds (else the group's own)")
     p = results.get("privacy")
     if p:
         eps = "∞" if p["epsilon"] is None else f"{p['epsilon']:.3g}"

@@ -12,7 +12,9 @@ Two phases, as in the published code (``gen_wu_epochs`` then ``epochs``):
    published defaults (``avg_FE = 1``) the common extractor is averaged over all
    devices and the rest within the architecture group (LG-FedAvg). The CVAE is
    frozen after phase 1 (``freeze_gen = 1``); the DCGAN keeps training (the
-   published comment "GAN: False").
+   published comment "GAN: False"). With ``[method] guard`` the device keeps the
+   fleet's extractor only where its held-out fold does not prefer its group's own
+   (``guard_extractor``; docs/methods.md).
 
 The generator's size comes from the device plan's ``generator_tier``
 (``[method] generator_tier`` overrides it fleet-wide). Every device initialises

@@ -18,7 +18,8 @@ Both decide on data the device holds out from its own training set, never on a t
   tie). A round that hurts also halves the device's synthetic weight (the share of synthetic
   samples it draws in later rounds); only a round that helps doubles it again, up to 1 — so
   samples whose harm a real epoch merely hides (a tie) stay down-weighted. The fold rotates with
-  the round, so over the rounds every real sample trains.
+  the round, so over the rounds every real sample trains. GeFL's guard also judges the fleet's
+  averaged extractor against the group's own, by the same rule (``guard_extractor``).
 """
 
 from __future__ import annotations
