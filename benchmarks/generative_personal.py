@@ -44,7 +44,7 @@ def _base_key(key: str) -> str:
 
 
 def _cost(cs: list[dict], base: list[dict]) -> tuple[str, str]:
-    """(wall time, uplink KiB per device and round) of ``cs`` against its base row on the same seeds.
+    """(wall time, KiB per device and round up / down) of ``cs`` against its base row on the same seeds.
 
     Wall time is the cell's over the base cell's (the base cells predate ``seconds_per_round``), a
     ratio per seed; both ran one process per cell on the shared 2-core machine, so it is indicative.
@@ -54,19 +54,22 @@ def _cost(cs: list[dict], base: list[dict]) -> tuple[str, str]:
               if c["seed"] in by_seed and c.get("wall_seconds") and by_seed[c["seed"]].get("wall_seconds")]
     wall = " ".join(f"{c['wall_seconds'] / 60:.1f}" for c in cs if c.get("wall_seconds"))
     wall += f" (×{mean_std(ratios)[0]:.2f})" if ratios else ""
-    up = [c["bytes_up_per_device_round"] / 1024 for c in cs if "bytes_up_per_device_round" in c]
-    up_base = [by_seed[c["seed"]]["bytes_up_per_device_round"] / 1024 for c in cs
-               if c["seed"] in by_seed and "bytes_up_per_device_round" in by_seed[c["seed"]]]
-    kib = f"{mean_std(up)[0]:.1f}" if up else "-"
-    kib += f" ({mean_std(up_base)[0]:.1f})" if up_base else ""
-    return wall or "-", kib
+
+    def kib(direction: str) -> str:
+        key = f"bytes_{direction}_per_device_round"
+        mine = [c[key] / 1024 for c in cs if key in c]
+        theirs = [by_seed[c["seed"]][key] / 1024 for c in cs if c["seed"] in by_seed and key in by_seed[c["seed"]]]
+        return (f"{mean_std(mine)[0]:.1f}" if mine else "-") + (f" ({mean_std(theirs)[0]:.1f})" if theirs else "")
+
+    return wall or "-", f"{kib('up')} / {kib('down')}"
 
 
 def table1_block(cells: Cells, methods: dict[str, Method]) -> tuple[str, str, list[str]]:
     """(text table, markdown table, target check) of table 1's rows with the guard: each against its
     unguarded row and against FedAvg within group, paired by seed on the seeds all three have."""
     header = ["method", "best acc (%)", "without guard (%)", "vs FedAvg", "without guard vs FedAvg",
-              "synthetic kept", "min/cell (× base)", "KiB up/device/round (base)", "seeds"]
+              "synthetic kept", "fleet stem kept", "min/cell (× base)", "KiB up / down per device-round (base)",
+              "seeds"]
     fedavg = {c["seed"]: c for c in cells.get("fedavg", [])}
     rows: list[list[str]] = []
     below: list[str] = []
@@ -85,9 +88,11 @@ def table1_block(cells: Cells, methods: dict[str, Method]) -> tuple[str, str, li
         base_cs = [base[sd] for sd in seeds if sd in base]
         base_gain = (mean_std(list(paired_by_seed(base_cs, list(fedavg.values()), "mean_best_acc").values()))[0]
                      if base_cs else None)
-        kept = [f"{c['guard_used']}/{c['guard_decisions']}" for c in cs if c.get("guard_decisions")]
+        kept, stem = ([f"{c[f'{k}_used']}/{c[f'{k}_decisions']}" for c in cs if c.get(f"{k}_decisions")]
+                      for k in ("guard", "guard_stem"))
         rows.append([methods[key].label, _f(_mean(paired_cs, "mean_best_acc")), _f(_mean(base_cs, "mean_best_acc")),
-                     _f(gain, True), _f(base_gain, True), " ".join(kept) or "-", *_cost(cs, list(base.values())),
+                     _f(gain, True), _f(base_gain, True), " ".join(kept) or "-", " ".join(stem) or "-",
+                     *_cost(cs, list(base.values())),
                      " ".join(map(str, seeds))])
         # The target is over FedAvg's seeds (3): a row with fewer is reported, not judged.
         if len(seeds) < len(fedavg):
@@ -113,7 +118,7 @@ def table2_block(by_alpha: dict[float, Cells], methods: dict[str, Method]) -> tu
     """(text table, markdown table, target checks) of the rows with a personal head or the guard."""
     header = ["method", "α", "local, own (%)", "local, federated (%)", "Local's local (%)", "Δ local vs Local",
               "global, federated (%)", "global, personal (%)", "Δ global vs Local", "devices below Local",
-              "synthetic kept", "min/cell (× base)", "KiB up/device/round (base)", "seeds"]
+              "synthetic kept", "min/cell (× base)", "KiB up / down per device-round (base)", "seeds"]
     rows, checks = [], []
     for alpha, cells in by_alpha.items():
         local = cells.get("local", [])

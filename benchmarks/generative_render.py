@@ -97,9 +97,12 @@ def table1(cells: Cells, methods: dict[str, Method], *, seeds: list[int], publis
 device trains its synthetic epochs and first real epoch twice, with and without this round's synthetic
 samples, from the same state, and keeps the branch with the better accuracy on a held-out fold of its
 own data (a rotating 20 %, `val_fraction`); a rejected round halves the next round's synthetic share,
-an accepted one that helped doubles it back (at most 1). *Synthetic kept*: device-rounds that kept the
-synthetic samples, per seed. *Vs FedAvg*: paired by seed. *Min/cell (× base)*: wall minutes per seed
-and the mean ratio to the unguarded cell (one process per cell on the shared 2-core machine).
+an accepted one that helped doubles it back (at most 1). Image-level GeFL's guard also judges the
+fleet's averaged extractor against its group's own on the same fold (`guard_extractor`; the group
+artifact then carries the group's stem too). *Synthetic kept* / *fleet stem kept*: device-rounds that
+kept the synthetic samples / the fleet's stem, per seed. *Vs FedAvg*: paired by seed. *Min/cell
+(× base)*: wall minutes per seed and the mean ratio to the unguarded cell (one process per cell on
+the shared 2-core machine). *KiB up / down*: per device and round, the unguarded row's in brackets.
 
 {g_md}
 
@@ -158,7 +161,7 @@ personal*: the 10k test set with either. *Devices below Local*: devices trailing
 split by more than {NO_WORSE.device_margin:g} point, over the seeds where Local's per-device figures exist.
 *Synthetic kept*: device-rounds in which the guard kept the synthetic samples. *Min/cell (× base)*:
 wall minutes of each seed's cell and the mean ratio to the same method's cell without these options
-(one process per cell on the shared 2-core machine: indicative); *KiB up* against the same base row.
+(one process per cell on the shared 2-core machine: indicative); *KiB up / down* against the same base row.
 
 {p_md}
 
