@@ -236,6 +236,27 @@ def test_devices_see_the_latest_descriptor_and_globals_byte_for_byte(net: Net) -
     assert late.fetch_global("group-a") == big
 
 
+def test_a_late_first_connect_handler_does_not_re_announce(mosquitto: Any) -> None:
+    """The first connection's handler runs on the client's dispatcher thread and, on a loaded machine,
+    after ``start()`` returned and the round was announced; it must not re-announce the round under a
+    fresh id (as after a reconnect), which would make every device resend (seen once in a loaded run)."""
+    net = MqttNet(mosquitto)
+    try:
+        coord = net.coordinator()
+        descriptor = Message("round", "coordinator", 1, FLEET, info={"round": {"round": 1}, "run": "r1"}).to_bytes()
+        coord.announce_round(descriptor)
+        assert coord.client.connects == 1
+        coord._on_connect(False)  # the first connection's handler, late
+        late = net.device("late-joiner")
+        end = time.time() + 10
+        while late.current_round() is None and time.time() < end:
+            late.wait_for_round(0.2)
+        late.wait_for_round(0.5)  # a re-announce would arrive within this
+        assert late.current_round() == descriptor
+    finally:
+        net.close()
+
+
 def test_updates_arrive_whole_and_in_the_order_sent(net: Net) -> None:
     coord = net.coordinator()
     dev = net.device("d1")

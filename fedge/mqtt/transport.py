@@ -191,7 +191,10 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         with self._lock:
             published = [item for items in self._published.values() for item in items]
             round_msg = self._round_msg
-        if self.client.connects <= 1 and round_msg is None:
+        # Not on the first connection: nothing was lost yet, and its handler can run after start()
+        # returned and the first round was announced (the dispatcher thread is late under load);
+        # re-announcing then would tell every device to resend for no reason.
+        if self.client.connects <= 1:
             return
         for topic, payload in published:
             self.client.publish(topic, payload, retain=True)
