@@ -243,6 +243,7 @@ def test_a_late_first_connect_handler_does_not_re_announce(mosquitto: Any) -> No
     net = MqttNet(mosquitto)
     try:
         coord = net.coordinator()
+        assert isinstance(coord, MqttCoordinatorTransport)
         descriptor = Message("round", "coordinator", 1, FLEET, info={"round": {"round": 1}, "run": "r1"}).to_bytes()
         coord.announce_round(descriptor)
         assert coord.client.connects == 1
