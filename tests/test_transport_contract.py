@@ -246,8 +246,11 @@ def test_a_late_first_connect_handler_does_not_re_announce(mosquitto: Any) -> No
         assert isinstance(coord, MqttCoordinatorTransport)
         descriptor = Message("round", "coordinator", 1, FLEET, info={"round": {"round": 1}, "run": "r1"}).to_bytes()
         coord.announce_round(descriptor)
+        end = time.time() + 5
+        while coord.client.connects < 1 and time.time() < end:  # the dispatcher may not have run it yet
+            time.sleep(0.01)
         assert coord.client.connects == 1
-        coord._on_connect(False)  # the first connection's handler, late
+        coord._on_connect(False)  # the first connection's handler, run (again) after the announcement
         late = net.device("late-joiner")
         end = time.time() + 10
         while late.current_round() is None and time.time() < end:
