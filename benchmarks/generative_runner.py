@@ -12,7 +12,7 @@ from common import RESULTS, cached_cell, load_cell
 from generative_rows import Method
 
 from fedge.fleet.config import FleetConfig
-from fedge.sim.report import build_results
+from fedge.sim.report import GUARD_KINDS, build_results
 from fedge.sim.simulate import simulate
 
 OUT = RESULTS / "generative"
@@ -51,7 +51,7 @@ def run_cell(cfg: FleetConfig, precision: str | None = None) -> dict[str, Any]:
         "per_device": {d["id"]: {k: d.get(k) for k in (
             "final_acc_local", "final_acc_global", "final_acc_local_generic", "final_acc_global_personal",
             "final_personal", "num_train") if k in d}
-            | {f"{key}_{part}": n for key in ("guard", "guard_stem") if d.get(key)
+            | {f"{key}_{part}": n for key in GUARD_KINDS if d.get(key)
                for part, n in (("used", sum(g["used"] for g in d[key])), ("decisions", len(d[key])))}
             for d in out["devices"]},
         **{k: v for k, v in out["summary"].items() if k.startswith(("mean_final_acc_", "guard_", "personal_"))},

@@ -170,6 +170,10 @@ def test_guard_keeps_the_groups_extractor_where_the_fleets_hurts() -> None:
     dev.apply_global(info, {EXTRACTOR_ARTIFACT: hostile, group: own})
     assert not dev.stem_decision.used and dev.stem_decision.effect < 0
     assert all(np.array_equal(model_arrays(model)[k], own[k]) for k in stem_keys)
+    poisoned = {k: np.full_like(own[k], np.nan) for k in stem_keys}  # a NaN stem is refused the same way
+    dev.apply_global(info, {EXTRACTOR_ARTIFACT: poisoned, group: own})
+    assert not dev.stem_decision.used
+    assert all(np.array_equal(model_arrays(model)[k], own[k]) for k in stem_keys)
     dev.apply_global(info, {EXTRACTOR_ARTIFACT: {k: own[k].copy() for k in stem_keys}, group: own})
     assert dev.stem_decision.used and dev.stem_decision.effect == 0
     dev.stem_decision = None

@@ -102,7 +102,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
                 "mean_final_acc_global_personal": mean("final_acc_global_personal"),
                 "personal_devices": sum(bool(d["final_personal"]) for d in devices)}
                if any("final_personal" in d for d in devices) else {}),
-            **{f"{key}_{part}": n for key in ("guard", "guard_stem") if any(d.get(key) for d in devices)
+            **{f"{key}_{part}": n for key in GUARD_KINDS if any(d.get(key) for d in devices)
                for part, n in (("used", sum(g["used"] for d in devices for g in d.get(key, []))),
                                ("decisions", sum(len(d.get(key, [])) for d in devices)))},
             "mean_bytes_up_per_round": per_round("bytes_up"),
@@ -116,6 +116,11 @@ def build_results(res: SimResult) -> dict[str, Any]:
         "privacy": _privacy(res),
         "devices": devices,
     }
+
+
+# The guard's verdicts a device reports (issue 17): on the synthetic samples, and (GeFL) on the fleet's
+# extractor; each is ``devices[].<kind>`` in results.json and ``<kind>_used`` / ``<kind>_decisions`` in the summary.
+GUARD_KINDS = ("guard", "guard_stem")
 
 
 def personal_and_guard(reports: list[RoundReport], dev_id: str) -> dict[str, Any]:
@@ -132,11 +137,11 @@ def personal_and_guard(reports: list[RoundReport], dev_id: str) -> dict[str, Any
             vals = [_nan_to_none(r.metrics.get(dev_id, {}).get(key)) for r in reports]
             out[key] = vals
             out["final_" + key] = vals[-1] if vals else None
-    for key, prefix in (("guard", "guard"), ("guard_stem", "guard_stem")):
-        entries = [{"round": r.round, "used": bool(i[f"{prefix}_used"]), "effect": i.get(f"{prefix}_effect"),
-                    "loss_effect": i.get(f"{prefix}_loss_effect"),
-                    **({"weight": i[f"{prefix}_weight"]} if f"{prefix}_weight" in i else {})}
-                   for r in reports if f"{prefix}_used" in (i := r.info.get(dev_id, {}))]
+    for key in GUARD_KINDS:
+        entries = [{"round": r.round, "used": bool(i[f"{key}_used"]), "effect": i.get(f"{key}_effect"),
+                    "loss_effect": i.get(f"{key}_loss_effect"),
+                    **({"weight": i[f"{key}_weight"]} if f"{key}_weight" in i else {})}
+                   for r in reports if f"{key}_used" in (i := r.info.get(dev_id, {}))]
         if entries:
             out[key] = entries
     return out
