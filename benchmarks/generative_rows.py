@@ -37,8 +37,7 @@ class Method:
 def table1_methods(published: bool, quick: bool = False) -> dict[str, Method]:
     """Rows of table 1 (see :func:`_table1_rows`) and each generative row with the guard on."""
     rows = _table1_rows(published, quick)
-    guarded = [with_options(rows[k], "guard", "guard", GEFL_GUARD if rows[k].method == "gefl" else GUARD)
-               for k in TABLE1_GUARDED]
+    guarded = [with_options(rows[k], "guard", "guard", guard_options(rows[k].method)) for k in TABLE1_GUARDED]
     return {**rows, **{m.key: m for m in guarded}}
 
 
@@ -106,7 +105,6 @@ TABLE2_VARIANTS = ("fedvtc-small", "fedvtc-rn", "fedvtc-local")
 # The step floor is spelled out (it is the default) so that cells measured before it existed, whose
 # personal fits ran `personal_epochs` only, no longer match the rows and are not reported as current.
 PERS: dict[str, Any] = {"personalize": True, "personal_min_steps": 100}
-PERS_GUARD: dict[str, Any] = {**PERS, "guard": True}
 
 
 def with_options(m: Method, suffix: str, label: str, options: dict[str, Any]) -> Method:
@@ -117,16 +115,26 @@ def with_options(m: Method, suffix: str, label: str, options: dict[str, Any]) ->
 def table2_methods(rounds: int) -> dict[str, Method]:
     rows = _table2_rows(rounds)
     extra = [with_options(rows[k], "pers", "personal head", PERS) for k in ("fedproto", "geflf-cvae", "fedvtc")]
-    extra += [with_options(rows[k], "pg", "personal head + guard", PERS_GUARD) for k in ("geflf-cvae", "fedvtc")]
+    extra += [with_options(rows[k], "pg", "personal head + guard", {**PERS, **guard_options(rows[k].method)})
+              for k in ("geflf-cvae", "fedvtc")]
     return {**rows, **{m.key: m for m in extra}}
 
 
 # Table 1 rows with the guard on (issue 17: no generative method below FedAvg within group).
-GUARD: dict[str, Any] = {"guard": True}
-# Image-level GeFL's guard also judges the fleet's averaged extractor (its default); spelled out so the
-# cells measured before it existed, whose guard judged the synthetic samples only, are not current.
-GEFL_GUARD: dict[str, Any] = {**GUARD, "guard_extractor": True}
 TABLE1_GUARDED = ("gefl-cvae", "gefl-dcgan", "geflf-cvae", "fedvtc")
+
+
+def guard_options(method: str) -> dict[str, Any]:
+    """The ``[method]`` keys of a guarded row. Defaults added after a row was first measured are spelled
+    out so that its older cells no longer match and are not reported as current: GeFL and GeFL-F's
+    pass over the held-out fold after the verdict (``guard_refit``), and image-level GeFL's guard on
+    the fleet's averaged extractor (``guard_extractor``)."""
+    options: dict[str, Any] = {"guard": True}
+    if method in ("gefl", "geflf"):
+        options["guard_refit"] = True
+    if method == "gefl":
+        options["guard_extractor"] = True
+    return options
 
 
 def _table2_rows(rounds: int) -> dict[str, Method]:

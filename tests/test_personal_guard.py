@@ -100,14 +100,16 @@ def test_guarded_step_keeps_the_better_branch() -> None:
 
 
 def test_guard_skips_noise_and_the_device_stays_near_local() -> None:
-    """A device whose synthetic samples are noise: the guard skips them when they hurt and keeps them at
-    half weight or less afterwards (measured: −1.1 and −4.5 points on the held-out fold in the first
-    two target rounds, skipped; then drawn at weight 0.25), and the device's local accuracy ends
-    within 5 points (two of its 49 test digits) of Local's after as many real epochs."""
+    """A device whose synthetic samples are noise: the guard skips them when they hurt and draws them at
+    half weight afterwards (measured: −1.1 points on the held-out fold in the first target round,
+    skipped; a tie at weight 0.5 won on loss, kept; −1.1 at weight 0.5, skipped), and the device's
+    local accuracy ends within 5 points (two of its 49 test digits) of Local's after as many real
+    epochs (measured: 89.8 %, Local's; 81.6 % with ``guard_refit = false``, whose held-out fold sits
+    out every verdict's epoch — here a round's only real epoch)."""
     rounds = 5  # 2 generator + 3 target rounds
-    # the guard on the synthetic samples alone (the one on the fleet's extractor is tested below)
-    fleet = skewed_fleet("gefl", rounds=rounds, method_config={**GEFL, "guard": True, "guard_extractor": False},
-                         epochs=1, **PARTITION)
+    # the guard as it ships (on the fleet's extractor too, tested below; without it the noisy device
+    # also carries the averaged stem, which costs it more than the noise does)
+    fleet = skewed_fleet("gefl", rounds=rounds, method_config={**GEFL, "guard": True}, epochs=1, **PARTITION)
     fleet.methods()[3]._synthetic = _noise  # the fault: this device's generator yields noise
     reports = fleet.engine.run()
     assert not any(r.rejected for r in reports)
@@ -116,10 +118,12 @@ def test_guard_skips_noise_and_the_device_stays_near_local() -> None:
     skipped = [d for d in decisions if not d["guard_used"]]
     assert len(skipped) >= 1, decisions
     assert all(d["guard_effect"] <= 0 for d in skipped)  # a skip is a measured loss (or a tie on loss)
-    # after the first harm the noise is drawn at half weight or less, and never recovers (it never helps)
+    # the weight follows the verdicts: halved after a skip, doubled (at most 1) after a measured help
     weights = [d["guard_weight"] for d in decisions]
-    assert weights[0] == 1.0 and weights[-1] <= 0.5, decisions
-    assert fleet.methods()[3].synthetic_weight <= 0.5
+    assert weights[0] == 1.0
+    for d, w, nxt in zip(decisions, weights, [*weights[1:], fleet.methods()[3].synthetic_weight], strict=True):
+        assert nxt == (w / 2 if not d["guard_used"] else min(1.0, 2 * w) if d["guard_effect"] > 0 else w), decisions
+    assert min(weights[1:]) <= 0.5, decisions  # after the first harm the noise is drawn at half weight
     # results.json: one entry per target round, with the verdict, its measured effect and the weight
     logged = personal_and_guard(reports, NOISY)["guard"]
     assert [g["round"] for g in logged] == [r.round for r in reports if "guard_used" in r.info.get(NOISY, {})]

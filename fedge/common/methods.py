@@ -133,6 +133,9 @@ class GenerativeSettings(GuardedSettings):
                                       minimum=1, shown="`[train] local_epochs`")
     synthetic_ratio: float = setting(1.0, "synthetic samples per real sample (GeFL: one generated batch per "
                                           "real batch)")
+    guard_refit: bool = setting(True, "with `guard`: after the verdict, one pass over the held-out fold, so the "
+                                      "guard withholds no real sample from training (each gets T_r epochs a "
+                                      "round); false: the fold sits out the verdict's epoch")
 
     def __post_init__(self) -> None:
         super().__post_init__()
