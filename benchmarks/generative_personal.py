@@ -103,10 +103,11 @@ def table1_block(cells: Cells, methods: dict[str, Method]) -> tuple[str, str, li
         (below if gain < 0 else above).append(f"{methods[key].label} ({gain:+.2f})")
     if not rows:
         return "", "", []
-    status = "not judged yet (no guarded row has FedAvg's seeds)" if not judged_seeds else (
-        f"{'missed' if below else 'met'}; below: {', '.join(below) or 'none'}; "
-        f"at or above: {', '.join(above) or 'none'}")
     missing = [m.label for k, m in methods.items() if m.config.get("guard") and k not in cells]
+    # "met" only once every guarded row is judged: a row not measured (or short of seeds) may be below.
+    verdict = "missed" if below else "open (no judged row below; some not judged)" if missing or partial else "met"
+    status = "not judged yet (no guarded row has FedAvg's seeds)" if not judged_seeds else (
+        f"{verdict}; below: {', '.join(below) or 'none'}; at or above: {', '.join(above) or 'none'}")
     check = (f"Guard target (issue 17: with the guard, no generative method below FedAvg within group, "
              f"mean over FedAvg's seeds {' '.join(map(str, sorted(fedavg)))}): {status}"
              + (f"; not judged, fewer seeds than FedAvg: {', '.join(partial)}" if partial else "")

@@ -97,7 +97,8 @@ def table1(cells: Cells, methods: dict[str, Method], *, seeds: list[int], publis
 device trains its synthetic epochs and first real epoch twice, with and without this round's synthetic
 samples, from the same state, and keeps the branch with the better accuracy on a held-out fold of its
 own data (a rotating 20 %, `val_fraction`); a rejected round halves the next round's synthetic share,
-an accepted one that helped doubles it back (at most 1). Image-level GeFL's guard also judges the
+an accepted one that helped doubles it back (at most 1); GeFL and GeFL-F then train one pass over the
+fold (`guard_refit`), so every real sample keeps its epochs. Image-level GeFL's guard also judges the
 fleet's averaged extractor against its group's own on the same fold (`guard_extractor`; the group
 artifact then carries the group's stem too). *Synthetic kept* / *fleet stem kept*: device-rounds that
 kept the synthetic samples / the fleet's stem, per seed. *Vs FedAvg*: paired by seed. *Min/cell
