@@ -50,6 +50,26 @@ def paired_by_seed(cells: Sequence[dict], ref: Sequence[dict], metric: str) -> d
             if c["seed"] in by_seed and c.get(metric) is not None}
 
 
+def paired_models(cells: Sequence[dict], ref: Sequence[dict], metric: str = "per_model_best") -> list[float]:
+    """Each model's ``metric`` minus the same device's in the reference cell of the same seed, in points:
+    one difference per (seed, device) both cells hold. On table 1 every device trains its own
+    architecture on its own shard, so these pairs share data, architecture and initialisation."""
+    by_seed = {c["seed"]: c.get(metric) or {} for c in ref}
+    return [100 * (v - by_seed[c["seed"]][dev]) for c in sorted(cells, key=lambda c: c["seed"])
+            for dev, v in sorted((c.get(metric) or {}).items()) if dev in by_seed.get(c["seed"], {})]
+
+
+def mean_ci(diffs: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """Mean of ``diffs`` and its Student-t ``level`` confidence interval (low, high); NaN below two values."""
+    if len(diffs) < 2:
+        return float("nan"), float("nan"), float("nan")
+    from scipy import stats  # scikit-learn's dependency; imported here so the other scripts need neither
+
+    mean = statistics.fmean(diffs)
+    half = stats.t.ppf(0.5 + level / 2, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return mean, mean - half, mean + half
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     if not values:
         return float("nan"), float("nan")

@@ -7,7 +7,7 @@ each device's own split) and the federated model's (``mean_final_acc_local_gener
 
 from __future__ import annotations
 
-from common import markdown_table, mean_std, paired_by_seed, text_table
+from common import markdown_table, mean_ci, mean_std, paired_by_seed, paired_models, text_table
 from generative_rows import Method
 from generative_targets import NO_WORSE
 
@@ -67,9 +67,9 @@ def _cost(cs: list[dict], base: list[dict]) -> tuple[str, str]:
 def table1_block(cells: Cells, methods: dict[str, Method]) -> tuple[str, str, list[str]]:
     """(text table, markdown table, target check) of table 1's rows with the guard: each against its
     unguarded row and against FedAvg within group, paired by seed on the seeds all three have."""
-    header = ["method", "best acc (%)", "without guard (%)", "vs FedAvg", "without guard vs FedAvg",
-              "synthetic kept", "fleet stem kept", "min/cell (× base)", "KiB up / down per device-round (base)",
-              "seeds"]
+    header = ["method", "best acc (%)", "without guard (%)", "vs FedAvg", "models vs FedAvg (95 % CI)",
+              "without guard vs FedAvg", "synthetic kept", "fleet stem kept", "min/cell (× base)",
+              "KiB up / down per device-round (base)", "seeds"]
     fedavg = {c["seed"]: c for c in cells.get("fedavg", [])}
     rows: list[list[str]] = []
     below: list[str] = []
@@ -90,8 +90,11 @@ def table1_block(cells: Cells, methods: dict[str, Method]) -> tuple[str, str, li
                      if base_cs else None)
         kept, stem = ([f"{c[f'{k}_used']}/{c[f'{k}_decisions']}" for c in cs if c.get(f"{k}_decisions")]
                       for k in ("guard", "guard_stem"))
+        diffs = paired_models(paired_cs, list(fedavg.values()))
+        mean, low, high = mean_ci(diffs)
+        ci = f"{mean:+.2f} [{low:+.2f}, {high:+.2f}], n = {len(diffs)}" if len(diffs) > 1 else "-"
         rows.append([methods[key].label, _f(_mean(paired_cs, "mean_best_acc")), _f(_mean(base_cs, "mean_best_acc")),
-                     _f(gain, True), _f(base_gain, True), " ".join(kept) or "-", " ".join(stem) or "-",
+                     _f(gain, True), ci, _f(base_gain, True), " ".join(kept) or "-", " ".join(stem) or "-",
                      *_cost(cs, list(base.values())),
                      " ".join(map(str, seeds))])
         # The target is over FedAvg's seeds (3): a row with fewer is reported, not judged.
