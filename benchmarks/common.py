@@ -66,7 +66,7 @@ def mean_ci(diffs: Sequence[float], level: float = 0.95) -> tuple[float, float, 
     from scipy import stats  # scikit-learn's dependency; imported here so the other scripts need neither
 
     mean = statistics.fmean(diffs)
-    half = stats.t.ppf(0.5 + level / 2, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
+    half = float(stats.t.ppf(0.5 + level / 2, len(diffs) - 1)) * statistics.stdev(diffs) / len(diffs) ** 0.5
     return mean, mean - half, mean + half
 
 
