@@ -27,6 +27,11 @@ def with_precision(cfg: FleetConfig, precision: str | None) -> FleetConfig:
                                                   for g in cfg.devices))
 
 
+def init_of(cfg: FleetConfig) -> str:
+    """Where the cell's models started (issue 25): ``per-device``, ``group`` or ``group+extractor``."""
+    return cfg.method_config.shared_start().describe()
+
+
 def run_cell(cfg: FleetConfig, precision: str | None = None) -> dict[str, Any]:
     """Simulate one cell and keep what the tables report (accuracies, bytes, the accuracy curve, wall time)."""
     t0 = time.perf_counter()
@@ -35,6 +40,7 @@ def run_cell(cfg: FleetConfig, precision: str | None = None) -> dict[str, Any]:
     rounds = cfg.run.rounds
     return {
         "method": cfg.run.method, "config": cfg.method, "seed": cfg.run.seed, "rounds": rounds,
+        "init": init_of(cfg),
         "precision": precision or "plan",
         "mean_best_acc": out["summary"]["mean_best_acc_global"],
         "mean_final_acc": out["summary"]["mean_final_acc_global"],
@@ -70,6 +76,8 @@ def collect(table: str, methods: dict[str, Method], keys: list[str], seeds: list
             path = OUT / table / f"{key}{tag}-s{seed}-r{m.rounds}.json"
             cfg, prec = make(m, seed)
             expect = {"config": dict(cfg.method), "rounds": cfg.run.rounds, "precision": prec or "plan"}
+            if cfg.method_config.shared_start().shared:
+                expect["init"] = init_of(cfg)  # cells of averaging rows measured before issue 25 are stale
             if report_only:
                 if (cell := load_cell(path, expect)) is not None:
                     cells.setdefault(key, []).append(cell)

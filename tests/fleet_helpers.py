@@ -17,7 +17,8 @@ from fedge.edge.agent import DeviceAgent
 from fedge.edge.data.datasets import Dataset, load_dataset
 from fedge.edge.data.partition import iid_fraction
 from fedge.edge.methods import DeviceContext
-from fedge.edge.models import build_model
+from fedge.common.initseeds import init_seeds
+from fedge.edge.models import build_seeded
 from fedge.edge.training import TrainConfig
 from fedge.fleet.methods import method_entry
 from fedge.sim.inprocess import connect_inprocess
@@ -70,7 +71,7 @@ def tiny_fleet(method: str, archs: list[str], *, rounds: int = 2, precision: str
     parts = iid_fraction(train.y, len(archs), 0.5, seed)
     pairs = []
     for i, (arch, idx) in enumerate(zip(archs, parts, strict=True)):
-        model = build_model(arch, seed=seed * 1000 + i)
+        model = build_seeded(arch, init_seeds(settings.shared_start(), run_seed=seed, index=i, arch=arch))
         ctx = DeviceContext(f"d{i}", model, train.subset(idx[20:]), train.subset(idx[:20]),
                             TrainConfig(lr=0.05, batch_size=32, local_epochs=1), precision, seed=seed * 1000 + i,
                             method_config=settings, global_test=test)

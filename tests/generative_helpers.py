@@ -15,7 +15,8 @@ from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.data.partition import dirichlet, shards
 from fedge.edge.methods import DeviceContext
-from fedge.edge.models import build_model
+from fedge.common.initseeds import init_seeds
+from fedge.edge.models import build_seeded
 from fedge.edge.training import TrainConfig
 from fedge.fleet.methods import method_entry
 from fedge.sim.inprocess import connect_inprocess
@@ -56,7 +57,7 @@ def skewed_fleet(method: str, *, rounds: int, method_config: dict[str, Any] | No
     settings = entry.parse(method_config)  # once, for both halves, as a fleet config does
     pairs = []
     for i, (arch, idx) in enumerate(zip(archs, parts, strict=True)):
-        model = build_model(arch, seed=seed * 1000 + i)
+        model = build_seeded(arch, init_seeds(settings.shared_start(), run_seed=seed, index=i, arch=arch))
         n_test = max(2, len(idx) // 10)
         ctx = DeviceContext(f"d{i}", model, train.subset(idx[n_test:]), train.subset(idx[:n_test]),
                             TrainConfig(lr=0.05, batch_size=32, local_epochs=epochs), precision,

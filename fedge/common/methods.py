@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fedge.common.generators import FEATURE_LEVEL, GENERATOR_TIERS, IMAGE_LEVEL
+from fedge.common.initseeds import SharedStart
+from fedge.common.rounds import EXTRACTOR_PREFIX
 from fedge.common.settings import MethodSettings, setting
 from fedge.errors import ConfigError
 
@@ -31,12 +33,18 @@ class FedAvgSettings(MethodSettings):
 
     method: ClassVar[str] = "fedavg"
 
+    def shared_start(self) -> SharedStart:
+        return SharedStart(group=True)
+
 
 @dataclass(frozen=True)
 class LGFedAvgSettings(MethodSettings):
     """LG-FedAvg: no keys."""
 
     method: ClassVar[str] = "lgfedavg"
+
+    def shared_start(self) -> SharedStart:
+        return SharedStart(group=True, fleet=(EXTRACTOR_PREFIX,))
 
 
 @dataclass(frozen=True)
@@ -166,6 +174,10 @@ class GeFLSettings(GenerativeSettings):
                                           "against the group's own average (FedAvg within the group); false: "
                                           "always the fleet's")
 
+    def shared_start(self) -> SharedStart:
+        # The target networks average within the group; the stem over the fleet with avg_extractor.
+        return SharedStart(group=True, fleet=(EXTRACTOR_PREFIX,) if self.avg_extractor else ())
+
     @property
     def guards_extractor(self) -> bool:
         """The device judges the fleet's extractor against its group's (the coordinator then sends both)."""
@@ -192,6 +204,10 @@ class GeFLFSettings(GenerativeSettings):
     ddpm_steps: int = setting(20, "DDIM sampling steps of the DDPM-F (fedge)", minimum=1)
     ddpm_guidance: float = setting(0.0, "classifier-free guidance weight w of the DDPM-F (0: purely "
                                         "conditional)")
+
+    def shared_start(self) -> SharedStart:
+        # The warm-up is LG-FedAvg: the stem over the fleet, the rest within the group.
+        return SharedStart(group=True, fleet=(EXTRACTOR_PREFIX,))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
+from fedge.common.initseeds import PER_DEVICE, SharedStart
 from fedge.errors import ConfigError
 
 _META = "fedge.setting"
@@ -80,6 +81,11 @@ class MethodSettings:
             checked = _check(info.key or f.name, value, hints[f.name], info)
             if checked is not value:  # an integer where a number is expected becomes a float
                 object.__setattr__(self, f.name, checked)
+
+    def shared_start(self) -> SharedStart:
+        """Which parts of the devices' models start from a shared seed (:mod:`fedge.common.initseeds`):
+        every part this method averages over more than one device. Default: none (each device its own)."""
+        return PER_DEVICE
 
     @classmethod
     def fields_by_key(cls) -> dict[str, dataclasses.Field[Any]]:

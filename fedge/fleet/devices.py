@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from fedge.common.initseeds import device_seed, init_seeds
 from fedge.common.rounds import DeviceInfo
 from fedge.edge.data.datasets import Dataset, load_dataset
 from fedge.edge.data.partition import DeviceSplit
 from fedge.edge.methods import DeviceContext, DeviceMethod
-from fedge.edge.models.zoo import build_model
+from fedge.edge.models.zoo import build_seeded
 from fedge.edge.training import TrainConfig
 from fedge.fleet.config import FleetConfig, device_ids
 from fedge.fleet.methods import method_entry
@@ -64,7 +65,9 @@ def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
     split = data.splits[idx]
     slot = device_slot(cfg, idx, data.train.y, split)
     p = slot.plan
-    model = build_model(slot.spec, seed=cfg.run.seed * 1000 + idx)
+    # Every part the method averages starts where the other devices' start (fedge.common.initseeds).
+    seeds = init_seeds(cfg.method_config.shared_start(), run_seed=cfg.run.seed, index=idx, arch=slot.spec.name)
+    model = build_seeded(slot.spec, seeds)
     tc = TrainConfig(
         lr=cfg.train.lr,
         batch_size=cfg.train.batch_size or p.batch_size,
@@ -79,7 +82,7 @@ def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
         local_test=data.train.subset(split.test),
         train_cfg=tc,
         upload_precision=slot.upload_precision,
-        seed=cfg.run.seed * 1000 + idx,
+        seed=device_seed(cfg.run.seed, idx),
         method_config=cfg.method_config,
         global_test=data.test,
         profile=slot.profile,

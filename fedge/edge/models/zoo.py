@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fedge.common.archs import STEM_CHANNELS, ArchSpec, arch_by_name
+from fedge.common.initseeds import InitSeeds
 
 # Parameter-name prefixes, used by methods that share parts of the network.
 EXTRACTOR = "extractor."
@@ -82,3 +83,23 @@ def build_model(arch: str | ArchSpec, *, embed_dim: int | None = None, seed: int
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return FedgeNet(spec)
+
+
+def reinit(module: nn.Module, seed: int) -> None:
+    """Draw ``module``'s initial weights again from ``seed``, with torch's default initialiser of each
+    layer (``reset_parameters``, in module order; BatchNorm statistics reset too)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        for m in module.modules():
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
+def build_seeded(arch: str | ArchSpec, seeds: InitSeeds) -> FedgeNet:
+    """A device's network from its :class:`~fedge.common.initseeds.InitSeeds`: the whole network from
+    ``seeds.model``, then each shared part (``"extractor."``) re-initialised from its own seed."""
+    model = build_model(arch, seed=seeds.model)
+    for prefix, seed in seeds.parts:
+        reinit(model.get_submodule(prefix.rstrip(".")), seed)
+    return model

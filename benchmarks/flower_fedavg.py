@@ -1,0 +1,295 @@
+"""fedge's FedAvg against Flower's on the same job (issue 25).
+
+The job: 10 clients of one architecture (``tier-m``), Fashion-MNIST, IID 10 % of the training set
+(600 images each), SGD lr 0.01, batch 64, 5 local epochs, 10 rounds, full participation; accuracy of
+the final global model on the 10k test set. Both sides start from the same weights (fedge's start
+of the group, ``fedge.common.initseeds``), train with fedge's own loop (``train_epochs``) on the same
+shards (``fedge.fleet.slots``), and differ in everything else: fedge runs its simulator (every update
+encoded as a real message, aggregated by its engine), Flower 1.42 its Ray simulation (message API
+``FedAvg``, 2 single-thread actors, the model evaluated by the ServerApp).
+
+Flower runs in an environment of its own, ``.venv-flower`` (created on first use: ``--setup``), so
+its pins (Ray, typer, protobuf) never touch fedge's. Each side runs in a child process; its peak
+memory is the largest sum of PSS over that process and its descendants (Ray's workers included),
+sampled every 0.2 s.
+
+    python benchmarks/flower_fedavg.py                 # both, seeds 0 1; results/flower_fedavg/*.json
+    python benchmarks/flower_fedavg.py --report-only   # the table from the saved cells
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section
+
+ROOT = Path(__file__).resolve().parent.parent
+FLOWER_ENV = ROOT / ".venv-flower"
+FLOWER_PINS = ["flwr[simulation]==1.42.0", "ray==2.55.1", "typer>=0.13,<0.21"]
+TORCH_PINS = ["torch==2.14.1", "torchvision==0.29.1"]  # the Makefile's
+OUT = RESULTS / "flower_fedavg"
+ARCH = "tier-m"
+CLIENTS = 10
+
+
+def job(seed: int, rounds: int) -> dict[str, Any]:
+    """The fleet config of the job (a dict for ``parse_fleet``)."""
+    return {
+        "run": {"name": "flower-fedavg", "method": "fedavg", "rounds": rounds, "dataset": "fmnist", "seed": seed,
+                # Evaluate once, after the last round, as the Flower side does (its ServerApp evaluates the
+                # final global model); every fedge device evaluates that same model.
+                "eval_every": rounds + 1},
+        "partition": {"kind": "iid", "fraction": 0.1, "local_test_fraction": 0.0},
+        "train": {"lr": 0.01, "batch_size": 64, "local_epochs": 5},
+        "devices": [{"profile": "x86-gateway", "count": CLIENTS, "arch": ARCH, "id_prefix": "client"}],
+    }
+
+
+# -- the two workers (each in its own process) -------------------------------------------------------
+
+def fedge_worker(seed: int, rounds: int) -> dict[str, Any]:
+    from fedge.fleet.config import parse_fleet
+    from fedge.sim.report import build_results
+    from fedge.sim.simulate import simulate
+
+    t0 = time.perf_counter()
+    res = build_results(simulate(parse_fleet(job(seed, rounds))))
+    return {"acc": res["summary"]["mean_final_acc_global"], "wall_s": time.perf_counter() - t0,
+            "seconds_per_round": res["seconds_per_round"]}
+
+
+def flower_worker(seed: int, rounds: int) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.serverapp.strategy import FedAvg
+    from flwr.simulation import run_simulation
+
+    from fedge.common.initseeds import device_seed, init_seeds
+    from fedge.common.methods import FedAvgSettings
+    from fedge.edge.models import build_model, build_seeded
+    from fedge.edge.training import TrainConfig, accuracy, train_epochs
+    from fedge.fleet.config import parse_fleet
+    from fedge.fleet.devices import load_fleet_data
+
+    cfg = parse_fleet(job(seed, rounds))
+    tc = TrainConfig(lr=cfg.train.lr, batch_size=cfg.train.batch_size or 64, local_epochs=cfg.train.local_epochs or 5)
+    cache: dict[str, Any] = {}
+
+    def data() -> Any:  # loaded once per Ray worker process
+        if "data" not in cache:
+            cache["data"] = load_fleet_data(cfg)
+        return cache["data"]
+
+    def weights(model: torch.nn.Module) -> ArrayRecord:
+        # As fedge sends: every float entry (BatchNorm's integer counter stays on the client).
+        return ArrayRecord({k: v for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")})
+
+    client = ClientApp()
+
+    @client.train()
+    def train(msg: Message, context: Context) -> Message:
+        torch.set_num_threads(1)
+        pid = int(context.node_config["partition-id"])
+        d = data()
+        split = d.splits[pid].train
+        model = build_model(ARCH)
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict(), strict=False)
+        rnd = int(msg.content["config"]["server-round"])
+        rng = np.random.default_rng([device_seed(seed, pid), rnd])
+        train_epochs(model, d.train.x[split], d.train.y[split], tc, rng)
+        content = RecordDict({"arrays": weights(model), "metrics": MetricRecord({"num-examples": len(split)})})
+        return Message(content=content, reply_to=msg)
+
+    server = ServerApp()
+    result: dict[str, Any] = {}
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        start = build_seeded(ARCH, init_seeds(FedAvgSettings().shared_start(), run_seed=seed, index=0, arch=ARCH))
+
+        def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            if server_round != rounds:
+                return None
+            model = build_model(ARCH)
+            model.load_state_dict(arrays.to_torch_state_dict(), strict=False)
+            test = data().test if "data" in cache else load_fleet_data(cfg).test
+            result["acc"] = accuracy(model, test.x, test.y)
+            return MetricRecord({"accuracy": result["acc"]})
+
+        strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=CLIENTS,
+                          min_available_nodes=CLIENTS)
+        t0 = time.perf_counter()
+        strategy.start(grid=grid, initial_arrays=weights(start), num_rounds=rounds,
+                       train_config=ConfigRecord({}), evaluate_fn=evaluate)
+        result["train_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    run_simulation(server, client, num_supernodes=CLIENTS,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    return {"acc": result["acc"], "wall_s": time.perf_counter() - t0,
+            "seconds_per_round": result["train_s"] / rounds}
+
+
+# -- the driver ---------------------------------------------------------------------------------------
+
+def _tree_pss_kib(root: int) -> int:
+    """Sum of PSS (KiB) over ``root`` and every descendant process."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
+
+
+def run_child(python: Path, side: str, seed: int, rounds: int) -> dict[str, Any]:
+    """Run one side in a child process; its result plus the peak PSS of its process tree."""
+    cmd = [str(python), __file__, "--worker", side, "--seed", str(seed), "--rounds", str(rounds)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_DEDUP_LOGS": "0"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _tree_pss_kib(proc.pid))
+            done.wait(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, _ = proc.communicate()
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{side} seed {seed} failed (exit {proc.returncode}); its output:\n{out[-3000:]}")
+    line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
+    return {**json.loads(line[len("RESULT "):]), "peak_pss_mib": peak / 1024, "side": side, "seed": seed,
+            "rounds": rounds}
+
+
+def setup_flower() -> Path:
+    """``.venv-flower`` with Flower, Ray, the Makefile's torch and fedge (editable); created once."""
+    py = FLOWER_ENV / "bin" / "python"
+    if py.exists() and subprocess.run([str(py), "-c", "import flwr, ray, fedge"], capture_output=True).returncode == 0:
+        return py
+    print(f"creating {FLOWER_ENV} (Flower, Ray, torch; a few minutes) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(FLOWER_ENV)], check=True)
+    pip = [str(py), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, *TORCH_PINS], check=True)
+    subprocess.run([*pip, "-e", f"{ROOT}[sim]"], check=True)
+    subprocess.run([*pip, *FLOWER_PINS], check=True)  # last: Flower's pins win where fedge's extras differ
+    return py
+
+
+def render(cells: dict[str, list[dict[str, Any]]]) -> str:
+    rows = []
+    for side in ("fedge", "flower"):
+        cs = cells.get(side, [])
+        if not cs:
+            continue
+        acc = mean_std([100 * c["acc"] for c in cs])
+        rows.append([side, " / ".join(f"{100 * c['acc']:.2f}" for c in cs), f"{acc[0]:.2f}",
+                     f"{mean_std([c['seconds_per_round'] for c in cs])[0]:.2f}",
+                     f"{mean_std([c['wall_s'] for c in cs])[0]:.1f}",
+                     f"{max(c['peak_pss_mib'] for c in cs):.0f}", " ".join(str(c["seed"]) for c in cs)])
+    header = ["", "final acc (%) per seed", "mean (%)", "s/round", "wall (s)", "peak PSS (MiB)", "seeds"]
+    table = markdown_table(header, rows)
+    print(text_table(header, rows))
+    if len(rows) == 2:
+        gap = float(rows[0][2]) - float(rows[1][2])
+        ratio_t = float(rows[0][3]) / float(rows[1][3])
+        ratio_m = float(rows[0][5]) / float(rows[1][5])
+        table += (f"\n\nfedge − Flower: {gap:+.2f} points (target: within 0.5, "
+                  f"{'met' if abs(gap) <= 0.5 else 'missed'}); seconds per round ×{ratio_t:.2f}, "
+                  f"peak memory ×{ratio_m:.2f} of Flower's.")
+    return table
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--sides", nargs="+", choices=["fedge", "flower"], default=["fedge", "flower"])
+    ap.add_argument("--force", action="store_true", help="recompute saved cells")
+    ap.add_argument("--report-only", action="store_true", help="tabulate the saved cells; compute nothing")
+    ap.add_argument("--setup", action="store_true", help="only create .venv-flower")
+    ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/results.md")
+    ap.add_argument("--worker", choices=["fedge", "flower"], help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        res = (fedge_worker if args.worker == "fedge" else flower_worker)(args.seed, args.rounds)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    if args.setup:
+        setup_flower()
+        return 0
+    cells: dict[str, list[dict[str, Any]]] = {}
+    for seed in args.seeds:
+        for side in args.sides:
+            path = OUT / f"{side}-s{seed}-r{args.rounds}.json"
+            if args.report_only:
+                if path.is_file():
+                    cells.setdefault(side, []).append(json.loads(path.read_text()))
+                continue
+            python = Path(sys.executable) if side == "fedge" else setup_flower()
+
+            def compute(py: Path = python, sd: str = side, s: int = seed) -> dict[str, Any]:
+                print(f"[{time.strftime('%H:%M:%S')}] {sd} seed {s} ...", flush=True)
+                return run_child(py, sd, s, args.rounds)
+
+            cells.setdefault(side, []).append(cached_cell(path, compute, force=args.force))
+    table = render(cells)
+    if not args.no_docs and cells:
+        write_docs_section("flower-fedavg", f"""
+## FedAvg against Flower
+
+The same FedAvg job on both (issue 25): {CLIENTS} clients of `{ARCH}`, Fashion-MNIST IID 10 % (600 images
+each), SGD lr 0.01, batch 64, 5 local epochs, {args.rounds} rounds, full participation; the final global
+model's accuracy on the 10k test set. Both start from the same weights (fedge's start of the group) and
+train with fedge's loop on the same shards; fedge runs its simulator (one process, torch's default
+threads), Flower 1.42 its Ray simulation (2 single-thread actors, the message-API `FedAvg`, Flower in
+its own environment `.venv-flower`). Peak memory: the largest sum of PSS over each side's process tree.
+
+{table}
+
+Command: `python benchmarks/flower_fedavg.py --seeds 0 1` (creates `.venv-flower` on first use).
+Before issue 25 (every device from its own seed) fedge ended at 72.65 % against Flower's 79.4 % on this job.
+""")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
