@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from fedge.common.initseeds import init_seeds
 from fedge.common.inmemory import InMemoryBus
 from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
@@ -17,7 +18,6 @@ from fedge.edge.agent import DeviceAgent
 from fedge.edge.data.datasets import Dataset, load_dataset
 from fedge.edge.data.partition import iid_fraction
 from fedge.edge.methods import DeviceContext
-from fedge.common.initseeds import init_seeds
 from fedge.edge.models import build_seeded
 from fedge.edge.training import TrainConfig
 from fedge.fleet.methods import method_entry

@@ -9,13 +9,13 @@ import numpy as np
 import torch
 from fleet_helpers import digits
 
+from fedge.common.initseeds import init_seeds
 from fedge.common.inmemory import InMemoryBus
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.data.partition import dirichlet, shards
 from fedge.edge.methods import DeviceContext
-from fedge.common.initseeds import init_seeds
 from fedge.edge.models import build_seeded
 from fedge.edge.training import TrainConfig
 from fedge.fleet.methods import method_entry
