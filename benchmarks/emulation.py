@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from common import RESULTS
 
+from fedge.coordinator.store import REPORTS_FILE, read_reports
 from fedge.emulate import engine, images
 from fedge.emulate.limits import OS_SHARE_MB, device_mac_rate
 from fedge.profiles import load_profile
@@ -249,9 +250,9 @@ def run_profile(client: Any, tags: Any, profile: str, work: Path, *, rounds: int
         if code != 0:
             raise SystemExit(engine.logs(emu, client, "coordinator", tail=30))
         wall = time.perf_counter() - t0
-        reports = [json.loads(x) for x in (emu.out / "coordinator" / "reports.jsonl").read_text().splitlines()]
-        train = [r["seconds"] for r in reports if r["phase"] != "final"]
-        final = next(r["seconds"] for r in reports if r["phase"] == "final")
+        reports = read_reports(emu.out / "coordinator" / REPORTS_FILE)
+        train = [r.seconds for r in reports if r.phase != "final"]
+        final = next(r.seconds for r in reports if r.phase == "final")
         round_s = float(np.mean(train[1:] if len(train) > 1 else train)) - final
         c = emu.containers(client)[dev]
         hwm = _vm_hwm_mb(c)
