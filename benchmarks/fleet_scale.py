@@ -21,8 +21,8 @@ N: median round wall time over the training rounds, coordinator CPU seconds
 (user + sys over those rounds) and peak RSS, the RSS growth during the rounds,
 and updates received per second. Writes ``benchmarks/results/fleet_scale.json``.
 
-    .venv/bin/python benchmarks/fleet_scale.py                # N = 10, 100, 1000
-    .venv/bin/python benchmarks/fleet_scale.py --sizes 10,100 --rounds 3 --repeat 1
+    .venv/bin/python -m benchmarks.fleet_scale                # N = 10, 100, 1000
+    .venv/bin/python -m benchmarks.fleet_scale --sizes 10,100 --rounds 3 --repeat 1
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import paho.mqtt.client as paho
 
+from benchmarks.common import RESULTS
 from fedge.common.messages import Message
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo
 from fedge.common.tensorcodec import read_header
@@ -57,7 +58,8 @@ from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
 
 CLASSES, DIM = 10, 64  # FedProto-sized: prototypes (C, p) + counts (C,)
 SAMPLES = 100  # each device's training samples (its hello)
-RESULTS = Path(__file__).parent / "results" / "fleet_scale.json"
+OUT = RESULTS / "fleet_scale.json"
+MODULE = "benchmarks.fleet_scale"  # the coordinator and the floor's collector run as its child processes
 
 
 def _new_client(client_id: str) -> paho.Client:
@@ -227,8 +229,8 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = 
     try:
         swarm.wait_connected()
         out = workdir / f"fedge-{n}.json"
-        cmd = [sys.executable, __file__, "_coordinator", "--port", str(port), "--n", str(n), "--rounds", str(rounds),
-               "--fleet", fleet, "--state-dir", str(workdir / f"state-{n}"), "--out", str(out),
+        cmd = [sys.executable, "-m", MODULE, "_coordinator", "--port", str(port), "--n", str(n),
+               "--rounds", str(rounds), "--fleet", fleet, "--state-dir", str(workdir / f"state-{n}"), "--out", str(out),
                "--aggregation", aggregation, "--clip", str(clip)]
         subprocess.run(cmd, check=True, timeout=1800)
         return json.loads(out.read_text())
@@ -323,7 +325,7 @@ def run_floor(port: int, n: int, rounds: int, workdir: Path, sz: dict[str, int])
     try:
         swarm.wait_connected()
         out = workdir / f"floor-{n}.json"
-        cmd = [sys.executable, __file__, "_floor", "--port", str(port), "--n", str(n), "--rounds", str(rounds),
+        cmd = [sys.executable, "-m", MODULE, "_floor", "--port", str(port), "--n", str(n), "--rounds", str(rounds),
                "--base", base, "--global-bytes", str(sz["global"]), "--descriptor-bytes", str(sz["descriptor"]),
                "--out", str(out)]
         subprocess.run(cmd, check=True, timeout=1800)
@@ -402,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="10,100,1000", help="fleet sizes (comma-separated)")
     p.add_argument("--rounds", type=int, default=5, help="training rounds per run (median reported)")
     p.add_argument("--repeat", type=int, default=3, help="alternating floor/fedge runs per N (rounds pooled)")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     if args.role == "_coordinator":
         coordinator_main(args)
@@ -457,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"N={n}: fedge {e_med:.3f} s/round, floor {f_med:.3f} s/round", file=sys.stderr, flush=True)
     doc = {
         "benchmark": "fleet_scale",
-        "command": " ".join(["python benchmarks/fleet_scale.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m benchmarks.fleet_scale", *(argv if argv is not None else sys.argv[1:])]),
         "rounds": args.rounds,
         "repeat": args.repeat,
         "aggregation": args.aggregation,

@@ -16,7 +16,7 @@ The model is tier-xs trained 3 epochs on scikit-learn's digits (fixed seeds), th
 as PNG files, one folder per class, and the fleet is two rpi4-2gb devices on their own data
 (``install_size_fleet.toml``).
 
-    .venv/bin/python benchmarks/install_size.py [--sets runtime,device] [--find-links DIR] [--keep]
+    .venv/bin/python -m benchmarks.install_size [--sets runtime,device] [--find-links DIR] [--keep]
 
 Writes benchmarks/results/install_size.json and prints a table.
 """
@@ -35,9 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, text_table  # noqa: E402
+from benchmarks.common import REPO, RESULTS, text_table
 
 OUT = RESULTS / "install_size.json"
 
