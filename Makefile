@@ -37,7 +37,7 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 bench-baselines: $(STAMP)
-	$(BIN)/python benchmarks/baselines.py
+	$(BIN)/python -m benchmarks.baselines
 
 clean:
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

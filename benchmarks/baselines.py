@@ -5,8 +5,8 @@ SGD lr 0.1, batch 64, 5 local epochs, 50 rounds; for Local, FedAvg within an arc
 group and LG-FedAvg. Metric (as GeFL): each model's best accuracy on the full 10k test set
 over the rounds, averaged over the ten models; mean ± std over seeds; seconds per round.
 
-    python benchmarks/baselines.py                  # the full protocol (resumes finished cells)
-    python benchmarks/baselines.py --rounds 2 --seeds 0   # a smoke run
+    python -m benchmarks.baselines                  # the full protocol (resumes finished cells)
+    python -m benchmarks.baselines --rounds 2 --seeds 0   # a smoke run
 
 Each (method, seed) cell is saved as JSON under benchmarks/results/baselines/ as soon as it
 finishes, so an interrupted run resumes where it stopped.
@@ -18,22 +18,18 @@ import argparse
 import dataclasses
 import functools
 import logging
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from common import RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section
 
+from benchmarks.common import REPO, RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section
 from fedge.coordinator.engine import RoundReport
 from fedge.fleet.config import load_fleet
 from fedge.sim.report import build_results
 from fedge.sim.simulate import simulate
 
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "examples" / "gefl-protocol-fedavg.toml"
+CONFIG = REPO / "examples" / "gefl-protocol-fedavg.toml"
 PUBLISHED = {"fedavg": 80.58, "lgfedavg": 80.61}
 LABELS = {"local": "Local", "fedavg": "FedAvg within group", "lgfedavg": "LG-FedAvg"}
 
@@ -106,7 +102,7 @@ def main() -> int:
     out.write_text(__import__("json").dumps({"rounds": args.rounds, "summary": summary, "cells": cells}, indent=1))
     print(f"wrote {out}")
     if not args.no_docs:
-        cmd = "python benchmarks/baselines.py" + ("" if args.rounds == 50 else f" --rounds {args.rounds}")
+        cmd = "python -m benchmarks.baselines" + ("" if args.rounds == 50 else f" --rounds {args.rounds}")
         write_docs_section("baselines", f"""
 ## Baselines, GeFL protocol, Fashion-MNIST
 

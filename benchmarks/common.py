@@ -1,4 +1,4 @@
-"""Shared helpers of the benchmark scripts: resumable JSON cells, tables, docs sections."""
+"""Shared helpers of the benchmarks: paths, resumable JSON cells, paired statistics, tables, docs sections."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DOCS_RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results.md"
+REPO = Path(__file__).resolve().parent.parent  # the repository: examples/, docs/, the source tree
+RESULTS = REPO / "benchmarks" / "results"
+DOCS_RESULTS = REPO / "docs" / "results.md"
 
 
 def load_cell(path: Path, expect: dict[str, Any] | None = None) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ host's cores) and is measured against the planner:
 ``--arm64`` also runs one profile's fleet with aarch64 device containers under QEMU and compares
 the coordinator's final global prototypes with the amd64 run's (and the slowdown).
 
-    python benchmarks/emulation.py [--profiles rpi-zero-2w,rpi4-4gb,x86-gateway] [--arm64 rpi4-4gb]
+    python -m benchmarks.emulation [--profiles rpi-zero-2w,rpi4-4gb,x86-gateway] [--arm64 rpi4-4gb]
 
 Writes benchmarks/results/emulation.json and prints a table.
 """
@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import RESULTS
 
+from benchmarks.common import RESULTS
+from fedge.coordinator.store import REPORTS_FILE, read_reports
 from fedge.emulate import engine, images
 from fedge.emulate.limits import OS_SHARE_MB, device_mac_rate
 from fedge.profiles import load_profile
@@ -249,9 +250,9 @@ def run_profile(client: Any, tags: Any, profile: str, work: Path, *, rounds: int
         if code != 0:
             raise SystemExit(engine.logs(emu, client, "coordinator", tail=30))
         wall = time.perf_counter() - t0
-        reports = [json.loads(x) for x in (emu.out / "coordinator" / "reports.jsonl").read_text().splitlines()]
-        train = [r["seconds"] for r in reports if r["phase"] != "final"]
-        final = next(r["seconds"] for r in reports if r["phase"] == "final")
+        reports = read_reports(emu.out / "coordinator" / REPORTS_FILE)
+        train = [r.seconds for r in reports if r.phase != "final"]
+        final = next(r.seconds for r in reports if r.phase == "final")
         round_s = float(np.mean(train[1:] if len(train) > 1 else train)) - final
         c = emu.containers(client)[dev]
         hwm = _vm_hwm_mb(c)
@@ -323,7 +324,7 @@ def main() -> None:
     for r in rows:  # the issue's targets
         r["round_ok"] = 0.67 <= r["round_ratio"] <= 1.5
         r["upload_ok"] = abs(r["upload_ratio"] - 1) <= 0.2
-    result: dict[str, Any] = {"command": "python benchmarks/emulation.py " + " ".join(sys.argv[1:]),
+    result: dict[str, Any] = {"command": "python -m benchmarks.emulation " + " ".join(sys.argv[1:]),
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)),
                               "loadavg_start": load_start, "rounds": args.rounds, "profiles": rows}
     _write(args.out, result)  # now: the arm64 part takes long and may fail

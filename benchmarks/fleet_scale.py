@@ -19,10 +19,25 @@ Both sides drive their N device connections from one selector thread (paho's
 external-loop API), so the device side costs the same in both. Reported per
 N: median round wall time over the training rounds, coordinator CPU seconds
 (user + sys over those rounds) and peak RSS, the RSS growth during the rounds,
-and updates received per second. Writes ``benchmarks/results/fleet_scale.json``.
+and updates received per second; and the aggregate state, what FedProto's
+coordinator half holds once it has accumulated N such updates, measured beside
+the run through the strategy interface (tracing allocations would slow the
+rounds). Writes ``benchmarks/results/fleet_scale.json``.
 
-    .venv/bin/python benchmarks/fleet_scale.py                # N = 10, 100, 1000
-    .venv/bin/python benchmarks/fleet_scale.py --sizes 10,100 --rounds 3 --repeat 1
+The device side is made of fedge's protocol code: the topics and status words
+(``fedge.mqtt.topics``), the hello and update messages (``fedge.common.messages``,
+``DeviceInfo``), the update's framing (``fedge.mqtt.chunking.split``: one frame at
+this size) and the descriptor's header (``fedge.common.tensorcodec.read_header``).
+Two parts are its own, for speed: the connections are not fedge's ``MqttClient``
+(``MqttDeviceTransport``), which gives each connection a paho network thread and
+a dispatcher thread, so N = 1000 would be 2000 threads on the 2 cores the
+coordinator is measured on, and the floor could not share the device side; and a
+descriptor is read with the codec's header reader (about 40 µs here) rather than
+``Message.from_bytes``, whose envelope checks cost about 100 µs: some 55 ms more
+per round at N = 1000 on a device side the floor does not pay for.
+
+    .venv/bin/python -m benchmarks.fleet_scale                # N = 10, 100, 1000
+    .venv/bin/python -m benchmarks.fleet_scale --sizes 10,100 --rounds 3 --repeat 1
 """
 
 from __future__ import annotations
@@ -41,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,16 +64,19 @@ from typing import Any
 import numpy as np
 import paho.mqtt.client as paho
 
+from benchmarks.common import RESULTS
 from fedge.common.messages import Message
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo
 from fedge.common.tensorcodec import read_header
 from fedge.mqtt.broker import LOOPBACK, MosquittoProcess, loopback_config
+from fedge.mqtt.chunking import DEFAULT_CHUNK_BYTES, split
 from fedge.mqtt.client import new_paho_client, no_delay
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
 
 CLASSES, DIM = 10, 64  # FedProto-sized: prototypes (C, p) + counts (C,)
 SAMPLES = 100  # each device's training samples (its hello)
-RESULTS = Path(__file__).parent / "results" / "fleet_scale.json"
+OUT = RESULTS / "fleet_scale.json"
+MODULE = "benchmarks.fleet_scale"  # the coordinator and the floor's collector run as its child processes
 
 
 def _new_client(client_id: str) -> paho.Client:
@@ -167,15 +186,23 @@ class Swarm:
                     sock.close()
 
 
+def _device_info(dev: str) -> DeviceInfo:
+    return DeviceInfo(dev, "tier-xs", "bench", num_samples=SAMPLES, feature_dim=DIM)
+
+
+def _update_arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """One FedProto update: prototypes and the class counts of the device's samples (the coordinator
+    refuses counts beyond its hello's samples)."""
+    counts = rng.multinomial(SAMPLES, np.full(CLASSES, 1 / CLASSES)).astype(np.int64)
+    protos = rng.normal(size=(CLASSES, DIM)).astype(np.float32)
+    return {"protos": protos, "counts": counts}
+
+
 def _update_bytes(fleet: str, dev: str, rnd: int, final: bool, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
     if final:
         return Message("update", dev, rnd, fleet, info={"metrics": {"acc_global": 0.5},
                                                         "num_samples": SAMPLES}).to_bytes()
-    # class counts of the device's 100 samples (the coordinator refuses counts beyond its hello's samples)
-    counts = rng.multinomial(SAMPLES, np.full(CLASSES, 1 / CLASSES)).astype(np.int64)
-    protos = rng.normal(size=(CLASSES, DIM)).astype(np.float32)
-    return Message("update", dev, rnd, fleet, tensors={"protos": protos, "counts": counts},
+    return Message("update", dev, rnd, fleet, tensors=_update_arrays(np.random.default_rng(seed)),
                    info={"metrics": {}, "num_samples": SAMPLES}).to_bytes()
 
 
@@ -199,36 +226,36 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = 
     fleet = f"scale{n}-{workdir.name}"
     t = FleetTopics(fleet)
     ids = [f"dev-{i:04d}" for i in range(n)]
-    # Every update a device will send, encoded before the clock starts.
-    updates = [{r: _update_bytes(fleet, dev, r, r > rounds, seed=i * 100 + r) for r in range(1, rounds + 2)}
-               for i, dev in enumerate(ids)]
+    # Every update a device will send, encoded and framed (as MqttDeviceTransport.send_update frames it)
+    # before the clock starts.
+    updates = [{r: split(_update_bytes(fleet, dev, r, r > rounds, seed=i * 100 + r), DEFAULT_CHUNK_BYTES)
+                for r in range(1, rounds + 2)} for i, dev in enumerate(ids)]
     answered: list[str | None] = [None] * n
 
     def on_connect(i: int, c: paho.Client) -> None:
+        # What MqttDeviceTransport does on connecting: status online (the will says offline), then the hello.
         dev = ids[i]
         c.publish(t.status(dev), STATUS_ONLINE, qos=1, retain=True)
-        info = DeviceInfo(dev, "tier-xs", "bench", num_samples=SAMPLES, feature_dim=DIM)
-        c.publish(t.hello(dev), Message("hello", dev, 0, fleet, info={"device": info.to_dict()}).to_bytes(),
-                  qos=1, retain=True)
+        hello = Message("hello", dev, 0, fleet, info={"device": _device_info(dev).to_dict()})  # as the agent's
+        c.publish(t.hello(dev), hello.to_bytes(), qos=1, retain=True)
 
     def on_message(i: int, c: paho.Client, msg: paho.MQTTMessage) -> None:
         if msg.topic != t.round or not msg.payload:
             return  # global prototypes: a statistics-only device just receives them; empty: the run is over
-        meta = read_header(bytes(msg.payload))[1]
+        meta = read_header(bytes(msg.payload))[1]  # the envelope, without Message's checks (module docstring)
         if answered[i] == meta["msg_id"]:
-            return
+            return  # the same descriptor again (a retained redelivery)
         answered[i] = meta["msg_id"]
-        up = updates[i].get(int(meta["round"]))
-        if up is not None:
-            c.publish(t.update(ids[i]), up, qos=1)
+        for frame in updates[i].get(int(meta["round"]), []):
+            c.publish(t.update(ids[i]), frame, qos=1)
 
     swarm = Swarm(port, ids, on_message, subscribe=[t.round, t.global_filter(PROTOTYPES_ARTIFACT)],
                   will=lambda d: (t.status(d), STATUS_OFFLINE), on_connect=on_connect)
     try:
         swarm.wait_connected()
         out = workdir / f"fedge-{n}.json"
-        cmd = [sys.executable, __file__, "_coordinator", "--port", str(port), "--n", str(n), "--rounds", str(rounds),
-               "--fleet", fleet, "--state-dir", str(workdir / f"state-{n}"), "--out", str(out),
+        cmd = [sys.executable, "-m", MODULE, "_coordinator", "--port", str(port), "--n", str(n),
+               "--rounds", str(rounds), "--fleet", fleet, "--state-dir", str(workdir / f"state-{n}"), "--out", str(out),
                "--aggregation", aggregation, "--clip", str(clip)]
         subprocess.run(cmd, check=True, timeout=1800)
         return json.loads(out.read_text())
@@ -255,8 +282,6 @@ def coordinator_main(args: argparse.Namespace) -> None:
     cpu0, rss0, t0 = _cpu(), _rss_kb(), time.perf_counter()
     cpu_rounds: list[float] = []
     rss_rounds: list[float] = []
-    agg_bytes: list[int] = []
-
     ends: list[float] = []
 
     def on_round(rep: Any) -> None:
@@ -265,12 +290,6 @@ def coordinator_main(args: argparse.Namespace) -> None:
         ends.append(time.perf_counter())
         cpu_rounds.append(_cpu())
         rss_rounds.append(_rss_kb() / 1024)
-        # What the round's accumulator held: the running sums of the mean (the same whatever N is), or
-        # every device's rows for a robust rule (N x (C x p float32 + C int64)).
-        acc = strat.protos
-        held = [v for v in vars(acc).values() if isinstance(v, np.ndarray)]
-        held += [a for row in acc.rows for a in row]
-        agg_bytes.append(sum(a.nbytes for a in held))
 
     accepted: list[int] = []
     rejected = 0
@@ -295,11 +314,36 @@ def coordinator_main(args: argparse.Namespace) -> None:
         "rss_before_rounds_mb": rss0 / 1024,
         "rss_after_rounds_mb": _rss_kb() / 1024,
         "rss_after_each_round_mb": rss_rounds,
-        "aggregate_state_bytes": max(agg_bytes),
         "torch_imported": "torch" in sys.modules,
         "rejected": rejected,
     }
     Path(args.out).write_text(json.dumps(result))
+
+
+def aggregate_state_bytes(n: int, rule: str, clip: float) -> int:
+    """What FedProto's coordinator half holds once it has accumulated ``n`` of this benchmark's updates
+    under the aggregation ``rule``: the running sums of the mean (the same whatever ``n`` is), or every
+    device's rows for a robust rule.
+
+    Measured through the strategy interface alone (the engine's ``aggregation``, ``begin_round``,
+    ``accumulate``): the numpy memory still allocated once the updates are in, each update's arrays
+    dropped after ``accumulate`` as the engine drops them (tracemalloc, numpy's domain).
+    """
+    from fedge.coordinator.aggregate import Aggregation
+    from fedge.coordinator.strategies.baselines import FedProtoStrategy
+
+    strat = FedProtoStrategy(num_classes=CLASSES, rounds=1)
+    strat.aggregation = Aggregation(rule, clip=clip)  # as the engine sets its EngineConfig's
+    device, rng = _device_info("dev-0000"), np.random.default_rng(0)  # made before tracing: not counted
+    tracemalloc.start()
+    try:
+        strat.begin_round(1)
+        for _ in range(n):
+            strat.accumulate(device, _update_arrays(rng), {})
+        held = tracemalloc.take_snapshot().filter_traces([tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)])
+    finally:
+        tracemalloc.stop()
+    return sum(trace.size for trace in held.traces)
 
 
 # -- the floor: bare paho clients, same number and sizes of messages -------------------------------
@@ -323,7 +367,7 @@ def run_floor(port: int, n: int, rounds: int, workdir: Path, sz: dict[str, int])
     try:
         swarm.wait_connected()
         out = workdir / f"floor-{n}.json"
-        cmd = [sys.executable, __file__, "_floor", "--port", str(port), "--n", str(n), "--rounds", str(rounds),
+        cmd = [sys.executable, "-m", MODULE, "_floor", "--port", str(port), "--n", str(n), "--rounds", str(rounds),
                "--base", base, "--global-bytes", str(sz["global"]), "--descriptor-bytes", str(sz["descriptor"]),
                "--out", str(out)]
         subprocess.run(cmd, check=True, timeout=1800)
@@ -402,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="10,100,1000", help="fleet sizes (comma-separated)")
     p.add_argument("--rounds", type=int, default=5, help="training rounds per run (median reported)")
     p.add_argument("--repeat", type=int, default=3, help="alternating floor/fedge runs per N (rounds pooled)")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     if args.role == "_coordinator":
         coordinator_main(args)
@@ -430,12 +474,13 @@ def main(argv: list[str] | None = None) -> int:
                                             args.clip))
             finally:
                 broker.close()
-            floor = {k: [x for f in floors for x in f[k]] for k in ("round_seconds", "cpu_seconds_per_round")}
+            pooled = ("round_seconds", "cpu_seconds_per_round")
+            floor = {k: [x for f in floors for x in f[k]] for k in pooled}
             floor["peak_rss_mb"] = max(f["peak_rss_mb"] for f in floors)
-            fedge = {k: [x for f in fedges for x in f[k]] for k in ("round_seconds", "cpu_seconds_per_round")}
+            fedge: dict[str, Any] = {k: [x for f in fedges for x in f[k]] for k in pooled}
             fedge["runs"] = fedges
             fedge["peak_rss_mb"] = max(f["peak_rss_mb"] for f in fedges)
-            fedge["aggregate_state_bytes"] = max(f["aggregate_state_bytes"] for f in fedges)
+            fedge["aggregate_state_bytes"] = aggregate_state_bytes(n, args.aggregation, args.clip)
             growth = statistics.median(f["rss_after_rounds_mb"] - f["rss_before_rounds_mb"] for f in fedges)
             f_med = statistics.median(floor["round_seconds"])
             e_med = statistics.median(fedge["round_seconds"])
@@ -457,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"N={n}: fedge {e_med:.3f} s/round, floor {f_med:.3f} s/round", file=sys.stderr, flush=True)
     doc = {
         "benchmark": "fleet_scale",
-        "command": " ".join(["python benchmarks/fleet_scale.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m benchmarks.fleet_scale", *(argv if argv is not None else sys.argv[1:])]),
         "rounds": args.rounds,
         "repeat": args.repeat,
         "aggregation": args.aggregation,

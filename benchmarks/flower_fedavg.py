@@ -13,8 +13,8 @@ its pins (Ray, typer, protobuf) never touch fedge's. Each side runs in a child p
 memory is the largest sum of PSS over that process and its descendants (Ray's workers included),
 sampled every 0.2 s.
 
-    python benchmarks/flower_fedavg.py                 # both, seeds 0 1; results/flower_fedavg/*.json
-    python benchmarks/flower_fedavg.py --report-only   # the table from the saved cells
+    python -m benchmarks.flower_fedavg                 # both, seeds 0 1; results/flower_fedavg/*.json
+    python -m benchmarks.flower_fedavg --report-only   # the table from the saved cells
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section
+from benchmarks.common import REPO, RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section
 
-ROOT = Path(__file__).resolve().parent.parent
-FLOWER_ENV = ROOT / ".venv-flower"
+FLOWER_ENV = REPO / ".venv-flower"
 FLOWER_PINS = ["flwr[simulation]==1.42.0", "ray==2.55.1", "typer>=0.13,<0.21"]
 TORCH_PINS = ["torch==2.14.1", "torchvision==0.29.1"]  # the Makefile's
 OUT = RESULTS / "flower_fedavg"
@@ -171,8 +169,9 @@ def _tree_pss_kib(root: int) -> int:
 
 def run_child(python: Path, side: str, seed: int, rounds: int) -> dict[str, Any]:
     """Run one side in a child process; its result plus the peak PSS of its process tree."""
-    cmd = [str(python), __file__, "--worker", side, "--seed", str(seed), "--rounds", str(rounds)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_DEDUP_LOGS": "0"}
+    cmd = [str(python), "-m", "benchmarks.flower_fedavg", "--worker", side, "--seed", str(seed),
+           "--rounds", str(rounds)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_DEDUP_LOGS": "0"}  # fedge and benchmarks from this tree
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
     peak = 0
     done = threading.Event()
@@ -205,7 +204,7 @@ def setup_flower() -> Path:
     pip = [str(py), "-m", "pip", "install", "--quiet"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
     subprocess.run([*pip, *TORCH_PINS], check=True)
-    subprocess.run([*pip, "-e", f"{ROOT}[sim]"], check=True)
+    subprocess.run([*pip, "-e", f"{REPO}[sim]"], check=True)
     subprocess.run([*pip, *FLOWER_PINS], check=True)  # last: Flower's pins win where fedge's extras differ
     return py
 
@@ -285,7 +284,7 @@ its own environment `.venv-flower`). Peak memory: the largest sum of PSS over ea
 
 {table}
 
-Command: `python benchmarks/flower_fedavg.py --seeds 0 1` (creates `.venv-flower` on first use).
+Command: `python -m benchmarks.flower_fedavg --seeds 0 1` (creates `.venv-flower` on first use).
 Before issue 25 (every device from its own seed) fedge ended at 72.65 % against Flower's 79.4 % on this job.
 """)
     return 0

@@ -10,9 +10,9 @@ Each model is first trained briefly on Fashion-MNIST (default: 2 epochs on a fix
 12 000-image subset of the training set, SGD lr 0.02, momentum 0.9, batch 64), enough for a
 meaningful accuracy, not a tuned one. int8 static is calibrated on 256 training images.
 
-    python benchmarks/inference.py                 # everything, ~5 min on one core
-    python benchmarks/inference.py --archs cnn1 tier-m --train-images 2000 --epochs 1   # smoke run
-    python benchmarks/inference.py --overhead-only  # only fedge's runtime overhead, ~3 min
+    python -m benchmarks.inference                 # everything, ~5 min on one core
+    python -m benchmarks.inference --archs cnn1 tier-m --train-images 2000 --epochs 1   # smoke run
+    python -m benchmarks.inference --overhead-only  # only fedge's runtime overhead, ~3 min
 
 Runtime overhead (issue 16): ``EdgeModel.logits`` and ``EdgeModel.predict(...).labels`` on a
 preprocessed batch-1 input vs a bare ``InferenceSession.run(None, feed)`` with a pre-built feed,
@@ -46,9 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, cached_cell, markdown_table, text_table, write_docs_section
-
+from benchmarks.common import REPO, RESULTS, cached_cell, markdown_table, text_table, write_docs_section
 from fedge.common.archs import TIERS, ArchSpec, arch_by_name, gefl_cnn, tier_arch
 from fedge.edge.data.datasets import Dataset, load_dataset
 from fedge.edge.models.zoo import build_model
@@ -60,7 +58,7 @@ from fedge.runtime import EdgeModel
 from fedge.runtime.manifest import FileEntry, Manifest
 from fedge.runtime.model import open_session
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "export.md"
+DOCS = REPO / "docs" / "export.md"
 ALL_ARCHS = [f"cnn{k}" for k in range(1, 11)] + [f"tier-{t}" for t in TIERS]
 QUANTS = ("fp32", "fp16", "int8-static", "int8-dynamic")
 TRAIN = TrainConfig(lr=0.02, batch_size=64, momentum=0.9)
@@ -298,7 +296,7 @@ def main() -> int:
 
     import onnxruntime
 
-    command = "python benchmarks/inference.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.inference " + " ".join(sys.argv[1:])
     meta: dict[str, Any] = {
         "command": command.strip(),
         "machine": {"platform": platform.platform(), "cpu": detect_hardware()["cpu"],

@@ -12,7 +12,11 @@ PyPI for aarch64), then measures in each:
 
 "full" is today's install: the environment running this script (``.[all,dev]`` with the Makefile's torch).
 
-    .venv/bin/python benchmarks/install_size.py [--sets runtime,device] [--find-links DIR] [--keep]
+The model is tier-xs trained 3 epochs on scikit-learn's digits (fixed seeds), the images are digits written
+as PNG files, one folder per class, and the fleet is two rpi4-2gb devices on their own data
+(``install_size_fleet.toml``).
+
+    .venv/bin/python -m benchmarks.install_size [--sets runtime,device] [--find-links DIR] [--keep]
 
 Writes benchmarks/results/install_size.json and prints a table.
 """
@@ -31,12 +35,52 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, text_table  # noqa: E402
+from benchmarks.common import REPO, RESULTS, text_table
 
 OUT = RESULTS / "install_size.json"
+
+FLEET = Path(__file__).with_name("install_size_fleet.toml")  # what the idle agent runs
+
+
+# -- what is measured: a model, digit images, a fleet ------------------------------------------------
+
+def export_trained_model(out: Path) -> None:
+    """tier-xs trained 3 epochs on digits (fixed seeds), exported at fp32 to ``out`` for ``fedge infer``."""
+    import numpy as np
+    import torch
+
+    from fedge.edge.data.datasets import load_dataset
+    from fedge.edge.models.zoo import build_model
+    from fedge.edge.training import TrainConfig, train_epochs
+    from fedge.export.exporter import export_model
+
+    train, test = load_dataset("digits", train=True), load_dataset("digits", train=False)
+    torch.manual_seed(0)
+    net = build_model("tier-xs", seed=0)
+    train_epochs(net, train.x, train.y, TrainConfig(lr=0.02, batch_size=32, momentum=0.9),
+                 np.random.default_rng(0), epochs=3)
+    export_model(net.eval(), out, quant="fp32", test=test)
+
+
+def write_digits(root: Path, per_class: int, classes: tuple[int, ...] = tuple(range(10))) -> list[Path]:
+    """The first ``per_class`` scikit-learn digits of each class as 8-bit grey PNGs under ``root/<class>/``:
+    a device's data folder (``fedge edge run --data``) or images for ``fedge infer``."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    pixels = (d.images * (255.0 / 16.0)).round().astype(np.uint8)  # 0..16 -> 0..255
+    paths = []
+    for c in classes:
+        (root / str(c)).mkdir(parents=True, exist_ok=True)
+        for k, i in enumerate(np.flatnonzero(d.target == c)[:per_class]):
+            paths.append(root / str(c) / f"img_{k:04d}.png")
+            Image.fromarray(pixels[i], mode="L").save(paths[-1])
+    return paths
+
+
+# -- measuring ---------------------------------------------------------------------------------------
 
 
 def du(path: Path) -> int:
@@ -142,19 +186,14 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from export_helpers import digits, trained
-    from own_data_helpers import own_data_fleet, write_digit_pngs
-
-    from fedge.export.exporter import export_model
     from fedge.mqtt.broker import MosquittoProcess
 
     tmp = Path(tempfile.mkdtemp(prefix="fedge-install-size-"))
     model = tmp / "model"
-    export_model(trained(), model, quant="fp32", test=digits()[1])
-    png = write_digit_pngs(tmp / "one", 1, classes=(7,))[7][0]
-    fleet = own_data_fleet(tmp / "fleet.toml")
+    export_trained_model(model)
+    (png,) = write_digits(tmp / "one", 1, classes=(7,))
     data = tmp / "data"
-    write_digit_pngs(data, 20)
+    write_digits(data, 20)
     src = tmp / "src"  # a copy: building in place would leave build/ and fedge.egg-info in the source tree
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "benchmarks", "tests",
                                                              "__pycache__", "*.egg-info", "build"))
@@ -165,7 +204,7 @@ def main() -> None:
     rows = []
     try:
         full_sp = Path(next(p for p in sys.path if p.endswith("site-packages")))
-        rows.append(measure_set("full (.[all,dev])", Path(sys.executable), full_sp, model, png, fleet, data,
+        rows.append(measure_set("full (.[all,dev])", Path(sys.executable), full_sp, model, png, FLEET, data,
                                 broker.url, True, pythonpath=str(REPO)))
         for kind in args.sets.split(","):
             venv = build_venv(kind, tmp / "venvs", wheel, args.find_links)
@@ -174,7 +213,7 @@ def main() -> None:
                                       "print(*(f'{d}=={m.version(d)}' for d in ('torch', 'onnxruntime', 'numpy') "
                                       "if d in {x.metadata['Name'] for x in m.distributions()}))"],
                                      capture_output=True, text=True).stdout.strip()
-            row = measure_set(kind, py, site_packages(venv), model, png, fleet, data, broker.url, kind != "runtime")
+            row = measure_set(kind, py, site_packages(venv), model, png, FLEET, data, broker.url, kind != "runtime")
             row["versions"] = version
             rows.append(row)
     finally:

@@ -14,11 +14,11 @@ per device, several personal predictors measured on the device's local test spli
   80 %; chosen by held-out accuracy (ties: lower held-out loss) among the first two or all three,
   then refitted on all the data (the federated model cannot be).
 
-Each device's Local figure is the table-2 Local cell's (``generative.py table2 --methods local``);
+Each device's Local figure is the table-2 Local cell's (``benchmarks.generative table2 --methods local``);
 the shipped row's figure is its table-2 cell's. Results: ``benchmarks/results/personal_fit/``.
 
-    python benchmarks/personal_fit.py leaky --seed 1 --alpha 0.1
-    python benchmarks/personal_fit.py clean --seed 1 --alpha 0.1
+    python -m benchmarks.personal_fit leaky --seed 1 --alpha 0.1
+    python -m benchmarks.personal_fit clean --seed 1 --alpha 0.1
 """
 
 from __future__ import annotations
@@ -26,17 +26,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, mean_std, text_table
-from generative_rows import build_config, table2_methods
-
+from benchmarks.common import RESULTS, mean_std, text_table
+from benchmarks.generative.rows import build_config, table2_methods
 from fedge.edge.methods.personal import held_out_metrics, holdout, personal_fit_epochs
 from fedge.edge.training import train_epochs
 from fedge.fleet.devices import SimDevice
@@ -133,7 +129,7 @@ def main() -> int:
     refs = [T2 / f"local-a{args.alpha}-s{args.seed}-r20.json",
             T2 / f"{args.row}-a{args.alpha}-s{args.seed}-r{m.rounds}.json"]
     if missing := [p.name for p in refs if not p.is_file()]:
-        ap.error(f"no table-2 cell {', '.join(missing)} under {T2}: run `python benchmarks/generative.py table2 "
+        ap.error(f"no table-2 cell {', '.join(missing)} under {T2}: run `python -m benchmarks.generative table2 "
                  f"--seeds {args.seed} --alphas {args.alpha} --methods local {args.row}` first")
     t0 = time.perf_counter()
     devices, strat = build_fleet(cfg)

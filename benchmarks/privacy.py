@@ -10,9 +10,9 @@ Two parts, each resumable (one JSON cell per run under benchmarks/results/privac
   (ε = ∞), at Dirichlet α = 0.1 and 1.0, on the 6-device digits fleet of examples/; and the same
   fleet under ``method = "local"`` (nothing shared) for as many rounds, the accuracy without federation.
 
-    python benchmarks/privacy.py mnd
-    python benchmarks/privacy.py dp
-    python benchmarks/privacy.py report     # tables + docs/results.md section from the saved cells
+    python -m benchmarks.privacy mnd
+    python -m benchmarks.privacy dp
+    python -m benchmarks.privacy report     # tables + docs/results.md section from the saved cells
 """
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ import json
 import math
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, cached_cell, markdown_table, text_table, write_docs_section
+from benchmarks.common import RESULTS, cached_cell, markdown_table, text_table, write_docs_section
 
 OUT = RESULTS / "privacy"
 RUNS = OUT / "runs"
@@ -55,6 +53,8 @@ DP_METHODS = {"fedproto": ("fedproto", ""), "fedproto-pi": ("fedproto", '\n[meth
               "fedvtc": ("fedvtc", '\n[method]\ngenerator_tier = "tiny"\n'), "local": ("local", "")}
 
 
+# mnd_config and dp_config begin with a comment naming this script by its old path: the text is part of
+# each saved cell's config, which a run compares with the saved one, so changing it would recompute every cell.
 def mnd_config(name: str) -> str:
     body = MND_METHODS[name]
     archs = ARCHS_P64 if name == "fedvtc" else ARCHS
@@ -244,7 +244,7 @@ def report() -> str:
     print(text_table(mnd_header, mnd_rows))
     print()
     print(text_table(dp_header, dp_rows))
-    parts.append("Memorization (`python benchmarks/privacy.py mnd`): digits, 10 devices CNN-1..10 (FedVTC: "
+    parts.append("Memorization (`python -m benchmarks.privacy mnd`): digits, 10 devices CNN-1..10 (FedVTC: "
                  "cnnK-p64), IID, seed 0, 121 training images per device; each run audited by `fedge audit privacy` "
                  "(held-out: half of the digits test split, 225 images; as many synthetic samples, same labels; "
                  "features: CNN-5 trained on the other half). MND ratio < 1: synthetic samples sit "
@@ -257,7 +257,7 @@ def report() -> str:
     if figs:
         parts.append("\nThe closest synthetic samples of the first device (top) above their nearest training images: "
                      + ", ".join(f"[{n}](../benchmarks/results/privacy/closest-{n}.png)" for n in figs) + ".\n")
-    parts.append("\nAccuracy against ε (`python benchmarks/privacy.py dp`): digits, 6 devices (3 rpi4-2gb, "
+    parts.append("\nAccuracy against ε (`python -m benchmarks.privacy dp`): digits, 6 devices (3 rpi4-2gb, "
                  "3 rpi5-8gb), Dirichlet α, seed 0, one run per cell; FedProto 10 rounds (`fedproto`: each device's "
                  "head classifies, the default; `fedproto-pi`: `inference = \"prototype\"`, the nearest global "
                  "prototype classifies), FedVTC 6 rounds (tiny decoder); `local`: the same fleet with nothing "

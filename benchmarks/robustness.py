@@ -14,8 +14,8 @@ rule can do). Reported: the honest devices' mean final accuracy on the global
 test set, per seed and averaged, and the clean run's accuracy over the same
 honest devices (devices differ in accuracy, so that is the fair reference).
 
-    .venv/bin/python benchmarks/robustness.py                 # seed 0, 10 rounds, 0 / 10 / 20 %
-    .venv/bin/python benchmarks/robustness.py --seeds 0,1 --rule median
+    .venv/bin/python -m benchmarks.robustness                 # seed 0, 10 rounds, 0 / 10 / 20 %
+    .venv/bin/python -m benchmarks.robustness --seeds 0,1 --rule median
 
 Writes ``benchmarks/results/robustness.json``.
 """
@@ -26,12 +26,12 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from benchmarks.common import RESULTS
 from fedge.common.rounds import RoundInfo
 from fedge.coordinator.aggregate import Aggregation
 from fedge.coordinator.engine import EngineConfig, RoundEngine
@@ -41,7 +41,7 @@ from fedge.fleet.devices import build_devices, load_fleet_data
 from fedge.fleet.methods import method_entry
 from fedge.sim.inprocess import connect_inprocess
 
-RESULTS = Path(__file__).parent / "results" / "robustness.json"
+OUT = RESULTS / "robustness.json"
 
 
 class PoisoningFedProto(FedProtoDevice):
@@ -151,9 +151,9 @@ def main(argv: list[str] | None = None) -> None:
                 clean_over(c["seed"], set(c["per_device"]) - set(c["poisoning"])) for c in ref)
         rows.append(row)
     clean = rows[0]["mean"] if fractions[0] == 0 else float("nan")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/robustness.py" + ("" if argv is None else " " + " ".join(argv))
-    RESULTS.write_text(json.dumps({"command": command, "settings": {**vars(args), "seeds": seeds},
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    command = "python -m benchmarks.robustness" + ("" if argv is None else " " + " ".join(argv))
+    OUT.write_text(json.dumps({"command": command, "settings": {**vars(args), "seeds": seeds},
                                    "clean": clean, "rows": rows, "cells": cells}, indent=1))
     print(f"\n| poisoning devices | mean | robust ({args.rule}, trim {args.trim:g}, clip {args.clip:g}) "
           "| oracle (poisoners dropped) | clean run, same honest devices |")

@@ -1,7 +1,7 @@
 """How much do GeFL's synthetic samples help a target network, and how should they be scheduled?
 
 A cheap proxy of GeFL's target phase (minutes instead of hours), used to choose table 1's
-generator budget in ``benchmarks/generative.py``. Under the GeFL protocol's IID split, a
+generator budget in ``benchmarks.generative``. Under the GeFL protocol's IID split, a
 federated generator averaged over the 10 devices approximates one trained on their pooled
 data, so this script:
 
@@ -21,7 +21,7 @@ data, so this script:
    3,000 test images, evaluated every 4 rounds, plus a synthetic-only check: CNN-5 trained
    10 epochs on 6,000 generated images alone (and, for scale, on 6,000 draws from the pooled real ones).
 
-    python benchmarks/synthetic_schedule.py --kind cvae --tier tiny --gen-epochs 40 \\
+    python -m benchmarks.synthetic_schedule --kind cvae --tier tiny --gen-epochs 40 \\
         --schedules local seq:1 seq:3 seq2:1 mix:1
 
 ``--level feature`` is the same proxy for GeFL-F: a stem (the 3×16×16 extractor every CNN-K
@@ -30,7 +30,7 @@ it; the generator (CVAE-F, DCGAN-F or DDPM-F) trains on its pooled features; eac
 trains only its head (``FedgeNet.from_stem``) on features. ``local`` there is GeFL-F without a
 generator. DDPM samples with ``--ddpm-steps`` DDIM steps and guidance ``--ddpm-guidance``.
 
-    python benchmarks/synthetic_schedule.py --level feature --kind ddpm --tier small \\
+    python -m benchmarks.synthetic_schedule --level feature --kind ddpm --tier small \\
         --gen-epochs 40 --schedules local seq:1
 
 ``--federated R:E`` trains the generator as the fleet does instead of on the pool: each of the
@@ -50,18 +50,14 @@ import copy
 import functools
 import itertools
 import json
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, text_table
-
+from benchmarks.common import RESULTS, text_table
 from fedge.common.generators import GeneratorSpec
 from fedge.coordinator.aggregate import WeightedMean
 from fedge.edge.data.datasets import load_dataset

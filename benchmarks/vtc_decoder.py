@@ -3,7 +3,7 @@
 FedVTC fine-tunes each model on images its decoder ψ_k decodes from v = c^y + σ ⊙ ε. If ψ_k
 ignores where in the class v lies, every sample of a class is the same template and the
 fine-tuning pass sees ~C distinct images, however many it draws. This script takes one device
-of table 2's fleet (``benchmarks/generative.py``: 20 devices, Dirichlet α over 20 % of
+of table 2's fleet (``benchmarks.generative``: 20 devices, Dirichlet α over 20 % of
 Fashion-MNIST, CNN-K with p = 64) — the real device half, built by ``fedge.fleet.devices`` from the
 same config — and:
 
@@ -18,7 +18,7 @@ same config — and:
    divided by the same over its real images, averaged over pixels and classes (1 = as varied as
    the data, 0 = one template per class).
 
-    python benchmarks/vtc_decoder.py --alpha 0.1 --seed 0 --device 18 --noise 1.0 0.1 --epochs 40
+    python -m benchmarks.vtc_decoder --alpha 0.1 --seed 0 --device 18 --noise 1.0 0.1 --epochs 40
 
 Writes ``benchmarks/results/vtc_decoder/a<alpha>-s<seed>-d<device>-<tier>.json`` and prints a table.
 """
@@ -28,18 +28,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, text_table
-from generative_rows import build_config, table2_methods
-
+from benchmarks.common import RESULTS, text_table
+from benchmarks.generative.rows import build_config, table2_methods
 from fedge.edge.methods.fedvtc import FedVTCDevice
 from fedge.edge.training import train_epochs
 from fedge.fleet.devices import build_device, load_fleet_data

@@ -9,13 +9,18 @@ Files (all 0600: they hold what devices said about themselves):
   leaves the previous ``state.json`` pointing at round N-1 (and at N-1 report
   lines: a report line of round N beyond them is cut off on load), and round N
   is simply run again.
+
+:func:`read_reports` is the one reader of ``reports.jsonl``, for the store and for anyone
+who looks at a state directory (``fedge emulate status``, the benchmarks).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+import typing
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -139,17 +144,65 @@ class EngineStore:
     def _load_reports(self, count: int) -> list[RoundReport]:
         """The first ``count`` report lines; lines beyond them (a crash before state.json) are cut off."""
         path = self.dir / REPORTS_FILE
-        lines = path.read_bytes().splitlines(keepends=True) if path.is_file() else []
+        lines = _report_lines(path)
         if len(lines) < count:
             raise CheckpointError(f"{path} holds {len(lines)} round reports, {count} expected",
                                   hint="the state directory is damaged; restore it or start another --state-dir")
         if len(lines) > count:
             _atomic_write(path, b"".join(lines[:count]))
+        return _parse_reports(path, lines[:count])
+
+
+def read_reports(path: str | os.PathLike[str], *, live: bool = False) -> list[RoundReport]:
+    """The round reports in ``path`` (a state directory's ``reports.jsonl``), oldest first.
+
+    A missing file holds none (no round has completed). The file is input like any other: a line
+    that is not a round report raises :class:`CheckpointError` naming the file and the line.
+    ``live``: a coordinator may be appending to the file right now, so a last line without its
+    newline is a report still being written and is left out (the store writes each line whole,
+    newline included, in one append).
+    """
+    path = Path(path)
+    lines = _report_lines(path)
+    if live and lines and not lines[-1].endswith(b"\n"):
+        lines = lines[:-1]
+    return _parse_reports(path, lines)
+
+
+def _report_lines(path: Path) -> list[bytes]:
+    """The lines of a reports file, each with its newline (the last may lack it); none if it is missing."""
+    return path.read_bytes().splitlines(keepends=True) if path.is_file() else []
+
+
+def _json_types() -> dict[str, tuple[type, ...]]:
+    """RoundReport's fields -> the JSON types their values may have (a float field also takes an integer)."""
+    hints = typing.get_type_hints(RoundReport)
+    out: dict[str, tuple[type, ...]] = {}
+    for f in fields(RoundReport):
+        kind = typing.get_origin(hints[f.name]) or hints[f.name]  # list[str] -> list
+        out[f.name] = (int, float) if kind is float else (kind,)
+    return out
+
+
+_REPORT_FIELDS = _json_types()
+
+
+def _parse_reports(path: Path, lines: Sequence[bytes]) -> list[RoundReport]:
+    """One :class:`RoundReport` per line; :class:`CheckpointError` at the first line that is not one."""
+    out = []
+    for number, line in enumerate(lines, 1):
         try:
-            return [RoundReport(**json.loads(line)) for line in lines[:count]]
+            doc = json.loads(line)
+            if not isinstance(doc, dict):
+                raise ValueError(f"a JSON {type(doc).__name__}, not an object")
+            wrong = [k for k, v in doc.items() if k in _REPORT_FIELDS and not isinstance(v, _REPORT_FIELDS[k])]
+            if wrong:
+                raise ValueError(f"wrong type of {', '.join(wrong)}")
+            out.append(RoundReport(**doc))  # unknown or missing fields: TypeError
         except (ValueError, TypeError) as exc:
-            raise CheckpointError(f"{path} holds a damaged round report: {exc}",
+            raise CheckpointError(f"{path}, line {number}: not a round report: {exc}",
                                   hint="restore the state directory or start another --state-dir") from exc
+    return out
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from fedge.common.units import format_bytes
+from fedge.coordinator.store import REPORTS_FILE, read_reports
 from fedge.emulate.compose import (
     BROKER,
     COORDINATOR,
@@ -345,19 +346,6 @@ class DeviceStatus:
     message: str = ""
 
 
-def _reports(emu: Emulation) -> list[dict[str, Any]]:
-    path = emu.out / "coordinator" / "reports.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line being written
-    return out
-
-
 def _stats(container: Any) -> tuple[float | None, float | None, float | None, int | None]:
     """CPU % of one core, memory and peak memory (MiB), bytes sent; from one stats sample."""
     try:
@@ -383,12 +371,13 @@ def _stats(container: Any) -> tuple[float | None, float | None, float | None, in
 def status(emu: Emulation, client: Any, *, sample: bool = True) -> list[DeviceStatus]:
     """Per device: state in words, last round, CPU, memory, bytes sent."""
     containers = emu.containers(client)
-    reports = _reports(emu)
+    # live: the coordinator may be appending a report right now
+    reports = read_reports(emu.out / "coordinator" / REPORTS_FILE, live=True)
     out = []
     for dev in emu.devices:
         lim = emu.limits[dev]
-        last = max((r["round"] for r in reports if dev in r.get("accepted", [])), default=None)
-        sent = sum(int(r.get("bytes_up", {}).get(dev, 0)) for r in reports)
+        last = max((r.round for r in reports if dev in r.accepted), default=None)
+        sent = sum(int(r.bytes_up.get(dev, 0)) for r in reports)
         c = containers.get(dev)
         if c is None:
             out.append(DeviceStatus(dev, lim["profile"], "missing", last, None, None, None,

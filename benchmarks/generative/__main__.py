@@ -29,14 +29,14 @@ seed 0 while 2-3 cells shared the 2 cores (so upper bounds): FedAvg 7.2 min, LG-
 GeFL-CVAE 18.8, GeFL-CVAE without extractor averaging 28.3 (three processes), GeFL-F 24.0,
 FedVTC 15.8. Generator rounds cost no evaluation (the model is unchanged; evaluation is cached).
 
-    python benchmarks/generative.py table1                  # all methods, seeds 0 1 2
-    python benchmarks/generative.py table1 --seeds 0 --methods gefl-cvae fedvtc
-    python benchmarks/generative.py table3 --long --methods lgfedavg --precisions int8
-    python benchmarks/generative.py all --no-docs
+    python -m benchmarks.generative table1                  # all methods, seeds 0 1 2
+    python -m benchmarks.generative table1 --seeds 0 --methods gefl-cvae fedvtc
+    python -m benchmarks.generative table3 --long --methods lgfedavg --precisions int8
+    python -m benchmarks.generative all --no-docs
 
-The parts: ``generative_rows.py`` (what each table runs), ``generative_runner.py`` (running and
-caching cells), ``generative_targets.py`` (the targets, as data) and ``generative_render.py`` (tables,
-checks against the targets, plots); this script picks the cells of each table and writes the docs.
+The parts: ``rows.py`` (what each table runs), ``runner.py`` (running and caching cells),
+``targets.py`` (the targets, as data), ``render.py`` (tables, checks against the targets, plots) and
+``personal.py`` (issue 17's blocks); this module picks the cells of each table and writes the docs.
 """
 
 from __future__ import annotations
@@ -44,13 +44,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import generative_render as render
-from common import write_docs_section
-from generative_rows import (
+from benchmarks.common import write_docs_section
+from benchmarks.generative import render
+from benchmarks.generative.rows import (
     TABLE1_EXTRAS,
     TABLE2_VARIANTS,
     Method,
@@ -60,8 +57,7 @@ from generative_rows import (
     table2_methods,
     table3_methods,
 )
-from generative_runner import OUT, Make, collect
-
+from benchmarks.generative.runner import OUT, Make, collect
 from fedge.fleet.config import FleetConfig
 
 

@@ -8,9 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common import RESULTS, cached_cell, load_cell
-from generative_rows import Method
-
+from benchmarks.common import RESULTS, cached_cell, load_cell
+from benchmarks.generative.rows import Method
 from fedge.fleet.config import FleetConfig
 from fedge.sim.report import GUARD_KINDS, build_results
 from fedge.sim.simulate import simulate

@@ -1,4 +1,4 @@
-"""Rows of the generative benchmark (``benchmarks/generative.py``): what each table runs.
+"""Rows of the generative benchmark (``python -m benchmarks.generative``): what each table runs.
 
 A row is a fedge method with its ``[method]`` table and schedule; :func:`build_config` turns a
 row and a seed into the fleet config of one cell.
@@ -7,14 +7,13 @@ row and a seed into the fleet config of one cell.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
+from benchmarks.common import REPO
 from fedge.fleet.config import DeviceGroup, FleetConfig, PartitionSection, load_fleet
 from fedge.profiles import load_profile, plan
 
-ROOT = Path(__file__).resolve().parent.parent
-BASE = ROOT / "examples" / "gefl-protocol-fedavg.toml"
+BASE = REPO / "examples" / "gefl-protocol-fedavg.toml"
 GEFL_ARCHS = tuple(f"cnn{k}" for k in range(1, 11))
 P64_ARCHS = tuple(f"cnn{k}-p64" for k in range(1, 11))
 

@@ -7,9 +7,9 @@ each device's own split) and the federated model's (``mean_final_acc_local_gener
 
 from __future__ import annotations
 
-from common import markdown_table, mean_ci, mean_std, paired_by_seed, paired_models, text_table
-from generative_rows import Method
-from generative_targets import NO_WORSE
+from benchmarks.common import markdown_table, mean_ci, mean_std, paired_by_seed, paired_models, text_table
+from benchmarks.generative.rows import Method
+from benchmarks.generative.targets import NO_WORSE
 
 Cells = dict[str, list[dict]]
 

@@ -1,15 +1,15 @@
 """Rendering the generative benchmark: tables (text for the terminal, markdown for docs/results.md),
-each judged against :mod:`generative_targets`, and table 1's accuracy curves."""
+each judged against :mod:`benchmarks.generative.targets`, and table 1's accuracy curves."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-import generative_personal as personal
-from common import markdown_table, mean_std, paired_by_seed, text_table
-from generative_rows import PUBLISHED, TABLE1_ABLATIONS, TABLE1_EXTRAS, TABLE2_VARIANTS, Method
-from generative_targets import NO_WORSE, TABLE1, TABLE2, TABLE3
+from benchmarks.common import markdown_table, mean_std, paired_by_seed, text_table
+from benchmarks.generative import personal
+from benchmarks.generative.rows import PUBLISHED, TABLE1_ABLATIONS, TABLE1_EXTRAS, TABLE2_VARIANTS, Method
+from benchmarks.generative.targets import NO_WORSE, TABLE1, TABLE2, TABLE3
 
 Cells = dict[str, list[dict]]  # row key -> its cells (one per seed)
 
@@ -88,7 +88,7 @@ def table1(cells: Cells, methods: dict[str, Method], *, seeds: list[int], publis
                f"the issue's rows took {hours:.1f} h of cell time, about {hours / 2:.1f} h of wall time with one cell "
                f"per core ({'met' if hours / 2 <= t.hours_on_two_cores else 'missed'}; each cell's wall time was "
                f"measured while other cells shared the cores, so this is an upper bound).")
-    cmd = "python benchmarks/generative.py table1" + (" --published" if published else "") + (
+    cmd = "python -m benchmarks.generative table1" + (" --published" if published else "") + (
         " --quick" if quick else "") + f" --seeds {' '.join(map(str, seeds))}"
     g_text, g_md, g_checks = personal.table1_block(cells, methods)
     guarded = " ".join(k for k in cells if methods[k].config.get("guard"))
@@ -109,7 +109,7 @@ the shared 2-core machine). *KiB up / down*: per device and round, the unguarded
 
 {chr(10).join(g_checks)}
 
-Command: `python benchmarks/generative.py table1 --methods {guarded}`
+Command: `python -m benchmarks.generative table1 --methods {guarded}`
 (the FedAvg and unguarded cells are table 1's own).
 """
     return Rendered(text_table(header, rows) + ("\n\n" + g_text + "\n" + "\n".join(g_checks) if g_text else ""), f"""
@@ -119,7 +119,7 @@ Command: `python benchmarks/generative.py table1 --methods {guarded}`
 K = 10, IID 10 % of the training set (600 images per device), CNN-1 … CNN-10 with BN, SGD lr 0.1,
 batch 64, T_s = 1 synthetic + T_r = 5 real epochs. Metric: mean over the ten models of each one's best
 accuracy on the 10k test set (evaluated every 5 rounds and after the last), mean ± std over the seeds
-listed. Generator tier in the method name; schedules in `benchmarks/generative_rows.py`.
+listed. Generator tier in the method name; schedules in `benchmarks/generative/rows.py`.
 
 {markdown_table(header, rows)}
 
@@ -149,7 +149,7 @@ def table2(by_alpha: dict[float, Cells], methods: dict[str, Method], *, rounds: 
     p_keys = dict.fromkeys(k for cells in by_alpha.values() for k in cells
                            if methods[k].config.get("personalize") or methods[k].config.get("guard"))
     p_seeds = sorted({c["seed"] for cells in by_alpha.values() for k in p_keys for c in cells.get(k, [])})
-    cmd = (f"python benchmarks/generative.py table2 --t2-rounds {rounds} "
+    cmd = (f"python -m benchmarks.generative table2 --t2-rounds {rounds} "
            f"--alphas {' '.join(map(str, by_alpha))} --seeds {' '.join(map(str, seeds))}")
     p_section = "" if not p_md else f"""
 **No device worse off than alone (issue 17).** Rows with a personal head (`personalize = true`, a
@@ -169,7 +169,7 @@ wall minutes of each seed's cell and the mean ratio to the same method's cell wi
 {chr(10).join(p_checks)}
 
 The rows above run with table 2 by default; alone (the Local, FedProto, GeFL-F and FedVTC cells reused
-for the references): `python benchmarks/generative.py table2 --seeds {' '.join(map(str, p_seeds))} --methods
+for the references): `python -m benchmarks.generative table2 --seeds {' '.join(map(str, p_seeds))} --methods
 local fedproto geflf-cvae fedvtc {' '.join(p_keys)}`
 (one process per row in the run recorded here).
 """
@@ -266,12 +266,12 @@ def table3(by: dict[str, dict[str, list[dict]]], methods: dict[str, Method], *, 
         intro = ("Table 1's fleet, schedule and metric (mean best accuracy, evaluated every 5 rounds), every device "
                  "forced to the given upload precision" + ("; the fp32 column is table 1's own cells (the "
                  "planner uploads fp32 on this fleet)." if reuse_table1 else "."))
-        cmd = f"python benchmarks/generative.py table3 --long --seeds {' '.join(map(str, seeds))}"
+        cmd = f"python -m benchmarks.generative table3 --long --seeds {' '.join(map(str, seeds))}"
     else:
         title = "Table 3 — uplink traffic and the accuracy cost of upload precision"
         intro = ("The table-1 fleet with short schedules (rounds in `table3_methods`), every device forced to the "
                  "given upload precision; Δ = final mean accuracy minus the fp32 run's.")
-        cmd = "python benchmarks/generative.py table3"
+        cmd = "python -m benchmarks.generative table3"
     return Rendered(text_table(header, rows), f"""
 ### {title}
 
@@ -312,6 +312,6 @@ def docs_body(sections: dict[str, str]) -> str:
     """The generative section of docs/results.md from every table's latest section."""
     missing = [t for t in ("table1", "table2", "table3") if t not in sections]
     status = "".join(f"\n*{t[:-1].capitalize()} {t[-1]} has not been run yet:* "
-                     f"`python benchmarks/generative.py {t}`.\n" for t in missing)
+                     f"`python -m benchmarks.generative {t}`.\n" for t in missing)
     return ("## Generative methods (GeFL, GeFL-F, FedVTC)\n\nMethods, defaults and fedge's choices: "
             "[methods.md](methods.md).\n" + status + "\n".join(sections[k] for k in sorted(sections)))
