@@ -9,6 +9,7 @@ from pathlib import Path
 from benchmarks.common import markdown_table, mean_std, paired_by_seed, text_table
 from benchmarks.generative import personal
 from benchmarks.generative.rows import PUBLISHED, TABLE1_ABLATIONS, TABLE1_EXTRAS, TABLE2_VARIANTS, Method
+from benchmarks.generative.runner import BEFORE_LEGEND, BEFORE_MARK
 from benchmarks.generative.targets import NO_WORSE, TABLE1, TABLE2, TABLE3
 
 Cells = dict[str, list[dict]]  # row key -> its cells (one per seed)
@@ -313,5 +314,6 @@ def docs_body(sections: dict[str, str]) -> str:
     missing = [t for t in ("table1", "table2", "table3") if t not in sections]
     status = "".join(f"\n*{t[:-1].capitalize()} {t[-1]} has not been run yet:* "
                      f"`python -m benchmarks.generative {t}`.\n" for t in missing)
+    legend = f"\n{BEFORE_LEGEND}\n" if any(BEFORE_MARK in sections[k] for k in sections) else ""
     return ("## Generative methods (GeFL, GeFL-F, FedVTC)\n\nMethods, defaults and fedge's choices: "
-            "[methods.md](methods.md).\n" + status + "\n".join(sections[k] for k in sorted(sections)))
+            "[methods.md](methods.md).\n" + status + legend + "\n".join(sections[k] for k in sorted(sections)))

@@ -26,6 +26,14 @@ def with_precision(cfg: FleetConfig, precision: str | None) -> FleetConfig:
                                                   for g in cfg.devices))
 
 
+# Set on a cell measured before issue 25 (every device from its own seed), shown only by --report-only.
+BEFORE_SHARED_START = "before_shared_start"
+# What the tables append to such a row's label, and the legend docs_body adds.
+BEFORE_MARK = " ‡"
+BEFORE_LEGEND = ("‡ Measured before issue 25, when every device started from its own seed: the row averages "
+                 "weights, so its figure is not current until the table's command re-runs it.")
+
+
 def init_of(cfg: FleetConfig) -> str:
     """Where the cell's models started (issue 25): ``per-device``, ``group`` or ``group+extractor``."""
     return cfg.method_config.shared_start().describe()
@@ -69,6 +77,7 @@ def collect(table: str, methods: dict[str, Method], keys: list[str], seeds: list
     """Every (method, seed) cell of a table: loaded if saved with the same settings, else computed
     (``report_only``: skipped). ``make`` gives a row's fleet config and upload precision for a seed."""
     cells: dict[str, list[dict]] = {}
+    before: dict[str, list[dict]] = {}  # report only: cells of averaging rows measured before issue 25
     for key in keys:
         m = methods[key]
         for seed in seeds:
@@ -80,6 +89,8 @@ def collect(table: str, methods: dict[str, Method], keys: list[str], seeds: list
             if report_only:
                 if (cell := load_cell(path, expect)) is not None:
                     cells.setdefault(key, []).append(cell)
+                elif "init" in expect and (old := load_cell(path, _without(expect, "init"))) is not None:
+                    before.setdefault(key, []).append({**old, BEFORE_SHARED_START: True})
                 continue
             def compute(c: FleetConfig = cfg, p: str | None = prec, label: str = f"{table} {key}{tag} seed {seed}",
                         ) -> dict[str, Any]:
@@ -87,4 +98,10 @@ def collect(table: str, methods: dict[str, Method], keys: list[str], seeds: list
                 return run_cell(c, p)
 
             cells.setdefault(key, []).append(cached_cell(path, compute, force=force, expect=expect))
-    return cells
+    # A row not yet re-measured since issue 25 is shown from its old cells, marked; a row with any new
+    # cell shows only new ones (never a mean over both starts).
+    return {k: cells.get(k) or before[k] for k in keys if k in cells or k in before}
+
+
+def _without(d: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k != key}
