@@ -37,7 +37,7 @@ import numpy as np
 
 from benchmarks.common import RESULTS
 from fedge.coordinator.store import REPORTS_FILE, read_reports
-from fedge.emulate import engine, images
+from fedge.emulate import discovery, faults, images, lifecycle, status
 from fedge.emulate.limits import OS_SHARE_MB, device_mac_rate
 from fedge.profiles import load_profile
 from fedge.profiles.planner import UPLOAD_BYTES
@@ -229,7 +229,7 @@ def upload_decomposition(client: Any, c: Any, nbytes: int, *, host_cores: int) -
     """
     runs = {"quota": _upload(c, nbytes), "quota_old_timer": _upload(c, nbytes, timer="old"),
             "quota_big_sndbuf": _upload(c, nbytes, BIG_SNDBUF)}
-    engine.set_cpus(client, c, host_cores)
+    faults.set_cpus(client, c, host_cores)
     runs["unthrottled"] = _upload(c, nbytes)
     return runs
 
@@ -239,16 +239,16 @@ def run_profile(client: Any, tags: Any, profile: str, work: Path, *, rounds: int
     work.mkdir(parents=True, exist_ok=True)
     fleet = work / f"{profile}-{arch}.toml"
     fleet.write_text(FLEET.format(profile=profile, rounds=rounds, fraction=fraction, count=1))
-    emu = engine.prepare(fleet, work / f"{profile}-{arch}", arch=arch, images=tags, device_args=("--keep-running",),
+    emu = lifecycle.prepare(fleet, work / f"{profile}-{arch}", arch=arch, images=tags, device_args=("--keep-running",),
                          rates=rates)
     (dev,) = emu.devices
     plan, lim = emu.plans[dev], emu.limits[dev]
     t0 = time.perf_counter()
     try:
-        engine.start(emu, client, online_timeout=1800)
-        code = engine.wait_exited(emu, client, "coordinator", timeout=7200)
+        lifecycle.start(emu, client, online_timeout=1800)
+        code = lifecycle.wait_exited(emu, client, "coordinator", timeout=7200)
         if code != 0:
-            raise SystemExit(engine.logs(emu, client, "coordinator", tail=30))
+            raise SystemExit(status.logs(emu, client, "coordinator", tail=30))
         wall = time.perf_counter() - t0
         reports = read_reports(emu.out / "coordinator" / REPORTS_FILE)
         train = [r.seconds for r in reports if r.phase != "final"]
@@ -267,7 +267,7 @@ def run_profile(client: Any, tags: Any, profile: str, work: Path, *, rounds: int
             from safetensors.numpy import load_file
             protos = {k: v.tolist() for k, v in load_file(str(globals_path)).items()}
     finally:
-        engine.down(emu)
+        lifecycle.down(emu)
     expected_upload = nbytes * 8 / (lim["uplink_kbit"] * 1000)
     need = RUNTIME_RESERVE_MB - OS_SHARE_MB + plan["train_memory_mb"]
     return {
@@ -311,7 +311,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    client = engine.docker_client()
+    client = discovery.docker_client()
     tags = (images.image_tags("amd64", args.images_hash) if args.images_hash
             else images.ensure_images(client, "amd64"))
     work = Path(args.work).resolve()

@@ -268,7 +268,7 @@ def coordinator_main(args: argparse.Namespace) -> None:
     from fedge.coordinator.engine import EngineConfig, RoundEngine
     from fedge.coordinator.strategies.baselines import FedProtoStrategy
     from fedge.mqtt.client import BrokerSettings
-    from fedge.mqtt.transport import MqttCoordinatorTransport
+    from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 
     rss_start = _rss_kb()
     transport = MqttCoordinatorTransport(BrokerSettings(port=args.port), args.fleet).start()

@@ -117,7 +117,8 @@ def test_compose_yaml_passes_docker_compose_config(tmp_path: Path) -> None:
 
 
 def test_prepare_flashes_every_device_with_fedge_flash(tmp_path: Path) -> None:
-    from fedge.emulate import engine
+    from fedge.emulate.emulation import project_name
+    from fedge.emulate.lifecycle import prepare
 
     fleet = tmp_path / "fleet.toml"
     fleet.write_text('[run]\nmethod = "fedproto"\nrounds = 1\ndataset = "digits"\nfleet = "t"\n'
@@ -125,7 +126,7 @@ def test_prepare_flashes_every_device_with_fedge_flash(tmp_path: Path) -> None:
     tags = Images(device="d:1", coordinator="c:1", broker="b:1")
     # Host rates given: no calibration (that times torch for seconds).
     rates = {(a, b): 2e9 for a in ("tier-xs", "tier-s", "tier-m", "tier-l", "tier-xl") for b in (8, 16, 32, 64)}
-    emu = engine.prepare(fleet, tmp_path / "emu", images=tags, rates=rates)
+    emu = prepare(fleet, tmp_path / "emu", images=tags, rates=rates)
     assert emu.devices == ["rpi4-4gb-1", "rpi-zero-2w-1"]
     for dev in emu.devices:
         root = tmp_path / "emu" / "devices" / dev / "fedge"
@@ -142,7 +143,7 @@ def test_prepare_flashes_every_device_with_fedge_flash(tmp_path: Path) -> None:
     # A configured subnet (fault partition reconnects a device with its address), one per emulation directory.
     subnet = doc["networks"]["fleet"]["ipam"]["config"][0]["subnet"]
     assert re.fullmatch(r"10\.2[0-4]\d\.\d{1,3}\.0/24", subnet), subnet
-    assert subnet == fleet_subnet(engine.project_name(tmp_path / "emu"))
+    assert subnet == fleet_subnet(project_name(tmp_path / "emu"))
     assert fleet_subnet("fedge-emu-aaaaaa") != fleet_subnet("fedge-emu-bbbbbb")
     exe = shutil.which("docker-compose")
     if exe is not None:
@@ -150,7 +151,7 @@ def test_prepare_flashes_every_device_with_fedge_flash(tmp_path: Path) -> None:
                               text=True, check=False)
         assert proc.returncode == 0 and subnet in proc.stdout, proc.stderr
     # --subnet overrides the pick (a host whose networks already use it).
-    engine.prepare(fleet, tmp_path / "emu2", images=tags, rates=rates, subnet="192.168.77.5/26")
+    prepare(fleet, tmp_path / "emu2", images=tags, rates=rates, subnet="192.168.77.5/26")
     doc = yaml.safe_load((tmp_path / "emu2" / "compose.yaml").read_text())
     assert doc["networks"]["fleet"]["ipam"]["config"] == [{"subnet": "192.168.77.0/26"}]
 
@@ -163,7 +164,7 @@ def test_prepare_flashes_every_device_with_fedge_flash(tmp_path: Path) -> None:
     ("10.9.9.0/30", "has 2 host addresses; the emulation needs 7"),
 ])
 def test_a_bad_subnet_is_refused_before_anything_is_written(subnet: str, message: str, tmp_path: Path) -> None:
-    from fedge.emulate import engine
+    from fedge.emulate.lifecycle import prepare
 
     with pytest.raises(ConfigError, match=message):
         check_subnet(subnet, devices=4)
@@ -171,7 +172,7 @@ def test_a_bad_subnet_is_refused_before_anything_is_written(subnet: str, message
     fleet.write_text('[run]\nmethod = "fedproto"\nrounds = 1\ndataset = "digits"\nfleet = "t"\n'
                      '[[devices]]\nprofile = "rpi4-4gb"\n')
     with pytest.raises(ConfigError, match=message.split(";")[0]):
-        engine.prepare(fleet, tmp_path / "emu", images=Images(device="d", coordinator="c", broker="b"),
+        prepare(fleet, tmp_path / "emu", images=Images(device="d", coordinator="c", broker="b"),
                        subnet=subnet)
     assert not (tmp_path / "emu").exists()
 
@@ -189,14 +190,15 @@ def test_foreign_arch_without_binfmt_says_how_to_enable_it(tmp_path: Path, monke
 
 def test_a_partitioned_devices_address_is_kept_for_resume(tmp_path: Path) -> None:
     # `fault partition DEVICE` and `fault resume DEVICE` run in two processes: the address the device had
-    # (to reconnect it with, see fedge.emulate.engine._reconnect) goes through the emulation directory.
-    from fedge.emulate import engine
+    # (to reconnect it with, see fedge.emulate.faults._reconnect) goes through the emulation directory.
+    from fedge.emulate import faults
+    from fedge.emulate.emulation import Emulation
 
-    emu = engine.Emulation(tmp_path, "fedge-t-000000", "amd64", "t", Images("d", "c", "b"), {}, {})
-    assert engine._partitions(emu, "rpi4-4gb-1", "10.201.7.3") == "10.201.7.3"
-    assert engine._partitions(emu, "x86-gateway-1", "10.201.7.4") == "10.201.7.4"
-    assert json.loads((tmp_path / engine.PARTITIONS).read_text()) == {"rpi4-4gb-1": "10.201.7.3",
+    emu = Emulation(tmp_path, "fedge-t-000000", "amd64", "t", Images("d", "c", "b"), {}, {})
+    assert faults._partitions(emu, "rpi4-4gb-1", "10.201.7.3") == "10.201.7.3"
+    assert faults._partitions(emu, "x86-gateway-1", "10.201.7.4") == "10.201.7.4"
+    assert json.loads((tmp_path / faults.PARTITIONS).read_text()) == {"rpi4-4gb-1": "10.201.7.3",
                                                                        "x86-gateway-1": "10.201.7.4"}
-    assert engine._partitions(emu, "rpi4-4gb-1") == "10.201.7.3"  # resumed: forgotten
-    assert engine._partitions(emu, "rpi4-4gb-1") is None
-    assert json.loads((tmp_path / engine.PARTITIONS).read_text()) == {"x86-gateway-1": "10.201.7.4"}
+    assert faults._partitions(emu, "rpi4-4gb-1") == "10.201.7.3"  # resumed: forgotten
+    assert faults._partitions(emu, "rpi4-4gb-1") is None
+    assert json.loads((tmp_path / faults.PARTITIONS).read_text()) == {"x86-gateway-1": "10.201.7.4"}

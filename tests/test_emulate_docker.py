@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 
-from fedge.emulate import engine, images
+from fedge.emulate import discovery, faults, images, lifecycle, status
+from fedge.emulate.cli import format_status
 from fedge.emulate.compose import Images
+from fedge.emulate.emulation import Emulation
 from fedge.errors import EmulationError
 
 pytestmark = pytest.mark.docker
@@ -29,8 +31,8 @@ def _client_or_skip() -> Any:
     if shutil.which("docker-compose") is None and shutil.which("docker") is None:
         pytest.skip("no docker-compose / docker CLI: apt-get install docker.io docker-compose (.ci/run does it)")
     try:
-        client = engine.docker_client()
-        engine.compose_command()
+        client = discovery.docker_client()
+        discovery.compose_command()
     except EmulationError as exc:
         pytest.skip(f"Docker tests need a running engine: {exc.message} ({exc.hint})")
     return client
@@ -43,9 +45,9 @@ def docker_env() -> tuple[Any, Images]:
 
 
 @pytest.fixture
-def emulation(tmp_path: Path) -> Iterator[list[engine.Emulation]]:
+def emulation(tmp_path: Path) -> Iterator[list[Emulation]]:
     """Emulations a test starts; taken down afterwards whatever happens."""
-    started: list[engine.Emulation] = []
+    started: list[Emulation] = []
     yield started
     for emu in started:
         emu.compose("down", "--remove-orphans", "--timeout", "2", check=False)
@@ -57,7 +59,7 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
     return p
 
 
-def _reports(emu: engine.Emulation) -> list[dict[str, Any]]:
+def _reports(emu: Emulation) -> list[dict[str, Any]]:
     path = emu.out / "coordinator" / "reports.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
@@ -84,12 +86,12 @@ arch = "tier-xl"
 
 
 def test_limits_reach_the_containers_and_an_over_memory_plan_is_oom_killed(
-        docker_env: tuple[Any, Images], tmp_path: Path, emulation: list[engine.Emulation]) -> None:
+        docker_env: tuple[Any, Images], tmp_path: Path, emulation: list[Emulation]) -> None:
     client, tags = docker_env
     fleet = _write(tmp_path, "oom.toml", OOM_FLEET)
-    emu = engine.prepare(fleet, tmp_path / "emu", images=tags, min_devices=1)
+    emu = lifecycle.prepare(fleet, tmp_path / "emu", images=tags, min_devices=1)
     emulation.append(emu)
-    engine.start(emu, client, online_timeout=300)
+    lifecycle.start(emu, client, online_timeout=300)
     cs = emu.containers(client)
     for dev, lim in emu.limits.items():
         hc = cs[dev].attrs["HostConfig"]
@@ -113,9 +115,9 @@ def test_limits_reach_the_containers_and_an_over_memory_plan_is_oom_killed(
     assert gw["cpus"] > zero["cpus"]
 
     # Round 1 starts: the greedy plan trains and the kernel kills it; the gateway's round completes.
-    code = engine.wait_exited(emu, client, "coordinator", timeout=600)
-    assert code == 0, engine.logs(emu, client, "coordinator", tail=30)
-    rows = {r.device_id: r for r in engine.status(emu, client, sample=False)}
+    code = lifecycle.wait_exited(emu, client, "coordinator", timeout=600)
+    assert code == 0, status.logs(emu, client, "coordinator", tail=30)
+    rows = {r.device_id: r for r in status.status(emu, client, sample=False)}
     assert rows["rpi-zero-2w-1"].state == "OOM-killed"
     assert rows["rpi-zero-2w-1"].message.startswith(
         "rpi-zero-2w-1 ran out of memory: its plan (tier-xl at batch 512) needs ")
@@ -126,7 +128,7 @@ def test_limits_reach_the_containers_and_an_over_memory_plan_is_oom_killed(
     # round's start, else in the next round: its last will took it off round 1's list).
     assert all(r["accepted"] == ["x86-gateway-1"] for r in reports), reports
     assert any("rpi-zero-2w-1" in r["missing"] for r in reports), reports
-    text = engine.format_status(list(rows.values()), emu, client)
+    text = format_status(list(rows.values()), emu, client)
     assert "OOM-killed" in text and "ran out of memory" in text
 
 
@@ -163,13 +165,13 @@ count = 2
 TOLERANCE = 0.05
 
 
-def _wait_reports(emu: engine.Emulation, client: Any, n: int, timeout: float = 600) -> list[dict[str, Any]]:
+def _wait_reports(emu: Emulation, client: Any, n: int, timeout: float = 600) -> list[dict[str, Any]]:
     """Wait until the coordinator has written ``n`` round reports (it must keep running meanwhile)."""
     deadline = time.monotonic() + timeout
     while len(reports := _reports(emu)) < n:
-        assert time.monotonic() < deadline, engine.logs(emu, client, "coordinator", tail=30)
-        assert engine.service_state(emu, client, "coordinator") == "running", \
-            engine.logs(emu, client, "coordinator", tail=30)
+        assert time.monotonic() < deadline, status.logs(emu, client, "coordinator", tail=30)
+        assert status.service_state(emu, client, "coordinator") == "running", \
+            status.logs(emu, client, "coordinator", tail=30)
         time.sleep(0.5)
     return reports
 
@@ -186,7 +188,7 @@ def _during(fault: Callable[[], str], seen: Callable[[], bool], timeout: float =
         return fut.result(timeout=timeout), hit
 
 
-def _started_at(emu: engine.Emulation, client: Any, service: str) -> str:
+def _started_at(emu: Emulation, client: Any, service: str) -> str:
     c = emu.container(client, service)
     c.reload()
     return str(c.attrs["State"]["StartedAt"])
@@ -210,7 +212,7 @@ def _tbf_rates(container: Any) -> dict[str, int]:
 
 
 def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
-        docker_env: tuple[Any, Images], tmp_path: Path, emulation: list[engine.Emulation]) -> None:
+        docker_env: tuple[Any, Images], tmp_path: Path, emulation: list[Emulation]) -> None:
     """One fleet, every fault: round 2 loses a killed device and has one paused and one partitioned for a
     few seconds; the coordinator restarts in round 3 and the broker in round 4; rounds 3-5 and the
     final evaluation run with every survivor, whose accuracies match `fedge simulate`."""
@@ -223,31 +225,31 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
     fleet = _write(tmp_path, "fleet.toml", FEDPROTO_FLEET)
     # A generous deadline slack: on a loaded CI host a device's round can take several times its
     # plan; the killed device costs nothing extra, its last will ends its wait at once.
-    emu = engine.prepare(fleet, tmp_path / "emu", images=tags, min_devices=3, deadline_slack=10)
+    emu = lifecycle.prepare(fleet, tmp_path / "emu", images=tags, min_devices=3, deadline_slack=10)
     emulation.append(emu)
     assert len({p["profile"] for p in emu.plans.values()}) == 3 and len(emu.devices) == 4
-    engine.start(emu, client, online_timeout=300)
+    lifecycle.start(emu, client, online_timeout=300)
     # Broker with passwords and an ACL, in its container.
     conf = (emu.out / "broker" / "mosquitto.conf").read_text()
     assert "allow_anonymous false" in conf and "acl_file" in conf
-    assert engine.service_state(emu, client, "broker") == "running"
+    assert status.service_state(emu, client, "broker") == "running"
 
     victim, frozen, cut = "rpi-zero-2w-2", "rpi4-4gb-1", "x86-gateway-1"
     survivors = sorted(d for d in emu.devices if d != victim)
     _wait_reports(emu, client, 1)  # round 1 done: round 2 is announced and the devices are training
     time.sleep(1.0)
-    assert engine.fault(emu, client, "kill", victim) == f"killed {victim}"
+    assert faults.fault(emu, client, "kill", victim) == f"killed {victim}"
 
     # pause --for: the engine shows the container paused (and status says so) while it lasts.
     def paused() -> bool:
         c = emu.container(client, frozen)
         c.reload()
-        row = next(r for r in engine.status(emu, client, sample=False) if r.device_id == frozen)
+        row = next(r for r in status.status(emu, client, sample=False) if r.device_id == frozen)
         return bool(c.attrs["State"]["Paused"]) and c.status == "paused" and row.state == "paused"
 
-    done, hit = _during(lambda: engine.fault(emu, client, "pause", frozen, duration=4), paused)
+    done, hit = _during(lambda: faults.fault(emu, client, "pause", frozen, duration=4), paused)
     assert done == f"paused {frozen} for 4 s, then undid it" and hit
-    assert not paused() and engine.service_state(emu, client, frozen) == "running"
+    assert not paused() and status.service_state(emu, client, frozen) == "running"
 
     # partition --for: the fleet network loses the container (both in the container's and the network's
     # view); afterwards it is back, with its link shaped again on the new eth0.
@@ -262,7 +264,7 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
         net = client.networks.get(net_name)
         return net_name not in cut_c.attrs["NetworkSettings"]["Networks"] and cut_c.id not in net.attrs["Containers"]
 
-    done, hit = _during(lambda: engine.fault(emu, client, "partition", cut, duration=4), partitioned)
+    done, hit = _during(lambda: faults.fault(emu, client, "partition", cut, duration=4), partitioned)
     assert done == f"cut {cut} off the fleet network for 4 s, then undid it" and hit
     assert not partitioned()
     # Back with its address: with another one (a killed device's, which the engine would hand out) its MQTT
@@ -276,18 +278,18 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
     _wait_reports(emu, client, 2)
     time.sleep(1.0)
     before = _started_at(emu, client, "coordinator")
-    assert engine.fault(emu, client, "restart", "coordinator") == "restarted coordinator"
+    assert faults.fault(emu, client, "restart", "coordinator") == "restarted coordinator"
     assert _started_at(emu, client, "coordinator") != before
     # restart broker in round 4: the devices and the coordinator reconnect (persistent sessions).
     _wait_reports(emu, client, 3)
     time.sleep(1.0)
     before = _started_at(emu, client, "broker")
-    assert engine.fault(emu, client, "restart", "broker") == "restarted broker"
+    assert faults.fault(emu, client, "restart", "broker") == "restarted broker"
     assert _started_at(emu, client, "broker") != before
-    assert engine.service_state(emu, client, "broker") == "running"
+    assert status.service_state(emu, client, "broker") == "running"
 
-    code = engine.wait_exited(emu, client, "coordinator", timeout=900)
-    log_text = engine.logs(emu, client, "coordinator")
+    code = lifecycle.wait_exited(emu, client, "coordinator", timeout=900)
+    log_text = status.logs(emu, client, "coordinator")
     assert code == 0, log_text[-3000:]
     assert "resuming fedproto on fleet emu after round 2" in log_text, log_text[-3000:]
     reports = _reports(emu)
@@ -300,8 +302,8 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
     # after the coordinator's restart had its quorum, and after the broker's restart (in round 4) every
     # survivor delivered every round, the final evaluation included.
     for r in reports[2:]:
-        assert sorted(r["accepted"]) == survivors, (rounds, log_text[-3000:], engine.logs(emu, client, cut)[-1500:])
-    rows = {r.device_id: r for r in engine.status(emu, client, sample=False)}
+        assert sorted(r["accepted"]) == survivors, (rounds, log_text[-3000:], status.logs(emu, client, cut)[-1500:])
+    rows = {r.device_id: r for r in status.status(emu, client, sample=False)}
     assert rows[victim].state == "exited (137)" and rows[victim].message == f"{victim} was killed (SIGKILL)"
     assert all(rows[d].state == "running" and rows[d].round == 6 for d in survivors), rows
 

@@ -23,8 +23,9 @@ from fedge.coordinator.strategies.baselines import FedProtoStrategy
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.chunking import split
 from fedge.mqtt.client import new_paho_client
+from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
+from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.mqtt.topics import FleetTopics
-from fedge.mqtt.transport import MqttCoordinatorTransport, MqttDeviceTransport
 
 pytestmark = pytest.mark.mqtt
 

@@ -21,7 +21,7 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 def test_coordinator_side_does_not_import_torch() -> None:
     code = (
         "import fedge.coordinator.engine, fedge.coordinator.strategies, fedge.coordinator.cli\n"
-        "import fedge.fleet.config, fedge.fleet.slots, fedge.profiles, fedge.mqtt.transport\n"
+        "import fedge.fleet.config, fedge.fleet.slots, fedge.profiles, fedge.mqtt.coordinator_transport\n"
         "from fedge.fleet.methods import METHODS\n"
         "assert {'local', 'fedavg', 'lgfedavg', 'fedproto', 'gefl', 'geflf', 'fedvtc'} <= set(METHODS)\n"
         "for entry in METHODS.values(): entry.coordinator_half()\n"

@@ -30,8 +30,8 @@ from fedge.fleet.devices import SimDevice
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.chunking import split
 from fedge.mqtt.client import new_paho_client
+from fedge.mqtt.settings import TransportSettings
 from fedge.mqtt.topics import FleetTopics
-from fedge.mqtt.transport import TransportSettings
 from fedge.sim.inprocess import run_inprocess
 from fedge.sim.over_mqtt import start_fleet
 from fedge.sim.simulate import build_fleet, simulate

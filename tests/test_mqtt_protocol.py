@@ -25,8 +25,10 @@ from fedge.mqtt.chunking import (
     split,
 )
 from fedge.mqtt.client import BrokerSettings, MqttClient, parse_broker_url
+from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
+from fedge.mqtt.device_transport import MqttDeviceTransport
+from fedge.mqtt.settings import TransportSettings
 from fedge.mqtt.topics import FleetTopics
-from fedge.mqtt.transport import MqttCoordinatorTransport, MqttDeviceTransport, TransportSettings
 
 
 def _update(sender: str = "d1", rnd: int = 1, n: int = 40_000, precision: str = "fp32") -> tuple[Message, bytes]:
@@ -365,7 +367,7 @@ def test_a_graceful_broker_restart_is_not_a_mass_dropout() -> None:
             t0 = time.time()
             assert _wait_until(lambda: co.client.connected and all(t.client.connected for t in devs.values()), 15)
             # the last-wills arrived (before and after the reconnection), yet nobody is offline yet
-            assert co._status["d1"][0] or co._status["d2"][0] or "d3" in co._status
+            assert co._book._status["d1"][0] or co._book._status["d2"][0] or "d3" in co._book._status
             assert co.offline() == set()
             updates = {d: Message("update", d, 1, "f1", info={"num_samples": 3}).to_bytes() for d in devs}
             for d, t in devs.items():

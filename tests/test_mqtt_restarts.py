@@ -26,8 +26,8 @@ from fedge.edge.agent import DeviceAgent
 from fedge.fleet.config import FleetConfig, load_fleet
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.client import MqttClient
+from fedge.mqtt.settings import TransportSettings
 from fedge.mqtt.topics import FleetTopics
-from fedge.mqtt.transport import TransportSettings
 from fedge.sim.inprocess import run_inprocess
 from fedge.sim.over_mqtt import start_fleet
 from fedge.sim.simulate import build_fleet

@@ -34,7 +34,9 @@ from fedge.common.transport import CoordinatorTransport, DeviceTransport, Inboun
 from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.fleet.methods import method_entry
 from fedge.mqtt.broker import MosquittoProcess
-from fedge.mqtt.transport import MqttCoordinatorTransport, MqttDeviceTransport, TransportSettings
+from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
+from fedge.mqtt.device_transport import MqttDeviceTransport
+from fedge.mqtt.settings import TransportSettings
 
 FLEET = "contract"
 CLASSES, DIM = 10, 8

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,10 @@ import numpy as np
 import safetensors.numpy
 import torch
 
-from fedge.audit.mnd import MND, mnd
+from fedge.audit.findings import GeneratorAudit
+from fedge.audit.mnd import mnd
 from fedge.audit.networks import embed, invert, stem_features, train_feature_net, train_inverter
+from fedge.audit.report import save_closest
 from fedge.edge.data.datasets import Dataset
 from fedge.edge.generators.modules import ConditionalGenerator, load_generator
 from fedge.edge.models.checkpoint import load_checkpoint
@@ -73,40 +75,6 @@ class Split:
 
     def norm(self, x01: np.ndarray) -> np.ndarray:
         return ((x01 - self.mean) / self.std).astype(np.float32)
-
-
-@dataclass
-class GeneratorAudit:
-    """The audit of one generator against one device's data."""
-
-    device: str
-    generator: str
-    kind: str  # cvae, dcgan, ddpm, vtc
-    level: str  # image, feature
-    n_train: int
-    n_val: int
-    n_synthetic: int
-    pixel: MND
-    features: MND
-    closest: list[tuple[int, int, float]] = field(default_factory=list)  # (synthetic i, train j, pixel dist)
-    figure: str | None = None
-    # Feature-level generators only: the held-out images' own round trip (extractor, then the same inverter),
-    # measured like the synthetic samples: MND of the inverted held-out images, ratio to the raw held-out ones.
-    # An inverter fitted on the device's images pulls everything it decodes towards them; this is its share.
-    roundtrip_pixel: MND | None = None
-    roundtrip_features: MND | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        skip = ("pixel", "features", "closest", "roundtrip_pixel", "roundtrip_features")
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
-        out = {**d, "pixel": self.pixel.to_dict(), "features": self.features.to_dict(),
-               "closest": [{"synthetic": i, "train": j, "distance": dist} for i, j, dist in self.closest]}
-        if self.roundtrip_pixel is not None and self.roundtrip_features is not None:
-            out["roundtrip"] = {"pixel": self.roundtrip_pixel.to_dict(), "features": self.roundtrip_features.to_dict(),
-                                "ratio_synthetic_to_roundtrip": {
-                                    "pixel": self.pixel.synthetic / self.roundtrip_pixel.synthetic,
-                                    "features": self.features.synthetic / self.roundtrip_features.synthetic}}
-        return out
 
 
 def to01(x: np.ndarray, mean: float, std: float) -> np.ndarray:
@@ -201,8 +169,6 @@ def audit_run(run_dir: str | Path, *, config: str | None = None, data_dir: str |
               sizes: AuditSizes = AuditSizes(), out_dir: str | Path | None = None) -> dict[str, Any]:
     """Audit every generator of a run directory; writes ``privacy.json`` and one figure per device and generator
     into ``out_dir`` (default ``RUN_DIR/audit``) and returns the report."""
-    from fedge.audit.report import save_closest
-
     run = Path(run_dir)
     res_path = run / "results.json"
     if not res_path.is_file():

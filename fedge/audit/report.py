@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from fedge.audit.privacy import GeneratorAudit
+from fedge.audit.findings import GeneratorAudit
 
 
 def save_closest(path: str | os.PathLike[str], synthetic01: np.ndarray, train01: np.ndarray,

@@ -101,7 +101,7 @@ def acl_text(fleet: str, devices: list[str], coordinator: str) -> str:
     Mosquitto's ACL cannot refuse the retain flag per topic, so a device could keep a retained
     message on each topic it may write: three exact topics (no ``#``) bound that to three messages
     of at most ``max_packet_size`` per device, and the coordinator deletes a retained update or a
-    malformed retained status as soon as it sees one (:mod:`fedge.mqtt.transport`).
+    malformed retained status as soon as it sees one (:mod:`fedge.mqtt.coordinator_transport`).
     """
     t = FleetTopics(fleet)
     lines = [

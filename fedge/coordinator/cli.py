@@ -104,8 +104,9 @@ def _run(args: argparse.Namespace) -> int:
     from fedge.fleet.config import device_ids, load_fleet
     from fedge.fleet.methods import method_entry
     from fedge.fleet.slots import checked_slots, fleet_classes
+    from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
     from fedge.mqtt.flags import broker_settings
-    from fedge.mqtt.transport import MqttCoordinatorTransport, TransportSettings
+    from fedge.mqtt.settings import TransportSettings
 
     cfg = load_fleet(args.config)
     if args.rounds is not None:

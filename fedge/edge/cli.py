@@ -92,8 +92,9 @@ def _run(args: argparse.Namespace) -> int:
     from fedge.edge.agent import DeviceAgent
     from fedge.edge.service import Bundle, EdgeOptions, EdgeService
     from fedge.mqtt.client import parse_broker_url
+    from fedge.mqtt.device_transport import MqttDeviceTransport
     from fedge.mqtt.flags import broker_settings
-    from fedge.mqtt.transport import MqttDeviceTransport, TransportSettings
+    from fedge.mqtt.settings import TransportSettings
 
     if args.status_file and not args.data:
         raise ConfigError("--status-file reports on the device's own data: give --data DIR too")

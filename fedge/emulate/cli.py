@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedge.emulate.emulation import Emulation
+    from fedge.emulate.status import DeviceStatus
 
 DEFAULT_DIR = "runs/emulate"
 
@@ -62,12 +67,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _up(args: argparse.Namespace) -> int:
-    from fedge.emulate import engine, images
+    from fedge.emulate import images
+    from fedge.emulate.discovery import docker_client
+    from fedge.emulate.lifecycle import prepare, start, wait_exited
+    from fedge.emulate.status import status
 
     images.check_arch(args.arch)
-    client = engine.docker_client()
+    client = docker_client()
     tags = images.ensure_images(client, args.arch, base=args.base_image)
-    emu = engine.prepare(args.fleet, args.out, arch=args.arch, images=tags, loss_pct=args.loss,
+    emu = prepare(args.fleet, args.out, arch=args.arch, images=tags, loss_pct=args.loss,
                          min_devices=args.min_devices, deadline_slack=args.deadline_slack,
                          subnet=args.subnet)
     print(f"wrote {emu.out / 'compose.yaml'} ({len(emu.devices)} devices; images {tags.device}, "
@@ -79,44 +87,73 @@ def _up(args: argparse.Namespace) -> int:
               f"plan {plan['arch']} batch {plan['batch_size']}, est. {plan['round_time_s']:.1f} s/round")
     if args.no_start:
         return 0
-    engine.start(emu, client)
+    start(emu, client)
     print(f"started project {emu.project}: fedge emulate status --dir {args.out}")
     if args.wait:
-        code = engine.wait_exited(emu, client, "coordinator", args.timeout)
-        print(engine.format_status(engine.status(emu, client), emu, client))
+        code = wait_exited(emu, client, "coordinator", args.timeout)
+        print(format_status(status(emu, client), emu, client))
         return 0 if code == 0 else 1
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    from fedge.emulate import engine
+    from fedge.emulate.discovery import docker_client
+    from fedge.emulate.emulation import Emulation
+    from fedge.emulate.status import status
 
-    emu = engine.Emulation.load(args.dir)
-    client = engine.docker_client()
-    print(engine.format_status(engine.status(emu, client), emu, client))
+    emu = Emulation.load(args.dir)
+    client = docker_client()
+    print(format_status(status(emu, client), emu, client))
     return 0
 
 
 def _down(args: argparse.Namespace) -> int:
-    from fedge.emulate import engine
+    from fedge.emulate.emulation import Emulation
+    from fedge.emulate.lifecycle import down
 
-    emu = engine.Emulation.load(args.dir)
-    engine.down(emu)
+    emu = Emulation.load(args.dir)
+    down(emu)
     print(f"removed the containers of {emu.project}; results stay in {emu.out}")
     return 0
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from fedge.emulate import engine
+    from fedge.emulate.discovery import docker_client
+    from fedge.emulate.emulation import Emulation
+    from fedge.emulate.status import logs
 
-    emu = engine.Emulation.load(args.dir)
-    print(engine.logs(emu, engine.docker_client(), args.service, tail=args.tail), end="")
+    emu = Emulation.load(args.dir)
+    print(logs(emu, docker_client(), args.service, tail=args.tail), end="")
     return 0
 
 
 def _fault(args: argparse.Namespace) -> int:
-    from fedge.emulate import engine
+    from fedge.emulate.discovery import docker_client
+    from fedge.emulate.emulation import Emulation
+    from fedge.emulate.faults import fault
 
-    emu = engine.Emulation.load(args.dir)
-    print(engine.fault(emu, engine.docker_client(), args.action, args.target, duration=args.duration))
+    emu = Emulation.load(args.dir)
+    print(fault(emu, docker_client(), args.action, args.target, duration=args.duration))
     return 0
+
+
+def format_status(rows: list[DeviceStatus], emu: Emulation, client: Any) -> str:
+    """The table ``fedge emulate status`` prints, then one line per device that needs words."""
+    from fedge.common.units import format_bytes
+    from fedge.emulate.compose import BROKER, COORDINATOR
+    from fedge.emulate.status import service_state
+
+    lines = [f"broker: {service_state(emu, client, BROKER)}   coordinator: {service_state(emu, client, COORDINATOR)}"]
+    # sent: update bytes the coordinator accepted from the device (kept after it exits); net tx: what its
+    # container sent on the fleet network, MQTT overhead included (only while the container runs).
+    head = (f"{'device':<18} {'profile':<13} {'state':<12} {'round':>5} {'cpu':>6} {'mem MiB':>13} {'sent':>10} "
+            f"{'net tx':>10}")
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        mem = f"{r.mem_mb:.0f}/{r.mem_limit_mb}" if r.mem_mb is not None else f"-/{r.mem_limit_mb}"
+        cpu = f"{r.cpu_pct:.0f}%" if r.cpu_pct is not None else "-"
+        tx = format_bytes(r.tx_bytes, binary=False) if r.tx_bytes is not None else "-"
+        lines.append(f"{r.device_id:<18} {r.profile:<13} {r.state:<12} {r.round if r.round is not None else '-':>5} "
+                     f"{cpu:>6} {mem:>13} {format_bytes(r.sent_bytes, binary=False):>10} {tx:>10}")
+    lines += [r.message for r in rows if r.message]
+    return "\n".join(lines)

@@ -25,6 +25,7 @@ from typing import Any
 
 import fedge
 from fedge.emulate.compose import Images
+from fedge.emulate.discovery import docker_sdk
 from fedge.errors import EmulationError
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,6 @@ def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
 
 
 def _exists(client: Any, tag: str) -> bool:
-    from fedge.emulate.engine import docker_sdk
-
     try:
         client.images.get(tag)
         return True
@@ -127,8 +126,6 @@ def wheelhouse(arch: str) -> Path:
 
 
 def _build(client: Any, ctx: Path, dockerfile: str, tag: str, buildargs: dict[str, str]) -> None:
-    from fedge.emulate.engine import docker_sdk
-
     log.info("building %s from %s", tag, dockerfile)
     try:
         client.images.build(path=str(ctx), dockerfile=dockerfile, tag=tag, buildargs=buildargs, rm=True,

@@ -17,7 +17,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from fedge import __version__
+from fedge.common.archs import ArchSpec
 from fedge.common.preprocess import NORMALIZATION
 from fedge.edge.data.datasets import Dataset
 from fedge.edge.models.zoo import FedgeNet
@@ -91,7 +92,17 @@ def staged_output(out: str | os.PathLike[str], *, overwrite: bool = False) -> It
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _quant_request(quant: str | QuantRequest) -> QuantRequest:
+    """The level asked for: a level name (shipped as asked) or a :class:`QuantRequest`."""
+    if isinstance(quant, str) and quant not in QUANTS:
+        raise ExportError(f"unknown quantization {quant!r}", hint=f"use one of {', '.join(QUANTS)}")
+    return QuantRequest.explicit(quant) if isinstance(quant, str) else quant
+
+
 def _check_fits(net: FedgeNet, test: Dataset) -> None:
+    """Refuse what cannot be exported and verified: not a FedgeNet, or a test set it does not take."""
+    if not isinstance(net, FedgeNet):
+        raise ExportError(f"can only export FedgeNet models, got {type(net).__name__}")
     spec = net.spec
     if (test.norm.channels, test.norm.size) != (spec.in_channels, spec.image_size):
         raise ExportError(
@@ -107,11 +118,187 @@ def _check_fits(net: FedgeNet, test: Dataset) -> None:
 
 
 def _normalization(test: Dataset) -> dict[str, Any]:
+    """The manifest's preprocessing entry: the test set's normalization, which must be the shared one."""
     ref = NORMALIZATION.get(test.name)
     if ref is not None and ref != test.norm:
         raise ExportError(f"{test.name} was normalized with {test.norm}, not the shared {ref}",
                           hint="load data through fedge.edge.data.load_dataset")
     return {"dataset": test.name, **test.norm.to_dict()}
+
+
+@dataclass(frozen=True)
+class Fp32Graphs:
+    """The fp32 graphs in the work directory and how they compare with PyTorch."""
+
+    paths: dict[str, Path]
+    parity: verify.Parity
+    """Max |ORT − PyTorch| per graph on the fixed batch (checked against ``fp32_tolerance``)."""
+    accuracy: float
+    """Of the fp32 model.onnx on the test set."""
+    agreement: float
+    """Share of test images on which fp32 ONNX and PyTorch predict the same class."""
+    fixed: np.ndarray
+    """The fixed batch (the first test images): parity, and latency at batch 1."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The requested level's graphs in ``out``, verified; fp32 copies when fp32 was requested."""
+
+    quant: str
+    paths: dict[str, Path]
+    accuracy: dict[str, float]
+    """fp32, and the requested level's (when quantized)."""
+    chain: dict[str, float] = field(default_factory=dict)
+    """Accuracy of head(extractor(x)), the requested level's graphs chained (when quantized)."""
+    dependence: dict[str, Any] | None = None
+    """int8-dynamic only: how much a prediction depends on the rest of the batch."""
+    calibration: dict[str, Any] | None = None
+    """int8-static only: where the calibration inputs came from and how they were used."""
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """What goes into the export after the ship decision, and the measurements behind it."""
+
+    quant: str
+    paths: dict[str, Path]
+    decision: dict[str, Any]
+    calibration: dict[str, Any] | None
+    latency: dict[str, float]
+    cpu: str
+    provider: str
+
+
+def _export_fp32(net: FedgeNet, work: Path, opt: ExportOptions) -> dict[str, Path]:
+    """Step 1: the extractor, head and fused model as fp32 ONNX graphs in ``work``, compacted."""
+    fp32 = export_graphs(net, work, opset=opt.opset, exporter=opt.exporter)
+    for p in fp32.values():
+        compact(p)
+    return fp32
+
+
+def _check_fp32(net: FedgeNet, fp32: dict[str, Path], test: Dataset, opt: ExportOptions) -> Fp32Graphs:
+    """Step 2: parity with PyTorch on the fixed batch, the fp32 accuracy and its agreement with PyTorch."""
+    fixed = test.x[:PARITY_BATCH]
+    parity = verify.check_fp32_parity(net, fp32, fixed, tol=opt.fp32_tolerance)
+    fp32_logits = verify.run_onnx(open_session(fp32["model"]), test.x)
+    accuracy = float((fp32_logits.argmax(1) == test.y).mean())
+    with torch.no_grad():  # in chunks: activations of 10 000 images would take gigabytes
+        torch_pred = np.concatenate([
+            net(torch.from_numpy(np.ascontiguousarray(test.x[i : i + 500]))).argmax(1).numpy()
+            for i in range(0, len(test), 500)
+        ])
+    agreement = float((fp32_logits.argmax(1) == torch_pred).mean())
+    return Fp32Graphs(fp32, parity, accuracy, agreement, fixed)
+
+
+def _calibration(quant: str, source: CalibrationSource | None, label: str, image_shape: tuple[int, int, int],
+                 opt: ExportOptions) -> tuple[np.ndarray | None, dict[str, Any] | None]:
+    """Step 3: int8-static's calibration inputs and their description (nothing for the other levels)."""
+    if quant != "int8-static":
+        return None, None
+    if source is None:
+        raise ExportError("int8-static needs calibration inputs",
+                          hint="pass the device's own data or a generator sampler as calibration")
+    calib = calibration_inputs(source, opt.calibration_samples, image_shape, seed=opt.seed)
+    meta = {"source": label, "samples": len(calib), "method": "minmax", "format": "QDQ", "per_channel": True,
+            "activations": "int8", "weights": "int8"}
+    return calib, meta
+
+
+def _quantize(fp32: Fp32Graphs, out: Path, quant: str, calib: np.ndarray | None,
+              calib_meta: dict[str, Any] | None, test: Dataset, opt: ExportOptions) -> Candidate:
+    """Step 4: the requested level's graphs in ``out`` (fp32: copies), checked against the fp32 accuracy
+    as a whole model and as head(extractor(x))."""
+    acc = {"fp32": fp32.accuracy}
+    if quant == "fp32":
+        return Candidate(quant, {name: Path(shutil.copy2(p, out / p.name)) for name, p in fp32.paths.items()}, acc)
+    paths = {}
+    for name, src in fp32.paths.items():
+        feed = calib
+        if calib is not None and GRAPHS[name][0] == "embedding":
+            # The head is calibrated on what it will see: fp32 embeddings of the calibration images.
+            feed = verify.run_onnx(open_session(fp32.paths["extractor"]), calib)
+        paths[name] = quantize_file(src, out / src.name, quant, calib=feed, input_name=GRAPHS[name][0])
+    acc[quant] = verify.onnx_accuracy(paths["model"], test.x, test.y)
+    verify.check_accuracy(quant, acc[quant], acc["fp32"], n=len(test), where="model.onnx",
+                          max_drop=opt.max_accuracy_drop)
+    dependence = verify.batch_dependence(paths["model"], test.x) if quant == "int8-dynamic" else None
+    chain = {quant: verify.chained_accuracy(paths["extractor"], paths["head"], test.x, test.y)}
+    verify.check_accuracy(quant, chain[quant], acc["fp32"], n=len(test), where="head(extractor(x))",
+                          max_drop=opt.max_accuracy_drop)
+    return Candidate(quant, paths, acc, chain, dependence, calib_meta)
+
+
+def _ship(request: QuantRequest, fp32: Fp32Graphs, candidate: Candidate, out: Path,
+          opt: ExportOptions) -> Shipped:
+    """Step 5: time fp32 and the candidate on this host and settle the level to ship (:mod:`.decide`); an
+    int8 level measured slower than fp32 under a speed check is replaced in ``out`` by the fp32 graphs."""
+    quant = candidate.quant
+    timed = {"fp32": fp32.paths["model"]} if quant == "fp32" else {"fp32": fp32.paths["model"],
+                                                                     quant: candidate.paths["model"]}
+    latency = verify.onnx_latencies_ms(timed, fp32.fixed, runs=opt.latency_runs)
+    hw_cpu = detect_hardware()["cpu"]
+    provider = providers.select()[0]  # what open_session puts first on this host
+    shipped, why = settle(request, latency, provider=provider,
+                          how=f"batch 1, 1 thread, median of {opt.latency_runs} interleaved runs on {hw_cpu}, "
+                              f"{provider}")
+    decision: dict[str, Any] = {"requested": quant, "source": request.source, "shipped": shipped, "reason": why}
+    paths, calib_meta = candidate.paths, candidate.calibration
+    if shipped != quant:
+        # Measured slower: ship the verified fp32 graphs; the candidate's figures stay in the metrics.
+        for p in paths.values():
+            p.unlink()
+        paths = {name: Path(shutil.copy2(p, out / p.name)) for name, p in fp32.paths.items()}
+        decision["calibration"], calib_meta = calib_meta, None
+    return Shipped(shipped, paths, decision, calib_meta, latency, hw_cpu, provider)
+
+
+def _manifest(spec: ArchSpec, test: Dataset, norm: dict[str, Any], fp32: Fp32Graphs, candidate: Candidate,
+              shipped: Shipped, fp32_bytes: dict[str, int], *, profile: str | None, plan: dict[str, Any] | None,
+              opt: ExportOptions) -> Manifest:
+    """Step 6: the manifest: files, graphs, figures and the decision."""
+    import onnxruntime
+
+    image_shape = (spec.in_channels, spec.image_size, spec.image_size)
+    return Manifest(
+        arch=spec.name,
+        quant=shipped.quant,
+        opset=opt.opset,
+        input_shape=("batch", *image_shape),
+        normalization=norm,
+        classes=tuple(test.classes),
+        files={p.name: FileEntry.of(p) for p in shipped.paths.values()},
+        graphs={name: {"file": shipped.paths[name].name, "input": GRAPHS[name][0], "output": GRAPHS[name][1]}
+                for name in GRAPHS},
+        profile=profile,
+        plan=plan,
+        metrics={
+            "test_set": {"dataset": test.name, "images": len(test)},
+            "accuracy": candidate.accuracy,
+            "accuracy_extractor_head": candidate.chain,
+            "fp32_agreement_with_pytorch": fp32.agreement,
+            "fp32_max_abs_diff": {**fp32.parity.max_abs_diff, "batch": fp32.parity.batch,
+                                  "tolerance": opt.fp32_tolerance},
+            "latency_ms": shipped.latency,
+            "latency": {"batch": 1, "threads": 1, "statistic": "median", "runs": opt.latency_runs,
+                        "interleaved": True, "machine": platform.machine(), "cpu": shipped.cpu,
+                        "provider": shipped.provider},
+            "fp32_bytes": fp32_bytes,
+            **({"batch_dependence": candidate.dependence} if candidate.dependence is not None else {}),
+        },
+        extra={
+            "spec": spec.to_dict(),
+            "params": spec.num_params(),
+            "calibration": shipped.calibration,
+            "quantization": shipped.decision,
+            "exporter": opt.exporter,
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "versions": {"fedge": __version__, "torch": torch.__version__,
+                         "onnxruntime": onnxruntime.__version__},
+        },
+    )
 
 
 def export_into(
@@ -133,122 +320,23 @@ def export_into(
     :mod:`fedge.export.decide`); the manifest's ``quantization`` entry says which and why.
     """
     opt = options or ExportOptions()
-    if isinstance(quant, str) and quant not in QUANTS:
-        raise ExportError(f"unknown quantization {quant!r}", hint=f"use one of {', '.join(QUANTS)}")
-    request = QuantRequest.explicit(quant) if isinstance(quant, str) else quant
-    quant = request.quant
-    if not isinstance(net, FedgeNet):
-        raise ExportError(f"can only export FedgeNet models, got {type(net).__name__}")
+    request = _quant_request(quant)
     _check_fits(net, test)
     norm = _normalization(test)
     net = copy.deepcopy(net).eval()
     spec = net.spec
     image_shape = (spec.in_channels, spec.image_size, spec.image_size)
     with tempfile.TemporaryDirectory(prefix="fedge-export-") as work_dir:
-        work = Path(work_dir)
-        fp32 = export_graphs(net, work, opset=opt.opset, exporter=opt.exporter)
-        for p in fp32.values():
-            compact(p)
-        fixed = test.x[:PARITY_BATCH]
-        parity = verify.check_fp32_parity(net, fp32, fixed, tol=opt.fp32_tolerance)
-
-        # Accuracy of fp32 ONNX on the test set, and its agreement with PyTorch.
-        fp32_logits = verify.run_onnx(open_session(fp32["model"]), test.x)
-        acc: dict[str, float] = {"fp32": float((fp32_logits.argmax(1) == test.y).mean())}
-        with torch.no_grad():  # in chunks: activations of 10 000 images would take gigabytes
-            torch_pred = np.concatenate([
-                net(torch.from_numpy(np.ascontiguousarray(test.x[i : i + 500]))).argmax(1).numpy()
-                for i in range(0, len(test), 500)
-            ])
-        agreement = float((fp32_logits.argmax(1) == torch_pred).mean())
-        chain: dict[str, float] = {}
-        dependence: dict[str, Any] | None = None
-
-        calib_meta: dict[str, Any] | None = None
-        if quant == "fp32":
-            final = {name: Path(shutil.copy2(p, out / p.name)) for name, p in fp32.items()}
-        else:
-            calib = None
-            if quant == "int8-static":
-                if calibration is None:
-                    raise ExportError("int8-static needs calibration inputs",
-                                      hint="pass the device's own data or a generator sampler as calibration")
-                calib = calibration_inputs(calibration, opt.calibration_samples, image_shape, seed=opt.seed)
-                calib_meta = {"source": calibration_label, "samples": len(calib), "method": "minmax",
-                              "format": "QDQ", "per_channel": True, "activations": "int8", "weights": "int8"}
-            final = {}
-            for name, src in fp32.items():
-                feed = calib
-                if calib is not None and GRAPHS[name][0] == "embedding":
-                    # The head is calibrated on what it will see: fp32 embeddings of the calibration images.
-                    feed = verify.run_onnx(open_session(fp32["extractor"]), calib)
-                final[name] = quantize_file(src, out / src.name, quant, calib=feed, input_name=GRAPHS[name][0])
-            acc[quant] = verify.onnx_accuracy(final["model"], test.x, test.y)
-            verify.check_accuracy(quant, acc[quant], acc["fp32"], n=len(test), where="model.onnx",
-                                  max_drop=opt.max_accuracy_drop)
-            if quant == "int8-dynamic":
-                dependence = verify.batch_dependence(final["model"], test.x)
-            chain[quant] = verify.chained_accuracy(final["extractor"], final["head"], test.x, test.y)
-            verify.check_accuracy(quant, chain[quant], acc["fp32"], n=len(test), where="head(extractor(x))",
-                                  max_drop=opt.max_accuracy_drop)
-
-        timed = {"fp32": fp32["model"]} if quant == "fp32" else {"fp32": fp32["model"], quant: final["model"]}
-        latency = verify.onnx_latencies_ms(timed, fixed, runs=opt.latency_runs)
-        hw_cpu = detect_hardware()["cpu"]
-        provider = providers.select()[0]  # what open_session puts first on this host
-        shipped, why = settle(request, latency, provider=provider,
-                              how=f"batch 1, 1 thread, median of {opt.latency_runs} interleaved runs on {hw_cpu}, "
-                                  f"{provider}")
-        decision: dict[str, Any] = {"requested": quant, "source": request.source, "shipped": shipped,
-                                    "reason": why}
-        if shipped != quant:
-            # Measured slower: ship the verified fp32 graphs; the candidate's figures stay in the metrics.
-            for p in final.values():
-                p.unlink()
-            final = {name: Path(shutil.copy2(p, out / p.name)) for name, p in fp32.items()}
-            decision["calibration"], calib_meta = calib_meta, None
-        fp32_bytes = {p.name: p.stat().st_size for p in fp32.values()}
-
-    import onnxruntime
-
-    manifest = Manifest(
-        arch=spec.name,
-        quant=shipped,
-        opset=opt.opset,
-        input_shape=("batch", *image_shape),
-        normalization=norm,
-        classes=tuple(test.classes),
-        files={p.name: FileEntry.of(p) for p in final.values()},
-        graphs={name: {"file": final[name].name, "input": GRAPHS[name][0], "output": GRAPHS[name][1]}
-                for name in GRAPHS},
-        profile=profile,
-        plan=plan,
-        metrics={
-            "test_set": {"dataset": test.name, "images": len(test)},
-            "accuracy": acc,
-            "accuracy_extractor_head": chain,
-            "fp32_agreement_with_pytorch": agreement,
-            "fp32_max_abs_diff": {**parity.max_abs_diff, "batch": parity.batch, "tolerance": opt.fp32_tolerance},
-            "latency_ms": latency,
-            "latency": {"batch": 1, "threads": 1, "statistic": "median", "runs": opt.latency_runs,
-                        "interleaved": True, "machine": platform.machine(), "cpu": hw_cpu, "provider": provider},
-            "fp32_bytes": fp32_bytes,
-            **({"batch_dependence": dependence} if dependence is not None else {}),
-        },
-        extra={
-            "spec": spec.to_dict(),
-            "params": spec.num_params(),
-            "calibration": calib_meta,
-            "quantization": decision,
-            "exporter": opt.exporter,
-            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "versions": {"fedge": __version__, "torch": torch.__version__,
-                         "onnxruntime": onnxruntime.__version__},
-        },
-    )
+        fp32_paths = _export_fp32(net, Path(work_dir), opt)
+        fp32 = _check_fp32(net, fp32_paths, test, opt)
+        calib, calib_meta = _calibration(request.quant, calibration, calibration_label, image_shape, opt)
+        candidate = _quantize(fp32, out, request.quant, calib, calib_meta, test, opt)
+        shipped = _ship(request, fp32, candidate, out, opt)
+        fp32_bytes = {p.name: p.stat().st_size for p in fp32.paths.values()}
+    manifest = _manifest(spec, test, norm, fp32, candidate, shipped, fp32_bytes, profile=profile, plan=plan, opt=opt)
     write_manifest(out, manifest)
-    log.info("exported %s as %s into %s (accuracy %s)", spec.name, shipped, out,
-             ", ".join(f"{k} {v:.2%}" for k, v in acc.items()))
+    log.info("exported %s as %s into %s (accuracy %s)", spec.name, shipped.quant, out,
+             ", ".join(f"{k} {v:.2%}" for k, v in candidate.accuracy.items()))
     return manifest
 
 

@@ -23,7 +23,9 @@ from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice
 from fedge.mqtt.broker import EmbeddedBroker
 from fedge.mqtt.client import BrokerSettings
-from fedge.mqtt.transport import MqttCoordinatorTransport, MqttDeviceTransport, TransportSettings
+from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
+from fedge.mqtt.device_transport import MqttDeviceTransport
+from fedge.mqtt.settings import TransportSettings
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,144 @@
+"""Faults injected into a running emulation with the engine's own operations.
+
+``kill`` (SIGKILL; undone by starting the container again: a device that reboots), ``pause`` (the
+cgroup freezer), ``partition`` (disconnect from the fleet network), ``resume`` (undo pause and
+partition now) and ``restart`` of the broker or the coordinator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from fedge.emulate.compose import BROKER, COORDINATOR, NETWORK
+from fedge.emulate.discovery import docker_sdk
+from fedge.emulate.emulation import Emulation
+from fedge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PARTITIONS = "partitions.json"
+"""In the emulation directory: the fleet address of each partitioned device (to reconnect it with)."""
+
+SHAPE_LINK = "/usr/local/bin/fedge-shape-link"
+"""In the device image (docker/shape-link.sh): shapes the fleet interface and the ingress ifb from the FEDGE_* env."""
+
+
+def fault(emu: Emulation, client: Any, action: str, target: str, *, duration: float | None = None) -> str:
+    """Inject a fault with the engine's own operations; with ``duration``, undo it after that many seconds.
+
+    kill: SIGKILL the container (with ``duration``: start it again, a device that reboots);
+    pause: freeze its processes (cgroup freezer); partition: disconnect it from the fleet network;
+    resume: undo pause/partition now; restart: restart the broker or the coordinator.
+    """
+    if action == "restart":
+        if target not in (BROKER, COORDINATOR):
+            raise ConfigError(f"fault restart takes broker or coordinator, not {target!r}",
+                              hint="to reboot a device: fedge emulate fault kill DEVICE --for S")
+        emu.container(client, target).restart(timeout=5)
+        return f"restarted {target}"
+    if target not in emu.devices:
+        raise ConfigError(f"{target!r} is not a device of this emulation", hint=f"devices: {', '.join(emu.devices)}")
+    c = emu.container(client, target)
+    net = client.networks.get(f"{emu.project}_{NETWORK}")
+    if action == "kill":
+        c.kill()
+        done = f"killed {target}"
+        undo = c.start
+    elif action == "pause":
+        _pause(client, c)
+        done = f"paused {target}"
+        undo = c.unpause
+    elif action == "partition":
+        c.reload()
+        address = c.attrs["NetworkSettings"]["Networks"].get(net.name, {}).get("IPAddress") or None
+        net.disconnect(c)
+        _partitions(emu, target, address)  # for `fault resume` in another process
+        done = f"cut {target} off the fleet network"
+
+        def undo() -> None:
+            _reconnect(net, c, target, _partitions(emu, target))
+    elif action == "resume":
+        c.reload()
+        if c.attrs["State"].get("Paused"):
+            c.unpause()
+        if net.name not in c.attrs["NetworkSettings"]["Networks"]:
+            _reconnect(net, c, target, _partitions(emu, target))
+        return f"resumed {target}"
+    else:
+        raise ConfigError(f"unknown fault {action!r}", hint="kill, pause, partition, resume or restart")
+    if duration is not None:
+        time.sleep(duration)
+        undo()
+        done += f" for {duration:g} s, then undid it"
+    return done
+
+
+def _partitions(emu: Emulation, device: str, address: str | None = None) -> str | None:
+    """Remember the fleet address of a device being partitioned (``address`` given), or forget and
+    return it (to reconnect it with that address)."""
+    path = emu.out / PARTITIONS
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    old = known.pop(device, None)
+    if address is not None:
+        known[device] = address
+    path.write_text(json.dumps(known) + "\n")
+    return address if address is not None else old
+
+
+def set_cpus(client: Any, container: Any, cpus: float) -> None:
+    """Change a running container's CPU quota (``--cpus``). docker-py's ``Container.update`` has no
+    NanoCpus, and the engine refuses a CpuQuota on a container created with NanoCpus: the API takes it."""
+    client.api._post_json(client.api._url("/containers/{0}/update", container.id),
+                          data={"NanoCpus": round(cpus * 1e9)})
+
+
+def _pause(client: Any, c: Any) -> None:
+    """Freeze a device's processes; with its CPU quota lifted for the moment of freezing if need be.
+
+    runc's cgroup-v1 freezer gives the tasks a few milliseconds to reach the frozen state and else fails
+    ("unable to freeze"); a device throttled to a few percent of a core sleeps ~94 ms of every 100 ms CFS
+    period, so a busy one often cannot freeze in time. The quota is restored as soon as it is frozen
+    (a frozen container uses no CPU).
+    """
+    try:
+        c.pause()
+        return
+    except docker_sdk().errors.APIError as exc:
+        if "freeze" not in str(exc):
+            raise
+        log.info("%s did not freeze under its CPU quota (%s); pausing it with the quota lifted", c.name, exc)
+    c.reload()
+    nano = c.attrs["HostConfig"].get("NanoCpus") or 0
+    set_cpus(client, c, len(os.sched_getaffinity(0)))
+    try:
+        c.pause()
+    finally:
+        if nano:
+            set_cpus(client, c, nano / 1e9)
+
+
+def _reconnect(net: Any, c: Any, device: str, address: str | None = None) -> None:
+    """Connect a partitioned device again, with its old ``address`` if given, and shape its link again.
+
+    The engine gives the container a new interface (a new veth pair, eth1 after eth0) without the qdiscs
+    and the ingress redirect the boot script put on the old one: unshaped, the device would upload at the
+    host's speed. Without ``address`` the engine may hand it another one (one a killed or restarted
+    container freed): its MQTT connection then hangs until the keep-alive runs out.
+    """
+    try:
+        net.connect(c, aliases=[device], ipv4_address=address)
+    except docker_sdk().errors.APIError as exc:
+        if not address:
+            raise
+        # An emulation written before the fleet network had a configured subnet: any address will do.
+        log.warning("%s: reconnecting with another address than %s (%s): its MQTT connection hangs until the "
+                    "keep-alive runs out", device, address, exc)
+        net.connect(c, aliases=[device])
+    code, out = c.exec_run(["/bin/sh", SHAPE_LINK], user="root")
+    if code != 0:
+        log.warning("%s is reconnected but its link is not shaped again (%s exited %s): %s", device, SHAPE_LINK,
+                    code, out.decode("utf-8", "replace").strip() if isinstance(out, bytes) else out)

@@ -1,0 +1,208 @@
+"""An emulation's life: write its directory (``prepare``), start it, wait for it, take it down.
+
+``prepare`` writes everything into the emulation directory and ``start`` runs it with the compose CLI
+(``docker compose`` v2, else Debian's ``docker-compose``), so ``compose.yaml`` is what runs. Between
+starting the devices and the coordinator, :func:`wait_online` reads the devices' retained statuses
+from the broker through :mod:`fedge.mqtt` (its client and topic tree), as the coordinator would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedge.emulate.compose import (
+    BROKER,
+    COORDINATOR,
+    NETWORK,
+    CoordinatorArgs,
+    Images,
+    check_subnet,
+    compose_dict,
+    fleet_subnet,
+    to_yaml,
+)
+from fedge.emulate.emulation import Emulation, project_name
+from fedge.emulate.limits import DevicePlan, device_plans, limits_for, oom_message
+from fedge.emulate.status import logs, status
+from fedge.errors import EmulationError, TransportError
+
+if TYPE_CHECKING:
+    from fedge.broker.config import BrokerOptions
+
+log = logging.getLogger(__name__)
+
+
+def _broker_options() -> BrokerOptions:
+    """The broker config ``prepare`` writes: Mosquitto runs as root in its container (no account to drop
+    to) and the devices reach it as "broker"."""
+    from fedge.broker.config import BrokerOptions
+
+    return BrokerOptions(hostname=BROKER, run_as="root")
+
+
+def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", images: Images,
+            rates: dict[tuple[str, int], float] | None = None, loss_pct: float = 0.0,
+            min_devices: int | None = None, deadline_slack: float = 3.0,
+            device_args: tuple[str, ...] = (), subnet: str | None = None) -> Emulation:
+    """Write the emulation directory (broker config, flashed devices, compose.yaml); start nothing.
+
+    ``subnet`` is the fleet network's IPv4 subnet (default :func:`fleet_subnet`'s pick).
+
+    ``rates`` maps (arch, batch) to the host's training MAC/s (:func:`fedge.emulate.calibrate.calibrate`
+    measures what is missing).
+    """
+    from fedge.broker.config import write_broker_config
+    from fedge.emulate.calibrate import calibrate
+    from fedge.flash.flash import flash
+    from fedge.fleet.config import device_ids, load_fleet
+    from fedge.fleet.devices import load_fleet_data
+
+    outp = Path(out).resolve()
+    cfg = load_fleet(fleet_path)
+    ids = [i for i, _ in device_ids(cfg)]
+    subnet = check_subnet(subnet, len(ids)) if subnet else fleet_subnet(project_name(outp))
+    outp.mkdir(parents=True, exist_ok=True)
+    data = load_fleet_data(cfg)
+    samples = {dev: len(split.train) for dev, split in zip(ids, data.splits, strict=True)}
+    plans = device_plans(cfg, samples)
+    wanted = {(p.arch, p.batch_size) for p in plans}
+    rates = dict(rates or {})
+    missing = wanted - set(rates)
+    if missing:
+        rates.update(calibrate(missing, embed_dim=cfg.run.embed_dim, cache=outp / "calibration.json"))
+    cores = len(os.sched_getaffinity(0))
+    limits = [limits_for(p, rates[(p.arch, p.batch_size)], host_cores=cores, loss_pct=loss_pct) for p in plans]
+    for lim in limits:
+        if lim.cpus < lim.cpus_wanted:
+            log.warning("%s: its profile trains as fast as %.2f host cores; this host has %d, so it runs slower",
+                        lim.device_id, lim.cpus_wanted, cores)
+    if sum(lim.cpus for lim in limits) > cores:
+        log.warning("the devices' CPU quotas add up to %.2f cores, more than this host's %d: devices that train "
+                    "at the same time run slower than their profiles", sum(lim.cpus for lim in limits), cores)
+    shutil.copyfile(fleet_path, outp / "fleet.toml")
+    shutil.rmtree(outp / "broker" / "data", ignore_errors=True)
+    write_broker_config(cfg.run.fleet, ids, outp / "broker", _broker_options(), fleet_config=outp / "fleet.toml")
+    for p in plans:
+        # The payload `fedge flash DEVICE --to DIR` writes (no first-boot hook: the container's entry point,
+        # docker/device-boot.sh, runs its install.sh), so the emulation boots what a real card would carry.
+        boot = outp / "devices" / p.device_id
+        boot.mkdir(parents=True, exist_ok=True)
+        # An over-memory plan is flashed all the same: the twin runs it to show the kernel's OOM kill.
+        flash(p.device_id, outp / "fleet.toml", outp / "broker", boot, init="none", force=True, check_memory=False)
+    # A new run: the previous run's coordinator state and retained broker messages would resume it.
+    shutil.rmtree(outp / "coordinator", ignore_errors=True)
+    (outp / "coordinator").mkdir()
+    coord = CoordinatorArgs(devices=len(ids), min_devices=len(ids) if min_devices is None else min_devices,
+                            deadline_slack=deadline_slack)
+    # No `platform:` key: an image made by `docker import` on a 20.10 engine is labelled with the host's
+    # architecture whatever its binaries are, and binfmt_misc runs them regardless.
+    doc = compose_dict(outp, images, limits, coord, device_args=device_args, subnet=subnet)
+    header = (f"fedge emulation of {fleet_path} ({len(ids)} devices, {arch}), written by `fedge emulate up`.\n"
+              "Each device's cpus, mem_limit and FEDGE_* link settings come from its profile (docs/emulate.md).\n"
+              f"Run it by hand: docker-compose -p {project_name(outp)} -f compose.yaml up -d")
+    (outp / "compose.yaml").write_text(to_yaml(doc, header))
+    emu = Emulation(outp, project_name(outp), arch, cfg.run.fleet, images,
+                    plans={p.device_id: _plan_dict(p) for p in plans},
+                    limits={lim.device_id: lim.to_dict() for lim in limits},
+                    messages={p.device_id: oom_message(p) for p in plans})
+    emu.save()
+    return emu
+
+
+def _plan_dict(p: DevicePlan) -> dict[str, Any]:
+    return {"profile": p.profile.name, "arch": p.arch, "batch_size": p.batch_size, "local_epochs": p.local_epochs,
+            "samples": p.samples, "macs": p.macs, "params": p.params, "train_memory_mb": p.train_memory_mb,
+            "round_time_s": p.round_time_s, "upload_precision": p.upload_precision,
+            "ram_mb": p.profile.hardware.ram_mb, "train_budget_mb": p.profile.budgets.train_memory_mb}
+
+
+def start(emu: Emulation, client: Any, *, online_timeout: float = 600.0) -> None:
+    """Start broker and devices, wait until every device is online, then start the coordinator.
+
+    The coordinator starts last so that it finds every device's retained hello at once and round 1
+    runs with the whole fleet, as ``fedge simulate`` does.
+    """
+    emu.compose("up", "-d", "--no-build", BROKER, *emu.devices)
+    wait_online(emu, client, timeout=online_timeout)
+    emu.compose("up", "-d", "--no-build", COORDINATOR)
+
+
+def _broker_address(emu: Emulation, client: Any) -> str:
+    c = emu.container(client, BROKER)
+    c.reload()
+    nets = c.attrs["NetworkSettings"]["Networks"]
+    net = nets.get(f"{emu.project}_{NETWORK}") or next(iter(nets.values()))
+    return str(net["IPAddress"])
+
+
+def wait_online(emu: Emulation, client: Any, *, timeout: float) -> None:
+    """Wait until every device's retained status is "online" (read with the coordinator's account)."""
+    from fedge.mqtt.client import DEFAULT_PORT, BrokerSettings, MqttClient, Received
+    from fedge.mqtt.topics import STATUS_ONLINE, FleetTopics
+
+    topics = FleetTopics(emu.fleet)
+    online: set[str] = set()
+    password = (emu.out / "broker" / "coordinator" / "password").read_text().strip()
+
+    def on_message(m: Received) -> None:
+        parsed = topics.parse_device(m.topic)
+        if parsed is not None:
+            (online.add if m.payload == STATUS_ONLINE else online.discard)(parsed.device_id)
+
+    end = time.monotonic() + timeout
+    host = _broker_address(emu, client)
+    # The broker container may still be starting: retry about every half second (paho's back-off,
+    # capped at 1 s) until it accepts the connection or the timeout runs out.
+    broker = BrokerSettings(host=host, port=DEFAULT_PORT, username=_broker_options().coordinator_user,
+                            password=password, keepalive_s=30, reconnect_min_s=0.5, reconnect_max_s=1.0)
+    mq = MqttClient(broker, f"fedge-emulate-{emu.project}", clean_session=True, on_message=on_message)
+    mq.subscribe(topics.device_filter("status"))
+    try:
+        mq.start(wait_s=max(end - time.monotonic(), 0.0))
+    except TransportError as exc:
+        raise EmulationError(f"the broker at {host}:{DEFAULT_PORT} did not accept connections in {timeout:g} s "
+                             f"({exc.message})", hint=f"fedge emulate logs broker --dir {emu.out}") from None
+    try:
+        next_check = time.monotonic() + 2.0
+        while not set(emu.devices) <= online:
+            if time.monotonic() > next_check:
+                # A device that exited while booting never comes online: say so now, with its log's end.
+                next_check = time.monotonic() + 2.0
+                gone = [s for s in status(emu, client, sample=False)
+                        if s.device_id not in online and s.state not in ("running", "paused")]
+                if gone:
+                    tail = logs(emu, client, gone[0].device_id, tail=5).strip()
+                    raise EmulationError(
+                        f"{gone[0].device_id} {gone[0].state} before coming online"
+                        + (f" ({gone[0].message})" if gone[0].message else "") + f"; its log ends:\n{tail}",
+                        hint=f"fedge emulate logs {gone[0].device_id} --dir {emu.out}")
+            if time.monotonic() > end:
+                dead = [s.device_id + " " + s.state for s in status(emu, client, sample=False)
+                        if s.device_id not in online]
+                raise EmulationError(f"devices not online after {timeout:g} s: {', '.join(dead)}",
+                                     hint=f"fedge emulate logs DEVICE --dir {emu.out}")
+            time.sleep(0.5)
+    finally:
+        mq.stop()
+    log.info("all %d devices online", len(emu.devices))
+
+
+def wait_exited(emu: Emulation, client: Any, service: str, timeout: float) -> int:
+    """Wait until ``service``'s container exits; its exit code (EmulationError on timeout)."""
+    c = emu.container(client, service)
+    try:
+        res = c.wait(timeout=timeout)
+    except Exception as exc:  # requests' ReadTimeout/ConnectionError: the engine's wait did not return in time
+        raise EmulationError(f"{service} did not finish in {timeout:g} s",
+                             hint="fedge emulate status / logs show where it is") from exc
+    return int(res.get("StatusCode", -1))
+
+
+def down(emu: Emulation) -> None:
+    """Stop and remove the containers and the network; the directory (results, state) stays."""
+    emu.compose("down", "--remove-orphans", "--timeout", "5")

@@ -1,0 +1,241 @@
+"""The coordinator's side of the transport interface (:mod:`fedge.common.transport`) over MQTT.
+
+The engine sees exactly what it sees in-process: encoded message bytes. This module adds what a real
+network needs: topics (:mod:`.topics`), reassembly of chunked updates (:mod:`.chunking`), the devices'
+online/offline statuses believed only when no outage of our own connection explains them
+(:mod:`.status_book`), and the retained round descriptor and global state, published again after a
+reconnection (:mod:`.retained`; see ``docs/protocol.md``, "Recovery").
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Collection, Iterator
+
+from fedge.common.transport import CoordinatorTransport, Inbound
+from fedge.errors import TransportError
+from fedge.mqtt.chunking import ChunkError, Reassembler, frame_kind
+from fedge.mqtt.client import BrokerSettings, MqttClient, Received
+from fedge.mqtt.retained import RetainedState
+from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportStats
+from fedge.mqtt.status_book import StatusBook
+from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics, check_name
+
+log = logging.getLogger(__name__)
+
+
+class MqttCoordinatorTransport(CoordinatorTransport):
+    """Coordinator side over MQTT.
+
+    Uses a persistent session (``clean_session=False``, fixed client id) so QoS 1
+    updates sent while the coordinator restarts are queued by the broker and
+    delivered when it is back; duplicates that this produces are rejected by the
+    engine by (sender, round) and message id.
+
+    Broker restarts: a broker that shuts down publishes every device's last-will
+    (and, with persistence, keeps those ``offline`` statuses), so a status that
+    arrived around an outage of the coordinator's own connection is not believed
+    until ``status_grace_s`` after the reconnection (see :meth:`offline`). Publishes
+    wait for the broker across the outage, at most ``publish_timeout_s``.
+    """
+
+    def __init__(self, broker: BrokerSettings, fleet: str, settings: TransportSettings | None = None, *,
+                 client_id: str | None = None) -> None:
+        self.topics = FleetTopics(fleet)
+        self.settings = settings or TransportSettings()
+        self.stats = TransportStats()
+        self._updates: queue.Queue[Inbound] = queue.Queue()
+        self._hellos: list[Inbound] = []
+        self._hello_from: set[str] = set()  # every device a hello ever came from
+        self._book = StatusBook(self.settings.offline_confirm_s, self.settings.status_grace_s)  # under _cond
+        self._cond = threading.Condition()
+        self._reasm = Reassembler(self.settings.max_message_bytes)
+        self._retained = RetainedState(self.topics, self.settings.chunk_bytes)  # under _lock
+        self._lock = threading.Lock()
+        self.client = MqttClient(broker, client_id or f"fedge-coordinator-{fleet}", clean_session=False,
+                                 on_message=self._on_message, on_connect=self._on_connect,
+                                 on_disconnect=self._on_disconnect)
+        self.client.subscribe(self.topics.device_filter("status"))
+        self.client.subscribe(self.topics.device_filter("hello"))
+        self.client.subscribe(self.topics.device_filter("update"))
+
+    def start(self) -> MqttCoordinatorTransport:
+        self.client.start(self.settings.connect_timeout_s)
+        log.info("%s", self.describe())
+        return self
+
+    def describe(self) -> str:
+        """One line for people starting devices: the broker, the fleet and its topics."""
+        t = self.topics
+        return (f"fleet {t.fleet!r} on {self.client.settings.url}: devices publish to {t.base}/devices/ID/"
+                f"{{status,hello,update}} and read {t.round} and {t.base}/global/#")
+
+    # -- inbound (dispatcher thread) -----------------------------------------------------
+    def _on_message(self, m: Received) -> None:
+        t = self.topics.parse_device(m.topic)
+        if t is None:
+            return
+        self.stats.messages_in += 1
+        self.stats.bytes_in += len(m.payload)
+        if t.kind == "status":
+            if m.payload in (STATUS_ONLINE, STATUS_OFFLINE):
+                with self._cond:
+                    self._book.record(t.device_id, m.payload == STATUS_ONLINE)
+                    self._cond.notify_all()
+            elif m.payload and m.retain:
+                self._clear_stray(m, "status")
+            return
+        if t.kind == "hello":
+            if not m.payload:
+                return  # a cleared retained hello
+            if len(m.payload) > MAX_HELLO_BYTES:
+                log.warning("ignored a %d-byte hello on %s", len(m.payload), m.topic)
+                return
+            with self._cond:
+                self._hellos.append(Inbound(m.payload, t.device_id, m.received))
+                self._hello_from.add(t.device_id)
+                self._cond.notify_all()
+            return
+        # update: a whole message or a chunk frame; never retained by the protocol, never empty (an
+        # empty payload is a retained message's deletion, e.g. ours echoed back)
+        if not m.payload:
+            return
+        if m.retain:
+            self._clear_stray(m, "update")
+            self._updates.put(Inbound(b"", t.device_id, m.received,
+                                      reject=("retained", f"{t.device_id} left a retained update on the broker "
+                                                          "(deleted)")))
+            return
+        if frame_kind(m.payload) == "message":
+            self._updates.put(Inbound(m.payload, t.device_id, m.received))
+            return
+        try:
+            whole = self._reasm.add(t.device_id, m.payload)
+        except ChunkError as exc:
+            self._updates.put(Inbound(b"", t.device_id, m.received, reject=(exc.reason, exc.message)))
+            return
+        if whole is not None:
+            self._updates.put(Inbound(whole, t.device_id, m.received))
+
+    def _clear_stray(self, m: Received, what: str) -> None:
+        """Delete a retained message the protocol does not allow (the ACL cannot forbid the retain flag)."""
+        log.warning("deleting a stray retained %s (%d bytes) on %s", what, len(m.payload), m.topic)
+        self.client.publish(m.topic, b"", retain=True)
+
+    def _on_disconnect(self) -> None:
+        with self._cond:
+            self._book.connection_lost()
+
+    def _on_connect(self, session_present: bool) -> None:
+        with self._cond:
+            self._book.connection_back()
+            self._cond.notify_all()
+        # Not on the first connection: nothing was lost yet, and its handler can run after start()
+        # returned and the first round was announced (the dispatcher thread is late under load);
+        # re-announcing then would tell every device to resend for no reason.
+        if self.client.connects <= 1:
+            return
+        # After a reconnect the broker may have restarted and lost every retained message:
+        # publish the globals again, then the round descriptor under a fresh message id.
+        with self._lock:
+            again = self._retained.after_reconnect()
+        for topic, payload in again.globals:
+            self.client.publish(topic, payload, retain=True)
+        if again.round is not None:
+            self.client.publish(self.topics.round, again.round, retain=True)
+            log.info("re-announced round %d after reconnecting", again.round_number)
+
+    # -- CoordinatorTransport -----------------------------------------------------------
+    def announce_round(self, data: bytes) -> None:
+        with self._lock:
+            self._retained.set_round(data)
+        pub = self.client.publish(self.topics.round, data, retain=True)
+        self.stats.count_out(len(data))
+        self.client.require_published([pub], self.settings.publish_timeout_s, "announcing the round")
+
+    def end_run(self) -> None:
+        """Delete the retained round descriptor: a device that starts before the next run's coordinator
+        then waits for it instead of answering this run's final round."""
+        with self._lock:
+            self._retained.set_round(None)
+        pub = self.client.publish(self.topics.round, b"", retain=True)
+        self.client.require_published([pub], self.settings.publish_timeout_s, "clearing the round descriptor")
+
+    def publish_global(self, artifact: str, data: bytes) -> None:
+        check_name(artifact, "artifact name")
+        with self._lock:  # remembered before publishing: a reconnect meanwhile republishes it
+            update = self._retained.set_global(artifact, data)
+        pubs = [self.client.publish(t, p, retain=True) for t, p in update.publish]
+        # A zero-length retained message deletes: the part topics a previous (longer) version used.
+        pubs += [self.client.publish(t, b"", retain=True) for t in update.clear]
+        for _, p in update.publish:
+            self.stats.count_out(len(p))
+        self.client.require_published(pubs, self.settings.publish_timeout_s, f"publishing global {artifact!r}")
+
+    def hellos(self) -> list[Inbound]:
+        with self._cond:
+            out, self._hellos = self._hellos, []
+        return out
+
+    def refuse(self, device_id: str, data: bytes | None) -> None:
+        """Tell a device why it was refused (a retained ``refused`` message on its own topic), or clear that
+        (``None``) once it is accepted. Not awaited: the device reads it whenever it is connected."""
+        self.client.publish(self.topics.refused(device_id), data or b"", retain=True)
+
+    def offline(self) -> set[str]:
+        """Devices whose latest status is a believable ``offline`` (:class:`~fedge.mqtt.status_book.StatusBook`).
+
+        An ``offline`` counts once it is ``offline_confirm_s`` old, unless it arrived around an outage
+        of our own connection (from ``offline_confirm_s`` before it began until ``status_grace_s``
+        after it ended): a broker that shuts down publishes every device's last-will first, so those
+        count only once the grace period is over and the device has not come back.
+        """
+        with self._cond:
+            return self._book.offline()
+
+    def online(self) -> set[str]:
+        """Devices whose latest status is ``online``."""
+        with self._cond:
+            return self._book.online()
+
+    def wait_for_devices(self, timeout_s: float) -> None:
+        with self._cond:
+            self._cond.wait(timeout_s)
+
+    def wait_for_hellos(self, device_ids: Collection[str], timeout_s: float) -> None:
+        """Block until every id in ``device_ids`` has said hello (without consuming the hellos)."""
+        want = set(device_ids)
+        with self._cond:
+            if not self._cond.wait_for(lambda: want <= self._hello_from, timeout_s):
+                missing = sorted(want - self._hello_from)
+                raise TransportError(f"no hello from {len(missing)} device(s) after {timeout_s:.0f} s: "
+                                     f"{', '.join(missing[:5])}")
+
+    def collect(self, round: int, expected: Collection[str], deadline: float) -> Iterator[Inbound]:
+        next_expiry = time.monotonic() + 5.0
+        while True:
+            now = time.time()
+            if deadline and now >= deadline:
+                return
+            if self._updates.empty():
+                offline = self.offline()
+                if all(d in offline for d in expected):
+                    return  # everyone expected has answered or is gone
+            wait = min(0.25, deadline - now) if deadline else 0.25
+            try:
+                item = self._updates.get(timeout=max(wait, 0.001))
+            except queue.Empty:
+                item = None
+            if time.monotonic() > next_expiry:
+                next_expiry = time.monotonic() + 5.0
+                for src, tid in self._reasm.expire():
+                    yield Inbound(b"", src, time.time(), reject=("incomplete", f"transfer {tid[:8]} from {src} "
+                                                                               "never completed"))
+            if item is not None:
+                yield item
+
+    def close(self) -> None:
+        self.client.stop()

@@ -1,0 +1,115 @@
+"""docs/architecture.md's layer drawing is the import contract: it equals the ``layers`` contract of
+``[tool.importlinter]`` in pyproject.toml, layer for layer; and no module of fedge imports a circle, not
+even through imports made only for type checking (which the contract does not count)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import grimp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+Layer = tuple[str, frozenset[str]]
+"""(separator, modules): ``|`` independent, ``:`` may import each other, ``""`` one module; an optional
+module keeps its parentheses, as import-linter writes it."""
+
+
+def _layer(expression: str, where: str) -> Layer:
+    """One layer from ``a | b``, ``a : b`` or ``a``, with ``pkg.{x, y}`` expanded in the layer's own kind."""
+    seps = set(re.findall(r"\s([|:])\s", expression))
+    assert len(seps) <= 1, f"{where}: a layer mixes '|' and ':': {expression}"
+    sep = seps.pop() if seps else ""
+    modules: set[str] = set()
+    for token in re.split(r"\s[|:]\s", expression):
+        token = token.strip()
+        group = re.fullmatch(r"(\(?)([\w.]+)\.\{([\w\s,]+)\}(\)?)", token)
+        if group:
+            left, prefix, names, right = group.groups()
+            assert sep or "," not in names, f"{where}: say how {token} relate, with '|' or ':'"
+            modules |= {f"{left}{prefix}.{n.strip()}{right}" for n in names.split(",")}
+        else:
+            assert re.fullmatch(r"\(?[\w.]+\)?", token), f"{where}: not a module: {token!r} in {expression!r}"
+            modules.add(token)
+    return (sep if len(modules) > 1 else ""), frozenset(modules)
+
+
+def contract_layers() -> list[Layer]:
+    """The ``layers`` contract of pyproject.toml."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = [c for c in config["contracts"] if c["id"] == "layers"]
+    return [_layer(" ".join(layer.split()), "pyproject.toml") for layer in contract["layers"]]
+
+
+def drawn_layers(text: str) -> list[Layer]:
+    """The layers of the first drawing (fenced block) of docs/architecture.md.
+
+    A line indented less than the comment column that starts with a module (or ``(`` and a module) starts
+    a layer, one that starts with ``:`` or ``|`` continues it; what follows two spaces is a comment, and
+    any other line (a comment on its own, the rule ``───``) is not part of the contract.
+    """
+    block = text.split("```\n", 2)[1]
+    expressions: list[str] = []
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip())
+        body = re.split(r"\s{2,}", line.strip())[0]
+        if indent >= 10 or not body:
+            continue
+        if re.match(r"\(?fedge\b", body):
+            expressions.append(body)
+        elif re.match(r"[|:]\s", body):
+            assert expressions, f"docs/architecture.md: {line!r} continues no layer"
+            expressions[-1] += " " + body
+    return [_layer(e, "docs/architecture.md") for e in expressions]
+
+
+def _render(layers: list[Layer]) -> str:
+    return "\n".join(f" {sep or ' '} ".join(sorted(mods)) for sep, mods in layers)
+
+
+def test_the_drawing_is_the_contract() -> None:
+    drawn = drawn_layers((ROOT / "docs" / "architecture.md").read_text())
+    contract = contract_layers()
+    assert len(contract) > 10 and any(sep == ":" for sep, _ in contract)  # the parsers found the real thing
+    first = next((i for i, (a, b) in enumerate(zip(drawn, contract, strict=False)) if a != b),
+                 min(len(drawn), len(contract)))
+    assert drawn == contract, (
+        "docs/architecture.md draws other layers than [tool.importlinter]'s `layers` contract in pyproject.toml "
+        f"(from layer {first + 1} on, counting from the top); make them equal.\n"
+        f"-- drawn:\n{_render(drawn)}\n-- contract:\n{_render(contract)}")
+
+
+def test_the_parser_reads_the_notation() -> None:
+    text = ("intro\n```\n fedge.a                  comment\n ───\n fedge.b.{x, y}\n   | fedge.c\n"
+            "                          a comment line: fedge.z | fedge.w\n fedge.d : (fedge.e)\n fedge.f.{g}\n```\n"
+            "```\n fedge.other_block\n```\n")
+    assert drawn_layers(text) == [("", frozenset({"fedge.a"})),
+                                  ("|", frozenset({"fedge.b.x", "fedge.b.y", "fedge.c"})),
+                                  (":", frozenset({"fedge.d", "(fedge.e)"})),
+                                  ("", frozenset({"fedge.f.g"}))]
+
+
+def test_no_module_imports_a_circle() -> None:
+    """Layers allow siblings to import each other; fedge's modules still form a DAG, type-checking imports
+    included (import-linter skips those, which is how privacy ↔ report in fedge.audit went unseen)."""
+    graph = grimp.build_graph("fedge", exclude_type_checking_imports=False)
+    imports = {m: sorted(i for i in graph.find_modules_directly_imported_by(m) if i in graph.modules)
+               for m in sorted(graph.modules)}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in imports[module]:
+            if state.get(dep) == 1:
+                circles.append([*path[path.index(dep):], dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = 2
+
+    for module in imports:
+        if module not in state:
+            visit(module, [module])
+    assert circles == [], "import circles: " + "; ".join(" -> ".join(c) for c in circles)
