@@ -75,7 +75,7 @@ def flower_worker(seed: int, rounds: int) -> dict[str, Any]:
     from flwr.simulation import run_simulation
 
     from fedge.common.initseeds import device_seed, init_seeds
-    from fedge.common.methods import FedAvgSettings
+    from fedge.common.method_settings import FedAvgSettings
     from fedge.edge.models import build_model, build_seeded
     from fedge.edge.training import TrainConfig, accuracy, train_epochs
     from fedge.fleet.config import parse_fleet

@@ -38,7 +38,7 @@ from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.edge.methods.baselines import FedProtoDevice
 from fedge.fleet.config import parse_fleet
 from fedge.fleet.devices import build_devices, load_fleet_data
-from fedge.fleet.methods import method_entry
+from fedge.fleet.registry import method_entry
 from fedge.sim.inprocess import connect_inprocess
 
 OUT = RESULTS / "robustness.json"

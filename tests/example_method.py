@@ -4,7 +4,7 @@ Every device keeps its own network and shares only its classifier head h (p -> c
 averaged over all devices by samples — possible across architectures because every head reads
 the same p features. The three classes below appear verbatim in the docs (a test checks), where
 each goes to its own file; here they live in one module outside fedge and register themselves
-with :func:`fedge.fleet.methods.register_method`, as a method outside the tree would.
+with :func:`fedge.fleet.registry.register_method`, as a method outside the tree would.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from fedge.coordinator.aggregate import WeightedMean
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
 from fedge.edge.methods.base import DeviceMethod, load_arrays, model_arrays
 from fedge.edge.training import train_epochs
-from fedge.fleet.methods import METHODS, MethodEntry, register_method
+from fedge.fleet.registry import METHODS, MethodEntry, register_method
 
-# -- the descriptor (fedge/common/methods.py) ------------------------------------------------------
+# -- the descriptor (fedge/common/method_settings.py) ------------------------------------------------------
 HEADS_ARTIFACT = "heads"  # artifact names live in fedge/common/rounds.py
 
 
@@ -84,7 +84,7 @@ class HeadAvgStrategy(Strategy):
         return {"head.weight": ((c, p), "float"), "head.bias": ((c,), "float")}
 
 
-# -- the registry line (fedge/fleet/methods.py: MethodEntry(HeadAvgSettings, _E + "headavg:HeadAvgDevice",
+# -- the registry line (fedge/fleet/registry.py: MethodEntry(HeadAvgSettings, _E + "headavg:HeadAvgDevice",
 #    _C + "headavg:HeadAvgStrategy") in METHODS); outside fedge:
 def register() -> MethodEntry:
     """Register the example (once per process)."""

@@ -20,7 +20,7 @@ from fedge.edge.data.partition import iid_fraction
 from fedge.edge.methods import DeviceContext
 from fedge.edge.models import build_seeded
 from fedge.edge.training import TrainConfig
-from fedge.fleet.methods import method_entry
+from fedge.fleet.registry import method_entry
 from fedge.sim.inprocess import connect_inprocess
 
 

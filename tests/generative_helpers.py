@@ -18,7 +18,7 @@ from fedge.edge.data.partition import dirichlet, shards
 from fedge.edge.methods import DeviceContext
 from fedge.edge.models import build_seeded
 from fedge.edge.training import TrainConfig
-from fedge.fleet.methods import method_entry
+from fedge.fleet.registry import method_entry
 from fedge.sim.inprocess import connect_inprocess
 
 # Small CNNs train ~10x faster single-threaded than with two threads on a busy 2-core machine.

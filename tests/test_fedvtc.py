@@ -11,7 +11,7 @@ from generative_helpers import skewed_fleet
 from fedge.common.rounds import VTC_STATS_ARTIFACT, DeviceInfo
 from fedge.edge.methods.base import model_arrays
 from fedge.errors import ConfigError
-from fedge.fleet.methods import method_entry
+from fedge.fleet.registry import method_entry
 
 ARCHS_MIXED = ("cnn3-p32", "cnn1-p32", "cnn9-p32", "cnn4-p32")
 

@@ -22,7 +22,7 @@ from fedge.edge.generators.modules import build_generator, load_generator
 from fedge.edge.methods.base import model_arrays
 from fedge.edge.models.checkpoint import load_checkpoint, save_checkpoint
 from fedge.errors import CheckpointError, ConfigError
-from fedge.fleet.methods import method_entry
+from fedge.fleet.registry import method_entry
 
 SHAPES = {"image": (1, 32, 32), "feature": (3, 16, 16)}
 

@@ -22,7 +22,7 @@ def test_coordinator_side_does_not_import_torch() -> None:
     code = (
         "import fedge.coordinator.engine, fedge.coordinator.strategies, fedge.coordinator.cli\n"
         "import fedge.fleet.config, fedge.fleet.slots, fedge.profiles, fedge.mqtt.coordinator_transport\n"
-        "from fedge.fleet.methods import METHODS\n"
+        "from fedge.fleet.registry import METHODS\n"
         "assert {'local', 'fedavg', 'lgfedavg', 'fedproto', 'gefl', 'geflf', 'fedvtc'} <= set(METHODS)\n"
         "for entry in METHODS.values(): entry.coordinator_half()\n"
     )

@@ -13,11 +13,11 @@ import pytest
 from example_method import HEADS_ARTIFACT, HeadAvgSettings, register
 from fleet_helpers import tiny_fleet
 
-from fedge.common.methods import ALL_SETTINGS, FedVTCSettings, GeFLFSettings, GeFLSettings
+from fedge.common.method_settings import ALL_SETTINGS, FedVTCSettings, GeFLFSettings, GeFLSettings
 from fedge.common.settings import MethodSettings, settings_table, sync_tables, table_marker
 from fedge.edge.methods.base import model_arrays
 from fedge.errors import ConfigError
-from fedge.fleet.methods import METHODS, method_entry
+from fedge.fleet.registry import METHODS, method_entry
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYED = [s for s in ALL_SETTINGS if s.fields_by_key()]
@@ -112,8 +112,8 @@ def test_methods_md_shows_every_descriptors_key_table_as_generated() -> None:
         assert table_marker(cls)[0] in doc, f"docs/methods.md has no generated key table for {cls.method}"
     fixed = sync_tables(doc, ALL_SETTINGS)
     assert fixed == doc, (
-        "docs/methods.md is out of date with fedge/common/methods.py; regenerate with\n"
-        "python -c 'from pathlib import Path; from fedge.common.methods import ALL_SETTINGS; "
+        "docs/methods.md is out of date with fedge/common/method_settings.py; regenerate with\n"
+        "python -c 'from pathlib import Path; from fedge.common.method_settings import ALL_SETTINGS; "
         "from fedge.common.settings import sync_tables; p = Path(\"docs/methods.md\"); "
         "p.write_text(sync_tables(p.read_text(), ALL_SETTINGS))'")
     for cls in KEYED:  # every field documented, with a default

@@ -23,7 +23,7 @@ from fedge.edge.data.local import LocalData
 from fedge.edge.own_data import OwnDataAgent, build_own_device, local_data
 from fedge.errors import ConfigError, DataError
 from fedge.fleet.config import load_fleet
-from fedge.fleet.methods import method_entry
+from fedge.fleet.registry import method_entry
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.chunking import frame_kind
 from fedge.mqtt.client import new_paho_client

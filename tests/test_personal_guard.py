@@ -16,12 +16,12 @@ import torch
 from fleet_helpers import digits
 from generative_helpers import skewed_fleet
 
-from fedge.common.methods import FedProtoSettings, FedVTCSettings, GeFLFSettings, GeFLSettings
+from fedge.common.method_settings import FedProtoSettings, FedVTCSettings, GeFLFSettings, GeFLSettings
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, EXTRACTOR_PREFIX, RoundInfo, group_artifact
 from fedge.edge.methods.base import model_arrays
 from fedge.edge.methods.personal import _predict_with, guarded_step, holdout, personal_fit_epochs
 from fedge.errors import ConfigError
-from fedge.fleet.methods import method_entry
+from fedge.fleet.registry import method_entry
 from fedge.sim.report import format_table, personal_and_guard
 
 PARTITION: dict[str, Any] = {"alpha": 0.3}

@@ -113,7 +113,7 @@ def fleet_doc(method: str, privacy: dict | None, rounds: int = 2) -> dict:
 def test_fleet_uploads_are_clipped_and_epsilon_is_reported() -> None:
     from fedge.coordinator.engine import EngineConfig, RoundEngine
     from fedge.fleet.devices import build_devices, load_fleet_data
-    from fedge.fleet.methods import method_entry
+    from fedge.fleet.registry import method_entry
     from fedge.sim.inprocess import connect_inprocess
 
     cfg = parse_fleet(fleet_doc("fedproto", {"noise_multiplier": 0.0, "clip": 0.5}))

@@ -32,7 +32,7 @@ from fedge.common.messages import Message
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo
 from fedge.common.transport import CoordinatorTransport, DeviceTransport, Inbound
 from fedge.coordinator.engine import EngineConfig, RoundEngine
-from fedge.fleet.methods import method_entry
+from fedge.fleet.registry import method_entry
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport

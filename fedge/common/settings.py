@@ -1,6 +1,6 @@
 """Typed ``[method]`` settings: one frozen, self-validating dataclass per method (no torch).
 
-A method's settings class (:mod:`fedge.common.methods`) declares every key of
+A method's settings class (:mod:`fedge.common.method_settings`) declares every key of
 its ``[method]`` table with :func:`setting`: the default, the bounds, the
 allowed values and one line of documentation. :meth:`MethodSettings.parse`
 turns the TOML table into an instance once; both halves of the method read
@@ -130,7 +130,7 @@ class MethodSettings:
         if not isinstance(settings, cls):
             raise ConfigError(f"{user} needs {cls.__name__} (the [method] settings of {cls.method!r}), "
                               f"got {type(settings).__name__}",
-                              hint="build both halves through fedge.fleet.methods.method_entry(name)")
+                              hint="build both halves through fedge.fleet.registry.method_entry(name)")
         return settings
 
     def to_table(self) -> dict[str, Any]:
@@ -198,7 +198,8 @@ def settings_table(cls: type[MethodSettings]) -> str:
 
 def table_marker(cls: type[MethodSettings]) -> tuple[str, str]:
     """The comments that enclose ``cls``'s generated table in a markdown page."""
-    return f"<!-- [method] keys of {cls.method}: generated from fedge.common.methods -->", "<!-- end of keys -->"
+    start = f"<!-- [method] keys of {cls.method}: generated from fedge.common.method_settings -->"
+    return start, "<!-- end of keys -->"
 
 
 def sync_tables(text: str, classes: typing.Iterable[type[MethodSettings]]) -> str:

@@ -102,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     from fedge.coordinator.config import EngineConfig, slot_checks
     from fedge.coordinator.service import KEEP_REPORTS, CoordinatorService
     from fedge.fleet.config import device_ids, load_fleet
-    from fedge.fleet.methods import method_entry
+    from fedge.fleet.registry import method_entry
     from fedge.fleet.slots import checked_slots, fleet_classes
     from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
     from fedge.mqtt.flags import broker_settings

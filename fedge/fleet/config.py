@@ -30,7 +30,7 @@ from fedge.common.settings import MethodSettings
 from fedge.common.tensorcodec import PRECISIONS
 from fedge.common.tomlconf import build, read_toml
 from fedge.errors import ConfigError
-from fedge.fleet.methods import method_entry
+from fedge.fleet.registry import method_entry
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from fedge.edge.methods import DeviceContext, DeviceMethod
 from fedge.edge.models.zoo import build_seeded
 from fedge.edge.training import TrainConfig
 from fedge.fleet.config import FleetConfig, device_ids
-from fedge.fleet.methods import method_entry
+from fedge.fleet.registry import method_entry
 from fedge.fleet.slots import check_feature_dims, device_slot, fleet_data_dir, fleet_splits
 
 log = logging.getLogger(__name__)

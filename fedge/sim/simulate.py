@@ -22,7 +22,7 @@ from fedge.edge.agent import DeviceAgent
 from fedge.edge.models.checkpoint import save_checkpoint
 from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
-from fedge.fleet.methods import method_entry
+from fedge.fleet.registry import method_entry
 from fedge.fleet.slots import checked_slots
 from fedge.sim.transports import transport_runner
 

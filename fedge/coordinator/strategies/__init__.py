@@ -1,1 +1,1 @@
-"""Coordinator halves of every method (one module per family); :mod:`fedge.fleet.methods` names them."""
+"""Coordinator halves of every method (one module per family); :mod:`fedge.fleet.registry` names them."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from fedge.common.archs import arch_by_name
-from fedge.common.methods import FedAvgSettings, FedProtoSettings, LGFedAvgSettings, LocalSettings
+from fedge.common.method_settings import FedAvgSettings, FedProtoSettings, LGFedAvgSettings, LocalSettings
 from fedge.common.rounds import (
     EXTRACTOR_ARTIFACT,
     EXTRACTOR_PREFIX,

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fedge.common.methods import FedVTCSettings
+from fedge.common.method_settings import FedVTCSettings
 from fedge.common.rounds import VTC_STATS_ARTIFACT, DeviceInfo, class_stats_spec
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from fedge.common.archs import arch_by_name
 from fedge.common.generators import DEFAULT_GENERATOR_TIER, IMAGE_LEVEL, GeneratorSpec, check_tier
-from fedge.common.methods import FedAvgSettings, GeFLSettings, GenerativeSettings, LGFedAvgSettings
+from fedge.common.method_settings import FedAvgSettings, GeFLSettings, GenerativeSettings, LGFedAvgSettings
 from fedge.common.rounds import (
     GENERATOR_PHASE,
     GENERATOR_PREFIX,

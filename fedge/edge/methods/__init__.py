@@ -1,4 +1,4 @@
-"""Device halves of every method (one module per family); :mod:`fedge.fleet.methods` names them."""
+"""Device halves of every method (one module per family); :mod:`fedge.fleet.registry` names them."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fedge.common.methods import FedAvgSettings, FedProtoSettings, LGFedAvgSettings, LocalSettings
+from fedge.common.method_settings import FedAvgSettings, FedProtoSettings, LGFedAvgSettings, LocalSettings
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, PROTOTYPES_ARTIFACT, RoundInfo, group_artifact
 from fedge.common.settings import MethodSettings
 from fedge.edge.methods.base import Arrays, DeviceMethod, load_arrays, model_arrays

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from fedge.common.generators import GeneratorSpec
-from fedge.common.methods import FedVTCSettings
+from fedge.common.method_settings import FedVTCSettings
 from fedge.common.rounds import VTC_STATS_ARTIFACT, RoundInfo
 from fedge.edge.generators.modules import VTCDecoder, build_generator
 from fedge.edge.generators.train import uniform_labels

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from fedge.common.generators import DEFAULT_GENERATOR_TIER, GeneratorSpec, check_tier
-from fedge.common.methods import GeFLFSettings, GeFLSettings, GenerativeSettings
+from fedge.common.method_settings import GeFLFSettings, GeFLSettings, GenerativeSettings
 from fedge.common.rounds import (
     EXTRACTOR_ARTIFACT,
     GENERATOR_PHASE,

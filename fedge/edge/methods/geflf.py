@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fedge.common.methods import GeFLFSettings
+from fedge.common.method_settings import GeFLFSettings
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, GENERATOR_PHASE, WARMUP_PHASE, RoundInfo, group_artifact
 from fedge.common.settings import MethodSettings
 from fedge.edge.methods.base import Arrays, DeviceContext, load_arrays, model_arrays

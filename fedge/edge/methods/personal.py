@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedge.common.methods import GuardedSettings, PersonalSettings
+from fedge.common.method_settings import GuardedSettings, PersonalSettings
 from fedge.edge.methods.base import DeviceMethod, state_digest
 from fedge.edge.training import train_epochs
 

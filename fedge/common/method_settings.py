@@ -2,7 +2,7 @@
 
 Both halves of a method read the same descriptor — the device half in
 :mod:`fedge.edge.methods`, the coordinator half in
-:mod:`fedge.coordinator.strategies` — and :mod:`fedge.fleet.methods` names
+:mod:`fedge.coordinator.strategies` — and :mod:`fedge.fleet.registry` names
 the descriptor with the two halves, one line per method. Every default here is
 the published one unless its documentation says otherwise; ``docs/methods.md``
 shows these tables (generated from the declarations below, kept equal by a test).

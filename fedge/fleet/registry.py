@@ -4,7 +4,7 @@ This is the only registry of methods. The halves are named by dotted path and
 imported on first use, so importing this module loads neither torch (device
 halves) nor the coordinator; a coordinator resolves only
 :meth:`MethodEntry.coordinator_half`, a device only :meth:`MethodEntry.device_half`.
-Adding a method is one settings class in :mod:`fedge.common.methods`, one
+Adding a method is one settings class in :mod:`fedge.common.method_settings`, one
 device half, one coordinator half and one line in :data:`METHODS`
 (``docs/architecture.md``, "Adding a method").
 """
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fedge.common.methods import (
+from fedge.common.method_settings import (
     FedAvgSettings,
     FedProtoSettings,
     FedVTCSettings,
