@@ -266,7 +266,7 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = 
 def coordinator_main(args: argparse.Namespace) -> None:
     from fedge.coordinator.aggregate import Aggregation
     from fedge.coordinator.engine import EngineConfig, RoundEngine
-    from fedge.coordinator.strategies.baselines import FedProtoStrategy
+    from fedge.coordinator.strategies.fedproto import FedProtoStrategy
     from fedge.mqtt.client import BrokerSettings
     from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 
@@ -330,7 +330,7 @@ def aggregate_state_bytes(n: int, rule: str, clip: float) -> int:
     dropped after ``accumulate`` as the engine drops them (tracemalloc, numpy's domain).
     """
     from fedge.coordinator.aggregate import Aggregation
-    from fedge.coordinator.strategies.baselines import FedProtoStrategy
+    from fedge.coordinator.strategies.fedproto import FedProtoStrategy
 
     strat = FedProtoStrategy(num_classes=CLASSES, rounds=1)
     strat.aggregation = Aggregation(rule, clip=clip)  # as the engine sets its EngineConfig's

@@ -35,7 +35,7 @@ from benchmarks.common import RESULTS
 from fedge.common.rounds import RoundInfo
 from fedge.coordinator.aggregate import Aggregation
 from fedge.coordinator.engine import EngineConfig, RoundEngine
-from fedge.edge.methods.baselines import FedProtoDevice
+from fedge.edge.methods.fedproto import FedProtoDevice
 from fedge.fleet.config import parse_fleet
 from fedge.fleet.devices import build_devices, load_fleet_data
 from fedge.fleet.registry import method_entry

@@ -17,7 +17,7 @@ from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport
 from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.engine import EngineConfig, RoundEngine
-from fedge.coordinator.strategies.baselines import FedProtoStrategy
+from fedge.coordinator.strategies.fedproto import FedProtoStrategy
 
 FLEET, CLASSES, DIM = "gate", 10, 64
 

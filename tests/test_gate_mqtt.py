@@ -19,7 +19,7 @@ from fedge.common.messages import Message
 from fedge.common.rounds import PROTOTYPES_ARTIFACT
 from fedge.coordinator.config import DeviceSlotCheck
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
-from fedge.coordinator.strategies.baselines import FedProtoStrategy
+from fedge.coordinator.strategies.fedproto import FedProtoStrategy
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.chunking import split
 from fedge.mqtt.client import new_paho_client

@@ -84,10 +84,10 @@ class MethodEntry:
 _E = "fedge.edge.methods."
 _C = "fedge.coordinator.strategies."
 METHODS: dict[str, MethodEntry] = {e.name: e for e in (
-    MethodEntry(LocalSettings, _E + "baselines:LocalDevice", _C + "baselines:LocalStrategy"),
-    MethodEntry(FedAvgSettings, _E + "baselines:FedAvgDevice", _C + "baselines:FedAvgStrategy"),
-    MethodEntry(LGFedAvgSettings, _E + "baselines:LGFedAvgDevice", _C + "baselines:LGFedAvgStrategy"),
-    MethodEntry(FedProtoSettings, _E + "baselines:FedProtoDevice", _C + "baselines:FedProtoStrategy"),
+    MethodEntry(LocalSettings, _E + "local:LocalDevice", _C + "local:LocalStrategy"),
+    MethodEntry(FedAvgSettings, _E + "fedavg:FedAvgDevice", _C + "fedavg:FedAvgStrategy"),
+    MethodEntry(LGFedAvgSettings, _E + "fedavg:LGFedAvgDevice", _C + "fedavg:LGFedAvgStrategy"),
+    MethodEntry(FedProtoSettings, _E + "fedproto:FedProtoDevice", _C + "fedproto:FedProtoStrategy"),
     MethodEntry(GeFLSettings, _E + "gefl:GeFLDevice", _C + "gefl:GeFLStrategy"),
     MethodEntry(GeFLFSettings, _E + "geflf:GeFLFDevice", _C + "geflf:GeFLFStrategy"),
     MethodEntry(FedVTCSettings, _E + "fedvtc:FedVTCDevice", _C + "fedvtc:FedVTCStrategy"),

@@ -21,7 +21,7 @@ from fedge.common.rounds import (
     generator_artifact,
 )
 from fedge.coordinator.aggregate import GroupedMean
-from fedge.coordinator.strategies.baselines import FedAvgStrategy, LGFedAvgStrategy, weight_spec
+from fedge.coordinator.strategies.fedavg import FedAvgStrategy, LGFedAvgStrategy, weight_spec
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
 from fedge.errors import ConfigError
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from fedge.common.method_settings import FedAvgSettings, GeFLFSettings, LGFedAvgSettings
 from fedge.common.rounds import EXTRACTOR_PREFIX, GENERATOR_PHASE, HEAD_PHASE, WARMUP_PHASE, DeviceInfo
-from fedge.coordinator.strategies.baselines import FedAvgStrategy, LGFedAvgStrategy, weight_spec
+from fedge.coordinator.strategies.fedavg import FedAvgStrategy, LGFedAvgStrategy, weight_spec
 from fedge.coordinator.strategies.gefl import GeneratorAverage, split_generator
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
 from fedge.errors import ConfigError

@@ -4,7 +4,7 @@ Three phases, as published for MNIST/FMNIST (20 + 100 + 50 rounds):
 
 1. ``warmup``: LG-FedAvg on the full model — the common extractor (the 3×16×16
    stem) is averaged over every device, the rest within the architecture group.
-   This is exactly :class:`~fedge.edge.methods.baselines.LGFedAvgDevice`, reused.
+   This is exactly :class:`~fedge.edge.methods.fedavg.LGFedAvgDevice`, reused.
 2. ``generator``: the extractor is frozen at its warm-up average; every device
    trains the same conditional *feature* generator (CVAE-F or DCGAN-F) on the
    extractor's outputs of its data, and the coordinator averages it.
@@ -27,7 +27,7 @@ from fedge.common.method_settings import GeFLFSettings
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, GENERATOR_PHASE, WARMUP_PHASE, RoundInfo, group_artifact
 from fedge.common.settings import MethodSettings
 from fedge.edge.methods.base import Arrays, DeviceContext, load_arrays, model_arrays
-from fedge.edge.methods.baselines import LGFedAvgDevice
+from fedge.edge.methods.fedavg import LGFedAvgDevice
 from fedge.edge.methods.gefl import GenerativeMixin
 from fedge.edge.models.zoo import EXTRACTOR
 

@@ -1,21 +1,14 @@
-"""Coordinator halves of the baselines: Local, FedAvg within a group, LG-FedAvg, FedProto."""
+"""FedAvg within an architecture group and LG-FedAvg, coordinator halves: sample-weighted means of weights."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
 from fedge.common.archs import arch_by_name
-from fedge.common.method_settings import FedAvgSettings, FedProtoSettings, LGFedAvgSettings, LocalSettings
-from fedge.common.rounds import (
-    EXTRACTOR_ARTIFACT,
-    EXTRACTOR_PREFIX,
-    PROTOTYPES_ARTIFACT,
-    DeviceInfo,
-    class_stats_spec,
-    group_artifact,
-)
+from fedge.common.method_settings import FedAvgSettings, LGFedAvgSettings
+from fedge.common.rounds import EXTRACTOR_ARTIFACT, EXTRACTOR_PREFIX, DeviceInfo, group_artifact
 from fedge.common.settings import MethodSettings
-from fedge.coordinator.aggregate import ClassMean, GroupedMean, mean
+from fedge.coordinator.aggregate import GroupedMean, mean
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
 
 
@@ -26,22 +19,6 @@ def weight_spec(arch: str) -> UpdateSpec:
         for k, shape in arch_by_name(arch).param_shapes().items()
         if not k.endswith("num_batches_tracked")
     }
-
-
-class LocalStrategy(Strategy):
-    """No aggregation: devices upload nothing but metrics."""
-
-    name = "local"
-    settings_type = LocalSettings
-
-    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        pass
-
-    def finish_round(self, rnd: int) -> dict[str, Arrays]:
-        return {}
-
-    def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
-        return {}
 
 
 class FedAvgStrategy(Strategy):
@@ -88,25 +65,3 @@ class LGFedAvgStrategy(FedAvgStrategy):
         if self.extractor:
             out[EXTRACTOR_ARTIFACT] = self.extractor.result()
         return out
-
-
-class FedProtoStrategy(Strategy):
-    """Count-weighted mean of per-class prototypes over all devices."""
-
-    name = "fedproto"
-    settings_type = FedProtoSettings
-
-    def begin_round(self, rnd: int) -> None:
-        self.protos = ClassMean(self.num_classes, self.aggregation)
-
-    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        self.protos.add(arrays["protos"], arrays["counts"])
-
-    def finish_round(self, rnd: int) -> dict[str, Arrays]:
-        if not self.protos:
-            return {}
-        protos, counts = self.protos.result()
-        return {PROTOTYPES_ARTIFACT: {"protos": protos, "counts": counts}}
-
-    def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
-        return class_stats_spec(self.num_classes, device.feature_dim)

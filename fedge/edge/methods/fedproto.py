@@ -1,62 +1,17 @@
-"""Device halves of the baselines: Local, FedAvg within a group, LG-FedAvg, FedProto."""
+"""FedProto (Tan et al., AAAI 2022), device half: per-class feature means up, global prototypes down."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
-from fedge.common.method_settings import FedAvgSettings, FedProtoSettings, LGFedAvgSettings, LocalSettings
-from fedge.common.rounds import EXTRACTOR_ARTIFACT, PROTOTYPES_ARTIFACT, RoundInfo, group_artifact
-from fedge.common.settings import MethodSettings
-from fedge.edge.methods.base import Arrays, DeviceMethod, load_arrays, model_arrays
+from fedge.common.method_settings import FedProtoSettings
+from fedge.common.rounds import PROTOTYPES_ARTIFACT, RoundInfo
+from fedge.edge.methods.base import Arrays, DeviceMethod
 from fedge.edge.methods.personal import PersonalMixin
-from fedge.edge.models.zoo import EXTRACTOR
 from fedge.edge.training import class_feature_stats, train_epochs
-
-
-class LocalDevice(DeviceMethod):
-    """No federation: train on local data only; uploads nothing but the sample count."""
-
-    name = "local"
-    settings_type = LocalSettings
-
-    def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
-        loss = train_epochs(self.ctx.model, self.ctx.train.x, self.ctx.train.y, self.ctx.train_cfg, self.ctx.rng)
-        return {}, {"loss": loss}
-
-
-class FedAvgDevice(DeviceMethod):
-    """FedAvg within an architecture group: upload all weights, get the group average back."""
-
-    name = "fedavg"
-    settings_type: ClassVar[type[MethodSettings]] = FedAvgSettings
-
-    def needed_artifacts(self, info: RoundInfo) -> list[str]:
-        return [group_artifact(self.ctx.model.spec.name)]
-
-    def apply_global(self, info: RoundInfo, artifacts: dict[str, Arrays]) -> None:
-        for arrays in artifacts.values():
-            load_arrays(self.ctx.model, arrays)
-
-    def upload(self) -> Arrays:
-        return model_arrays(self.ctx.model)
-
-    def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
-        loss = train_epochs(self.ctx.model, self.ctx.train.x, self.ctx.train.y, self.ctx.train_cfg, self.ctx.rng)
-        return self.upload(), {"loss": loss}
-
-
-class LGFedAvgDevice(FedAvgDevice):
-    """LG-FedAvg as fedge defines it: the common extractor is averaged over every device,
-    the rest of the network within the architecture group."""
-
-    name = "lgfedavg"
-    settings_type: ClassVar[type[MethodSettings]] = LGFedAvgSettings
-
-    def needed_artifacts(self, info: RoundInfo) -> list[str]:
-        return [EXTRACTOR_ARTIFACT, *super().needed_artifacts(info)]
 
 
 class FedProtoDevice(PersonalMixin, DeviceMethod):
@@ -132,6 +87,3 @@ class FedProtoDevice(PersonalMixin, DeviceMethod):
         sums, _, counts = class_feature_stats(ctx.model, ctx.train.x, ctx.train.y, ctx.num_classes)
         protos = sums / np.maximum(counts, 1)[:, None]
         return {"protos": protos.astype(np.float32), "counts": counts}, {"loss": loss}
-
-
-__all__ = ["EXTRACTOR", "FedAvgDevice", "FedProtoDevice", "LGFedAvgDevice", "LocalDevice"]

@@ -1,0 +1,25 @@
+"""Local, coordinator half: no aggregation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedge.common.method_settings import LocalSettings
+from fedge.common.rounds import DeviceInfo
+from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+
+
+class LocalStrategy(Strategy):
+    """No aggregation: devices upload nothing but metrics."""
+
+    name = "local"
+    settings_type = LocalSettings
+
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
+        pass
+
+    def finish_round(self, rnd: int) -> dict[str, Arrays]:
+        return {}
+
+    def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
+        return {}
