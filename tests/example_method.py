@@ -41,7 +41,6 @@ class HeadAvgSettings(MethodSettings):
 class HeadAvgDevice(DeviceMethod):
     """Train the whole network locally; upload the head; load the averaged head."""
 
-    name = "headavg"
     settings_type = HeadAvgSettings
     settings: HeadAvgSettings
 
@@ -63,7 +62,6 @@ class HeadAvgDevice(DeviceMethod):
 class HeadAvgStrategy(Strategy):
     """Sample-weighted mean of the heads over every device."""
 
-    name = "headavg"
     settings_type = HeadAvgSettings
     settings: HeadAvgSettings
 

@@ -28,6 +28,8 @@ def test_the_registry_names_each_method_once_with_matching_halves() -> None:
     for name, entry in METHODS.items():
         device, coordinator = entry.device_half(), entry.coordinator_half()
         assert name == entry.settings.method == device.name == coordinator.name
+        # written once, in the settings class: no half (nor a base of one) sets its own name
+        assert [c for half in (device, coordinator) for c in half.__mro__ if isinstance(vars(c).get("name"), str)] == []
         assert device.settings_type is entry.settings and coordinator.settings_type is entry.settings
 
 

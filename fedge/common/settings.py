@@ -138,6 +138,19 @@ class MethodSettings:
         return {k: getattr(self, f.name) for k, f in self.fields_by_key().items() if getattr(self, f.name) is not None}
 
 
+class MethodName:
+    """A method half's ``name``: its ``settings_type``'s :attr:`MethodSettings.method`.
+
+    The device half's and the coordinator half's base classes each declare ``name = MethodName()``;
+    a half sets only ``settings_type``, so the ``[run] method`` name is written once, in the
+    settings class, and the three can never disagree.
+    """
+
+    def __get__(self, obj: object, owner: Any) -> str:
+        settings: type[MethodSettings] = owner.settings_type
+        return settings.method
+
+
 def _check(key: str, value: Any, tp: Any, info: SettingInfo) -> Any:
     """``value`` if it fits ``tp`` and ``info``'s bounds (a float for an int given as a number), else raise."""
     args = typing.get_args(tp)

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from fedge.common.rounds import TRAIN_PHASE, DeviceInfo
-from fedge.common.settings import MethodSettings
+from fedge.common.settings import MethodName, MethodSettings
 from fedge.coordinator.aggregate import Aggregation
 
 Arrays = dict[str, np.ndarray]
@@ -24,7 +24,7 @@ class Strategy(ABC):
     then :meth:`finish_round`, whose artifacts are published for the next round.
     """
 
-    name: ClassVar[str]
+    name = MethodName()  # the [run] method name, read from settings_type (written once, there)
     settings_type: ClassVar[type[MethodSettings]]  # the method's [method] descriptor
     settings: MethodSettings  # subclasses narrow the type
     # How updates are combined; the engine sets its EngineConfig's. Strategies create their

@@ -24,7 +24,6 @@ def weight_spec(arch: str) -> UpdateSpec:
 class FedAvgStrategy(Strategy):
     """Sample-weighted average of full weights within each architecture group."""
 
-    name = "fedavg"
     settings_type: ClassVar[type[MethodSettings]] = FedAvgSettings
 
     def begin_round(self, rnd: int) -> None:
@@ -43,7 +42,6 @@ class FedAvgStrategy(Strategy):
 class LGFedAvgStrategy(FedAvgStrategy):
     """The extractor averaged over all devices; everything else within the group."""
 
-    name = "lgfedavg"
     settings_type: ClassVar[type[MethodSettings]] = LGFedAvgSettings
     # True: the group artifacts carry the group's own average of the stem as well (FedAvg within the
     # group), so a device can compare it with the fleet's; GeFL's guard sets it (docs/methods.md).

@@ -13,7 +13,6 @@ from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
 class FedProtoStrategy(Strategy):
     """Count-weighted mean of per-class prototypes over all devices."""
 
-    name = "fedproto"
     settings_type = FedProtoSettings
 
     def begin_round(self, rnd: int) -> None:

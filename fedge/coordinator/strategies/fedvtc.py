@@ -37,7 +37,6 @@ def pooled_statistics(n: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> tuple[np
 class FedVTCStrategy(Strategy):
     """FedVTC: count-weighted prototypes and pooled σ over every device."""
 
-    name = "fedvtc"
     settings_type = FedVTCSettings
 
     def begin_round(self, rnd: int) -> None:

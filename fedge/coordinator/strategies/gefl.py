@@ -88,7 +88,6 @@ def split_generator(arrays: Arrays) -> Arrays:
 class GeFLStrategy(Strategy):
     """GeFL: generator rounds, then target rounds (see the module docstring)."""
 
-    name = "gefl"
     settings_type = GeFLSettings
     settings: GeFLSettings
 

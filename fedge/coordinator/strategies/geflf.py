@@ -21,7 +21,6 @@ from fedge.errors import ConfigError
 class GeFLFStrategy(Strategy):
     """GeFL-F: see the module docstring."""
 
-    name = "geflf"
     settings_type = GeFLFSettings
     settings: GeFLFSettings
 

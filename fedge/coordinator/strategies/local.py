@@ -12,7 +12,6 @@ from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
 class LocalStrategy(Strategy):
     """No aggregation: devices upload nothing but metrics."""
 
-    name = "local"
     settings_type = LocalSettings
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:

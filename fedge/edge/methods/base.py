@@ -13,7 +13,7 @@ import torch
 
 from fedge.common.privacy import Mechanism
 from fedge.common.rounds import RoundInfo
-from fedge.common.settings import MethodSettings
+from fedge.common.settings import MethodName, MethodSettings
 from fedge.edge.data.datasets import Dataset
 from fedge.edge.models.zoo import FedgeNet
 from fedge.edge.training import TrainConfig, accuracy
@@ -55,7 +55,7 @@ class DeviceMethod(ABC):
     :meth:`train_round`, whose arrays are uploaded at the plan's precision.
     """
 
-    name: ClassVar[str]
+    name = MethodName()  # the [run] method name, read from settings_type (written once, there)
     settings_type: ClassVar[type[MethodSettings]]  # the method's [method] descriptor
     settings: MethodSettings  # subclasses narrow the type
 

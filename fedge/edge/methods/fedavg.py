@@ -14,7 +14,6 @@ from fedge.edge.training import train_epochs
 class FedAvgDevice(DeviceMethod):
     """FedAvg within an architecture group: upload all weights, get the group average back."""
 
-    name = "fedavg"
     settings_type: ClassVar[type[MethodSettings]] = FedAvgSettings
 
     def needed_artifacts(self, info: RoundInfo) -> list[str]:
@@ -36,7 +35,6 @@ class LGFedAvgDevice(FedAvgDevice):
     """LG-FedAvg as fedge defines it: the common extractor is averaged over every device,
     the rest of the network within the architecture group."""
 
-    name = "lgfedavg"
     settings_type: ClassVar[type[MethodSettings]] = LGFedAvgSettings
 
     def needed_artifacts(self, info: RoundInfo) -> list[str]:

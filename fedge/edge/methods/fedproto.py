@@ -25,7 +25,6 @@ class FedProtoDevice(PersonalMixin, DeviceMethod):
     label skew this is what lets prototypes improve accuracy on the global test set.
     """
 
-    name = "fedproto"
     settings_type = FedProtoSettings
     settings: FedProtoSettings
 

@@ -78,7 +78,6 @@ def local_statistics(model: nn.Module, x: np.ndarray, y: np.ndarray,
 class FedVTCDevice(PersonalMixin, DeviceMethod):
     """FedVTC: statistics up, a local decoder ψ_k, whole-model fine-tuning on decoded images."""
 
-    name = "fedvtc"
     settings_type = FedVTCSettings
     settings: FedVTCSettings
 

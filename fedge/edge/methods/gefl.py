@@ -207,7 +207,6 @@ class GenerativeMixin(PersonalMixin):
 class GeFLDevice(GenerativeMixin, DeviceMethod):
     """GeFL with an image-level CVAE or conditional DCGAN (``[method] generator``)."""
 
-    name = "gefl"
     settings_type = GeFLSettings
     settings: GeFLSettings
 

@@ -46,7 +46,6 @@ def stem_features(model: Any, x: np.ndarray, batch_size: int = 512) -> np.ndarra
 class GeFLFDevice(GenerativeMixin, LGFedAvgDevice):
     """GeFL-F with a CVAE-F or DCGAN-F feature generator (``[method] generator``)."""
 
-    name = "geflf"
     settings_type: ClassVar[type[MethodSettings]] = GeFLFSettings
     settings: GeFLFSettings
 

@@ -13,7 +13,6 @@ from fedge.edge.training import train_epochs
 class LocalDevice(DeviceMethod):
     """No federation: train on local data only; uploads nothing but the sample count."""
 
-    name = "local"
     settings_type = LocalSettings
 
     def train_round(self, info: RoundInfo) -> tuple[Arrays, dict[str, Any]]:
