@@ -13,18 +13,19 @@ import pytest
 from example_method import HEADS_ARTIFACT, HeadAvgSettings, register
 from fleet_helpers import tiny_fleet
 
-from fedge.common.method_settings import ALL_SETTINGS, FedVTCSettings, GeFLFSettings, GeFLSettings
+from fedge.broker.limits import ENVELOPE_BYTES, largest_message_bytes, largest_model_bytes
+from fedge.common.method_settings import FedVTCSettings, GeFLFSettings, GeFLSettings
 from fedge.common.settings import MethodSettings, settings_table, sync_tables, table_marker
 from fedge.edge.methods.base import model_arrays
 from fedge.errors import ConfigError
-from fedge.fleet.registry import METHODS, method_entry
+from fedge.fleet.registry import BUILTIN_SETTINGS, METHODS, method_entry
 
 ROOT = Path(__file__).resolve().parents[1]
-KEYED = [s for s in ALL_SETTINGS if s.fields_by_key()]
+KEYED = [s for s in BUILTIN_SETTINGS if s.fields_by_key()]
 
 
 def test_the_registry_names_each_method_once_with_matching_halves() -> None:
-    assert [e.settings for e in METHODS.values() if e.settings in ALL_SETTINGS] == list(ALL_SETTINGS)
+    assert [e.settings for e in METHODS.values() if e.settings in BUILTIN_SETTINGS] == list(BUILTIN_SETTINGS)
     for name, entry in METHODS.items():
         device, coordinator = entry.device_half(), entry.coordinator_half()
         assert name == entry.settings.method == device.name == coordinator.name
@@ -106,18 +107,30 @@ def test_an_unknown_method_suggests_the_closest() -> None:
     assert (e.value.hint or "").startswith("did you mean 'fedvtc'?")
 
 
+
+def test_the_broker_sizes_each_method_from_its_settings() -> None:
+    # the methods whose messages may carry a generator besides the model, read off their settings
+    assert {s.method for s in BUILTIN_SETTINGS if s.generative} == {"gefl", "geflf", "fedvtc"}
+    model = largest_model_bytes(["tier-xs"])
+    assert largest_message_bytes(["tier-xs"], "geflf") == 2 * model + ENVELOPE_BYTES
+    assert largest_message_bytes(["tier-xs"], "fedproto") == model + ENVELOPE_BYTES
+    register()  # a method added by its registry line alone is sized too
+    assert largest_message_bytes(["tier-xs"], "headavg") == model + ENVELOPE_BYTES
+    with pytest.raises(ConfigError, match="unknown method 'gefl-f'"):
+        largest_message_bytes(["tier-xs"], "gefl-f")
+
 # -- docs ------------------------------------------------------------------------------------------
 
 def test_methods_md_shows_every_descriptors_key_table_as_generated() -> None:
     doc = (ROOT / "docs" / "methods.md").read_text()
     for cls in KEYED:
         assert table_marker(cls)[0] in doc, f"docs/methods.md has no generated key table for {cls.method}"
-    fixed = sync_tables(doc, ALL_SETTINGS)
+    fixed = sync_tables(doc, BUILTIN_SETTINGS)
     assert fixed == doc, (
         "docs/methods.md is out of date with fedge/common/method_settings.py; regenerate with\n"
-        "python -c 'from pathlib import Path; from fedge.common.method_settings import ALL_SETTINGS; "
+        "python -c 'from pathlib import Path; from fedge.fleet.registry import BUILTIN_SETTINGS; "
         "from fedge.common.settings import sync_tables; p = Path(\"docs/methods.md\"); "
-        "p.write_text(sync_tables(p.read_text(), ALL_SETTINGS))'")
+        "p.write_text(sync_tables(p.read_text(), BUILTIN_SETTINGS))'")
     for cls in KEYED:  # every field documented, with a default
         table = settings_table(cls)
         assert all(f"| `{k}` |" in table for k in cls.fields_by_key())

@@ -16,7 +16,6 @@ from fleet_helpers import digits
 from fedge.common.initseeds import SharedStart, init_seeds, part_seed
 from fedge.common.inmemory import InMemoryDeviceTransport
 from fedge.common.messages import Message
-from fedge.common.method_settings import ALL_SETTINGS
 from fedge.common.rounds import EXTRACTOR_PREFIX, DeviceInfo, RoundInfo, group_artifact
 from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.edge.agent import DeviceAgent
@@ -27,7 +26,7 @@ from fedge.edge.models import build_model, build_seeded
 from fedge.edge.training import TrainConfig
 from fedge.fleet.config import FleetConfig, parse_fleet
 from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
-from fedge.fleet.registry import method_entry
+from fedge.fleet.registry import BUILTIN_SETTINGS, method_entry
 from fedge.sim.inprocess import connect_inprocess
 from fedge.sim.report import build_results
 from fedge.sim.simulate import simulate
@@ -67,7 +66,7 @@ def _equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 
 
 def test_every_built_in_method_is_in_the_table() -> None:
-    assert {s.method for s in ALL_SETTINGS} == {m for m, *_ in CASES.values()}
+    assert {s.method for s in BUILTIN_SETTINGS} == {m for m, *_ in CASES.values()}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from fedge.common.archs import TIERS, arch_by_name
 from fedge.errors import ConfigError
+from fedge.fleet.registry import method_entry
 from fedge.mqtt.chunking import MAX_FRAME_HEADER
 
 # Headroom on one packet: MQTT fixed header + topic (< 300 bytes) + a chunk frame header (<= 4096
@@ -27,8 +28,6 @@ PACKET_OVERHEAD = 16 * 1024
 SMALL_MESSAGE_BYTES = 64 * 1024
 # Envelope + safetensors header of an update on top of its tensors' bytes.
 ENVELOPE_BYTES = 64 * 1024
-# Methods that upload a generator (or its statistics) besides the target model: twice the model.
-GENERATIVE_METHODS = frozenset({"gefl", "gefl-f", "geflf", "fedvtc"})
 # Messages a device has queued for the coordinator besides its update's frames: status, hello, a spare.
 SMALL_PER_DEVICE = 4
 
@@ -45,12 +44,13 @@ def largest_message_bytes(archs: list[str | None], method: str, *, embed_dim: in
     """The largest update (or global state) a fleet of ``archs`` running ``method`` sends, at fp32.
 
     Every method's update is at most the device's whole model (FedAvg); generative
-    methods also carry a generator, counted as a second model. Statistics methods
-    (FedProto) send far less. This is a bound, not an estimate: the broker and the
-    coordinator refuse what exceeds it (with headroom).
+    methods (their settings say ``generative``: GeFL, GeFL-F, FedVTC) also carry a
+    generator, counted as a second model. Statistics methods (FedProto) send far
+    less. This is a bound, not an estimate: the broker and the coordinator refuse
+    what exceeds it (with headroom). An unknown ``method`` is a :class:`ConfigError`.
     """
     model = largest_model_bytes(archs, embed_dim=embed_dim)
-    factor = 2 if method.lower() in GENERATIVE_METHODS else 1
+    factor = 2 if method_entry(method).settings.generative else 1
     return factor * model + ENVELOPE_BYTES
 
 

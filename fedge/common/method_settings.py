@@ -120,6 +120,7 @@ _TIER_DOC = "generator size for every device (else each device's plan decides)"
 class GenerativeSettings(GuardedSettings):
     """What GeFL and GeFL-F share: the federated generator and the target schedule."""
 
+    generative: ClassVar[bool] = True
     level: ClassVar[str] = IMAGE_LEVEL  # generators of the 1×32×32 inputs (GeFL-F: of the 3×16×16 stem output)
     generators: ClassVar[tuple[str, ...]] = GEFL_GENERATORS
 
@@ -216,6 +217,7 @@ class FedVTCSettings(GuardedSettings):
 
     method: ClassVar[str] = "fedvtc"
     shares_features: ClassVar[bool] = True
+    generative: ClassVar[bool] = True  # the local decoder
     private_stats: ClassVar[tuple[str, ...]] = ("protos", "sigma")
 
     generator_tier: str | None = setting(None, "decoder size (`vtc` row of the tier table)",
@@ -242,6 +244,3 @@ class FedVTCSettings(GuardedSettings):
         """``decoder_epochs`` if set, else every alternation (``local_epochs``)."""
         return self.decoder_epochs if self.decoder_epochs is not None else local_epochs
 
-
-ALL_SETTINGS: tuple[type[MethodSettings], ...] = (
-    LocalSettings, FedAvgSettings, LGFedAvgSettings, FedProtoSettings, GeFLSettings, GeFLFSettings, FedVTCSettings)

@@ -68,6 +68,9 @@ class MethodSettings:
     method: ClassVar[str] = ""
     # True when devices exchange feature-space statistics, so every device needs the same p.
     shares_features: ClassVar[bool] = False
+    # True when the method trains a generator (federated, as GeFL's, or a local decoder, as FedVTC's): its
+    # messages may carry one besides the model, so the broker's limits count the model twice (fedge.broker.limits).
+    generative: ClassVar[bool] = False
     # Upload arrays that are statistics [privacy] clips and noises (fedge.common.privacy.STAT_ARRAYS).
     private_stats: ClassVar[tuple[str, ...]] = ()
 

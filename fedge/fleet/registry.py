@@ -93,6 +93,11 @@ METHODS: dict[str, MethodEntry] = {e.name: e for e in (
     MethodEntry(FedVTCSettings, _E + "fedvtc:FedVTCDevice", _C + "fedvtc:FedVTCStrategy"),
 )}
 
+BUILTIN_SETTINGS: tuple[type[MethodSettings], ...] = tuple(e.settings for e in METHODS.values())
+"""The settings class of every method fedge ships, in registry order: read off :data:`METHODS` as
+written above, so a method is listed by its registry line alone (a method added later with
+:func:`register_method` is not in it). The docs' key tables and the tests iterate over it."""
+
 
 def register_method(entry: MethodEntry) -> MethodEntry:
     """Add a method (e.g. one defined outside fedge) under its settings' name."""
