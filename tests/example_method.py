@@ -5,6 +5,10 @@ averaged over all devices by samples — possible across architectures because e
 the same p features. The three classes below appear verbatim in the docs (a test checks), where
 each goes to its own file; here they live in one module outside fedge and register themselves
 with :func:`fedge.fleet.registry.register_method`, as a method outside the tree would.
+
+They are the whole method: its name is written once (``HeadAvgSettings.method``; both halves read
+it through ``settings_type``), and what lists or sizes methods (``BUILTIN_SETTINGS``, the broker's
+packet limit) reads the registry line.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from fedge.edge.methods.base import DeviceMethod, load_arrays, model_arrays
 from fedge.edge.training import train_epochs
 from fedge.fleet.registry import METHODS, MethodEntry, register_method
 
-# -- the descriptor (fedge/common/method_settings.py) ------------------------------------------------------
-HEADS_ARTIFACT = "heads"  # artifact names live in fedge/common/rounds.py
+# -- the settings (fedge/common/method_settings.py) ------------------------------------------------
+HEADS_ARTIFACT = "heads"  # what the halves exchange, named beside the settings both import
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,8 @@ class HeadAvgStrategy(Strategy):
         return {"head.weight": ((c, p), "float"), "head.bias": ((c,), "float")}
 
 
-# -- the registry line (fedge/fleet/registry.py: MethodEntry(HeadAvgSettings, _E + "headavg:HeadAvgDevice",
-#    _C + "headavg:HeadAvgStrategy") in METHODS); outside fedge:
+# -- the registry line (fedge/fleet/registry.py, in METHODS: MethodEntry(HeadAvgSettings,
+#    _E + "headavg:HeadAvgDevice", _C + "headavg:HeadAvgStrategy")); outside fedge:
 def register() -> MethodEntry:
     """Register the example (once per process)."""
     if HeadAvgSettings.method in METHODS:

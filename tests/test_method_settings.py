@@ -18,6 +18,7 @@ from fedge.common.method_settings import FedVTCSettings, GeFLFSettings, GeFLSett
 from fedge.common.settings import MethodSettings, settings_table, sync_tables, table_marker
 from fedge.edge.methods.base import model_arrays
 from fedge.errors import ConfigError
+from fedge.fleet.config import parse_fleet
 from fedge.fleet.registry import BUILTIN_SETTINGS, METHODS, method_entry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,6 +156,12 @@ def test_the_adding_a_method_walkthrough_is_the_tested_example() -> None:
 
 def test_the_example_method_runs_on_a_fleet_and_shares_only_heads() -> None:
     register()
+    # its registry line is all the fleet config and both halves need: the name comes from the settings
+    entry = method_entry("headavg")
+    assert entry.device_half().name == entry.coordinator_half().name == "headavg"
+    cfg = parse_fleet({"run": {"method": "headavg", "rounds": 2, "dataset": "digits"}, "method": {"every": 2},
+                       "devices": [{"profile": "rpi3b", "count": 2}]})
+    assert cfg.method_config == HeadAvgSettings(every=2)
     fleet = tiny_fleet("headavg", ["cnn3-p32", "cnn1-p32", "cnn3-p32"], rounds=2, method_config={"every": 2})
     fleet.engine.run_round(1)  # not a sharing round: nothing uploaded, nothing published
     assert fleet.engine.globals == {}
