@@ -1,31 +1,215 @@
-"""Shared fixtures. MQTT: a real Mosquitto on a free loopback port per test (marker ``mqtt``)."""
+"""Shared fixtures; the markers that follow from them; the quick loop (``pytest --quick``, ``make check``).
+
+**Markers come from fixtures.** A test that needs something outside Python asks for it through a fixture
+below, and the fixture's marker follows by itself (:func:`pytest_collection_modifyitems`), whether the test
+names the fixture, reaches it through another fixture (pytest's fixture closure: ``mosquitto`` needs
+``mosquitto_bin``), or through a parametrized fixture whose parameter is the fixture's name (the transport
+contract's ``net`` fixture picks its broker with ``request.getfixturevalue(request.param)``):
+
+============================  ==========  =============================================================
+fixture                       marker      what the test needs
+============================  ==========  =============================================================
+``mosquitto``                 ``mqtt``    a fresh Mosquitto on loopback
+``mosquitto_bin``             ``mqtt``    the ``mosquitto`` binary (``mosquitto`` uses it, and so do tests
+                                          starting their own broker with a config of theirs)
+``mosquitto_passwd``          ``mqtt``    Mosquitto's ``mosquitto_passwd``
+``embedded_broker``           ``mqtt``    fedge's embedded amqtt broker, a server on loopback
+``docker_env``                ``docker``  a running Docker engine and the emulation's images
+``sshd``                      ``sshd``    OpenSSH's server on loopback (as root)
+============================  ==========  =============================================================
+
+``slow`` (more than ~20 s on the shared 2-core machine) is the one marker written on tests by hand.
+
+**Two loops.** ``make test`` (CI, through ``.ci/run``) runs everything: a missing Mosquitto is a failure,
+never a skip. ``make check`` runs ``pytest --quick``: tests marked ``mqtt``, ``docker``, ``sshd`` or ``slow``
+are skipped, each with its reason, so the summary says what the quick loop left to ``make test``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
-import torch
 
 from fedge.mqtt.broker import MosquittoProcess, mosquitto_binary
 
-# One intra-op thread for the whole session: float reductions then happen in the same order on
-# every machine and whichever test files run, so seeded training gives the same numbers.
-torch.set_num_threads(1)
+# fixture -> the marker it gives every test that uses it
+FIXTURE_MARKERS: dict[str, str] = {
+    "mosquitto_bin": "mqtt",
+    "mosquitto": "mqtt",  # needs mosquitto_bin, so its closure has it; listed for fixtures naming it as a parameter
+    "mosquitto_passwd": "mqtt",
+    "embedded_broker": "mqtt",
+    "docker_env": "docker",
+    "sshd": "sshd",
+}
+
+# marker -> why the quick loop leaves its tests to `make test`
+QUICK_SKIPS: dict[str, str] = {
+    "mqtt": "needs Mosquitto or an MQTT broker on loopback",
+    "docker": "needs a Docker engine",
+    "sshd": "starts sshd, a network server",
+    "slow": "slow (> ~20 s)",
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--quick", action="store_true", default=False,
+                     help="the quick loop (make check): skip, with the reason, every test that needs a broker, "
+                          "Docker or sshd, or is slow")
+
+
+def _needed_fixtures(item: pytest.Item) -> set[str]:
+    """Every fixture the test uses: its closure, plus fixture names chosen by a fixture's parameter."""
+    names = set(getattr(item, "fixturenames", ()))
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        names |= {v for v in callspec.params.values() if isinstance(v, str) and v in FIXTURE_MARKERS}
+    return names
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    quick = bool(config.getoption("--quick"))
+    for item in items:
+        for marker in sorted({FIXTURE_MARKERS[f] for f in _needed_fixtures(item) & FIXTURE_MARKERS.keys()}):
+            item.add_marker(marker)
+        if quick:
+            why = [QUICK_SKIPS[m] for m in QUICK_SKIPS if item.get_closest_marker(m) is not None]
+            if why:
+                item.add_marker(pytest.mark.skip(reason=f"quick loop: {'; '.join(why)} (make test runs it)"))
+
+
+# -- one intra-op thread for torch, set when torch is first imported ---------------------------------------
+# One thread makes float reductions happen in the same order on every machine and whichever test files run,
+# so seeded training gives the same numbers. Importing torch here (as this file once did) cost every run,
+# the quick loop included, ~2 s before the first test; instead the thread count is set the moment anything,
+# a test module or fedge inside a test, imports torch.
+
+def _one_thread(torch: Any) -> None:
+    torch.set_num_threads(1)
+
+
+class _TorchOneThread(importlib.abc.MetaPathFinder):
+    """Finds ``torch`` through the other finders and pins its thread count right after it loads."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "torch":
+            return None
+        sys.meta_path.remove(self)  # once; and importlib.util.find_spec below must not find us again
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_pin(module: ModuleType) -> None:
+            exec_module(module)
+            _one_thread(module)
+
+        loader.exec_module = exec_then_pin  # type: ignore[method-assign]
+        return spec
+
+
+if "torch" in sys.modules:  # a plugin got there first
+    _one_thread(sys.modules["torch"])
+else:
+    sys.meta_path.insert(0, _TorchOneThread())
+
+
+# -- what tests need from outside Python ----------------------------------------------------------------------
+
+def _check_marked(request: pytest.FixtureRequest, fixture: str) -> None:
+    """A test that reached ``fixture`` without its marker would dodge ``-m`` and the quick loop."""
+    marker = FIXTURE_MARKERS[fixture]
+    if request.node.get_closest_marker(marker) is None:
+        pytest.fail(f"{request.node.nodeid} uses {fixture} but is not marked {marker!r}: name the fixture in the "
+                    f"test's (or a fixture's) arguments, or as a fixture parameter, so the marker follows")
 
 
 @pytest.fixture
-def mosquitto() -> Iterator[MosquittoProcess]:
-    """A fresh anonymous Mosquitto on 127.0.0.1 and a free port, stopped after the test.
+def mosquitto_bin(request: pytest.FixtureRequest) -> str:
+    """The ``mosquitto`` executable, for tests that start a broker (the ``mosquitto`` fixture, or their own).
 
-    Without Mosquitto the MQTT tests fail (they are never skipped): ``.ci/run`` installs it,
-    locally ``apt-get install mosquitto``, or deselect them with ``-m "not mqtt"``.
+    Without Mosquitto the MQTT tests fail (they are never skipped in ``make test``): ``.ci/run`` installs it,
+    locally ``apt-get install mosquitto``, or run ``make check`` / ``pytest -m 'not mqtt'``.
     """
-    if mosquitto_binary() is None:
-        pytest.fail("mosquitto is not installed: apt-get install mosquitto (or run pytest -m 'not mqtt')")
+    _check_marked(request, "mosquitto_bin")
+    binary = mosquitto_binary()
+    if binary is None:
+        pytest.fail("mosquitto is not installed: apt-get install mosquitto (or run make check / pytest -m 'not mqtt')")
+    return binary
+
+
+@pytest.fixture
+def mosquitto(mosquitto_bin: str) -> Iterator[MosquittoProcess]:
+    """A fresh anonymous Mosquitto on 127.0.0.1 and a free port, stopped after the test."""
     broker = MosquittoProcess()
     broker.start()
     try:
         yield broker
     finally:
         broker.close()
+
+
+@pytest.fixture
+def mosquitto_passwd(request: pytest.FixtureRequest) -> str:
+    """The ``mosquitto_passwd`` tool (package ``mosquitto``); missing, the test fails (``make test``)."""
+    _check_marked(request, "mosquitto_passwd")
+    tool = shutil.which("mosquitto_passwd")
+    if tool is None:
+        pytest.fail("mosquitto_passwd comes with the mosquitto package: apt-get install mosquitto")
+    return tool
+
+
+@pytest.fixture
+def embedded_broker(request: pytest.FixtureRequest) -> None:
+    """Declares that the test starts fedge's embedded amqtt broker itself (``fedge simulate --transport
+    mqtt`` does): a network server on loopback, so the test is ``mqtt`` and not in the quick loop."""
+    _check_marked(request, "embedded_broker")
+
+
+@pytest.fixture
+def sshd(request: pytest.FixtureRequest) -> str:
+    """OpenSSH's ``sshd`` (with ``ssh-keygen`` and ``scp``), for a test that runs one on loopback as root.
+
+    Skipped with the reason without openssh or without root (CI runs as root and installs openssh-server).
+    """
+    _check_marked(request, "sshd")
+    server = shutil.which("sshd") or ("/usr/sbin/sshd" if Path("/usr/sbin/sshd").is_file() else None)
+    if server is None or shutil.which("ssh-keygen") is None or shutil.which("scp") is None:
+        pytest.skip("needs openssh-server and openssh-client (apt-get install openssh-server; .ci/run installs it)")
+    if os.geteuid() != 0:
+        pytest.skip("sshd needs root here (privilege separation directory /run/sshd); run as root, as CI does")
+    return server
+
+
+def _docker_cli_missing() -> bool:
+    return shutil.which("docker-compose") is None and shutil.which("docker") is None
+
+
+@pytest.fixture(scope="session")
+def docker_env() -> tuple[Any, Any]:
+    """A Docker client and the emulation's amd64 images (``fedge.emulate.compose.Images``), built if missing.
+
+    Without an engine every test using it is skipped with the reason (``.ci/run`` starts one).
+    """
+    from fedge.emulate import discovery, images
+    from fedge.errors import EmulationError
+
+    if _docker_cli_missing():
+        pytest.skip("no docker-compose / docker CLI: apt-get install docker.io docker-compose (.ci/run does it)")
+    try:
+        client = discovery.docker_client()
+        discovery.compose_command()
+    except EmulationError as exc:
+        pytest.skip(f"Docker tests need a running engine: {exc.message} ({exc.hint})")
+    return client, images.ensure_images(client, "amd64")

@@ -2,14 +2,14 @@
 FedProto fleet with a device killed mid-round finishes close to `fedge simulate` of the same config.
 
 Needs a running dockerd, the Docker SDK and docker-compose (``.ci/run`` installs and starts them as
-root). The first run builds the images (debootstrap base image, wheelhouse, device image: several
-minutes); later runs reuse them. Without an engine every test here is skipped with the reason.
+root). The first run builds the images (``docker_env`` in conftest.py, once per session: debootstrap base
+image, wheelhouse, device image: several minutes); later runs reuse them. Without an engine every test
+here is skipped with the reason.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,30 +18,13 @@ from typing import Any
 
 import pytest
 
-from fedge.emulate import discovery, faults, images, lifecycle, status
+from fedge.emulate import faults, lifecycle, status
 from fedge.emulate.cli import format_status
 from fedge.emulate.compose import Images
 from fedge.emulate.emulation import Emulation
-from fedge.errors import EmulationError
 
-pytestmark = pytest.mark.docker
-
-
-def _client_or_skip() -> Any:
-    if shutil.which("docker-compose") is None and shutil.which("docker") is None:
-        pytest.skip("no docker-compose / docker CLI: apt-get install docker.io docker-compose (.ci/run does it)")
-    try:
-        client = discovery.docker_client()
-        discovery.compose_command()
-    except EmulationError as exc:
-        pytest.skip(f"Docker tests need a running engine: {exc.message} ({exc.hint})")
-    return client
-
-
-@pytest.fixture(scope="module")
-def docker_env() -> tuple[Any, Images]:
-    client = _client_or_skip()
-    return client, images.ensure_images(client, "amd64")
+# docker_env (tests/conftest.py): the Docker client and the images, built once per session; using it marks a
+# test `docker`, and without an engine it skips, saying why.
 
 
 @pytest.fixture

@@ -21,8 +21,6 @@ from fedge.mqtt.broker import LOOPBACK, MosquittoProcess
 from fedge.mqtt.client import MqttClient
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
 
-pytestmark = pytest.mark.mqtt
-
 PROJECT = "fedge-emu-000000"
 
 

@@ -27,7 +27,7 @@ from fedge.flash.flash import flash, flash_dir
 from fedge.flash.image import flash_image
 from fedge.flash.payload import prepare
 from fedge.fleet.config import device_ids, load_fleet
-from fedge.mqtt.broker import MosquittoProcess, free_port, mosquitto_binary
+from fedge.mqtt.broker import MosquittoProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CMDLINE = "console=serial0,115200 console=tty1 root=PARTUUID=4e639091-02 rootfstype=ext4 fsck.repair=yes rootwait\n"
@@ -377,14 +377,11 @@ def test_systemd_analyze_verifies_the_installed_unit(tmp_path: Path) -> None:
     assert proc.returncode == 0 and lines == [], proc.stderr
 
 
-@pytest.mark.mqtt
-def test_flashed_install_runs_an_agent_on_real_images_that_is_aggregated(tmp_path: Path) -> None:
+def test_flashed_install_runs_an_agent_on_real_images_that_is_aggregated(tmp_path: Path, mosquitto_bin: str) -> None:
     """The proof: flash an image, read the payload back, install it into a scratch prefix, put real digit PNGs
     into its data folder, start the installed launcher; with a coordinator on a Mosquitto configured by
     `fedge broker config` (accounts, ACL) the device is aggregated in both training rounds."""
     _need("sfdisk", "mkfs.vfat", "mcopy")
-    if mosquitto_binary() is None:
-        pytest.fail("mosquitto is not installed: apt-get install mosquitto")
     port = free_port()
     fleet, broker_dir = fleet_and_broker(tmp_path, port)
     image = tmp_path / "card.img"
@@ -435,14 +432,9 @@ def test_flashed_install_runs_an_agent_on_real_images_that_is_aggregated(tmp_pat
     assert (status["train"], status["test"], status["skipped"], status["error"]) == (120, 30, 0, None)
 
 
-def test_flash_ssh_installs_on_a_running_device_over_a_real_sshd(tmp_path: Path) -> None:
+def test_flash_ssh_installs_on_a_running_device_over_a_real_sshd(tmp_path: Path, sshd: str) -> None:
     """--ssh against Debian's OpenSSH server on 127.0.0.1 (key auth, a free port): the payload is copied and
     install.sh runs there (into a scratch prefix, as the remote user)."""
-    sshd = shutil.which("sshd") or ("/usr/sbin/sshd" if Path("/usr/sbin/sshd").is_file() else None)
-    if sshd is None or shutil.which("ssh-keygen") is None or shutil.which("scp") is None:
-        pytest.skip("needs openssh-server and openssh-client (apt-get install openssh-server; .ci/run installs it)")
-    if os.geteuid() != 0:
-        pytest.skip("sshd needs root here (privilege separation directory /run/sshd); run as root, as CI does")
     fleet, broker = fleet_and_broker(tmp_path)
     keys = tmp_path / "ssh"
     keys.mkdir(mode=0o700)

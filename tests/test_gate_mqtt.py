@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 from gate_helpers import CLASSES, FLEET, device, expected_prototypes, hello, honest_update
 from test_fuzz import Mutator
 from test_gate import DEEP, DEEP_HELLO, int8_update, raw_message, update
@@ -26,8 +25,6 @@ from fedge.mqtt.client import new_paho_client
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.mqtt.topics import FleetTopics
-
-pytestmark = pytest.mark.mqtt
 
 
 class Devices:

@@ -29,14 +29,12 @@ DEVICES = ["cam-1", "cam-2"]
 T = FleetTopics(FLEET)
 
 
-def test_password_hashes_match_mosquitto_passwd(tmp_path: Path) -> None:
+def test_password_hashes_match_mosquitto_passwd(tmp_path: Path, mosquitto_passwd: str) -> None:
     line = hash_password("s3cret", salt=b"0123456789ab", iterations=101)
     assert line.startswith("$7$101$MDEyMzQ1Njc4OWFi$") and verify_password("s3cret", line)
     assert not verify_password("wrong", line)
-    tool = shutil.which("mosquitto_passwd")
-    assert tool is not None, "mosquitto_passwd comes with the mosquitto package: apt-get install mosquitto"
     pw = tmp_path / "pw"
-    subprocess.run([tool, "-c", "-b", str(pw), "alice", "s3cret"], check=True, capture_output=True)
+    subprocess.run([mosquitto_passwd, "-c", "-b", str(pw), "alice", "s3cret"], check=True, capture_output=True)
     assert verify_password("s3cret", pw.read_text().strip().split(":", 1)[1])
 
 
@@ -61,7 +59,7 @@ def _broker(*, tls: bool, **opts: object) -> Iterator[tuple[MosquittoProcess, Pa
 
 
 @pytest.fixture
-def secured() -> Iterator[tuple[MosquittoProcess, Path]]:
+def secured(mosquitto_bin: str) -> Iterator[tuple[MosquittoProcess, Path]]:
     yield from _broker(tls=False)
 
 
@@ -83,7 +81,6 @@ def _settle(got: list[Received], n: int, timeout: float = 2.0) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.mqtt
 def test_a_device_writes_only_its_own_topics(secured: tuple[MosquittoProcess, Path]) -> None:
     broker, out = secured
     seen: list[Received] = []
@@ -115,7 +112,6 @@ def test_a_device_writes_only_its_own_topics(secured: tuple[MosquittoProcess, Pa
             c.stop()
 
 
-@pytest.mark.mqtt
 def test_unknown_clients_cannot_connect(secured: tuple[MosquittoProcess, Path]) -> None:
     broker, out = secured
     with pytest.raises(TransportError, match="refused"):
@@ -126,8 +122,7 @@ def test_unknown_clients_cannot_connect(secured: tuple[MosquittoProcess, Path]) 
         MqttClient(BrokerSettings(port=broker.port), "anonymous").start(5)
 
 
-@pytest.mark.mqtt
-def test_tls_with_the_generated_ca() -> None:
+def test_tls_with_the_generated_ca(mosquitto_bin: str) -> None:
     for broker, out in _broker(tls=True):
         ok = _client(broker, out, "cam-1", tls=True, ca_file=str(out / "tls/ca.crt"))
         assert ok.connected
@@ -150,7 +145,6 @@ def _wait(cond: object, timeout: float = 5.0) -> bool:
     return False
 
 
-@pytest.mark.mqtt
 def test_a_device_password_cannot_take_over_another_client_id(secured: tuple[MosquittoProcess, Path]) -> None:
     """use_username_as_clientid: cam-1's credentials with cam-2's or the coordinator's client id connect as
     cam-1: cam-2 is not kicked (its last-will does not fire) and the coordinator's session keeps its queue."""
@@ -184,7 +178,6 @@ def test_a_device_password_cannot_take_over_another_client_id(secured: tuple[Mos
             c.stop()
 
 
-@pytest.mark.mqtt
 def test_started_as_root_it_drops_privileges_and_reads_its_files(secured: tuple[MosquittoProcess, Path]) -> None:
     broker, out = secured
     if os.geteuid() != 0:
@@ -210,11 +203,10 @@ def test_started_as_root_it_drops_privileges_and_reads_its_files(secured: tuple[
 
 
 @pytest.fixture
-def limited() -> Iterator[tuple[MosquittoProcess, Path]]:
+def limited(mosquitto_bin: str) -> Iterator[tuple[MosquittoProcess, Path]]:
     yield from _broker(tls=False, max_message_bytes=4096, chunk_bytes=4096)
 
 
-@pytest.mark.mqtt
 def test_packet_and_queue_limits_are_enforced(limited: tuple[MosquittoProcess, Path]) -> None:
     broker, out = limited
     conf = (out / "mosquitto.conf").read_text()

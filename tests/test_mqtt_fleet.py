@@ -36,8 +36,6 @@ from fedge.sim.inprocess import run_inprocess
 from fedge.sim.over_mqtt import start_fleet
 from fedge.sim.simulate import build_fleet, simulate
 
-pytestmark = pytest.mark.mqtt
-
 FLEET_TOML = """
 [run]
 method = "{method}"
@@ -136,7 +134,7 @@ def test_mqtt_fleet_equals_in_process(tmp_path: Path, mosquitto: MosquittoProces
             assert r_mqtt.metrics[dev] == pytest.approx(m, abs=1e-6)
 
 
-def test_simulate_transport_mqtt_embedded_broker(tmp_path: Path) -> None:
+def test_simulate_transport_mqtt_embedded_broker(tmp_path: Path, embedded_broker: None) -> None:
     """``fedge simulate --transport mqtt``: an in-process amqtt broker, devices in threads, same result."""
     ref = reference(tmp_path, "fedproto")
     res = simulate(fleet_config(tmp_path, "fedproto", "sim-embedded"), transport="mqtt")

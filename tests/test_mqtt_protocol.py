@@ -177,7 +177,6 @@ def _round(rnd: int, globals_: dict[str, int], run: str = "run-a") -> bytes:
                                                              "globals": globals_}).to_bytes()
 
 
-@pytest.mark.mqtt
 def test_chunked_update_and_global_over_mosquitto(mosquitto: MosquittoProcess) -> None:
     co, dev = _pair(mosquitto)
     try:
@@ -204,7 +203,6 @@ def test_chunked_update_and_global_over_mosquitto(mosquitto: MosquittoProcess) -
         co.close()
 
 
-@pytest.mark.mqtt
 def test_a_late_device_gets_the_retained_state(mosquitto: MosquittoProcess) -> None:
     wire = TransportSettings(chunk_bytes=16 * 1024, global_timeout_s=10)
     co = MqttCoordinatorTransport(mosquitto.settings(), "f1", wire).start()
@@ -223,7 +221,6 @@ def test_a_late_device_gets_the_retained_state(mosquitto: MosquittoProcess) -> N
         co.close()
 
 
-@pytest.mark.mqtt
 def test_last_will_marks_a_vanished_device_offline(mosquitto: MosquittoProcess) -> None:
     co, dev = _pair(mosquitto)
     try:
@@ -242,7 +239,6 @@ def test_last_will_marks_a_vanished_device_offline(mosquitto: MosquittoProcess) 
         co.close()
 
 
-@pytest.mark.mqtt
 def test_devices_and_coordinator_survive_a_broker_restart(mosquitto: MosquittoProcess) -> None:
     """The broker dies with everything it held; both sides reconnect, the coordinator republishes its retained
     state and re-announces the round, and the device resends the update the coordinator may have missed."""
@@ -287,7 +283,6 @@ def test_devices_and_coordinator_survive_a_broker_restart(mosquitto: MosquittoPr
         co.close()
 
 
-@pytest.mark.mqtt
 def test_refused_connection_is_a_clear_error(mosquitto: MosquittoProcess) -> None:
     with pytest.raises(TransportError, match="no connection"):
         MqttDeviceTransport(BrokerSettings(port=free_port()), "f1", "d1",
@@ -296,8 +291,7 @@ def test_refused_connection_is_a_clear_error(mosquitto: MosquittoProcess) -> Non
 
 # -- broker outages: publishing waits, a graceful shutdown's last-wills are no mass dropout -----------
 
-@pytest.mark.mqtt
-def test_publishing_while_the_broker_is_down_waits_for_it() -> None:
+def test_publishing_while_the_broker_is_down_waits_for_it(mosquitto_bin: str) -> None:
     """paho 2.2 raises RuntimeError from is_published() for a message queued while disconnected; the
     transport instead waits for the reconnection and the broker's acknowledgement."""
     with MosquittoProcess(persistence=True) as broker:
@@ -342,8 +336,7 @@ def _wait_until(cond: Callable[[], bool], timeout: float) -> bool:
     return cond()
 
 
-@pytest.mark.mqtt
-def test_a_graceful_broker_restart_is_not_a_mass_dropout() -> None:
+def test_a_graceful_broker_restart_is_not_a_mass_dropout(mosquitto_bin: str) -> None:
     """SIGTERM: Mosquitto publishes every device's last-will just before it drops the coordinator, and keeps
     those `offline` statuses across the restart. The coordinator must not take them for a mass dropout: the
     round goes on and takes the updates sent after the reconnection; a device that really stays away counts
@@ -383,7 +376,6 @@ def test_a_graceful_broker_restart_is_not_a_mass_dropout() -> None:
             co.close()
 
 
-@pytest.mark.mqtt
 def test_a_stray_retained_update_is_refused_and_deleted(mosquitto: MosquittoProcess) -> None:
     rogue = MqttDeviceTransport(mosquitto.settings(), "f1", "d1").start()
     t = FleetTopics("f1")

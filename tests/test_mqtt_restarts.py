@@ -32,8 +32,6 @@ from fedge.sim.inprocess import run_inprocess
 from fedge.sim.over_mqtt import start_fleet
 from fedge.sim.simulate import build_fleet
 
-pytestmark = pytest.mark.mqtt  # ~10-15 s per test: the proof runs in `make test`
-
 FLEET_TOML = """
 [run]
 method = "fedproto"
@@ -85,7 +83,7 @@ def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
-def test_ten_broker_restarts_mid_round_lose_nothing(tmp_path: Path, how: str) -> None:
+def test_ten_broker_restarts_mid_round_lose_nothing(tmp_path: Path, how: str, mosquitto_bin: str) -> None:
     rounds = 10
     cfg = fleet(tmp_path, f"brk-{how.lower()}", rounds)
     reference = uninterrupted(cfg)

@@ -238,7 +238,6 @@ def test_a_device_whose_folder_cannot_start_says_why_in_its_status(tmp_path: Pat
     assert "the data set is empty" in st["error"] and "fix: put images in one sub-folder per class" in st["error"]
 
 
-@pytest.mark.mqtt
 def test_a_data_device_sends_only_the_methods_artifacts(tmp_path: Path, mosquitto: MosquittoProcess) -> None:
     """Every message a --data device publishes, captured at the broker: a hello with its registry record,
     online/offline status, and per round one update whose tensors are exactly the method's prototypes."""

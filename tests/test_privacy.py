@@ -185,7 +185,6 @@ def test_received_statistics_are_projected_into_the_clip() -> None:
     assert np.isfinite(clip_rows(np.array([[np.inf, 1.0]]), 1.0)).all()
 
 
-@pytest.mark.mqtt
 def test_fedge_coordinator_run_reports_epsilon_each_round(tmp_path: Path, mosquitto: MosquittoProcess) -> None:
     """The standalone coordinator over a real Mosquitto prints ε per round and keeps it in reports.jsonl."""
     import subprocess
