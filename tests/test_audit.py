@@ -63,6 +63,7 @@ def _cvae(x01: np.ndarray, y: np.ndarray, epochs: int) -> ConditionalGenerator:
     return g
 
 
+@pytest.mark.slow
 def test_an_overfit_generator_scores_clearly_more_memorized() -> None:
     torch.set_num_threads(1)
     train, test = digits()
@@ -104,6 +105,7 @@ def vtc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run / "out"
 
 
+@pytest.mark.slow
 def test_fedge_audit_privacy_on_a_fedvtc_run(vtc_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from fedge.cli import main
 
@@ -124,6 +126,7 @@ def test_fedge_audit_privacy_on_a_fedvtc_run(vtc_run: Path, capsys: pytest.Captu
         assert Path(a["figure"]).is_file() and Path(a["figure"]).stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_a_geflf_feature_generator_is_judged_through_the_inverter(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     from fedge.cli import main

@@ -124,6 +124,7 @@ def test_statistics_with_nan_are_rejected_and_do_not_reach_the_aggregate() -> No
     assert np.all(np.isfinite(stats["sigma"])) and np.all(np.isfinite(stats["protos"]))
 
 
+@pytest.mark.slow
 def test_ablation_switches_change_what_trains() -> None:
     with pytest.raises(ConfigError, match="finetune"):
         skewed_fleet("fedvtc", rounds=1, method_config={"finetune": "body"})

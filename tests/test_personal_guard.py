@@ -134,6 +134,7 @@ def test_guard_skips_noise_and_the_device_stays_near_local() -> None:
     assert mine >= local - 0.05, f"{NOISY}: {mine:.3f} vs Local {local:.3f}"
 
 
+@pytest.mark.slow
 def test_guard_keeps_the_groups_extractor_where_the_fleets_hurts() -> None:
     """GeFL averages the common extractor over every architecture (the published ``avg_FE = 1``);
     with the guard each device also judges that average against its group's own stem. On this fleet
@@ -188,6 +189,7 @@ def test_guard_keeps_the_groups_extractor_where_the_fleets_hurts() -> None:
     assert all(np.array_equal(model_arrays(model)[k], hostile[k]) for k in stem_keys)
 
 
+@pytest.mark.slow
 def test_personal_head_never_falls_behind_local() -> None:
     """FedProto with a personal head: every device within 6 points (two of the smallest split's
     digits) of Local on its own split, the mean within the issue's 1 point, and the personal head
@@ -219,6 +221,7 @@ def _own_distribution_accuracy(predict: Any, train_y: np.ndarray, test: Any) -> 
     return float(sum(share[c] * (pred[test.y == c] == c).mean() for c in range(10) if share[c] > 0))
 
 
+@pytest.mark.slow
 def test_a_tiny_device_gets_enough_personal_steps_to_match_local() -> None:
     """Dirichlet(0.1), seed 1, GeFL-F: d0 holds 23 training digits (one batch, mostly 2s) and shares
     its architecture with d3 (385 digits, no 2s), so the head averaged within the group serves d0

@@ -110,6 +110,7 @@ def fleet_doc(method: str, privacy: dict | None, rounds: int = 2) -> dict:
     return doc
 
 
+@pytest.mark.slow
 def test_fleet_uploads_are_clipped_and_epsilon_is_reported() -> None:
     from fedge.coordinator.engine import EngineConfig, RoundEngine
     from fedge.fleet.devices import build_devices, load_fleet_data
@@ -148,6 +149,7 @@ def test_the_run_stops_when_its_budget_is_spent() -> None:
     assert not out["budget_spent"]
 
 
+@pytest.mark.slow
 def test_on_budget_warn_goes_on_and_reports_the_overspend(caplog: pytest.LogCaptureFixture) -> None:
     from fedge.sim.report import build_results
     from fedge.sim.simulate import simulate

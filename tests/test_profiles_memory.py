@@ -118,6 +118,7 @@ print((peak_kib() - base) / 1024)  # KiB -> MiB
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the peak RSS from /proc/self/status")
 def test_training_step_peak_memory_matches_the_estimate() -> None:
     cases = [("xs", 64), ("xl", 64)]  # the two extremes of the plans: workspace-bound and activation-bound

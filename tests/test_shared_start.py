@@ -153,6 +153,7 @@ def _final_acc(cfg: FleetConfig) -> float:
     return float(build_results(simulate(cfg))["summary"]["mean_final_acc_global"])
 
 
+@pytest.mark.slow
 def test_fedavg_of_one_group_learns_from_one_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """8 devices of one architecture, IID digits, 3 rounds: as shipped (one start) against the same
     fleet whose devices start from their own seeds, as fedge did before issue 25. Measured: 80.4 %
