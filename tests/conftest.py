@@ -22,7 +22,9 @@ fixture                       marker      what the test needs
 
 **Two loops.** ``make test`` (CI, through ``.ci/run``) runs everything: a missing Mosquitto is a failure,
 never a skip. ``make check`` runs ``pytest --quick``: tests marked ``mqtt``, ``docker``, ``sshd`` or ``slow``
-are skipped, each with its reason, so the summary says what the quick loop left to ``make test``.
+are skipped, each with its reason, so the summary says what the quick loop left to ``make test``; and a test
+whose system package is missing (``fashion_mnist``) skips there saying what to install, where ``make test``
+fails.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -127,6 +129,14 @@ else:
 
 # -- what tests need from outside Python ----------------------------------------------------------------------
 
+def _missing(request: pytest.FixtureRequest, what: str) -> NoReturn:
+    """Something from outside Python is not installed: ``make test`` fails (CI installs it), never skips;
+    the quick loop skips, saying what to install."""
+    if request.config.getoption("--quick"):
+        pytest.skip(f"quick loop: {what}")
+    pytest.fail(what)
+
+
 def _check_marked(request: pytest.FixtureRequest, fixture: str) -> None:
     """A test that reached ``fixture`` without its marker would dodge ``-m`` and the quick loop."""
     marker = FIXTURE_MARKERS[fixture]
@@ -145,7 +155,8 @@ def mosquitto_bin(request: pytest.FixtureRequest) -> str:
     _check_marked(request, "mosquitto_bin")
     binary = mosquitto_binary()
     if binary is None:
-        pytest.fail("mosquitto is not installed: apt-get install mosquitto (or run make check / pytest -m 'not mqtt')")
+        _missing(request, "mosquitto is not installed: apt-get install mosquitto (or run make check / pytest -m "
+                          "'not mqtt')")
     return binary
 
 
@@ -166,8 +177,18 @@ def mosquitto_passwd(request: pytest.FixtureRequest) -> str:
     _check_marked(request, "mosquitto_passwd")
     tool = shutil.which("mosquitto_passwd")
     if tool is None:
-        pytest.fail("mosquitto_passwd comes with the mosquitto package: apt-get install mosquitto")
+        _missing(request, "mosquitto_passwd comes with the mosquitto package: apt-get install mosquitto")
     return tool
+
+
+@pytest.fixture
+def fashion_mnist(request: pytest.FixtureRequest) -> Path:
+    """Fashion-MNIST from the Debian package ``dataset-fashion-mnist`` (``.ci/run`` installs it)."""
+    from fedge.edge.data.datasets import FMNIST_DIR
+
+    if not FMNIST_DIR.is_dir():
+        _missing(request, "apt-get install dataset-fashion-mnist")
+    return FMNIST_DIR
 
 
 @pytest.fixture
