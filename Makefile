@@ -1,6 +1,8 @@
-# fedge: the two commands of the README, each doing its own set-up.
+# fedge: the commands of the README, each doing its own set-up.
 #   make demo   create .venv if missing, install, run a heterogeneous fleet on digits
-#   make test   same set-up, then ruff, the import contract (lint-imports), mypy and pytest
+#   make check  the quick loop: same set-up, ruff, the import contracts, mypy and every test that needs
+#               no broker, no Docker, no sshd and no long training (the others are skipped, saying why)
+#   make test   the whole suite (CI: .ci/run): ruff, the import contracts, mypy and every test
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -8,7 +10,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest install clean bench-baselines
+.PHONY: demo check test lint typecheck pytest pytest-quick install clean bench-baselines
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +35,12 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q
+
+# --quick: tests marked mqtt, docker, sshd or slow are skipped with the reason (tests/conftest.py).
+pytest-quick: $(STAMP)
+	$(BIN)/pytest -q --quick
+
+check: lint typecheck pytest-quick
 
 test: lint typecheck pytest
 
