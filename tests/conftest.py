@@ -35,7 +35,9 @@ import importlib.util
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
@@ -87,6 +89,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             why = [QUICK_SKIPS[m] for m in QUICK_SKIPS if item.get_closest_marker(m) is not None]
             if why:
                 item.add_marker(pytest.mark.skip(reason=f"quick loop: {'; '.join(why)} (make test runs it)"))
+    # The Docker tests last (in their order): their images build in the background meanwhile (see below).
+    items.sort(key=lambda item: item.get_closest_marker("docker") is not None)
 
 
 # -- one intra-op thread for torch, set when torch is first imported ---------------------------------------
@@ -213,12 +217,46 @@ def sshd(request: pytest.FixtureRequest) -> str:
     return server
 
 
+# -- Docker: the images, built once per session, from the start of the run ----------------------------------
+# Building them takes minutes (the wheelhouse, the device and coordinator images; more from nothing) and is
+# mostly the engine's work, so when the run has Docker tests to run the build starts as soon as collection
+# ends, in a thread, while the tests that need no engine run (the Docker tests are moved to the end of the
+# run for that, by pytest_collection_modifyitems); docker_env waits for it.
+_IMAGES = pytest.StashKey[Future[Any]]()
+
+
 def _docker_cli_missing() -> bool:
     return shutil.which("docker-compose") is None and shutil.which("docker") is None
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly or _docker_cli_missing() or not any(
+            item.get_closest_marker("docker") is not None and item.get_closest_marker("skip") is None
+            for item in session.items):
+        return
+    from fedge.emulate import discovery, images
+    from fedge.errors import EmulationError
+
+    try:
+        client = discovery.docker_client()
+        discovery.compose_command()
+    except EmulationError:
+        return  # no engine: docker_env skips, saying why
+    built: Future[Any] = Future()
+
+    def build() -> None:
+        try:
+            built.set_result(images.ensure_images(client, "amd64"))
+        except BaseException as exc:  # raised again by docker_env, in the tests that need the images
+            built.set_exception(exc)
+
+    # A daemon thread: a run stopped early (-x, Ctrl-C) does not wait for a build nobody needs any more.
+    threading.Thread(target=build, name="docker-images", daemon=True).start()
+    session.config.stash[_IMAGES] = built
+
+
 @pytest.fixture(scope="session")
-def docker_env() -> tuple[Any, Any]:
+def docker_env(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     """A Docker client and the emulation's amd64 images (``fedge.emulate.compose.Images``), built if missing.
 
     Without an engine every test using it is skipped with the reason (``.ci/run`` starts one).
@@ -233,4 +271,5 @@ def docker_env() -> tuple[Any, Any]:
         discovery.compose_command()
     except EmulationError as exc:
         pytest.skip(f"Docker tests need a running engine: {exc.message} ({exc.hint})")
-    return client, images.ensure_images(client, "amd64")
+    building = request.config.stash.get(_IMAGES, None)
+    return client, (building.result() if building is not None else images.ensure_images(client, "amd64"))

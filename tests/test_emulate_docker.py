@@ -2,9 +2,17 @@
 FedProto fleet with a device killed mid-round finishes close to `fedge simulate` of the same config.
 
 Needs a running dockerd, the Docker SDK and docker-compose (``.ci/run`` installs and starts them as
-root). The first run builds the images (``docker_env`` in conftest.py, once per session: debootstrap base
-image, wheelhouse, device image: several minutes); later runs reuse them. Without an engine every test
-here is skipped with the reason.
+root). The images are built once per session (``docker_env`` in conftest.py: debootstrap base image,
+wheelhouse, device image: several minutes the first time); later runs reuse them. Without an engine every
+test here is skipped with the reason.
+
+The two tests share one module fixture, ``fleets``: it prepares both fleets (each calibration alone in this
+process: it measures this process's CPU time) and starts the OOM fleet in a background thread, which also
+records its containers' limits and qdiscs the moment it is online, as the OOM test once did right after
+starting it. The FedProto test, first in this file, then drives its own fleet through the faults while the
+OOM fleet boots, trains and is killed beside it; the OOM test asserts on what that run did and left. Every
+device is throttled to a few percent of a core, so the two fleets hardly compete, and the module takes the
+FedProto test's time rather than the sum of both. Either order passes; this one is the fast one.
 """
 
 from __future__ import annotations
@@ -12,16 +20,17 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fedge.emulate import faults, lifecycle, status
+from fedge.emulate import discovery, faults, lifecycle, status
 from fedge.emulate.cli import format_status
-from fedge.emulate.compose import Images
-from fedge.emulate.emulation import Emulation
+from fedge.emulate.compose import Images, fleet_subnet
+from fedge.emulate.emulation import Emulation, project_name
 
 # docker_env (tests/conftest.py): the Docker client and the images, built once per session; using it marks a
 # test `docker`, and without an engine it skips, saying why.
@@ -66,53 +75,6 @@ profile = "x86-gateway"
 profile = "rpi-zero-2w"
 arch = "tier-xl"
 """
-
-
-def test_limits_reach_the_containers_and_an_over_memory_plan_is_oom_killed(
-        docker_env: tuple[Any, Images], tmp_path: Path, emulation: list[Emulation]) -> None:
-    client, tags = docker_env
-    fleet = _write(tmp_path, "oom.toml", OOM_FLEET)
-    emu = lifecycle.prepare(fleet, tmp_path / "emu", images=tags, min_devices=1)
-    emulation.append(emu)
-    lifecycle.start(emu, client, online_timeout=300)
-    cs = emu.containers(client)
-    for dev, lim in emu.limits.items():
-        hc = cs[dev].attrs["HostConfig"]
-        assert hc["NanoCpus"] == round(lim["cpus"] * 1e9), dev
-        assert hc["Memory"] == lim["mem_limit_mb"] * 2**20, dev
-        assert hc["MemorySwap"] == lim["mem_limit_mb"] * 2**20, dev
-        assert "NET_ADMIN" in (hc["CapAdd"] or []), dev
-        # tc's own JSON: the uplink tbf on eth0, the downlink tbf on the ifb that eth0's ingress feeds.
-        for iface, kbit in (("eth0", lim["uplink_kbit"]), ("ifb0", lim["downlink_kbit"])):
-            code, out = cs[dev].exec_run(["tc", "-j", "qdisc", "show", "dev", iface])
-            assert code == 0, out
-            tbf = [q for q in json.loads(out) if q["kind"] == "tbf"]
-            assert len(tbf) == 1, out
-            assert tbf[0]["options"]["rate"] == kbit * 1000 // 8, (dev, iface)
-            netem = [q for q in json.loads(out) if q["kind"] == "netem"]
-            if netem:  # kernels without sch_netem keep the rate only (shape-link.sh says so in the log)
-                assert netem[0]["options"]["delay"]["delay"] == pytest.approx(lim["delay_ms"] / 1000)
-    zero = emu.limits["rpi-zero-2w-1"]
-    assert zero["mem_limit_mb"] == 432 and zero["uplink_kbit"] == 375 and zero["downlink_kbit"] == 600
-    gw = emu.limits["x86-gateway-1"]
-    assert gw["cpus"] > zero["cpus"]
-
-    # Round 1 starts: the greedy plan trains and the kernel kills it; the gateway's round completes.
-    code = lifecycle.wait_exited(emu, client, "coordinator", timeout=600)
-    assert code == 0, status.logs(emu, client, "coordinator", tail=30)
-    rows = {r.device_id: r for r in status.status(emu, client, sample=False)}
-    assert rows["rpi-zero-2w-1"].state == "OOM-killed"
-    assert rows["rpi-zero-2w-1"].message.startswith(
-        "rpi-zero-2w-1 ran out of memory: its plan (tier-xl at batch 512) needs ")
-    assert "the profile rpi-zero-2w has 512 MiB" in rows["rpi-zero-2w-1"].message
-    assert rows["x86-gateway-1"].state in ("running", "exited (0)")
-    reports = _reports(emu)
-    # The Zero never delivers; the coordinator names it missing (in round 1 when the kill comes after the
-    # round's start, else in the next round: its last will took it off round 1's list).
-    assert all(r["accepted"] == ["x86-gateway-1"] for r in reports), reports
-    assert any("rpi-zero-2w-1" in r["missing"] for r in reports), reports
-    text = format_status(list(rows.values()), emu, client)
-    assert "OOM-killed" in text and "ran out of memory" in text
 
 
 FEDPROTO_FLEET = """
@@ -194,8 +156,68 @@ def _tbf_rates(container: Any) -> dict[str, int]:
     return rates
 
 
+@dataclass(frozen=True)
+class OomStart:
+    """The OOM fleet right after ``lifecycle.start``: each device's HostConfig, and tc's qdiscs (exit code and
+    JSON) per (device, interface), read before the coordinator's round 1 can OOM-kill the Zero."""
+
+    host_config: dict[str, dict[str, Any]]
+    qdiscs: dict[tuple[str, str], tuple[int, bytes]]
+
+
+@dataclass(frozen=True)
+class Fleets:
+    """Both tests' fleets, prepared once for the module (None: that test is not selected)."""
+
+    fedproto: Emulation | None
+    fedproto_fleet: Path
+    oom: Emulation | None
+    oom_start: Future[OomStart] | None
+
+
+def _start_and_read_limits(emu: Emulation) -> OomStart:
+    """lifecycle.start, then what the containers got; on its own Docker client (this runs in a thread)."""
+    client = discovery.docker_client()
+    lifecycle.start(emu, client, online_timeout=300)
+    cs = emu.containers(client)
+    return OomStart(host_config={dev: cs[dev].attrs["HostConfig"] for dev in emu.limits},
+                    qdiscs={(dev, iface): cs[dev].exec_run(["tc", "-j", "qdisc", "show", "dev", iface])
+                            for dev in emu.limits for iface in ("eth0", "ifb0")})
+
+
+@pytest.fixture(scope="module")
+def fleets(request: pytest.FixtureRequest, docker_env: tuple[Any, Images],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleets]:
+    """Prepare both fleets, then start the OOM fleet in the background (see the module's docstring)."""
+    _, tags = docker_env
+    selected = {item.name for item in request.session.items if item.path == request.path}
+    fp_dir, oom_dir = tmp_path_factory.mktemp("fedproto"), tmp_path_factory.mktemp("oom")
+    # Two fleets at once need two fleet networks: subnets are picked by the project's hash, so make sure
+    # these two differ (a collision would fail compose with "Pool overlaps").
+    while fleet_subnet(project_name((oom_dir / "emu").resolve())) == fleet_subnet(
+            project_name((fp_dir / "emu").resolve())):
+        oom_dir = tmp_path_factory.mktemp("oom")
+    fedproto_fleet = _write(fp_dir, "fleet.toml", FEDPROTO_FLEET)
+    fedproto = oom = None
+    if "test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate" in selected:
+        # A generous deadline slack: on a loaded CI host a device's round can take several times its
+        # plan; the killed device costs nothing extra, its last will ends its wait at once.
+        fedproto = lifecycle.prepare(fedproto_fleet, fp_dir / "emu", images=tags, min_devices=3, deadline_slack=10)
+    if "test_limits_reach_the_containers_and_an_over_memory_plan_is_oom_killed" in selected:
+        oom = lifecycle.prepare(_write(oom_dir, "oom.toml", OOM_FLEET), oom_dir / "emu", images=tags, min_devices=1)
+    with ThreadPoolExecutor(1, thread_name_prefix="oom-fleet") as pool:
+        oom_start = pool.submit(_start_and_read_limits, oom) if oom is not None else None
+        try:
+            yield Fleets(fedproto, fedproto_fleet, oom, oom_start)
+        finally:
+            if oom is not None:
+                assert oom_start is not None
+                oom_start.exception(timeout=900)  # never take it down while it is still starting
+                oom.compose("down", "--remove-orphans", "--timeout", "2", check=False)
+
+
 def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
-        docker_env: tuple[Any, Images], tmp_path: Path, emulation: list[Emulation]) -> None:
+        docker_env: tuple[Any, Images], fleets: Fleets, emulation: list[Emulation]) -> None:
     """One fleet, every fault: round 2 loses a killed device and has one paused and one partitioned for a
     few seconds; the coordinator restarts in round 3 and the broker in round 4; rounds 3-5 and the
     final evaluation run with every survivor, whose accuracies match `fedge simulate`."""
@@ -204,13 +226,16 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
     from fedge.sim.report import build_results
     from fedge.sim.simulate import simulate
 
-    client, tags = docker_env
-    fleet = _write(tmp_path, "fleet.toml", FEDPROTO_FLEET)
-    # A generous deadline slack: on a loaded CI host a device's round can take several times its
-    # plan; the killed device costs nothing extra, its last will ends its wait at once.
-    emu = lifecycle.prepare(fleet, tmp_path / "emu", images=tags, min_devices=3, deadline_slack=10)
+    client, _ = docker_env
+    assert fleets.fedproto is not None
+    emu, fleet = fleets.fedproto, fleets.fedproto_fleet
     emulation.append(emu)
     assert len({p["profile"] for p in emu.plans.values()}) == 3 and len(emu.devices) == 4
+    # The reference run of the same config trains on this host while the fleet runs (its devices are
+    # throttled to a few percent of a core): its result is waited for at the end, where it is compared.
+    reference = ThreadPoolExecutor(1, thread_name_prefix="simulate")
+    simulated = reference.submit(lambda: build_results(simulate(load_fleet(fleet))))
+    reference.shutdown(wait=False)  # the thread ends with the run; nothing else is submitted
     lifecycle.start(emu, client, online_timeout=300)
     # Broker with passwords and an ACL, in its container.
     conf = (emu.out / "broker" / "mosquitto.conf").read_text()
@@ -290,7 +315,7 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
     assert rows[victim].state == "exited (137)" and rows[victim].message == f"{victim} was killed (SIGKILL)"
     assert all(rows[d].state == "running" and rows[d].round == 6 for d in survivors), rows
 
-    sim = build_results(simulate(load_fleet(fleet)))
+    sim = simulated.result()
     expected = {d["id"]: d["final_acc_global"] for d in sim["devices"]}
     final = reports[-1]["metrics"]
     diffs = {}
@@ -301,3 +326,49 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
         assert abs(got - want) <= TOLERANCE, (dev, got, want, diffs)
     print("emulated - simulated final global accuracy per surviving device:", diffs)
     print("accepted per round:", rounds)
+
+
+def test_limits_reach_the_containers_and_an_over_memory_plan_is_oom_killed(
+        docker_env: tuple[Any, Images], fleets: Fleets, emulation: list[Emulation]) -> None:
+    client, _ = docker_env
+    assert fleets.oom is not None and fleets.oom_start is not None
+    emu = fleets.oom
+    emulation.append(emu)
+    started = fleets.oom_start.result()  # lifecycle.start's error, if it failed, is raised here
+    for dev, lim in emu.limits.items():
+        hc = started.host_config[dev]
+        assert hc["NanoCpus"] == round(lim["cpus"] * 1e9), dev
+        assert hc["Memory"] == lim["mem_limit_mb"] * 2**20, dev
+        assert hc["MemorySwap"] == lim["mem_limit_mb"] * 2**20, dev
+        assert "NET_ADMIN" in (hc["CapAdd"] or []), dev
+        # tc's own JSON: the uplink tbf on eth0, the downlink tbf on the ifb that eth0's ingress feeds.
+        for iface, kbit in (("eth0", lim["uplink_kbit"]), ("ifb0", lim["downlink_kbit"])):
+            code, out = started.qdiscs[(dev, iface)]
+            assert code == 0, out
+            tbf = [q for q in json.loads(out) if q["kind"] == "tbf"]
+            assert len(tbf) == 1, out
+            assert tbf[0]["options"]["rate"] == kbit * 1000 // 8, (dev, iface)
+            netem = [q for q in json.loads(out) if q["kind"] == "netem"]
+            if netem:  # kernels without sch_netem keep the rate only (shape-link.sh says so in the log)
+                assert netem[0]["options"]["delay"]["delay"] == pytest.approx(lim["delay_ms"] / 1000)
+    zero = emu.limits["rpi-zero-2w-1"]
+    assert zero["mem_limit_mb"] == 432 and zero["uplink_kbit"] == 375 and zero["downlink_kbit"] == 600
+    gw = emu.limits["x86-gateway-1"]
+    assert gw["cpus"] > zero["cpus"]
+
+    # Round 1 starts: the greedy plan trains and the kernel kills it; the gateway's round completes.
+    code = lifecycle.wait_exited(emu, client, "coordinator", timeout=600)
+    assert code == 0, status.logs(emu, client, "coordinator", tail=30)
+    rows = {r.device_id: r for r in status.status(emu, client, sample=False)}
+    assert rows["rpi-zero-2w-1"].state == "OOM-killed"
+    assert rows["rpi-zero-2w-1"].message.startswith(
+        "rpi-zero-2w-1 ran out of memory: its plan (tier-xl at batch 512) needs ")
+    assert "the profile rpi-zero-2w has 512 MiB" in rows["rpi-zero-2w-1"].message
+    assert rows["x86-gateway-1"].state in ("running", "exited (0)")
+    reports = _reports(emu)
+    # The Zero never delivers; the coordinator names it missing (in round 1 when the kill comes after the
+    # round's start, else in the next round: its last will took it off round 1's list).
+    assert all(r["accepted"] == ["x86-gateway-1"] for r in reports), reports
+    assert any("rpi-zero-2w-1" in r["missing"] for r in reports), reports
+    text = format_status(list(rows.values()), emu, client)
+    assert "OOM-killed" in text and "ran out of memory" in text
