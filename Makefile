@@ -36,9 +36,11 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/pytest -q
 
-# --quick: tests marked mqtt, docker, sshd or slow are skipped with the reason (tests/conftest.py).
+# --quick: tests marked mqtt, docker, sshd or slow are skipped with the reason (tests/conftest.py). What is
+# left is CPU-bound and independent, so it runs on every core (pytest-xdist; a test file stays on one worker,
+# its module fixtures built once). make test stays in one process: its broker and Docker tests time things.
 pytest-quick: $(STAMP)
-	$(BIN)/pytest -q --quick
+	$(BIN)/pytest -q --quick -n auto --dist loadfile
 
 check: lint typecheck pytest-quick
 
