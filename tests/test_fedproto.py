@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
 from fedge.edge.training import class_feature_stats
 from fedge.fleet.config import parse_fleet
@@ -53,6 +54,7 @@ def _misalignment(res: SimResult) -> float:
     return float(within / between)
 
 
+@pytest.mark.slow
 def test_fedproto_aligns_feature_spaces_across_architectures() -> None:
     local = _misalignment(_run("local", {}))
     proto = _misalignment(_run("fedproto", {"lambda": 1.0}))

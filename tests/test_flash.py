@@ -377,6 +377,7 @@ def test_systemd_analyze_verifies_the_installed_unit(tmp_path: Path) -> None:
     assert proc.returncode == 0 and lines == [], proc.stderr
 
 
+@pytest.mark.slow
 def test_flashed_install_runs_an_agent_on_real_images_that_is_aggregated(tmp_path: Path, mosquitto_bin: str) -> None:
     """The proof: flash an image, read the payload back, install it into a scratch prefix, put real digit PNGs
     into its data folder, start the installed launcher; with a coordinator on a Mosquitto configured by

@@ -267,6 +267,7 @@ def test_cvae_kl_weight_scales_only_the_kl_term() -> None:
     assert half == pytest.approx((rec + full) / 2, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_ddpm_learns_class_conditional_features() -> None:
     from fedge.edge.generators.train import GeneratorTrainer, sample_dataset
 
