@@ -126,6 +126,7 @@ def test_ten_broker_restarts_mid_round_lose_nothing(tmp_path: Path, how: str, mo
     assert_same(engine.globals[PROTOTYPES_ARTIFACT], reference)
 
 
+@pytest.mark.slow
 def test_five_coordinator_kills_mid_round_end_in_the_same_state(tmp_path: Path,
                                                                 mosquitto: MosquittoProcess) -> None:
     rounds = 6
