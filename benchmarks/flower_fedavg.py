@@ -174,12 +174,14 @@ def run_child(python: Path, side: str, seed: int, rounds: int) -> dict[str, Any]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_DEDUP_LOGS": "0"}  # fedge and benchmarks from this tree
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
     peak = 0
+    loads: list[float] = []  # the machine's 1-minute load average while this side ran
     done = threading.Event()
 
     def sample() -> None:
         nonlocal peak
         while not done.is_set():
             peak = max(peak, _tree_pss_kib(proc.pid))
+            loads.append(os.getloadavg()[0])
             done.wait(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -191,7 +193,7 @@ def run_child(python: Path, side: str, seed: int, rounds: int) -> dict[str, Any]
         raise SystemExit(f"{side} seed {seed} failed (exit {proc.returncode}); its output:\n{out[-3000:]}")
     line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
     return {**json.loads(line[len("RESULT "):]), "peak_pss_mib": peak / 1024, "side": side, "seed": seed,
-            "rounds": rounds}
+            "rounds": rounds, "mean_load": sum(loads) / max(1, len(loads)), "cores": os.cpu_count()}
 
 
 def setup_flower() -> Path:
@@ -219,17 +221,24 @@ def render(cells: dict[str, list[dict[str, Any]]]) -> str:
         rows.append([side, " / ".join(f"{100 * c['acc']:.2f}" for c in cs), f"{acc[0]:.2f}",
                      f"{mean_std([c['seconds_per_round'] for c in cs])[0]:.2f}",
                      f"{mean_std([c['wall_s'] for c in cs])[0]:.1f}",
-                     f"{max(c['peak_pss_mib'] for c in cs):.0f}", " ".join(str(c["seed"]) for c in cs)])
-    header = ["", "final acc (%) per seed", "mean (%)", "s/round", "wall (s)", "peak PSS (MiB)", "seeds"]
+                     f"{max(c['peak_pss_mib'] for c in cs):.0f}",
+                     " / ".join(f"{c['mean_load']:.1f}" if "mean_load" in c else "-" for c in cs),
+                     " ".join(str(c["seed"]) for c in cs)])
+    header = ["", "final acc (%) per seed", "mean (%)", "s/round", "wall (s)", "peak PSS (MiB)", "load", "seeds"]
     table = markdown_table(header, rows)
     print(text_table(header, rows))
     if len(rows) == 2:
         gap = float(rows[0][2]) - float(rows[1][2])
         ratio_t = float(rows[0][3]) / float(rows[1][3])
         ratio_m = float(rows[0][5]) / float(rows[1][5])
+        # Seconds compare only on an otherwise idle machine: a side that ran beside other jobs is slower
+        # by an amount that has nothing to do with it.
+        quiet = all(c.get("mean_load", float("inf")) <= 2.5 for cs in cells.values() for c in cs)
         table += (f"\n\nfedge − Flower: {gap:+.2f} points (target: within 0.5, "
-                  f"{'met' if abs(gap) <= 0.5 else 'missed'}); seconds per round ×{ratio_t:.2f}, "
-                  f"peak memory ×{ratio_m:.2f} of Flower's.")
+                  f"{'met' if abs(gap) <= 0.5 else 'missed'}); peak memory ×{ratio_m:.2f} of Flower's; seconds "
+                  f"per round ×{ratio_t:.2f} of Flower's"
+                  + ("." if quiet else " — not a speed comparison: some cells ran beside other jobs (column "
+                     "*load*, the 1-minute load average of this 2-core machine while the side ran; unknown: -)."))
     return table
 
 
