@@ -231,11 +231,6 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
     emu, fleet = fleets.fedproto, fleets.fedproto_fleet
     emulation.append(emu)
     assert len({p["profile"] for p in emu.plans.values()}) == 3 and len(emu.devices) == 4
-    # The reference run of the same config trains on this host while the fleet runs (its devices are
-    # throttled to a few percent of a core): its result is waited for at the end, where it is compared.
-    reference = ThreadPoolExecutor(1, thread_name_prefix="simulate")
-    simulated = reference.submit(lambda: build_results(simulate(load_fleet(fleet))))
-    reference.shutdown(wait=False)  # the thread ends with the run; nothing else is submitted
     lifecycle.start(emu, client, online_timeout=300)
     # Broker with passwords and an ACL, in its container.
     conf = (emu.out / "broker" / "mosquitto.conf").read_text()
@@ -305,6 +300,8 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
     # Round 1 had the whole fleet.
     assert sorted(reports[0]["accepted"]) == sorted(emu.devices), (reports[0], log_text[-3000:])
     assert victim in reports[1]["missing"]  # round 2 completed without it
+    # ... and with the paused and the partitioned device: the simulation below assumes so.
+    assert sorted(reports[1]["accepted"]) == survivors, (reports[1], log_text[-3000:])
     rounds = [(x["round"], sorted(x["accepted"]), x["missing"]) for x in reports]
     # After the faults were undone the paused and the partitioned device delivered again; every round
     # after the coordinator's restart had its quorum, and after the broker's restart (in round 4) every
@@ -315,7 +312,9 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
     assert rows[victim].state == "exited (137)" and rows[victim].message == f"{victim} was killed (SIGKILL)"
     assert all(rows[d].state == "running" and rows[d].round == 6 for d in survivors), rows
 
-    sim = simulated.result()
+    # The reference run of the same config, after the fleet: trained beside it, it took the CPU the
+    # throttled devices need, and a device late in round 2 makes the comparison meaningless.
+    sim = build_results(simulate(load_fleet(fleet)))
     expected = {d["id"]: d["final_acc_global"] for d in sim["devices"]}
     final = reports[-1]["metrics"]
     diffs = {}
