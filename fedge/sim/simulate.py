@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedge.coordinator.config import slot_checks
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
@@ -25,6 +25,9 @@ from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
 from fedge.fleet.registry import method_entry
 from fedge.fleet.slots import checked_slots
 from fedge.sim.transports import transport_runner
+
+if TYPE_CHECKING:
+    from fedge.sim.transports import TransportRunner
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +51,14 @@ def build_fleet(cfg: FleetConfig) -> tuple[list[SimDevice], Strategy]:
     return build_devices(cfg, data), strat
 
 
-def run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, transport: str = "inprocess",
+def run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
+               transport: str | TransportRunner = "inprocess",
                on_round: Callable[[RoundReport], None] | None = None) -> tuple[list[DeviceAgent], list[RoundReport]]:
     """Every round of ``cfg`` over ``transport`` with devices already built (``build_fleet``), which a
-    caller may prepare first (e.g. a benchmark that withholds part of each device's data)."""
-    connect = transport_runner(transport)
+    caller may prepare first (e.g. a benchmark that withholds part of each device's data). ``transport``
+    is a name of :data:`~fedge.sim.transports.TRANSPORTS` or a runner of one's own (e.g. an in-process bus
+    on which a device stops answering, to replay an emulated fault)."""
+    connect = transport if callable(transport) else transport_runner(transport)
     coord, agents, cleanup = connect(cfg, devices)
     try:
         # the devices' hellos are checked against the fleet config's slots, as `fedge coordinator run` does
