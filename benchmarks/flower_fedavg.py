@@ -298,6 +298,9 @@ its own environment `.venv-flower`). Peak memory: the largest sum of PSS over ea
 
 Command: `python -m benchmarks.flower_fedavg --seeds 0 1` (creates `.venv-flower` on first use).
 Before issue 25 (every device from its own seed) fedge ended at 72.65 % against Flower's 79.4 % on this job.
+Caveat on Flower's seconds: its ClientApp here loads and partitions Fashion-MNIST through fedge in the
+worker; whether Ray re-creates that cache per call (which would inflate Flower's 28.9 s per round; the issue
+measured 7.2 s with Flower's own data path) is not checked yet, so compare the seconds with care.
 """)
     return 0
 
