@@ -168,7 +168,9 @@ class RoundEngine:
             report.bytes_up[sender] = up.size
             report.bytes_down[sender] = up.bytes_down
             report.metrics[sender] = up.metrics
-            report.info[sender] = up.info
+            report.info[sender] = {k: v for k, v in up.info.items() if k != "train_s"}
+            if "train_s" in up.info:
+                report.train_s[sender] = float(up.info["train_s"])
 
         for item in self.transport.collect(rnd, pending, info.deadline):
             if not self.gate.admit(item, accept, self.transport.hellos):

@@ -7,6 +7,7 @@ over MQTT (stepped by its own loop), so the bytes it counts are the wire bytes.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,7 @@ class DeviceAgent:
         return True
 
     def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:
+        started = time.perf_counter()  # info.train_s: this round's work on the device's own clock
         down = descriptor_bytes
         artifacts = {}
         for name in self.method.needed_artifacts(info):
@@ -107,7 +109,8 @@ class DeviceAgent:
                 arrays = privatize(arrays, mech, self._noise_rng)
         update = Message(
             "update", self.device.device_id, info.round, self.fleet, tensors=arrays,
-            info={"metrics": metrics, "bytes_down": down, "num_samples": self.device.num_samples, **extra},
+            info={"metrics": metrics, "bytes_down": down, "num_samples": self.device.num_samples, **extra,
+                  "train_s": round(time.perf_counter() - started, 6)},
         )
         data = update.to_bytes(self.device.upload_precision)
         self.transport.send_update(data)
