@@ -10,7 +10,7 @@ from fedge.common.archs import TIERS, arch_by_name, tier_arch
 from fedge.errors import ProfileError
 from fedge.profiles import Hardware, Measured, load_profile, parse_profile
 from fedge.profiles.speed import CURVE_BATCHES, SIZE_CURVE, size_fraction, speed_model
-from fedge.profiles.uarch import UARCHES, uarch_of
+from fedge.profiles.uarch import UARCHES, Uarch, uarch_of
 
 
 def rate(name: str, tier: str = "m", batch: int = 64) -> float:
@@ -44,11 +44,14 @@ def test_uarch_from_cpu_string_or_explicit_key() -> None:
     def hw(cpu: str, arch: str = "aarch64", uarch: str = "") -> Hardware:
         return Hardware(arch, cpu, 4, 1.5, 4096, False, (), uarch)
 
-    assert uarch_of(hw("Cortex-A72 (BCM2711)"))[0].name == "cortex-a72"
-    assert uarch_of(hw("BCM2712"))[0].name == "cortex-a76"
-    assert uarch_of(hw("Intel N100", "x86_64"))[0].name == "gracemont"
-    assert uarch_of(hw("Cortex-A53", uarch="cortex-a76"))[0].name == "cortex-a76"  # the explicit key wins
-    got, how = uarch_of(hw("Mystery SoC"))
+    def of(h: Hardware) -> tuple[Uarch, str]:
+        return uarch_of(h.arch, h.cpu, h.uarch)
+
+    assert of(hw("Cortex-A72 (BCM2711)"))[0].name == "cortex-a72"
+    assert of(hw("BCM2712"))[0].name == "cortex-a76"
+    assert of(hw("Intel N100", "x86_64"))[0].name == "gracemont"
+    assert of(hw("Cortex-A53", uarch="cortex-a76"))[0].name == "cortex-a76"  # the explicit key wins
+    got, how = of(hw("Mystery SoC"))
     assert got.name == "cortex-a53" and "assumed" in how and "hardware.uarch" in how
     with pytest.raises(ProfileError) as err:
         hw("Cortex-A72", uarch="cortex-72")

@@ -35,6 +35,13 @@ class RoundInfo:
     method: str
     deadline: float = 0.0  # unix seconds; 0 = none (in-process)
     config: dict[str, Any] = field(default_factory=dict)
+    # The devices sampled to train this round ([coordinator] sample, fedge.common.sampling); None: every
+    # device. A device not listed sends nothing.
+    sampled: list[str] | None = None
+
+    def includes(self, device_id: str) -> bool:
+        """Whether ``device_id`` is asked to work in this round."""
+        return self.sampled is None or device_id in self.sampled
 
     @property
     def is_final(self) -> bool:

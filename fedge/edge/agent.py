@@ -76,6 +76,13 @@ class DeviceAgent:
                          self.device.device_id, run[:8])
                 self._ignored_run = run
             return False
+        if not info.includes(self.device.device_id):
+            # not sampled for this round: no work, nothing sent (docs/protocol.md, round.sampled)
+            log.debug("%s: not sampled for round %d", self.device.device_id, info.round)
+            self.last_round = info.round
+            if run:
+                self.trained_runs.add(run)  # its run all the same: it may answer the final round
+            return False
         self.handle_round(info, len(raw))
         if not info.is_final and run:
             self.trained_runs.add(run)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from fedge.common.catalog import DATASETS, NUM_CLASSES
 from fedge.common.preprocess import NORMALIZATION, Normalization
 from fedge.common.privacy import Mechanism, PrivacySettings
+from fedge.common.sampling import Sampling, parse_sampling
 from fedge.common.settings import MethodSettings
 from fedge.common.tensorcodec import PRECISIONS
 from fedge.common.tomlconf import build, read_toml
@@ -188,6 +189,11 @@ class FleetConfig:
                               hint="leave [privacy] out for this method (docs/privacy.md)")
         return self.privacy.mechanism(stats=stats, num_classes=self.num_classes, rounds=self.run.rounds)
 
+    @functools.cached_property
+    def sampling(self) -> Sampling | None:
+        """``[coordinator] sample`` / ``selection`` (None: every device trains every round); checked at load."""
+        return parse_sampling(self.coordinator, fleet_size=self.num_devices, seed=self.run.seed, source=self.source)
+
     @property
     def base_dir(self) -> Path:
         """Directory that relative paths (profiles, data) are resolved against."""
@@ -238,6 +244,7 @@ def parse_fleet(data: dict[str, Any], *, source: str = "<memory>") -> FleetConfi
         raise ConfigError(f"{source}: devices must be an array of tables ([[devices]])")
     devices = tuple(build(DeviceGroup, g, source=source, section=f"devices[{i}]") for i, g in enumerate(groups))
     cfg = build(FleetConfig, {**data, "devices": devices, "source": source}, source=source)
+    cfg.sampling  # noqa: B018  (a bad sample or selection fails now, at load time)
     if "privacy" in data:
         if not cfg.privacy.enabled:
             raise ConfigError(f"{source}: [privacy] sets neither noise_multiplier nor epsilon",

@@ -151,6 +151,6 @@ class SpeedModel:
 def speed_model(profile: Profile) -> SpeedModel:
     """The :class:`SpeedModel` of ``profile``."""
     hw = profile.hardware
-    uarch, found = uarch_of(hw)
+    uarch, found = uarch_of(hw.arch, hw.cpu, hw.uarch)
     measured = dict(profile.measured.train_gmac_s) if profile.measured is not None else {}
     return SpeedModel(profile.name, hw.cores, hw.clock_ghz, uarch, found, MappingProxyType(measured))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from fedge.errors import ProfileError
 
 if TYPE_CHECKING:
-    from fedge.profiles.schema import Hardware
+    pass
 
 _SBC = "geerlingguy/sbc-reviews, web/data/results.yml"
 
@@ -86,16 +86,14 @@ def check_uarch(name: str) -> None:
                            + f"known: {', '.join(UARCHES)}; or leave it out and add [measured] train_gmac_s")
 
 
-def uarch_of(hw: Hardware) -> tuple[Uarch, str]:
-    """The microarchitecture of ``hw`` and how it was found: its ``uarch`` key, its ``cpu`` string, or assumed."""
-    if hw.uarch:
-        check_uarch(hw.uarch)
-        return UARCHES[hw.uarch], "hardware.uarch"
-    cpu = hw.cpu.lower()
+def uarch_of(arch: str, cpu: str, uarch: str = "") -> tuple[Uarch, str]:
+    """The microarchitecture of a profile's ``[hardware]`` (its ``arch``, ``cpu`` and ``uarch`` keys) and how
+    it was found: the ``uarch`` key, the ``cpu`` string, or assumed for the architecture."""
+    if uarch:
+        check_uarch(uarch)
+        return UARCHES[uarch], "hardware.uarch"
     for pattern, name in _CPU_PATTERNS:
-        if re.search(pattern, cpu):
-            return UARCHES[name], f"hardware.cpu {hw.cpu!r}"
-    name = _FALLBACK[hw.arch]
-    return UARCHES[name], f"assumed for an unknown {hw.arch} CPU {hw.cpu!r} (set hardware.uarch)"
-
-
+        if re.search(pattern, cpu.lower()):
+            return UARCHES[name], f"hardware.cpu {cpu!r}"
+    name = _FALLBACK[arch]
+    return UARCHES[name], f"assumed for an unknown {arch} CPU {cpu!r} (set hardware.uarch)"

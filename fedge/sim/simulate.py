@@ -58,7 +58,7 @@ def run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, t
         # the devices' hellos are checked against the fleet config's slots, as `fedge coordinator run` does
         slots = slot_checks(checked_slots(cfg), own_data=cfg.own_data)
         engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=slots,
-                                                          privacy=cfg.privacy_mechanism))
+                                                          privacy=cfg.privacy_mechanism, sampling=cfg.sampling))
         return agents, engine.run(on_round=on_round)
     finally:
         cleanup()
