@@ -40,16 +40,15 @@ log = logging.getLogger(__name__)
 TRAIN_MACS_FACTOR = 3
 
 # Fraction of the GEMM rate that training reaches: SIMD fp32 lanes -> tier -> {batch: fraction}.
-# One run of the measurement `python -m benchmarks.clock curve` makes, on this project's 2-core Intel Xeon
-# host (one thread, CPU time, torch's kernels limited to the width) under load; to be replaced by the
-# median of the benchmark's 3 runs (benchmarks/results/clock-curve.json). Each row
+# Median of 3 runs of `python -m benchmarks.clock curve` on this project's 2-core Intel Xeon host (one
+# thread, CPU time, torch's kernels limited to the width; benchmarks/results/clock-curve.json, 2026-12-02). Each row
 # is made non-decreasing in the batch (a larger batch never trains slower per MAC), which keeps the
 # planner monotone: a device with more memory, and so a larger batch, never gets a slower estimate.
 _MEASURED_CURVE: dict[int, dict[str, tuple[float, float, float, float]]] = {
-    4: {"xs": (0.069, 0.088, 0.086, 0.125), "s": (0.146, 0.201, 0.248, 0.236), "m": (0.373, 0.361, 0.422, 0.423),
-        "l": (0.580, 0.597, 0.602, 0.630), "xl": (0.541, 0.532, 0.473, 0.591)},
-    8: {"xs": (0.029, 0.047, 0.060, 0.065), "s": (0.079, 0.115, 0.146, 0.187), "m": (0.229, 0.252, 0.337, 0.331),
-        "l": (0.330, 0.353, 0.391, 0.410), "xl": (0.368, 0.360, 0.435, 0.443)},
+    4: {"xs": (0.086, 0.105, 0.127, 0.144), "s": (0.169, 0.212, 0.259, 0.258), "m": (0.315, 0.319, 0.340, 0.347),
+        "l": (0.409, 0.428, 0.494, 0.575), "xl": (0.600, 0.586, 0.572, 0.580)},
+    8: {"xs": (0.030, 0.049, 0.062, 0.059), "s": (0.080, 0.107, 0.135, 0.134), "m": (0.190, 0.237, 0.310, 0.279),
+        "l": (0.335, 0.429, 0.433, 0.438), "xl": (0.489, 0.433, 0.459, 0.510)},
 }
 CURVE_BATCHES: tuple[int, ...] = (8, 16, 32, 64)
 
