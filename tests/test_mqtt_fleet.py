@@ -143,6 +143,9 @@ def test_simulate_transport_mqtt_embedded_broker(tmp_path: Path, embedded_broker
         pa, pb = a.method.global_protos, b.method.global_protos  # type: ignore[attr-defined]
         np.testing.assert_allclose(pa.numpy(), pb.numpy(), rtol=1e-5, atol=1e-6)
     assert res.agents[0].traffic[-1].bytes_up > 0
+    # on the real clock the rounds are timed afterwards from the reports: both training rounds, every device
+    assert res.clock is not None and [r.round for r in res.clock.rounds] == [1, 2]
+    assert all(set(r.devices) == set(rep.accepted) for r, rep in zip(res.clock.rounds, res.reports, strict=False))
 
 
 def test_sampling_over_mqtt_asks_the_same_devices_as_in_process(tmp_path: Path, mosquitto: MosquittoProcess) -> None:

@@ -13,9 +13,9 @@ Availability (:mod:`fedge.fleet.availability`) says when the device is online.
 
 A **synchronous round** (:meth:`FleetClock.sync_round`) starts when the previous one ended; each
 participant starts at once, and its update arrives at start + its total, unless it goes offline
-first or misses ``deadline_s``; the round lasts until its slowest delivered participant, or the
-whole deadline when a participant failed to deliver. An asynchronous scheduler would use the same
-:meth:`DeviceClock.timing` and availability per event.
+first (the coordinator hears its last will then) or misses ``deadline_s``; the round lasts until the
+coordinator has heard of every participant, or the whole deadline when one missed it. An
+asynchronous scheduler would use the same :meth:`DeviceClock.timing` and availability per event.
 
 Torch-free: sizes come from the devices' slots (:mod:`fedge.fleet.slots`).
 """
@@ -182,24 +182,30 @@ class FleetClock:
         """Time one synchronous round in which ``participants`` worked (each started at ``now``); advances now.
 
         A participant's update is lost when it goes offline before it finishes, or finishes after
-        ``deadline_s``. The round ends at its slowest delivered participant's finish, or after the
-        whole deadline when one was lost to it (the coordinator waited for it), and never before ``now``.
+        ``deadline_s``. The round ends when the coordinator has heard of every participant: its
+        update arrived, it went offline (its last will), or the deadline passed (the whole deadline
+        when one was lost to it).
         """
         start = self.now
         out = RoundTime(rnd, start, start)
+        heard = [start]  # when the coordinator learns each participant's outcome
         for dev_id, p in participants.items():
             c = self.devices[dev_id]
             t = c.timing(rnd, bytes_down=p.bytes_down, bytes_up=p.bytes_up, work=c.work if p.trained else None)
             finish = start + t.total_s
             lost = ""
-            if finish > c.availability.online_until(start):
-                lost = "offline"
-            elif self.deadline_s and t.total_s > self.deadline_s:
+            gone = c.availability.online_until(start)
+            if self.deadline_s and t.total_s > self.deadline_s and start + self.deadline_s < gone:
                 lost = "deadline"
+                heard.append(start + self.deadline_s)
+            elif finish > gone:
+                lost = "offline"
+                heard.append(gone)  # its last will: the coordinator stops waiting for it
+            else:
+                heard.append(finish)
             out.devices[dev_id] = DeviceRound(start, t.download_s, t.compute_s, t.upload_s, finish, not lost, lost)
-        delivered = [r.finish_s for r in out.devices.values() if r.delivered]
-        end = max(delivered, default=start)
-        if self.deadline_s and any(not r.delivered for r in out.devices.values()):
+        end = max(heard)
+        if self.deadline_s and any(r.lost == "deadline" for r in out.devices.values()):
             end = start + self.deadline_s
         out.end_s = end
         if record:
@@ -210,7 +216,8 @@ class FleetClock:
     # -- what a report shows ------------------------------------------------------------------
     def busy_s(self, device_id: str) -> float:
         """Virtual seconds ``device_id`` spent working (downloading, training, uploading) over every round."""
-        return sum(min(r.devices[device_id].finish_s, r.end_s) - r.start_s
+        return sum(min(r.devices[device_id].finish_s, r.end_s,
+                       self.devices[device_id].availability.online_until(r.start_s)) - r.start_s
                    for r in self.rounds if device_id in r.devices)
 
     def shares(self, device_id: str) -> dict[str, float]:
