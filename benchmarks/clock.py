@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 from benchmarks.common import RESULTS, text_table
 
 # SIMD width (fp32 lanes) -> the environment that limits torch's kernels to it.
@@ -90,12 +92,95 @@ def print_curve(res: dict[str, Any]) -> None:
         print(text_table(["model", *(f"batch {b}" for b in BATCHES)], rows))
 
 
+PROFILES = ("rpi-zero-2w", "rpi4-4gb", "rpi5-8gb", "x86-gateway")
+
+
+def sampling_config(devices: int, rounds: int, sample: float | None, seed: int, fraction: float) -> dict[str, Any]:
+    """A FedAvg fleet of ``devices`` tier-xs devices over four profiles (one averaging group) on Fashion-MNIST."""
+    per, extra = divmod(devices, len(PROFILES))
+    groups = [{"profile": p, "count": per + (i < extra), "arch": "tier-xs"} for i, p in enumerate(PROFILES)]
+    cfg: dict[str, Any] = {
+        "run": {"method": "fedavg", "rounds": rounds, "dataset": "fmnist", "seed": seed, "eval_every": rounds,
+                "name": f"sampling-{sample or 'full'}"},
+        "partition": {"kind": "dirichlet", "alpha": 0.5, "fraction": fraction},
+        "train": {"lr": 0.05, "batch_size": 16, "local_epochs": 1},
+        "devices": [g for g in groups if g["count"]],
+    }
+    if sample is not None:
+        cfg["coordinator"] = {"sample": sample, "selection": "balanced"}
+    return cfg
+
+
+def sampling_run(devices: int, rounds: int, sample: float | None, seed: int, fraction: float,
+                 eval_images: int) -> dict[str, Any]:
+    """One run: the final global model's accuracy on the whole test set, bytes and virtual time per round."""
+    import torch
+
+    from fedge.edge.data.datasets import load_dataset
+    from fedge.edge.training import accuracy
+    from fedge.fleet.config import parse_fleet
+    from fedge.sim.simulate import build_fleet, run_rounds
+
+    torch.set_num_threads(1)
+    cfg = parse_fleet(sampling_config(devices, rounds, sample, seed, fraction), source="benchmarks/clock.py")
+    t0 = time.perf_counter()
+    fleet, strat = build_fleet(cfg)
+    test = load_dataset("fmnist", train=False)
+    # the devices' own evaluations (every device, final round) see a slice of the test set; the global model is
+    # scored once below on all of it
+    small = test.subset(np.arange(min(eval_images, len(test))))
+    for d in fleet:
+        d.method.ctx.global_test = small
+    _, reports, clock = run_rounds(cfg, fleet, strat)
+    model = fleet[0].method.ctx.model  # after the final round every device holds the final global model
+    acc = accuracy(model, test.x, test.y)
+    training = [r for r in reports if r.phase != "final"]
+    per_round = [sum(r.bytes_up.values()) + sum(r.bytes_down.values()) for r in training]
+    return {
+        "devices": devices, "rounds": rounds, "sample": sample, "seed": seed, "fraction": fraction,
+        "device_rounds": sum(len(r.accepted) for r in training),
+        "final_acc_global": acc, "bytes_per_round": statistics.fmean(per_round),
+        "bytes_up_per_round": statistics.fmean(sum(r.bytes_up.values()) for r in training),
+        "virtual_s": clock.now, "virtual_s_per_round": clock.now / max(1, len(clock.rounds)),
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """Full participation for ``rounds`` rounds against ``sample`` of the fleet for rounds / sample rounds."""
+    sampled_rounds = round(args.rounds / args.sample)
+    common = {"devices": args.devices, "seed": args.seed, "fraction": args.fraction, "eval_images": args.eval_images}
+    full = sampling_run(rounds=args.rounds, sample=None, **common)
+    part = sampling_run(rounds=sampled_rounds, sample=args.sample, **common)
+    return {"full": full, "sampled": part,
+            "acc_diff_points": 100 * (part["final_acc_global"] - full["final_acc_global"]),
+            "bytes_ratio": part["bytes_per_round"] / full["bytes_per_round"]}
+
+
+def print_sampling(res: dict[str, Any]) -> None:
+    rows = []
+    for name in ("full", "sampled"):
+        r = res[name]
+        rows.append([name, f"{r['sample'] or 1.0:g}", str(r["rounds"]), str(r["device_rounds"]),
+                     f"{100 * r['final_acc_global']:.1f}", f"{r['bytes_per_round'] / 1024:,.0f}",
+                     f"{r['virtual_s']:.1f}", f"{r['wall_s']:.0f}"])
+    print(text_table(["run", "sample", "rounds", "device-rounds", "acc %", "KiB/round", "virtual s", "wall s"], rows))
+    print(f"sampled - full: {res['acc_diff_points']:+.1f} points; bytes per round x{res['bytes_ratio']:.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.clock", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
     c = sub.add_parser("curve", help="the size curve of the speed model")
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--seconds", type=float, default=1.5)
+    sp = sub.add_parser("sampling", help="10 % of the fleet per round vs full participation at equal device compute")
+    sp.add_argument("--devices", type=int, default=200)
+    sp.add_argument("--sample", type=float, default=0.1)
+    sp.add_argument("--rounds", type=int, default=3, help="rounds of full participation (sampled: rounds / sample)")
+    sp.add_argument("--fraction", type=float, default=0.2, help="share of Fashion-MNIST's training set used")
+    sp.add_argument("--eval-images", type=int, default=500, help="test images each device evaluates on")
+    sp.add_argument("--seed", type=int, default=0)
     o = sub.add_parser("_once", help=argparse.SUPPRESS)
     o.add_argument("--seconds", type=float, default=1.5)
     args = ap.parse_args(argv)
@@ -107,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "clock-curve.json").write_text(json.dumps(res, indent=1))
         print_curve(res)
+    if args.what == "sampling":
+        res = sampling(args)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        out = RESULTS / f"clock-sampling-n{args.devices}-s{args.seed}.json"
+        out.write_text(json.dumps({"args": vars(args), **res}, indent=1))
+        print_sampling(res)
+        print(f"wrote {out}")
     return 0
 
 
