@@ -127,3 +127,13 @@ def test_the_descriptor_lists_the_sampled_and_the_gate_refuses_the_others() -> N
     fleet.engine.gate.begin_round(1, final=False, sampled=rep.sampled)
     assert not fleet.engine.gate.admit(Inbound(forged.to_bytes()), lambda _: None)
     assert fleet.engine.gate.drain().by_device == {other.device.device_id: Counter({"unsampled": 1})}
+
+
+def test_without_sampling_the_descriptor_has_no_sampled_field() -> None:
+    """A device of a release before sampling builds RoundInfo from every key: an unsampled fleet sends none new."""
+    from fedge.common.rounds import RoundInfo
+
+    plain = RoundInfo(1, "train", "fedavg")
+    assert "sampled" not in plain.to_dict() and RoundInfo.from_dict(plain.to_dict()) == plain
+    some = RoundInfo(1, "train", "fedavg", sampled=["d1"])
+    assert RoundInfo.from_dict(some.to_dict()) == some and not some.includes("d0") and some.includes("d1")

@@ -48,7 +48,10 @@ class RoundInfo:
         return self.phase == FINAL_PHASE
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["sampled"] is None:
+            del d["sampled"]  # absent unless sampling: a device of an older release still reads the descriptor
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RoundInfo:
