@@ -171,8 +171,10 @@ def _run(args: argparse.Namespace) -> int:
             missing = f", missing {', '.join(rep.missing)}" if rep.missing else ""
             p = rep.privacy
             eps = f", ε {p['epsilon']:.3g} at δ {p['delta']:g} (+{p['epsilon_round']:.3g}/round)" if p else ""
+            slow = max(rep.train_s.items(), key=lambda kv: kv[1], default=None)  # each device's own clock
+            slowest = f", slowest device {slow[0]} {slow[1]:.1f} s" if slow else ""
             print(f"round {rep.round}/{total} ({rep.phase}): {len(rep.accepted)} updates, rejected {rejected}"
-                  f"{missing}{acc}{eps}, {rep.seconds:.1f} s", flush=True)
+                  f"{missing}{acc}{eps}, {rep.seconds:.1f} s{slowest}", flush=True)
 
         service.run(on_round=on_round)
     finally:
