@@ -152,20 +152,29 @@ def sampling(args: argparse.Namespace) -> dict[str, Any]:
     common = {"devices": args.devices, "seed": args.seed, "fraction": args.fraction, "eval_images": args.eval_images}
     full = sampling_run(rounds=args.rounds, sample=None, **common)
     part = sampling_run(rounds=sampled_rounds, sample=args.sample, **common)
-    return {"full": full, "sampled": part,
-            "acc_diff_points": 100 * (part["final_acc_global"] - full["final_acc_global"]),
-            "bytes_ratio": part["bytes_per_round"] / full["bytes_per_round"]}
+    out = {"full": full, "sampled": part,
+           "acc_diff_points": 100 * (part["final_acc_global"] - full["final_acc_global"]),
+           "bytes_ratio": part["bytes_per_round"] / full["bytes_per_round"]}
+    if args.equal_rounds:  # full participation for as many rounds as the sampled run: 1 / sample times the compute
+        same = sampling_run(rounds=sampled_rounds, sample=None, **common)
+        out["full_equal_rounds"] = same
+        out["acc_diff_equal_rounds_points"] = 100 * (part["final_acc_global"] - same["final_acc_global"])
+    return out
 
 
 def print_sampling(res: dict[str, Any]) -> None:
     rows = []
-    for name in ("full", "sampled"):
+    for name in ("full", "sampled", "full_equal_rounds"):
+        if name not in res:
+            continue
         r = res[name]
         rows.append([name, f"{r['sample'] or 1.0:g}", str(r["rounds"]), str(r["device_rounds"]),
                      f"{100 * r['final_acc_global']:.1f}", f"{r['bytes_per_round'] / 1024:,.0f}",
                      f"{r['virtual_s']:.1f}", f"{r['wall_s']:.0f}"])
     print(text_table(["run", "sample", "rounds", "device-rounds", "acc %", "KiB/round", "virtual s", "wall s"], rows))
     print(f"sampled - full: {res['acc_diff_points']:+.1f} points; bytes per round x{res['bytes_ratio']:.3f}")
+    if "full_equal_rounds" in res:
+        print(f"sampled - full at equal rounds: {res['acc_diff_equal_rounds_points']:+.1f} points")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--fraction", type=float, default=0.2, help="share of Fashion-MNIST's training set used")
     sp.add_argument("--eval-images", type=int, default=500, help="test images each device evaluates on")
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--equal-rounds", action="store_true",
+                    help="also run full participation for as many rounds as the sampled run (1 / sample the compute)")
     o = sub.add_parser("_once", help=argparse.SUPPRESS)
     o.add_argument("--seconds", type=float, default=1.5)
     args = ap.parse_args(argv)
@@ -195,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "sampling":
         res = sampling(args)
         RESULTS.mkdir(parents=True, exist_ok=True)
-        out = RESULTS / f"clock-sampling-n{args.devices}-s{args.seed}.json"
+        out = RESULTS / f"clock-sampling-n{args.devices}-s{args.seed}{'-eq' if args.equal_rounds else ''}.json"
         out.write_text(json.dumps({"args": vars(args), **res}, indent=1))
         print_sampling(res)
         print(f"wrote {out}")

@@ -209,3 +209,10 @@ def test_churn_in_process_repeats_exactly_and_offline_devices_do_nothing(tmp_pat
     for rnd, lost in a["clock"]["lost"].items():
         assert set(lost) <= set(a["rounds_log"][int(rnd) - 1]["missing"])
     assert a["devices"][0]["acc_global"][-1] is not None  # the final evaluation reaches every device
+
+
+def test_availability_needs_the_in_process_transport(tmp_path: Path) -> None:
+    path = tmp_path / "churn.toml"
+    path.write_text(TWO.format(clock='[clock]\navailability = "onoff"\noffline_mean_s = 5.0\n'))
+    with pytest.raises(ConfigError, match="availability = 'onoff' needs --transport inprocess"):
+        simulate(load_fleet(path), transport="mqtt")  # refused before a broker starts or a model is built
