@@ -216,3 +216,10 @@ def test_availability_needs_the_in_process_transport(tmp_path: Path) -> None:
     path.write_text(TWO.format(clock='[clock]\navailability = "onoff"\noffline_mean_s = 5.0\n'))
     with pytest.raises(ConfigError, match="availability = 'onoff' needs --transport inprocess"):
         simulate(load_fleet(path), transport="mqtt")  # refused before a broker starts or a model is built
+
+
+def test_the_clock_example_loads() -> None:
+    cfg = load_fleet(Path(__file__).resolve().parent.parent / "examples" / "clock-sampling.toml")
+    assert cfg.sampling is not None and cfg.sampling.count == 6 and cfg.sampling.selection == "balanced"
+    assert (cfg.clock.availability, cfg.clock.deadline_s) == ("onoff", 2.0)
+    assert cfg.clock.online_mean_s / (cfg.clock.online_mean_s + cfg.clock.offline_mean_s) == pytest.approx(0.7)
