@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,8 @@ class DeviceAgent:
         self.trained_runs: set[str] = set()  # run ids (of round descriptors) this agent trained a round in
         self._ignored_run = ""
         self._noise_rng = np.random.default_rng()  # [privacy] noise: OS entropy, never the run's seed
+        # what info.train_s is measured with; a simulator on a virtual clock replaces it (fedge.sim.clocked)
+        self.timer: Callable[[], float] = time.perf_counter
 
     def hello(self) -> None:
         msg = Message("hello", self.device.device_id, 0, self.fleet, info={"device": self.device.to_dict()})
@@ -89,7 +92,7 @@ class DeviceAgent:
         return True
 
     def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:
-        started = time.perf_counter()  # info.train_s: this round's work on the device's own clock
+        started = self.timer()  # info.train_s: this round's work on the device's own clock
         down = descriptor_bytes
         artifacts = {}
         for name in self.method.needed_artifacts(info):
@@ -117,7 +120,7 @@ class DeviceAgent:
         update = Message(
             "update", self.device.device_id, info.round, self.fleet, tensors=arrays,
             info={"metrics": metrics, "bytes_down": down, "num_samples": self.device.num_samples, **extra,
-                  "train_s": round(time.perf_counter() - started, 6)},
+                  "train_s": round(self.timer() - started, 6)},
         )
         data = update.to_bytes(self.device.upload_precision)
         self.transport.send_update(data)

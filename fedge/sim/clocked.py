@@ -9,7 +9,8 @@ engine sees it, so the engine reports that device missing exactly as over a real
 device is online, the engine's wait for its quorum moves the clock to the next device's return.
 
 The final evaluation round is the simulator's measurement, not a round of the fleet: every device
-evaluates, and it takes no virtual time.
+evaluates, and it takes no virtual time. A device's ``train_s`` is its training's virtual seconds here (the
+simulating host's seconds mean nothing for the device, and would make the update's bytes differ run to run).
 
 Over MQTT the rounds run on the real clock; :func:`replay_clock` times them afterwards from the round
 reports (every device always online).
@@ -61,6 +62,7 @@ class ClockedCoordinatorTransport(InMemoryCoordinatorTransport):
         info = RoundInfo.from_dict(Message.from_bytes(raw).info["round"])
         if info.phase == FINAL_PHASE:
             for a in self.agents:
+                a.timer = _Stopwatch(0.0)  # evaluation only: no virtual time
                 a.step()
             return
         online = self.clock.online()
@@ -71,6 +73,10 @@ class ClockedCoordinatorTransport(InMemoryCoordinatorTransport):
             if dev not in online:
                 continue
             before, handled = len(self.bus.updates), len(a.traffic)
+            # the device reports the virtual seconds of its training as its train_s, not the simulating host's
+            # time: the update's bytes (and so the clock) then repeat exactly for a seed
+            c = self.clock.devices[dev]
+            a.timer = _Stopwatch(c.compute_s(c.work, info.round))
             a.step()
             if len(a.traffic) > handled and a.traffic[-1].round == info.round:
                 t = a.traffic[-1]
@@ -85,6 +91,17 @@ class ClockedCoordinatorTransport(InMemoryCoordinatorTransport):
             self.bus.updates.extend(kept)
             for d in sorted(lost):
                 log.info("round %d: %s's update is lost in virtual time (%s)", info.round, d, timed.devices[d].lost)
+
+
+class _Stopwatch:
+    """A timer that reads 0 and then ``elapsed`` (and so on): what an agent's ``train_s`` measures in virtual time."""
+
+    def __init__(self, elapsed: float) -> None:
+        self.elapsed, self._started = elapsed, False
+
+    def __call__(self) -> float:
+        self._started = not self._started
+        return 0.0 if self._started else self.elapsed
 
 
 def replay_clock(clock: FleetClock, reports: Sequence[RoundReport]) -> FleetClock:
