@@ -224,6 +224,7 @@ def _choose_tier(profile: Profile, specs: dict[str, ArchSpec], samples: int) -> 
         batch_reason = (f"halved from {DEFAULT_BATCH} until tier-{tier} fit {profile.budgets.train_memory_mb:g} MiB "
                         f"(batch {b * 2} would need {_mb(train_memory_mb(specs[tier], b * 2))}); "
                         f"the batch shrinks (to {MIN_BATCH} at least) before the tier drops")
+    tier_reason += f"; speed: {speed.describe()}"
     reasons = {"model_tier": tier_reason, "batch_size": batch_reason, "local_epochs": epochs_reason}
     return tier, b, epochs, reasons
 

@@ -14,7 +14,7 @@ quotas (:mod:`fedge.emulate.limits`) and the simulator's virtual clock (:mod:`fe
   project's host** for each SIMD width, with torch's kernels limited to that width
   (``python -m benchmarks.clock curve``; table :data:`SIZE_CURVE`), interpolated over the model's
   forward MACs per sample and the batch.
-* A profile's ``[measured] train_gmac_s`` (``fedge profile probe --train`` on the real device)
+* A profile's ``[measured] train_gmac_s`` (``fedge profile probe`` on the real device)
   overrides both: a measured (tier, batch) is used as is, and the nearest measured point rescales the
   model everywhere else.
 
@@ -24,7 +24,6 @@ No torch here (the planner stays torch-free): only :mod:`fedge.common.archs` siz
 from __future__ import annotations
 
 import bisect
-import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,8 +32,6 @@ from types import MappingProxyType
 from fedge.common.archs import TIERS, ArchSpec, tier_arch
 from fedge.profiles.schema import Profile
 from fedge.profiles.uarch import Uarch, uarch_of
-
-log = logging.getLogger(__name__)
 
 # Training costs ~3 forward passes (forward, input gradients, weight gradients).
 TRAIN_MACS_FACTOR = 3

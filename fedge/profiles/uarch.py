@@ -73,10 +73,6 @@ _CPU_PATTERNS: tuple[tuple[str, str], ...] = (
 # it errs towards a smaller model; the profile should name its ``uarch`` or carry measured figures.
 _FALLBACK = {"aarch64": "cortex-a53", "armv7l": "cortex-a53", "riscv64": "cortex-a53", "x86_64": "gracemont"}
 
-def uarch_names() -> tuple[str, ...]:
-    return tuple(UARCHES)
-
-
 def check_uarch(name: str) -> None:
     """Raise :class:`ProfileError` unless ``name`` is a key of :data:`UARCHES` (with a suggestion)."""
     if name not in UARCHES:
