@@ -8,11 +8,17 @@ oneDNN, MKL and ATen kernels are limited to that width (``ONEDNN_MAX_CPU_ISA``, 
 ``ATEN_CPU_CAPABILITY``): 4 fp32 lanes (SSE4.1, the width of ARM's 128-bit NEON) and 8 (AVX2). The
 median over ``--repeats`` runs is what :data:`fedge.profiles.speed.SIZE_CURVE` holds.
 
+``order``: every built-in profile's speed-model rate on its own plan (model and batch), next to the published
+figure behind it, and the CPU quota ``fedge emulate`` gives it on this host (the host's rate measured as
+``fedge emulate up`` measures it): the issue's "the emulation's CPU quotas follow the published order", without
+Docker.
+
 ``sampling``: 10 % of a 200-device fleet per round against full participation at equal device compute
 (the same number of device-rounds of training), accuracy and bytes per round.
 
     python -m benchmarks.clock curve [--repeats 3]
-    python -m benchmarks.clock sampling [--devices 200] [--sample 0.1] [--rounds 30]
+    python -m benchmarks.clock order                      # the built-ins' speeds and their emulation quotas
+    python -m benchmarks.clock sampling [--devices 200] [--sample 0.1] [--rounds 3] [--equal-rounds]
 
 Writes benchmarks/results/clock-curve.json / clock-sampling.json and prints a table.
 """
@@ -177,12 +183,60 @@ def print_sampling(res: dict[str, Any]) -> None:
         print(f"sampled - full at equal rounds: {res['acc_diff_equal_rounds_points']:+.1f} points")
 
 
+ORDER = ("rpi-zero-2w", "rpi3b", "jetson-nano", "rpi4-2gb", "rpi4-4gb", "rpi5-8gb", "x86-gateway")
+
+
+COMMON = ("tier-m", 64)  # one model for every profile: quotas then compare devices, not models
+
+
+def order(seconds: float) -> dict[str, Any]:
+    """Each built-in profile alone in a fleet: its plan, the speed model's rate and the emulation quota on this host,
+    on its own plan and on one common model (each host rate measured once, as `fedge emulate up` caches it)."""
+    import dataclasses
+
+    from fedge.common.archs import arch_by_name
+    from fedge.emulate.calibrate import calibrate
+    from fedge.emulate.limits import device_plans, limits_for
+    from fedge.fleet.config import parse_fleet
+    from fedge.profiles.speed import speed_model
+
+    plans = []
+    for name in ORDER:
+        cfg = parse_fleet({"run": {"method": "fedproto", "rounds": 1}, "devices": [{"profile": name}]})
+        plans.append(device_plans(cfg, {f"{name}-1": 600})[0])
+    host = calibrate({(p.arch, p.batch_size) for p in plans} | {COMMON}, embed_dim=64, seconds=seconds)
+    rows = []
+    for dp in plans:
+        s = speed_model(dp.profile)
+        common_rate = s.mac_rate(arch_by_name(COMMON[0], embed_dim=64), COMMON[1])
+        common = dataclasses.replace(dp, arch=COMMON[0], batch_size=COMMON[1], mac_rate=common_rate)
+        rows.append({"profile": dp.profile.name, "uarch": s.uarch.name, "source": s.uarch.source, "arch": dp.arch,
+                     "batch": dp.batch_size, "device_gmac_s": dp.mac_rate / 1e9, "round_s": dp.round_time_s,
+                     "host_gmac_s": host[(dp.arch, dp.batch_size)] / 1e9,
+                     "cpus": limits_for(dp, host[(dp.arch, dp.batch_size)], host_cores=64).cpus_wanted,
+                     "common_device_gmac_s": common_rate / 1e9,
+                     "common_cpus": limits_for(common, host[COMMON], host_cores=64).cpus_wanted})
+    return {"seconds": seconds, "common": f"{COMMON[0]}@{COMMON[1]}",
+            "host_gmac_s": {f"{a}@{b}": r / 1e9 for (a, b), r in host.items()}, "profiles": rows}
+
+
+def print_order(res: dict[str, Any]) -> None:
+    rows = [[r["profile"], r["uarch"], f"{r['arch']}@{r['batch']}", f"{r['device_gmac_s']:.2f}",
+             f"{r['round_s']:.1f}", f"{r['host_gmac_s']:.2f}", f"{r['cpus']:.3f}", f"{r['common_device_gmac_s']:.2f}",
+             f"{r['common_cpus']:.3f}"] for r in res["profiles"]]
+    common = res["common"]
+    print(text_table(["profile", "core", "plan", "device GMAC/s", "round s", "host GMAC/s", "cpus",
+                      f"{common} GMAC/s", f"{common} cpus"], rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.clock", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
     c = sub.add_parser("curve", help="the size curve of the speed model")
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--seconds", type=float, default=1.5)
+    od = sub.add_parser("order", help="the built-ins' speeds and their emulation CPU quotas on this host")
+    od.add_argument("--seconds", type=float, default=1.5, help="CPU seconds of each host calibration")
     sp = sub.add_parser("sampling", help="10 % of the fleet per round vs full participation at equal device compute")
     sp.add_argument("--devices", type=int, default=200)
     sp.add_argument("--sample", type=float, default=0.1)
@@ -203,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "clock-curve.json").write_text(json.dumps(res, indent=1))
         print_curve(res)
+    if args.what == "order":
+        res = order(args.seconds)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "clock-order.json").write_text(json.dumps(res, indent=1))
+        print_order(res)
     if args.what == "sampling":
         res = sampling(args)
         RESULTS.mkdir(parents=True, exist_ok=True)
