@@ -125,7 +125,7 @@ def sampling_run(devices: int, rounds: int, sample: float | None, seed: int, fra
     from fedge.edge.data.datasets import load_dataset
     from fedge.edge.training import accuracy
     from fedge.fleet.config import parse_fleet
-    from fedge.sim.simulate import build_fleet, run_rounds
+    from fedge.sim.simulate import build_fleet, run_timed
 
     torch.set_num_threads(1)
     cfg = parse_fleet(sampling_config(devices, rounds, sample, seed, fraction), source="benchmarks/clock.py")
@@ -137,7 +137,7 @@ def sampling_run(devices: int, rounds: int, sample: float | None, seed: int, fra
     small = test.subset(np.arange(min(eval_images, len(test))))
     for d in fleet:
         d.method.ctx.global_test = small
-    _, reports, clock = run_rounds(cfg, fleet, strat)
+    _, reports, clock = run_timed(cfg, fleet, strat)
     model = fleet[0].method.ctx.model  # after the final round every device holds the final global model
     acc = accuracy(model, test.x, test.y)
     training = [r for r in reports if r.phase != "final"]

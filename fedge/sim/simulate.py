@@ -53,11 +53,17 @@ def build_fleet(cfg: FleetConfig) -> tuple[list[SimDevice], Strategy]:
 
 
 def run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, transport: str = "inprocess",
-               on_round: Callable[[RoundReport], None] | None = None,
-               ) -> tuple[list[DeviceAgent], list[RoundReport], FleetClock]:
+               on_round: Callable[[RoundReport], None] | None = None) -> tuple[list[DeviceAgent], list[RoundReport]]:
     """Every round of ``cfg`` over ``transport`` with devices already built (``build_fleet``), which a
-    caller may prepare first (e.g. a benchmark that withholds part of each device's data); returns the
-    agents, the round reports and the run in virtual time."""
+    caller may prepare first (e.g. a benchmark that withholds part of each device's data)."""
+    agents, reports, _ = run_timed(cfg, devices, strat, transport=transport, on_round=on_round)
+    return agents, reports
+
+
+def run_timed(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, transport: str = "inprocess",
+              on_round: Callable[[RoundReport], None] | None = None,
+              ) -> tuple[list[DeviceAgent], list[RoundReport], FleetClock]:
+    """:func:`run_rounds`, and the run in virtual time (``[clock]``; over MQTT timed afterwards from the reports)."""
     check_transport(cfg.clock.availability, transport)
     connect = transport_runner(transport)
     coord, agents, cleanup = connect(cfg, devices)
@@ -86,7 +92,7 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
     check_transport(cfg.clock.availability, transport)
     t0 = time.perf_counter()
     devices, strat = build_fleet(cfg)
-    agents, reports, clock = run_rounds(cfg, devices, strat, transport=transport, on_round=on_round)
+    agents, reports, clock = run_timed(cfg, devices, strat, transport=transport, on_round=on_round)
     if out_dir is not None:
         ckpt_dir = Path(out_dir) / "checkpoints"
         for d in devices:
