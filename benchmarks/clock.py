@@ -13,12 +13,18 @@ figure behind it, and the CPU quota ``fedge emulate`` gives it on this host (the
 ``fedge emulate up`` measures it): the issue's "the emulation's CPU quotas follow the published order", without
 Docker.
 
+``honest``: issue 27's "the clock is honest" target, on the Docker-emulated 3-profile fleet (N100 gateway, Pi 4,
+Pi Zero 2 W): each device's measured time per round (its ``train_s`` in the coordinator's reports, under its CPU
+quota) against the virtual clock's compute time for the same rounds, and each round's wall time against the clock's
+round, both within 0.67-1.5x. The same reports timed by :func:`fedge.sim.clocked.replay_clock`.
+
 ``sampling``: 10 % of a 200-device fleet per round against full participation at equal device compute
 (the same number of device-rounds of training), accuracy and bytes per round.
 
     python -m benchmarks.clock curve [--repeats 3]
     python -m benchmarks.clock order                      # the built-ins' speeds and their emulation quotas
     python -m benchmarks.clock sampling [--devices 200] [--sample 0.1] [--rounds 3] [--equal-rounds]
+    python -m benchmarks.clock honest [--rounds 4]        # needs Docker: emulated time vs the virtual clock
 
 Writes benchmarks/results/clock-curve.json / clock-sampling.json and prints a table.
 """
@@ -229,6 +235,94 @@ def print_order(res: dict[str, Any]) -> None:
                       f"{common} GMAC/s", f"{common} cpus"], rows))
 
 
+HONEST_FLEET = """
+[run]
+method = "fedproto"
+rounds = {rounds}
+dataset = "digits"
+fleet = "honest"
+seed = 0
+
+[partition]
+fraction = 0.3
+
+[train]
+local_epochs = 2
+
+[[devices]]
+profile = "x86-gateway"
+
+[[devices]]
+profile = "rpi4-4gb"
+
+[[devices]]
+profile = "rpi-zero-2w"
+"""
+HONEST_BAND = (0.67, 1.5)
+
+
+def honesty(cfg: Any, reports: list[Any]) -> dict[str, Any]:
+    """Measured against virtual, per device and round: the device's own ``train_s`` (apply, evaluate, train
+    under its quota) over the clock's compute time, and each round's wall seconds over the clock's round."""
+    from fedge.fleet.clock import fleet_clock
+    from fedge.fleet.slots import checked_slots
+    from fedge.sim.clocked import replay_clock
+
+    clock = replay_clock(fleet_clock(cfg, checked_slots(cfg)), reports)
+    timed = {r.round: r for r in clock.rounds}
+    devices: dict[str, list[float]] = {}
+    rounds = []
+    for rep in reports:
+        vr = timed.get(rep.round)
+        if vr is None:  # the final evaluation: no training to compare
+            continue
+        for dev, t in rep.train_s.items():
+            v = vr.devices[dev].compute_s
+            devices.setdefault(dev, []).append(t / v)
+        rounds.append({"round": rep.round, "measured_s": rep.seconds, "virtual_s": vr.seconds,
+                       "ratio": rep.seconds / vr.seconds if vr.seconds else None})
+    lo, hi = HONEST_BAND
+    per_device = {d: {"ratios": r, "median": statistics.median(r), "ok": lo <= statistics.median(r) <= hi}
+                  for d, r in devices.items()}
+    return {"devices": per_device, "rounds": rounds, "band": HONEST_BAND}
+
+
+def honest(rounds: int, work: str) -> dict[str, Any]:
+    """Run the 3-profile fleet in Docker (``fedge emulate``) and compare it with the virtual clock."""
+    from pathlib import Path
+
+    from fedge.coordinator.store import REPORTS_FILE, read_reports
+    from fedge.emulate import discovery, images, lifecycle, status
+    from fedge.fleet.config import load_fleet
+
+    client = discovery.docker_client()
+    tags = images.ensure_images(client, "amd64")
+    out = Path(work).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    fleet = out / "honest.toml"
+    fleet.write_text(HONEST_FLEET.format(rounds=rounds))
+    emu = lifecycle.prepare(fleet, out / "emu", images=tags, device_args=("--keep-running",))
+    t0 = time.perf_counter()
+    try:
+        lifecycle.start(emu, client, online_timeout=1800)
+        code = lifecycle.wait_exited(emu, client, "coordinator", timeout=7200)
+        if code != 0:
+            raise SystemExit(status.logs(emu, client, "coordinator", tail=30))
+        reports = read_reports(emu.out / "coordinator" / REPORTS_FILE)
+    finally:
+        lifecycle.down(emu)
+    res = honesty(load_fleet(fleet), reports)
+    return {"rounds": rounds, "wall_s": time.perf_counter() - t0, "limits": emu.limits, **res}
+
+
+def print_honest(res: dict[str, Any]) -> None:
+    rows = [[d, ", ".join(f"{x:.2f}" for x in v["ratios"]), f"{v['median']:.2f}", "yes" if v["ok"] else "NO"]
+            for d, v in res["devices"].items()]
+    print(text_table(["device", "measured / virtual per round", "median", "in 0.67-1.5"], rows))
+    print("rounds (wall / virtual): " + ", ".join(f"{r['round']}: {r['ratio']:.2f}" for r in res["rounds"]
+                                                   if r["ratio"] is not None))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.clock", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -237,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--seconds", type=float, default=1.5)
     od = sub.add_parser("order", help="the built-ins' speeds and their emulation CPU quotas on this host")
     od.add_argument("--seconds", type=float, default=1.5, help="CPU seconds of each host calibration")
+    hp = sub.add_parser("honest", help="the Docker-emulated fleet's time per round vs the virtual clock (Docker)")
+    hp.add_argument("--rounds", type=int, default=4)
+    hp.add_argument("--work", default="runs/bench-clock-honest")
     sp = sub.add_parser("sampling", help="10 % of the fleet per round vs full participation at equal device compute")
     sp.add_argument("--devices", type=int, default=200)
     sp.add_argument("--sample", type=float, default=0.1)
@@ -262,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "clock-order.json").write_text(json.dumps(res, indent=1))
         print_order(res)
+    if args.what == "honest":
+        res = honest(args.rounds, args.work)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "clock-honest.json").write_text(json.dumps(res, indent=1, default=str))
+        print_honest(res)
     if args.what == "sampling":
         res = sampling(args)
         RESULTS.mkdir(parents=True, exist_ok=True)
