@@ -106,7 +106,13 @@ class DeviceClock:
         return wire * self._factor(rnd, "upload" if up else "download")
 
     def timing(self, rnd: int, *, bytes_down: int, bytes_up: int, work: TrainWork | None) -> Timing:
-        """The parts of this device's work in round ``rnd``."""
+        """The parts of this device's work in round ``rnd``.
+
+        ``rnd`` only seeds the jitter: an asynchronous scheduler passes the device's task counter (its n-th
+        piece of work) and asks :attr:`availability` whether the device is still online when the work ends
+        (``availability.online_until(start) >= start + timing.total_s``) and when it can start the next
+        (``availability.next_online(t)``).
+        """
         return Timing(self.transfer_s(bytes_down, up=False, rnd=rnd), self.compute_s(work, rnd),
                       self.transfer_s(bytes_up, up=True, rnd=rnd))
 
