@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedge.coordinator.config import slot_checks
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
@@ -27,6 +27,9 @@ from fedge.fleet.registry import method_entry
 from fedge.fleet.slots import checked_slots
 from fedge.sim.clocked import check_transport, replay_clock
 from fedge.sim.transports import transport_runner
+
+if TYPE_CHECKING:
+    from fedge.sim.transports import TransportRunner
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +55,28 @@ def build_fleet(cfg: FleetConfig) -> tuple[list[SimDevice], Strategy]:
     return build_devices(cfg, data), strat
 
 
-def run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, transport: str = "inprocess",
+def run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
+               transport: str | TransportRunner = "inprocess",
                on_round: Callable[[RoundReport], None] | None = None) -> tuple[list[DeviceAgent], list[RoundReport]]:
     """Every round of ``cfg`` over ``transport`` with devices already built (``build_fleet``), which a
-    caller may prepare first (e.g. a benchmark that withholds part of each device's data)."""
+    caller may prepare first (e.g. a benchmark that withholds part of each device's data). ``transport``
+    is a name of :data:`~fedge.sim.transports.TRANSPORTS` or a runner of one's own (e.g. an in-process bus
+    on which a device stops answering, to replay an emulated fault)."""
     agents, reports, _ = run_timed(cfg, devices, strat, transport=transport, on_round=on_round)
     return agents, reports
 
 
-def run_timed(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, transport: str = "inprocess",
+def run_timed(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
+              transport: str | TransportRunner = "inprocess",
               on_round: Callable[[RoundReport], None] | None = None,
               ) -> tuple[list[DeviceAgent], list[RoundReport], FleetClock]:
-    """:func:`run_rounds`, and the run in virtual time (``[clock]``; over MQTT timed afterwards from the reports)."""
-    check_transport(cfg.clock.availability, transport)
-    connect = transport_runner(transport)
+    """:func:`run_rounds`, and the run in virtual time (``[clock]``; over MQTT or a runner of one's own timed
+    afterwards from the reports)."""
+    if callable(transport):
+        connect = transport
+    else:
+        check_transport(cfg.clock.availability, transport)
+        connect = transport_runner(transport)
     coord, agents, cleanup = connect(cfg, devices)
     try:
         # the devices' hellos are checked against the fleet config's slots, as `fedge coordinator run` does
