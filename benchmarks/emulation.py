@@ -36,12 +36,14 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import RESULTS
+from fedge.common.archs import tier_arch
 from fedge.coordinator.store import REPORTS_FILE, read_reports
 from fedge.emulate import discovery, faults, images, lifecycle, status
-from fedge.emulate.limits import OS_SHARE_MB, device_mac_rate
+from fedge.emulate.limits import OS_SHARE_MB
 from fedge.profiles import load_profile
 from fedge.profiles.planner import UPLOAD_BYTES
 from fedge.profiles.schema import RUNTIME_RESERVE_MB
+from fedge.profiles.speed import speed_model
 
 FLEET = """
 [run]
@@ -339,7 +341,8 @@ def main() -> None:
         # A smaller run than the profiles' on both architectures back to back, each device container with
         # one whole host core (host rate := the profile's rate, so cpus = 1): at the profile's quota (0.06 of a
         # core for a Pi 4) QEMU's slowdown made the arm64 device miss round 1's deadline (180 s).
-        one_core = {(f"tier-{t}", b): device_mac_rate(load_profile(args.arm64))
+        speed = speed_model(load_profile(args.arm64))
+        one_core = {(f"tier-{t}", b): speed.mac_rate(tier_arch(t), b)
                     for t in ("xs", "s", "m", "l", "xl") for b in (8, 16, 32, 64, 128, 256, 512)}
         small = {"rounds": args.arm64_rounds, "fraction": args.arm64_fraction, "rates": one_core}
         amd = run_profile(client, tags, args.arm64, work / "arm64-ref", **small)

@@ -13,6 +13,7 @@ from fedge.common.initseeds import init_seeds
 from fedge.common.inmemory import InMemoryBus
 from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
+from fedge.common.sampling import Sampling
 from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.data.datasets import Dataset, load_dataset
@@ -64,7 +65,8 @@ def capture_uploads(agents: Sequence[DeviceAgent]) -> list[Upload]:
 
 
 def tiny_fleet(method: str, archs: list[str], *, rounds: int = 2, precision: str = "fp32",
-               method_config: dict | None = None, seed: int = 0) -> Fleet:
+               method_config: dict | None = None, seed: int = 0, profiles: Sequence[str] | None = None,
+               sampling: Sampling | None = None) -> Fleet:
     train, test = digits()
     entry = method_entry(method)
     settings = entry.parse(method_config)
@@ -75,11 +77,12 @@ def tiny_fleet(method: str, archs: list[str], *, rounds: int = 2, precision: str
         ctx = DeviceContext(f"d{i}", model, train.subset(idx[20:]), train.subset(idx[:20]),
                             TrainConfig(lr=0.05, batch_size=32, local_epochs=1), precision, seed=seed * 1000 + i,
                             method_config=settings, global_test=test)
-        info = DeviceInfo(f"d{i}", model.spec.name, "test", precision, len(idx) - 20, model.spec.feature_dim)
+        profile = profiles[i] if profiles is not None else "test"
+        info = DeviceInfo(f"d{i}", model.spec.name, profile, precision, len(idx) - 20, model.spec.feature_dim)
         pairs.append((entry.build_device(ctx), info))
     bus, coord, agents = connect_inprocess(pairs)
     strat = entry.build_strategy(settings, num_classes=10, rounds=rounds)
-    engine = RoundEngine(strat, coord, EngineConfig(method=method))
+    engine = RoundEngine(strat, coord, EngineConfig(method=method, sampling=sampling))
     return Fleet(bus, agents, engine)
 
 

@@ -14,7 +14,8 @@ from fedge.profiles import list_profiles, load_profile, plan
 
 @pytest.fixture(scope="module")
 def measured() -> ProbeResult:
-    return probe(tiers=("xs",), quants=("fp32", "int8-static"), runs=5, epochs=1)
+    return probe(tiers=("xs",), quants=("fp32", "int8-static"), runs=5, epochs=1, train_batches=(16,),
+                 train_threads=1, train_seconds=0.3)
 
 
 def test_probe_measures_each_tier_and_level(measured: ProbeResult) -> None:
@@ -34,6 +35,13 @@ def test_written_profile_loads_back_with_its_measurements(measured: ProbeResult,
     assert prof.name == "probe-test" and prof.measured is not None
     assert dict(prof.measured.latency_ms) == measured.latency_ms
     assert dict(prof.measured.accuracy_drop) == measured.accuracy_drop
+    # the training rate it timed is what the speed model now uses for that tier and batch
+    assert set(measured.train_gmac_s) == {"tier-xs@16"} and measured.train_gmac_s["tier-xs@16"] > 0
+    assert dict(prof.measured.train_gmac_s) == measured.train_gmac_s
+    from fedge.common.archs import tier_arch
+    from fedge.profiles.speed import speed_model
+
+    assert speed_model(prof).mac_rate(tier_arch("xs"), 16) == pytest.approx(measured.train_gmac_s["tier-xs@16"] * 1e9)
     assert prof.hardware.cores == detect_hardware()["cores"]
     base = list_profiles()[0]
     based = measured_profile(measured, base=base)

@@ -143,6 +143,30 @@ def test_simulate_transport_mqtt_embedded_broker(tmp_path: Path, embedded_broker
         pa, pb = a.method.global_protos, b.method.global_protos  # type: ignore[attr-defined]
         np.testing.assert_allclose(pa.numpy(), pb.numpy(), rtol=1e-5, atol=1e-6)
     assert res.agents[0].traffic[-1].bytes_up > 0
+    # on the real clock the rounds are timed afterwards from the reports: both training rounds, every device
+    assert res.clock is not None and [r.round for r in res.clock.rounds] == [1, 2]
+    assert all(set(r.devices) == set(rep.accepted) for r, rep in zip(res.clock.rounds, res.reports, strict=False))
+
+
+def test_sampling_over_mqtt_asks_the_same_devices_as_in_process(tmp_path: Path, mosquitto: MosquittoProcess) -> None:
+    """[coordinator] sample over a real broker: the descriptor's round.sampled reaches every device, only the
+    sampled ones train and upload, nobody is missing or refused, and the rounds sample what in-process does."""
+    from fedge.common.sampling import Sampling
+
+    cfg = fleet_config(tmp_path, "fedavg", "sampled")
+    sampling = Sampling(2, "balanced", fleet_size=4, seed=3)
+    engine_cfg = EngineConfig(fleet=cfg.run.fleet, method="fedavg", sampling=sampling)
+    run = run_over_mqtt(cfg, mosquitto, engine_cfg)
+    devices, strat = build_fleet(fleet_config(tmp_path, "fedavg", "sampled-ref"))
+    coord, _, _ = run_inprocess(cfg, devices)
+    ref_engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method="fedavg", sampling=sampling))
+    ref = ref_engine.run()
+    assert [r.sampled for r in run.reports] == [r.sampled for r in ref]
+    for rep in run.reports[:-1]:
+        assert len(rep.sampled) == 2 and sorted(rep.accepted) == rep.sampled
+        assert not rep.missing and not rep.rejected
+    assert len(run.reports[-1].accepted) == 4
+    assert_same_globals(ref_engine.globals, run.engine.globals)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the SystemExit below

@@ -295,7 +295,8 @@ def test_a_data_device_sends_only_the_methods_artifacts(tmp_path: Path, mosquitt
     for upd in updates:
         spec = (strat.expected_update(info, upd.round) or {}) if upd.round <= 2 else {}  # final: no tensors
         assert {k: tuple(v.shape) for k, v in upd.tensors.items()} == {k: tuple(s) for k, (s, _) in spec.items()}
-        assert set(upd.info) <= {"metrics", "bytes_down", "num_samples", "loss"}
+        # train_s: the round's seconds of work on the device's clock (issue 27), a timing, nothing of the data
+        assert set(upd.info) <= {"metrics", "bytes_down", "num_samples", "loss", "train_s"}
         assert set(upd.info["metrics"]) <= {"acc_local"}  # no global test set on a device's own data
         raw = next(p for p in by_kind["update"] if Message.from_bytes(p).round == upd.round)
         # Less than two preprocessed images' worth per round: no room for the 100 training images.

@@ -256,6 +256,8 @@ def test_cli_show_builtin(capsys: pytest.CaptureFixture[str]) -> None:
                  "cuda-fp16", "200,000 kbit/s", "1024 MiB", "90 s"):
         assert text in out, text
     assert "[measured]" not in out
+    # the speed model's core and where it came from
+    assert "cortex-a57, 1.472 MAC/cycle/core (from hardware.cpu 'Cortex-A57 (Tegra X1)'); peak 8.4 GMAC/s" in out
 
 
 def test_cli_show_path_with_measurements(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

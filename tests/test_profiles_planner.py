@@ -25,6 +25,7 @@ from fedge.profiles.planner import (
     round_time_s,
     train_memory_mb,
 )
+from fedge.profiles.speed import size_fraction, speed_model
 
 GEN_ORDER = ("none", *GENERATOR_ALLOWANCES)
 
@@ -46,9 +47,10 @@ def tier_index(p: Plan) -> int:
 
 
 def dominates(a: Profile, b: Profile) -> bool:
-    """a has at least b's RAM, training budget, cores × clock and round budget."""
+    """a has at least b's RAM, training budget, training speed (the speed model's peak) and round budget."""
     return (a.hardware.ram_mb >= b.hardware.ram_mb and a.budgets.train_memory_mb >= b.budgets.train_memory_mb
-            and a.hardware.ghz_total >= b.hardware.ghz_total and a.budgets.round_time_s >= b.budgets.round_time_s)
+            and speed_model(a).peak_mac_rate >= speed_model(b).peak_mac_rate
+            and a.budgets.round_time_s >= b.budgets.round_time_s)
 
 
 def try_plan(p: Profile) -> Plan | None:
@@ -77,8 +79,11 @@ def test_memory_estimate_formula() -> None:
 
 def test_round_time_formula() -> None:
     spec = tier_arch("s")
-    # 3 x 583,296 MACs x 600 samples x 5 epochs / (4 cores x 1.5 GHz x 0.25 MAC/cycle)
-    assert round_time_s(spec, 6.0, samples=600, epochs=5) == pytest.approx(3 * 583_296 * 3000 / 1.5e9)
+    # 3 x 583,296 MACs x 600 samples x 5 epochs / (4 cores x 1.5 GHz x 1.635 MAC/cycle (A72) x the 4-lane
+    # size curve at tier-s, batch 64)
+    rate = 4 * 1.5e9 * 1.635 * size_fraction(583_296, 64, 4)
+    assert round_time_s(spec, speed_model(make()), samples=600, epochs=5, batch=64) == pytest.approx(
+        3 * 583_296 * 3000 / rate)
 
 
 @pytest.mark.parametrize("name", list_profiles())
@@ -194,9 +199,11 @@ def test_more_samples_never_grow_the_model() -> None:
 
 def test_batch_shrinks_before_the_tier_drops() -> None:
     m, l_ = tier_arch("m"), tier_arch("l")
-    ghz = 6.0
-    # round: tier-m fits, tier-l does not; memory: tier-m fits only at batch 16
-    round_s = (round_time_s(m, ghz, samples=600, epochs=5) + round_time_s(l_, ghz, samples=600, epochs=5)) / 2
+    speed = speed_model(make())
+    # round: tier-m fits (at batch 16), tier-l does not (at batch 8, its size when nothing fits); memory:
+    # tier-m fits only at batch 16
+    round_s = (round_time_s(m, speed, samples=600, epochs=5, batch=16)
+               + round_time_s(l_, speed, samples=600, epochs=5, batch=8)) / 2
     mem = train_memory_mb(m, 16) + 0.1
     assert train_memory_mb(m, 32) > mem
     p = plan(make(cores=4, ghz=1.5, mem=mem, round_s=round_s))
@@ -217,7 +224,7 @@ def test_tier_drops_when_even_batch_8_does_not_fit() -> None:
 
 def test_short_round_reduces_epochs_on_the_smallest_tier() -> None:
     xs = tier_arch("xs")
-    one = round_time_s(xs, 6.0, samples=600, epochs=1)
+    one = round_time_s(xs, speed_model(make()), samples=600, epochs=1, batch=64)
     p = plan(make(round_s=2.5 * one))
     assert (p.model_tier, p.local_epochs) == ("xs", 2)
     assert p.round_time_s == pytest.approx(2 * one) and p.round_time_s <= 2.5 * one
@@ -225,7 +232,7 @@ def test_short_round_reduces_epochs_on_the_smallest_tier() -> None:
 
 
 def test_round_too_short_for_one_epoch() -> None:
-    one = round_time_s(tier_arch("xs"), 6.0, samples=600, epochs=1)
+    one = round_time_s(tier_arch("xs"), speed_model(make()), samples=600, epochs=1, batch=64)
     with pytest.raises(ProfileError) as info:
         plan(make(round_s=one / 2))
     assert "budgets.round_time_s" in info.value.message

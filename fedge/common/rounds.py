@@ -35,13 +35,23 @@ class RoundInfo:
     method: str
     deadline: float = 0.0  # unix seconds; 0 = none (in-process)
     config: dict[str, Any] = field(default_factory=dict)
+    # The devices sampled to train this round ([coordinator] sample, fedge.common.sampling); None: every
+    # device. A device not listed sends nothing.
+    sampled: list[str] | None = None
+
+    def includes(self, device_id: str) -> bool:
+        """Whether ``device_id`` is asked to work in this round."""
+        return self.sampled is None or device_id in self.sampled
 
     @property
     def is_final(self) -> bool:
         return self.phase == FINAL_PHASE
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["sampled"] is None:
+            del d["sampled"]  # absent unless sampling: a device of an older release still reads the descriptor
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RoundInfo:

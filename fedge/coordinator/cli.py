@@ -126,7 +126,8 @@ def _run(args: argparse.Namespace) -> int:
         deadline_slack=pick("deadline_slack"), round_timeout_s=pick("round_timeout_s"), min_round_s=pick("min_round_s"),
         max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule(),
         # every hello is checked against its device's slot (arch, precision, samples, embedding size)
-        slots=slot_checks(checked_slots(cfg), own_data=cfg.own_data), privacy=cfg.privacy_mechanism)
+        slots=slot_checks(checked_slots(cfg), own_data=cfg.own_data), privacy=cfg.privacy_mechanism,
+        sampling=cfg.sampling)
     strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
                                                          rounds=cfg.run.rounds)
 
@@ -170,8 +171,10 @@ def _run(args: argparse.Namespace) -> int:
             missing = f", missing {', '.join(rep.missing)}" if rep.missing else ""
             p = rep.privacy
             eps = f", ε {p['epsilon']:.3g} at δ {p['delta']:g} (+{p['epsilon_round']:.3g}/round)" if p else ""
+            slow = max(rep.train_s.items(), key=lambda kv: kv[1], default=None)  # each device's own clock
+            slowest = f", slowest device {slow[0]} {slow[1]:.1f} s" if slow else ""
             print(f"round {rep.round}/{total} ({rep.phase}): {len(rep.accepted)} updates, rejected {rejected}"
-                  f"{missing}{acc}{eps}, {rep.seconds:.1f} s", flush=True)
+                  f"{missing}{acc}{eps}, {rep.seconds:.1f} s{slowest}", flush=True)
 
         service.run(on_round=on_round)
     finally:

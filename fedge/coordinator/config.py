@@ -8,6 +8,7 @@ from typing import Protocol
 
 from fedge.common.privacy import Mechanism
 from fedge.common.rounds import DeviceInfo
+from fedge.common.sampling import Sampling
 from fedge.coordinator.aggregate import Aggregation
 from fedge.errors import ConfigError
 
@@ -101,6 +102,8 @@ class EngineConfig:
     # [privacy]: the mechanism the devices apply; the engine reports ε per round and stops (or warns)
     # once the budget is spent (fedge.common.privacy).
     privacy: Mechanism | None = None
+    # [coordinator] sample / selection: which devices train each round (None: every online device).
+    sampling: Sampling | None = None
 
     def __post_init__(self) -> None:
         if self.min_devices < 0:
@@ -141,6 +144,9 @@ class CoordinatorSection:
     min_round_s: float | None = None
     max_round_s: float | None = None
     max_update_bytes: int | None = None
+    # client sampling (fedge.common.sampling; the fleet config checks them when it loads)
+    sample: float | None = None
+    selection: str = "available"
 
     def aggregation_rule(self) -> Aggregation:
         """The :class:`Aggregation` this table selects (validated)."""

@@ -130,7 +130,7 @@ class RoundEngine:
         est = self.devices[device_id].extra.get("est_round_s") if device_id in self.devices else None
         return float(est) if isinstance(est, int | float) and est > 0 else None
 
-    def round_info(self, rnd: int, expected: set[str] | None = None) -> RoundInfo:
+    def round_info(self, rnd: int, expected: set[str] | None = None, sampled: list[str] | None = None) -> RoundInfo:
         final = rnd > self.strategy.total_rounds()
         phase = FINAL_PHASE if final else self.strategy.phase(rnd)
         budget = self.round_budget(phase, set(self.devices) if expected is None else expected)
@@ -140,15 +140,28 @@ class RoundEngine:
             method=self.config.method,
             deadline=time.time() + budget if budget else 0.0,
             config={} if final else self.strategy.round_config(rnd),
+            sampled=sampled,
         )
+
+    def sample(self, rnd: int, online: set[str]) -> list[str] | None:
+        """The devices sampled to train in round ``rnd`` (None: every online device; the final round
+        evaluates every device)."""
+        s = self.config.sampling
+        if s is None or s.full or rnd > self.strategy.total_rounds():
+            return None
+        return s.choose(rnd, {d: dev.profile for d, dev in self.devices.items()}, online)
 
     def run_round(self, rnd: int) -> RoundReport:
         """Announce round ``rnd``, aggregate what arrives, publish the new global state."""
         t0 = time.perf_counter()
         self.await_quorum()
-        expected = self.online_devices()
-        info = self.round_info(rnd, expected)
-        report = RoundReport(round=rnd, phase=info.phase, deadline_s=max(0.0, info.deadline - time.time()))
+        online = self.online_devices()
+        sampled = self.sample(rnd, online)
+        # a sampled device that is offline cannot answer: the round waits only for the online ones
+        expected = online if sampled is None else online & set(sampled)
+        info = self.round_info(rnd, expected, sampled)
+        report = RoundReport(round=rnd, phase=info.phase, deadline_s=max(0.0, info.deadline - time.time()),
+                             sampled=list(sampled or []))
         # "run" tells devices a resumed run from a new one; "globals" names the version of each
         # artifact this round starts from, so a device waits for exactly that one.
         announce = Message("round", COORDINATOR_ID, rnd, self.config.fleet,
@@ -157,7 +170,7 @@ class RoundEngine:
         self.transport.announce_round(announce.to_bytes())
         if not info.is_final:
             self.strategy.begin_round(rnd)
-        self.gate.begin_round(rnd, final=info.is_final)
+        self.gate.begin_round(rnd, final=info.is_final, sampled=sampled)
         pending = set(expected)  # live: the transport stops once it is empty
 
         def accept(up: Admitted) -> None:
@@ -168,7 +181,9 @@ class RoundEngine:
             report.bytes_up[sender] = up.size
             report.bytes_down[sender] = up.bytes_down
             report.metrics[sender] = up.metrics
-            report.info[sender] = up.info
+            report.info[sender] = {k: v for k, v in up.info.items() if k != "train_s"}
+            if "train_s" in up.info:
+                report.train_s[sender] = float(up.info["train_s"])
 
         for item in self.transport.collect(rnd, pending, info.deadline):
             if not self.gate.admit(item, accept, self.transport.hellos):
@@ -182,7 +197,8 @@ class RoundEngine:
         rejections = self.gate.drain()  # hellos refused before or during this round count here
         report.rejected = dict(rejections.by_reason)
         report.rejected_by_device = {d: dict(c) for d, c in sorted(rejections.by_device.items())}
-        missing = sorted(set(self.devices) - set(report.accepted))
+        asked = set(self.devices) if sampled is None else set(sampled)  # unsampled devices owe nothing
+        missing = sorted(asked - set(report.accepted))
         if missing:
             log.warning("round %d: no update from %s", rnd, ", ".join(missing))
         report.missing = missing

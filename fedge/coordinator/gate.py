@@ -95,6 +95,7 @@ class UpdateGate:
         self._round = 0
         self._final = False
         self._seen: set[str] = set()
+        self._sampled: set[str] | None = None  # devices sampled for this round (None: all)
 
     # -- counting -------------------------------------------------------------------------
     def reject(self, device: str | None, exc: BaseException, what: str) -> None:
@@ -170,9 +171,10 @@ class UpdateGate:
         return dev
 
     # -- rounds ---------------------------------------------------------------------------
-    def begin_round(self, rnd: int, *, final: bool) -> None:
-        """Start admitting updates for round ``rnd``."""
+    def begin_round(self, rnd: int, *, final: bool, sampled: Iterable[str] | None = None) -> None:
+        """Start admitting updates for round ``rnd`` (only from ``sampled`` devices, when given)."""
         self._round, self._final, self._seen = rnd, final, set()
+        self._sampled = None if sampled is None else set(sampled)
 
     def end_round(self, missing: Iterable[str]) -> None:
         """Round over: ``missing`` devices' updates for it will be refused as ``late``."""
@@ -241,6 +243,8 @@ class UpdateGate:
             raise Rejected("stale", f"{msg.sender} sent round {msg.round} during round {rnd}")
         if msg.round > rnd:
             raise Rejected("future", f"{msg.sender} sent round {msg.round} during round {rnd}")
+        if self._sampled is not None and msg.sender not in self._sampled:
+            raise Rejected("unsampled", f"{msg.sender} was not sampled for round {rnd}: it owes no update")
         if msg.sender in self._seen:
             raise Rejected("duplicate", f"{msg.sender} already sent its update for round {rnd}")
         if msg.msg_id in self._recent_ids or msg.msg_id in self._previous_ids:

@@ -25,5 +25,10 @@ class RoundReport:
     # messages as ``rejected``, which counts them by reason only). Messages whose sender is unknown
     # (not even a parsable envelope on an unvouched transport) are counted under "?".
     rejected_by_device: dict[str, dict[str, int]] = field(default_factory=dict)
+    # the devices sampled to train this round ([coordinator] sample); empty: every online device was asked
+    sampled: list[str] = field(default_factory=list)
+    # device id -> seconds the device spent on this round's work (info.train_s: applying the global state,
+    # evaluating, training), as the device measured it on its own clock.
+    train_s: dict[str, float] = field(default_factory=dict)
     # [privacy]: ε spent per round and cumulative at δ after this round (fedge.common.privacy.PrivacyLedger).
     privacy: dict[str, Any] = field(default_factory=dict)

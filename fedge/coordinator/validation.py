@@ -22,6 +22,7 @@ MAX_FEATURE_DIM = 1 << 16
 MAX_TEXT = 256  # characters of an id, arch, profile or an info string
 MAX_ENTRIES = 64  # keys of info, metrics, a hello's extra
 RESERVED_INFO = ("metrics", "bytes_down")  # kept apart in a round report
+MAX_TRAIN_S = 1e7  # info.train_s, the device's seconds of work in a round: ~4 months is surely a lie
 
 
 class Rejected(PayloadError):
@@ -101,6 +102,11 @@ def parse_update_info(info: dict[str, Any], device: DeviceInfo) -> tuple[dict[st
         raise Rejected("info", f"{device.device_id}: info.num_samples {str(info['num_samples'])[:20]} differs "
                                f"from its hello's {device.num_samples}")
     rest = _scalars({k: v for k, v in info.items() if k not in RESERVED_INFO}, f"{device.device_id}: info", "info")
+    if "train_s" in rest:
+        t = rest["train_s"]
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= MAX_TRAIN_S:
+            raise Rejected("info", f"{device.device_id}: info.train_s must be seconds in [0, {MAX_TRAIN_S:g}], "
+                                   f"got {str(t)[:40]!r}")
     return {k: float(v) for k, v in metrics.items()}, down, rest
 
 

@@ -7,6 +7,8 @@ over MQTT (stepped by its own loop), so the bytes it counts are the wire bytes.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,8 @@ class DeviceAgent:
         self.trained_runs: set[str] = set()  # run ids (of round descriptors) this agent trained a round in
         self._ignored_run = ""
         self._noise_rng = np.random.default_rng()  # [privacy] noise: OS entropy, never the run's seed
+        # what info.train_s is measured with; a simulator on a virtual clock replaces it (fedge.sim.clocked)
+        self.timer: Callable[[], float] = time.perf_counter
 
     def hello(self) -> None:
         msg = Message("hello", self.device.device_id, 0, self.fleet, info={"device": self.device.to_dict()})
@@ -75,12 +79,20 @@ class DeviceAgent:
                          self.device.device_id, run[:8])
                 self._ignored_run = run
             return False
+        if not info.includes(self.device.device_id):
+            # not sampled for this round: no work, nothing sent (docs/protocol.md, round.sampled)
+            log.debug("%s: not sampled for round %d", self.device.device_id, info.round)
+            self.last_round = info.round
+            if run:
+                self.trained_runs.add(run)  # its run all the same: it may answer the final round
+            return False
         self.handle_round(info, len(raw))
         if not info.is_final and run:
             self.trained_runs.add(run)
         return True
 
     def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:
+        started = self.timer()  # info.train_s: this round's work on the device's own clock
         down = descriptor_bytes
         artifacts = {}
         for name in self.method.needed_artifacts(info):
@@ -107,7 +119,8 @@ class DeviceAgent:
                 arrays = privatize(arrays, mech, self._noise_rng)
         update = Message(
             "update", self.device.device_id, info.round, self.fleet, tensors=arrays,
-            info={"metrics": metrics, "bytes_down": down, "num_samples": self.device.num_samples, **extra},
+            info={"metrics": metrics, "bytes_down": down, "num_samples": self.device.num_samples, **extra,
+                  "train_s": round(self.timer() - started, 6)},
         )
         data = update.to_bytes(self.device.upload_precision)
         self.transport.send_update(data)

@@ -119,3 +119,45 @@ def class_feature_stats(model: nn.Module, x: np.ndarray, y: np.ndarray, num_clas
         np.add.at(sq, yb, f * f)  # type: ignore[arg-type]
     assert sums is not None and sq is not None
     return sums, sq, counts
+
+
+def train_mac_rate(arch: str, batch_size: int, *, embed_dim: int = 64, threads: int = 1, seconds: float = 1.5,
+                   cpu_time: bool = True) -> float:
+    """Training multiply-accumulates per second of SGD steps of ``arch`` at ``batch_size`` on ``threads`` threads.
+
+    Counts ``3 × forward MACs × batch`` per step (forward, input and weight gradients), as the speed
+    model does (:mod:`fedge.profiles.speed`). ``cpu_time``: per CPU second of this process (a CPU quota's
+    unit; on a busy host the wall clock counts other processes' time), else per wall second (what a
+    device with all its cores to itself reaches).
+    """
+    import time
+
+    from fedge.common.archs import arch_by_name
+    from fedge.edge.models.zoo import build_model
+    from fedge.profiles.speed import TRAIN_MACS_FACTOR
+
+    spec = arch_by_name(arch, embed_dim=embed_dim if arch.startswith("tier-") else None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    clock = time.process_time if cpu_time else time.perf_counter
+    try:
+        model = build_model(spec, seed=0, num_classes=spec.num_classes)
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(batch_size, spec.in_channels, spec.image_size, spec.image_size, generator=gen)
+        y = torch.randint(0, spec.num_classes, (batch_size,), generator=gen)
+
+        def step() -> None:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        step()  # warm-up: first-call allocations and kernel selection
+        steps, t0 = 0, clock()
+        while (elapsed := clock() - t0) < seconds or steps < 3:
+            step()
+            steps += 1
+    finally:
+        torch.set_num_threads(before)
+    return TRAIN_MACS_FACTOR * spec.macs() * batch_size * steps / elapsed

@@ -12,51 +12,20 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
-
-from fedge.common.archs import arch_by_name
-from fedge.profiles.planner import TRAIN_MACS_FACTOR
 
 log = logging.getLogger(__name__)
 
 
 def host_mac_rate(arch: str, batch_size: int, *, embed_dim: int = 64, seconds: float = 1.5) -> float:
     """Training MACs per CPU second one thread of this host reaches on ``arch`` at ``batch_size``."""
-    import torch
-    from torch import nn
+    from fedge.edge.training import train_mac_rate
 
-    from fedge.edge.models.zoo import build_model
-
-    spec = arch_by_name(arch, embed_dim=embed_dim if arch.startswith("tier-") else None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = build_model(spec, seed=0, num_classes=spec.num_classes)
-        model.train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(batch_size, spec.in_channels, spec.image_size, spec.image_size, generator=gen)
-        y = torch.randint(0, spec.num_classes, (batch_size,), generator=gen)
-        loss_fn = nn.CrossEntropyLoss()
-
-        def step() -> None:
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            opt.step()
-
-        step()  # warm-up: first-call allocations and kernel selection
-        # CPU seconds, not wall seconds: the container's quota is CPU time (CFS), and on a busy host the
-        # wall clock would count the time other processes ran, making the host look slower than it is
-        # and every quota too large (measured: rounds 1.5-2.8x faster than planned under load).
-        steps, t0 = 0, time.process_time()
-        while (elapsed := time.process_time() - t0) < seconds or steps < 3:
-            step()
-            steps += 1
-    finally:
-        torch.set_num_threads(threads)
-    return TRAIN_MACS_FACTOR * spec.macs() * batch_size * steps / elapsed
+    # CPU seconds, not wall seconds: the container's quota is CPU time (CFS), and on a busy host the
+    # wall clock would count the time other processes ran, making the host look slower than it is
+    # and every quota too large (measured: rounds 1.5-2.8x faster than planned under load).
+    return train_mac_rate(arch, batch_size, embed_dim=embed_dim, threads=1, seconds=seconds, cpu_time=True)
 
 
 def calibrate(keys: set[tuple[str, int]], *, embed_dim: int, cache: Path | None = None,

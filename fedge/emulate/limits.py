@@ -1,11 +1,10 @@
 """Profiles become container limits: CPU quota, memory limit and link shaping per emulated device.
 
-* **CPU.** The planner models a device's training speed as ``cores × GHz ×``
-  :data:`~fedge.profiles.planner.EFFICIENCY_MAC_PER_CYCLE` multiply-accumulates per second
-  (:func:`fedge.profiles.planner.round_time_s`). The emulator measures how many training MACs per
-  second one core of *this host* reaches on the device's own model and batch
-  (:mod:`fedge.emulate.calibrate`) and gives the container that fraction of a core, so the
-  container trains at the planner's speed for the profile: ``cpus = device MAC/s ÷ host MAC/s``.
+* **CPU.** The speed model (:mod:`fedge.profiles.speed`, the planner's and the virtual clock's too)
+  gives the device's training multiply-accumulates per second on its own model and batch. The
+  emulator measures how many training MACs per second one core of *this host* reaches on the same
+  model and batch (:mod:`fedge.emulate.calibrate`) and gives the container that fraction of a core, so
+  the container trains at the model's speed for the profile: ``cpus = device MAC/s ÷ host MAC/s``.
 * **Memory.** The profile's RAM less :data:`OS_SHARE_MB`, the share of a Raspberry Pi OS Lite that
   the container does not run (the kernel and system services idle near 80 MB; see
   :data:`fedge.profiles.schema.RUNTIME_RESERVE_MB`). Python, torch and training must fit in the
@@ -25,8 +24,9 @@ from typing import Any
 from fedge.common.archs import arch_by_name
 from fedge.fleet.config import FleetConfig, device_ids
 from fedge.profiles import load_profile
-from fedge.profiles.planner import EFFICIENCY_MAC_PER_CYCLE, TRAIN_MACS_FACTOR, plan, train_memory_mb
+from fedge.profiles.planner import plan, train_memory_mb
 from fedge.profiles.schema import RUNTIME_RESERVE_MB, Profile
+from fedge.profiles.speed import speed_model
 
 MIB = 2**20
 # What Raspberry Pi OS Lite itself takes (kernel, systemd, sshd): the part of the planner's
@@ -51,9 +51,11 @@ class DevicePlan:
     train_memory_mb: float
     """The planner's estimate of peak training memory for ``arch`` at ``batch_size``, MiB."""
     round_time_s: float
-    """The planner's estimate of one round of local training, s."""
+    """The speed model's estimate of one round of local training, s."""
     upload_precision: str
     params: int
+    mac_rate: float
+    """The speed model's training MAC/s of this device on ``arch`` at ``batch_size``."""
 
 
 def device_plans(cfg: FleetConfig, samples: dict[str, int]) -> list[DevicePlan]:
@@ -76,19 +78,14 @@ def device_plans(cfg: FleetConfig, samples: dict[str, int]) -> list[DevicePlan]:
         spec = arch_by_name(arch, embed_dim=cfg.run.embed_dim if arch.startswith("tier-") else None)
         batch = cfg.train.batch_size or p.batch_size
         epochs = cfg.train.local_epochs or p.local_epochs
-        macs = spec.macs()
+        speed = speed_model(profile)
         out.append(DevicePlan(
             device_id=dev_id, profile=profile, arch=arch, batch_size=batch, local_epochs=epochs, samples=n,
-            macs=macs, train_memory_mb=train_memory_mb(spec, batch),
-            round_time_s=TRAIN_MACS_FACTOR * macs * n * epochs / device_mac_rate(profile),
-            upload_precision=p.upload_precision, params=spec.num_params(),
+            macs=spec.macs(), train_memory_mb=train_memory_mb(spec, batch),
+            round_time_s=speed.train_seconds(spec, batch, samples=n, epochs=epochs),
+            upload_precision=p.upload_precision, params=spec.num_params(), mac_rate=speed.mac_rate(spec, batch),
         ))
     return out
-
-
-def device_mac_rate(profile: Profile) -> float:
-    """Training multiply-accumulates per second the planner assumes for ``profile``."""
-    return profile.hardware.ghz_total * 1e9 * EFFICIENCY_MAC_PER_CYCLE
 
 
 @dataclass(frozen=True)
@@ -152,7 +149,7 @@ def limits_for(dp: DevicePlan, host_mac_rate: float, *, host_cores: int, loss_pc
     """
     if host_mac_rate <= 0 or not math.isfinite(host_mac_rate):
         raise ValueError(f"host MAC rate must be positive, got {host_mac_rate}")
-    rate = device_mac_rate(dp.profile)
+    rate = dp.mac_rate
     wanted = max(MIN_CPUS, round(rate / host_mac_rate, 3))
     cpus = compose_cpus(min(wanted, float(host_cores)))
     net = dp.profile.network

@@ -214,7 +214,20 @@ def add_probe_parser(psub: argparse._SubParsersAction) -> None:
     pr.add_argument("--dataset", default="digits", help="data set the tiers are trained and tested on (default digits)")
     pr.add_argument("--data-dir", help="directory of the data set files")
     pr.add_argument("--epochs", type=int, default=3, help="training epochs per tier (default 3)")
+    pr.add_argument("--train-batches", default="16,64", metavar="B,B",
+                    help="also time training of each tier at these batch sizes, for the speed model's "
+                         "[measured] train_gmac_s (default 16,64; '' to skip)")
+    pr.add_argument("--train-threads", type=int, help="threads for the training timing (default: every core)")
     pr.set_defaults(func=_probe)
+
+
+def _batches(text: str) -> list[int]:
+    from fedge.errors import ConfigError
+
+    try:
+        return [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise ConfigError(f"--train-batches {text!r} is not a list of batch sizes", hint="e.g. 16,64") from None
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -223,7 +236,7 @@ def _probe(args: argparse.Namespace) -> int:
     result = probe(tiers=[t.strip() for t in args.tiers.split(",") if t.strip()],
                    quants=[q.strip() for q in args.quants.split(",") if q.strip()],
                    runs=args.runs, threads=args.threads, dataset=args.dataset, data_dir=args.data_dir,
-                   epochs=args.epochs)
+                   epochs=args.epochs, train_batches=_batches(args.train_batches), train_threads=args.train_threads)
     path = write_measured_profile(result, args.out, base=args.base, name=args.name)
     quants = sorted({k.split("/")[1] for k in result.latency_ms}, key=QUANTS.index)
     print(f"{'tier':8s}  " + "  ".join(f"{q:>18s}" for q in quants))
@@ -232,5 +245,8 @@ def _probe(args: argparse.Namespace) -> int:
         print(f"{arch:8s}  " + "  ".join(f"{c:>18s}" for c in cells))
     drops = ", ".join(f"{q} {d:+.2f}" for q, d in result.accuracy_drop.items())
     print(f"worst accuracy drop vs fp32 (points): {drops or 'none measured'}")
+    if result.train_gmac_s:
+        print(f"training on {result.train_threads} thread(s), GMAC/s: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in result.train_gmac_s.items()))
     print(f"wrote {path}; `fedge profile plan {path}` shows what the planner chooses from it")
     return 0

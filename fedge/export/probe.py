@@ -54,6 +54,9 @@ class ProbeResult:
     runs: int
     threads: int
     hardware: dict[str, Any] = field(default_factory=dict)
+    train_gmac_s: dict[str, float] = field(default_factory=dict)
+    """``"tier-<t>@<batch>"`` → training rate on ``train_threads`` threads, 10^9 MAC per wall second."""
+    train_threads: int = 0
 
     @property
     def accuracy_drop(self) -> dict[str, float]:
@@ -68,16 +71,20 @@ class ProbeResult:
 
 def probe(*, tiers: Sequence[str] = TIERS, quants: Sequence[str] = QUANTS, runs: int = 200, threads: int = 1,
           dataset: str = "digits", data_dir: str | os.PathLike[str] | None = None, epochs: int = 3,
-          calibration_samples: int = 256, seed: int = 0) -> ProbeResult:
+          calibration_samples: int = 256, seed: int = 0, train_batches: Sequence[int] = (),
+          train_threads: int | None = None, train_seconds: float = 1.5) -> ProbeResult:
     """Train each tier briefly on ``dataset``, export it at each of ``quants`` and time it.
 
-    Latency is the median of ``runs`` batch-1 runs on ``threads`` ONNX Runtime threads.
+    Latency is the median of ``runs`` batch-1 runs on ``threads`` ONNX Runtime threads. With
+    ``train_batches``, each tier's training rate at each batch is timed too (SGD steps for
+    ``train_seconds`` of wall time on ``train_threads`` threads, default every core this process may
+    use): the ``[measured] train_gmac_s`` the speed model prefers to its own estimate.
     """
     import torch
 
     from fedge.edge.data.datasets import load_dataset
     from fedge.edge.models.zoo import build_model
-    from fedge.edge.training import TrainConfig, train_epochs
+    from fedge.edge.training import TrainConfig, train_epochs, train_mac_rate
     from fedge.export.variants import model_variants
     from fedge.export.verify import onnx_accuracy, onnx_latency_ms
 
@@ -87,6 +94,8 @@ def probe(*, tiers: Sequence[str] = TIERS, quants: Sequence[str] = QUANTS, runs:
                           hint=f"tiers: {', '.join(TIERS)}; quantizations: {', '.join(QUANTS)}")
     if runs < 1 or threads < 1 or epochs < 0:
         raise ConfigError("probe: runs and threads must be >= 1, epochs >= 0")
+    if any(b < 1 for b in train_batches) or (train_threads is not None and train_threads < 1):
+        raise ConfigError("probe: training batches and threads must be >= 1")
     train = load_dataset(dataset, train=True, data_dir=data_dir)
     test = load_dataset(dataset, train=False, data_dir=data_dir)
     rng = np.random.default_rng(seed)
@@ -115,7 +124,16 @@ def probe(*, tiers: Sequence[str] = TIERS, quants: Sequence[str] = QUANTS, runs:
                 f"{q} {latency[f'{spec.name}/{q}']:.3f} ms {accuracy[spec.name][q]:.1%}" for q in quants))
     finally:
         torch.set_num_threads(torch_threads)
-    return ProbeResult(latency, accuracy, dataset, len(test), runs, threads, detect_hardware())
+    hw = detect_hardware()
+    cores = train_threads or int(hw["cores"])
+    rates = {}
+    for tier in tiers if train_batches else ():
+        for b in train_batches:
+            # wall time: the device trains with all its cores to itself, as it will in a round
+            rate = train_mac_rate(f"tier-{tier}", b, threads=cores, seconds=train_seconds, cpu_time=False)
+            rates[f"tier-{tier}@{b}"] = round(rate / 1e9, 4)
+            log.info("probe tier-%s at batch %d trains at %.3f GMAC/s on %d threads", tier, b, rate / 1e9, cores)
+    return ProbeResult(latency, accuracy, dataset, len(test), runs, threads, hw, rates, cores if rates else 0)
 
 
 # -- this machine ------------------------------------------------------------------------
@@ -181,7 +199,8 @@ def measured_profile(result: ProbeResult, *, base: str | None = None, name: str 
     from fedge.profiles import Measured, parse_profile
     from fedge.profiles import load_profile as _load
 
-    measured = Measured(latency_ms=dict(result.latency_ms), accuracy_drop=result.accuracy_drop)
+    measured = Measured(latency_ms=dict(result.latency_ms), accuracy_drop=result.accuracy_drop,
+                        train_gmac_s=dict(result.train_gmac_s))
     if base is not None:
         prof = _load(base)
         return replace(prof, name=name or f"{prof.name}-measured", measured=measured,
@@ -195,7 +214,8 @@ def measured_profile(result: ProbeResult, *, base: str | None = None, name: str 
         "network": {"uplink_kbps": 10_000.0, "downlink_kbps": 10_000.0, "latency_ms": 10.0},
         "budgets": {"train_memory_mb": float(max(64, min(ram // 2, ram - 256))), "round_time_s": 60.0,
                     "inference_latency_ms": 10.0},
-        "measured": {"latency_ms": dict(measured.latency_ms), "accuracy_drop": dict(measured.accuracy_drop)},
+        "measured": {"latency_ms": dict(measured.latency_ms), "accuracy_drop": dict(measured.accuracy_drop),
+                     "train_gmac_s": dict(measured.train_gmac_s)},
     }
     try:
         return parse_profile(data, source="probe of this machine")
@@ -217,6 +237,9 @@ def probe_comment(result: ProbeResult, *, base: str | None) -> str:
     ]
     for arch, accs in result.accuracy.items():
         lines.append(f"  {arch}: " + ", ".join(f"{q} {a:.2%}" for q, a in accs.items()))
+    if result.train_gmac_s:
+        lines.append(f"train_gmac_s: training MACs (3 x forward) per wall second of SGD steps on "
+                     f"{result.train_threads} thread(s), per tier@batch; the speed model uses them over its estimate.")
     if base is None:
         lines.append("[hardware] was detected; [network] and [budgets] are placeholders: edit them for the device.")
     else:

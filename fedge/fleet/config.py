@@ -26,6 +26,7 @@ from typing import Any, Literal
 from fedge.common.catalog import DATASETS, NUM_CLASSES
 from fedge.common.preprocess import NORMALIZATION, Normalization
 from fedge.common.privacy import Mechanism, PrivacySettings
+from fedge.common.sampling import Sampling, parse_sampling
 from fedge.common.settings import MethodSettings
 from fedge.common.tensorcodec import PRECISIONS
 from fedge.common.tomlconf import build, read_toml
@@ -108,8 +109,17 @@ class DeviceGroup:
     archs: tuple[str, ...] = ()
     id_prefix: str | None = None
     upload_precision: str | None = None
+    # [clock] availability = "onoff": this group's mean online / offline spells (default: [clock]'s)
+    online_mean_s: float | None = None
+    offline_mean_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.online_mean_s is not None and not 0 < self.online_mean_s < float("inf"):
+            raise ConfigError(f"online_mean_s = {self.online_mean_s:g}: must be a positive number of seconds",
+                              hint="the mean length of this group's online spells, e.g. 3600")
+        if self.offline_mean_s is not None and not 0 <= self.offline_mean_s < float("inf"):
+            raise ConfigError(f"offline_mean_s = {self.offline_mean_s:g}: must be >= 0 seconds",
+                              hint="the mean length of this group's offline spells (0: never offline)")
         if self.count < 1:
             raise ConfigError(f"device count must be >= 1, got {self.count}")
         if self.arch and self.archs:
@@ -117,6 +127,56 @@ class DeviceGroup:
         if self.upload_precision is not None and self.upload_precision not in PRECISIONS:
             raise ConfigError(f"upload_precision {self.upload_precision!r} is not a precision",
                               hint=f"use one of {', '.join(PRECISIONS)}")
+
+
+AVAILABILITIES = ("always", "onoff", "trace")
+
+
+@dataclass(frozen=True)
+class ClockSection:
+    """``[clock]``: the virtual clock of ``fedge simulate`` (issue 27; docs/simulation.md, "The virtual clock").
+
+    Each device's time in a round is the speed model's compute time for its training plus the bytes it
+    downloads and uploads over its profile's link (half its round-trip time each way), times a seeded
+    jitter; a device is online per ``availability``; a synchronous round lasts until its slowest
+    participant delivers, or ``deadline_s``.
+    """
+
+    jitter: float = 0.0
+    """σ of a mean-one lognormal factor drawn per device, round and part (compute, down, up); 0: none."""
+    availability: str = "always"
+    """``always``; ``onoff`` (exponential online / offline spells of the means below); ``trace`` (a CSV file)."""
+    online_mean_s: float = 3600.0
+    offline_mean_s: float = 0.0
+    trace: str = ""
+    """``availability = "trace"``: CSV ``device,online_from,online_to`` (virtual seconds), relative to this file."""
+    deadline_s: float = 0.0
+    """Virtual seconds a round waits; an update that would arrive later is lost (0: wait for every participant)."""
+    seed: int | None = None
+    """Seed of the jitter and the on/off spells (default: ``[run] seed``)."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.jitter <= 3):
+            raise ConfigError(f"[clock] jitter = {self.jitter:g}: must be between 0 and 3",
+                              hint="σ of the lognormal jitter factor, e.g. 0.1 for ~10 % spread; 0 for none")
+        if self.availability not in AVAILABILITIES:
+            raise ConfigError(f"[clock] availability = {self.availability!r}: unknown model",
+                              hint=f"use one of {', '.join(repr(a) for a in AVAILABILITIES)}")
+        if not (self.online_mean_s > 0 and self.online_mean_s < float("inf")):
+            raise ConfigError(f"[clock] online_mean_s = {self.online_mean_s:g}: must be a positive number of seconds",
+                              hint="the mean length of a device's online spell, e.g. 3600")
+        if not (0 <= self.offline_mean_s < float("inf")):
+            raise ConfigError(f"[clock] offline_mean_s = {self.offline_mean_s:g}: must be >= 0 seconds",
+                              hint="the mean length of an offline spell (0: never offline)")
+        if self.availability == "trace" and not self.trace:
+            raise ConfigError('[clock] availability = "trace" needs trace = "FILE.csv"',
+                              hint="a CSV with the header device,online_from,online_to (docs/simulation.md)")
+        if self.trace and self.availability != "trace":
+            raise ConfigError(f"[clock] trace = {self.trace!r} is set but availability = {self.availability!r}",
+                              hint='set availability = "trace" to use it, or remove trace')
+        if not (0 <= self.deadline_s < float("inf")):
+            raise ConfigError(f"[clock] deadline_s = {self.deadline_s:g}: must be >= 0 seconds",
+                              hint="virtual seconds a round waits for its participants; 0: no deadline")
 
 
 # The model zoo's networks take 1x32x32 inputs (fedge.common.archs.ArchSpec's defaults).
@@ -169,6 +229,7 @@ class FleetConfig:
     coordinator: dict[str, Any] = field(default_factory=dict)  # parsed by fedge.coordinator.config
     data: DataSection = field(default_factory=DataSection)
     privacy: PrivacySettings = field(default_factory=PrivacySettings)  # fedge.common.privacy (issue 18)
+    clock: ClockSection = field(default_factory=ClockSection)  # fedge simulate's virtual clock (issue 27)
     source: str = "<memory>"
     # The [method] table parsed once, by the run's method (both halves read it): unknown keys, wrong
     # types and out-of-range values fail here, at load time.
@@ -187,6 +248,11 @@ class FleetConfig:
             raise ConfigError(f"{self.source}: [privacy] applies to fedproto and fedvtc, not {self.run.method!r}",
                               hint="leave [privacy] out for this method (docs/privacy.md)")
         return self.privacy.mechanism(stats=stats, num_classes=self.num_classes, rounds=self.run.rounds)
+
+    @functools.cached_property
+    def sampling(self) -> Sampling | None:
+        """``[coordinator] sample`` / ``selection`` (None: every device trains every round); checked at load."""
+        return parse_sampling(self.coordinator, fleet_size=self.num_devices, seed=self.run.seed, source=self.source)
 
     @property
     def base_dir(self) -> Path:
@@ -238,6 +304,7 @@ def parse_fleet(data: dict[str, Any], *, source: str = "<memory>") -> FleetConfi
         raise ConfigError(f"{source}: devices must be an array of tables ([[devices]])")
     devices = tuple(build(DeviceGroup, g, source=source, section=f"devices[{i}]") for i, g in enumerate(groups))
     cfg = build(FleetConfig, {**data, "devices": devices, "source": source}, source=source)
+    cfg.sampling  # noqa: B018  (a bad sample or selection fails now, at load time)
     if "privacy" in data:
         if not cfg.privacy.enabled:
             raise ConfigError(f"{source}: [privacy] sets neither noise_multiplier nor epsilon",

@@ -75,6 +75,15 @@ def _list(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _uarch(profile: Profile) -> str:
+    """The speed model's core and its figure, e.g. ``cortex-a72, 1.635 MAC/cycle (from hardware.cpu ...)``."""
+    from fedge.profiles.speed import speed_model
+
+    s = speed_model(profile)
+    return (f"{s.uarch.name}, {s.uarch.mac_per_cycle:g} MAC/cycle/core (from {s.found}); "
+            f"peak {s.peak_mac_rate / 1e9:.1f} GMAC/s")
+
+
 def _show_lines(profile: Profile) -> list[str]:
     hw, net, b = profile.hardware, profile.network, profile.budgets
     fields = [
@@ -82,6 +91,7 @@ def _show_lines(profile: Profile) -> list[str]:
             ("arch", hw.arch), ("cpu", hw.cpu), ("cores", str(hw.cores)), ("clock_ghz", f"{_ghz(hw.clock_ghz)} GHz"),
             ("ram_mb", f"{hw.ram_mb:,} MiB"), ("int8_dot", "yes" if hw.int8_dot else "no"),
             ("accelerators", ", ".join(hw.accelerators) or "none"),
+            ("uarch", _uarch(profile)),
         ]),
         ("network", [
             ("uplink_kbps", f"{net.uplink_kbps:,g} kbit/s"), ("downlink_kbps", f"{net.downlink_kbps:,g} kbit/s"),
@@ -95,7 +105,8 @@ def _show_lines(profile: Profile) -> list[str]:
     if profile.measured is not None:
         m = profile.measured
         fields.append(("measured", [(f"latency_ms {k}", f"{v:g} ms") for k, v in m.latency_ms.items()]
-                       + [(f"accuracy_drop {k}", f"{v:g} points") for k, v in m.accuracy_drop.items()]))
+                       + [(f"accuracy_drop {k}", f"{v:g} points") for k, v in m.accuracy_drop.items()]
+                       + [(f"train_gmac_s {k}", f"{v:g} GMAC/s") for k, v in m.train_gmac_s.items()]))
     width = max(len(k) for _, kv in fields for k, _ in kv)
     lines = [f"{profile.name}: {profile.description}"]
     for section, kv in fields:

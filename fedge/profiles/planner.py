@@ -33,6 +33,8 @@ from typing import Any
 from fedge.common.archs import DEFAULT_EMBED_DIM, TIERS, ArchSpec, tier_arch
 from fedge.errors import ProfileError
 from fedge.profiles.schema import INFERENCE_QUANTS, Profile
+from fedge.profiles.speed import TRAIN_MACS_FACTOR as TRAIN_MACS_FACTOR  # re-exported: the training cost
+from fedge.profiles.speed import SpeedModel, speed_model
 
 MIB = 2**20
 
@@ -52,13 +54,8 @@ DEFAULT_BATCH = 64  # GeFL trains its target nets at batch 64
 MIN_BATCH = 8  # below this BatchNorm statistics get too noisy to be worth the bigger model
 
 # -- round time ----------------------------------------------------------------
-# Training costs ~3 forward passes (forward, input gradients, weight gradients).
-TRAIN_MACS_FACTOR = 3
-# Sustained multiply-accumulates per clock cycle per core that PyTorch reaches when
-# training these small CNNs. 0.25 is conservative for Cortex-A53/A57/A72 (2-4 fp32
-# FMA lanes per cycle, of which small convs use a fraction) and pessimistic for
-# A76 and x86 (one Zen 4 core measured ~6 MAC/cycle on tier-m at batch 64).
-EFFICIENCY_MAC_PER_CYCLE = 0.25
+# The device's training speed is fedge.profiles.speed's model (per-microarchitecture efficiency x
+# a size curve measured per SIMD width, or the profile's [measured] training rates).
 DEFAULT_SAMPLES = 600  # GeFL: 10 % of (F)MNIST over 10 clients
 MAX_EPOCHS = 5  # GeFL: T_r = 5 local epochs on real data per round
 
@@ -118,9 +115,10 @@ def generator_memory_mb(tier: str) -> float:
     return tensors / MIB + WORKSPACE_MB
 
 
-def round_time_s(spec: ArchSpec, cores_x_ghz: float, *, samples: int, epochs: int) -> float:
-    """Estimated seconds of local training: ``3 × MACs × samples × epochs / (cores × Hz × efficiency)``."""
-    return TRAIN_MACS_FACTOR * spec.macs() * samples * epochs / (cores_x_ghz * 1e9 * EFFICIENCY_MAC_PER_CYCLE)
+def round_time_s(spec: ArchSpec, speed: SpeedModel, *, samples: int, epochs: int, batch: int = DEFAULT_BATCH) -> float:
+    """Estimated seconds of local training: ``3 × MACs × samples × epochs ÷`` the device's training MAC/s
+    for ``spec`` at ``batch`` (:meth:`fedge.profiles.speed.SpeedModel.mac_rate`)."""
+    return speed.train_seconds(spec, batch, samples=samples, epochs=epochs)
 
 
 def fit_batch(spec: ArchSpec, budget_mb: float) -> int | None:
@@ -170,11 +168,12 @@ def _mb(x: float) -> str:
 def _choose_tier(profile: Profile, specs: dict[str, ArchSpec], samples: int) -> tuple[str, int, int, dict[str, str]]:
     """Model tier, batch size, local epochs and their reasons."""
     budget_mb, budget_s = profile.budgets.train_memory_mb, profile.budgets.round_time_s
-    ghz = profile.hardware.ghz_total
+    speed = speed_model(profile)
     by_size = sorted(TIERS, key=lambda t: specs[t].num_params())
     # Batch that fits the memory budget, for the tiers where one does.
     batch = {t: b for t in by_size if (b := fit_batch(specs[t], budget_mb)) is not None}
-    secs = {t: round_time_s(specs[t], ghz, samples=samples, epochs=MAX_EPOCHS) for t in by_size}
+    secs = {t: round_time_s(specs[t], speed, samples=samples, epochs=MAX_EPOCHS, batch=batch.get(t, MIN_BATCH))
+            for t in by_size}
     fits_memory = [t for t in by_size if t in batch]
     if not fits_memory:
         need = train_memory_mb(specs[by_size[0]], MIN_BATCH)
@@ -205,7 +204,7 @@ def _choose_tier(profile: Profile, specs: dict[str, ArchSpec], samples: int) -> 
         # Even the smallest tier misses the round at 5 epochs: keep the smallest
         # model and train fewer epochs rather than give up.
         tier = fits_memory[0]
-        one = round_time_s(specs[tier], ghz, samples=samples, epochs=1)
+        one = round_time_s(specs[tier], speed, samples=samples, epochs=1, batch=batch[tier])
         epochs = min(MAX_EPOCHS, int(budget_s // one))
         if epochs < 1:
             raise ProfileError(
@@ -225,6 +224,7 @@ def _choose_tier(profile: Profile, specs: dict[str, ArchSpec], samples: int) -> 
         batch_reason = (f"halved from {DEFAULT_BATCH} until tier-{tier} fit {profile.budgets.train_memory_mb:g} MiB "
                         f"(batch {b * 2} would need {_mb(train_memory_mb(specs[tier], b * 2))}); "
                         f"the batch shrinks (to {MIN_BATCH} at least) before the tier drops")
+    tier_reason += f"; speed: {speed.describe()}"
     reasons = {"model_tier": tier_reason, "batch_size": batch_reason, "local_epochs": epochs_reason}
     return tier, b, epochs, reasons
 
@@ -357,6 +357,6 @@ def plan(profile: Profile, *, embed_dim: int = DEFAULT_EMBED_DIM, samples: int =
         params=spec.num_params(),
         macs=spec.macs(),
         train_memory_mb=train_memory_mb(spec, batch),
-        round_time_s=round_time_s(spec, profile.hardware.ghz_total, samples=samples, epochs=epochs),
+        round_time_s=round_time_s(spec, speed_model(profile), samples=samples, epochs=epochs, batch=batch),
         reasons=MappingProxyType(reasons),
     )

@@ -24,6 +24,7 @@ from typing import Any
 
 from fedge.common.archs import TIERS
 from fedge.errors import ProfileError
+from fedge.profiles.uarch import check_uarch
 
 # Inference quantization levels, highest precision first (ties in measured
 # latency are broken toward the earlier, more accurate level).
@@ -81,6 +82,9 @@ class Hardware:
     """The CPU has int8 dot-product instructions (ARMv8.2 dotprod / x86 VNNI)."""
     accelerators: tuple[str, ...] = ()
     """Accelerators, from :data:`ACCELERATORS`, e.g. ``("cuda-fp16",)``."""
+    uarch: str = ""
+    """CPU microarchitecture for the speed model (:data:`fedge.profiles.uarch.UARCHES`, e.g. ``"cortex-a72"``);
+    empty: found from ``cpu``."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHES:
@@ -106,6 +110,8 @@ class Hardware:
                        f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(ACCELERATORS)}")
         _check(len(set(self.accelerators)) == len(self.accelerators), "accelerators", list(self.accelerators),
                "lists an accelerator twice", "list each accelerator once")
+        if self.uarch:
+            check_uarch(self.uarch)
 
     @property
     def ghz_total(self) -> float:
@@ -165,17 +171,21 @@ class Measured:
 
     ``latency_ms`` maps ``"tier-<t>/<quant>"`` to batch-1 latency in ms;
     ``accuracy_drop`` maps a quantization level to its top-1 accuracy loss
-    against fp32, in percentage points.
+    against fp32, in percentage points; ``train_gmac_s`` maps ``"tier-<t>@<batch>"``
+    to the training rate on all cores, in 10^9 multiply-accumulates per second
+    (:mod:`fedge.profiles.speed` uses it over its model).
     """
 
-    latency_ms: Mapping[str, float]
+    latency_ms: Mapping[str, float] = field(default_factory=dict)
     accuracy_drop: Mapping[str, float] = field(default_factory=dict)
+    train_gmac_s: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("latency_ms", "accuracy_drop"):
+        examples = {"latency_ms": '"tier-m/fp32" = 1.2', "accuracy_drop": '"int8-static" = 0.4',
+                    "train_gmac_s": '"tier-m@64" = 1.9'}
+        for name, example in examples.items():
             _check(isinstance(getattr(self, name), Mapping), name, getattr(self, name), "is not a table",
-                   f'write it as a table, e.g. {name} = {{ "tier-m/fp32" = 1.2 }}' if name == "latency_ms"
-                   else f'write it as a table, e.g. {name} = {{ "int8-static" = 0.4 }}')
+                   f"write it as a table, e.g. {name} = {{ {example} }}")
         for key, ms in self.latency_ms.items():
             arch, _, quant = key.partition("/")
             tier = arch.removeprefix("tier-")
@@ -193,8 +203,17 @@ class Measured:
                    and math.isfinite(drop) and -100 <= drop <= 100,
                    f"accuracy_drop.{quant}", drop, "must be a number of percentage points in [-100, 100]",
                    "give the top-1 accuracy lost against fp32, in points (0.4 means 0.4 %)")
+        for key, rate in self.train_gmac_s.items():
+            arch, _, batch = key.partition("@")
+            _check(arch.startswith("tier-") and arch.removeprefix("tier-") in TIERS and batch.isdigit()
+                   and int(batch) >= 1, "train_gmac_s", key, "is not a <model tier>@<batch> key",
+                   f'use keys like "tier-m@64": tiers {", ".join(TIERS)}, a batch size >= 1')
+            _check(isinstance(rate, int | float) and not isinstance(rate, bool), f"train_gmac_s.{key}", rate,
+                   "is not a number", "give the measured training rate in 10^9 MAC/s")
+            _positive(f"train_gmac_s.{key}", rate, "give the measured training rate in 10^9 MAC/s (> 0)")
         object.__setattr__(self, "latency_ms", _freeze(self.latency_ms))
         object.__setattr__(self, "accuracy_drop", _freeze(self.accuracy_drop))
+        object.__setattr__(self, "train_gmac_s", _freeze(self.train_gmac_s))
 
     def latency(self, tier: str, quant: str) -> float | None:
         """Measured latency of ``tier-<tier>`` at ``quant`` in ms, or None."""
@@ -233,6 +252,7 @@ class Profile:
             "hardware": {
                 "arch": hw.arch, "cpu": hw.cpu, "cores": hw.cores, "clock_ghz": hw.clock_ghz,
                 "ram_mb": hw.ram_mb, "int8_dot": hw.int8_dot, "accelerators": list(hw.accelerators),
+                **({"uarch": hw.uarch} if hw.uarch else {}),
             },
             "network": {
                 "uplink_kbps": self.network.uplink_kbps, "downlink_kbps": self.network.downlink_kbps,
@@ -247,5 +267,6 @@ class Profile:
             d["measured"] = {
                 "latency_ms": dict(self.measured.latency_ms),
                 "accuracy_drop": dict(self.measured.accuracy_drop),
+                **({"train_gmac_s": dict(self.measured.train_gmac_s)} if self.measured.train_gmac_s else {}),
             }
         return d

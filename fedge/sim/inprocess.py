@@ -9,8 +9,11 @@ from fedge.common.rounds import DeviceInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.methods.base import DeviceMethod
+from fedge.fleet.clock import fleet_clock
 from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice
+from fedge.fleet.slots import checked_slots
+from fedge.sim.clocked import ClockedCoordinatorTransport
 
 
 def connect_inprocess(devices: Sequence[tuple[DeviceMethod, DeviceInfo]], *, fleet: str = "default",
@@ -33,7 +36,9 @@ def connect_inprocess(devices: Sequence[tuple[DeviceMethod, DeviceInfo]], *, fle
 
 def run_inprocess(cfg: FleetConfig, devices: list[SimDevice]) -> tuple[CoordinatorTransport, list[DeviceAgent],
                                                                        Callable[[], None]]:
-    """Connect the fleet to an in-memory bus: (coordinator transport, agents, cleanup)."""
-    _, coord, agents = connect_inprocess([(d.method, d.info) for d in devices], fleet=cfg.run.fleet,
-                                         eval_every=cfg.run.eval_every)
-    return coord, agents, lambda: None
+    """Connect the fleet to an in-memory bus stepped in virtual time (:mod:`fedge.sim.clocked`, ``[clock]``):
+    (coordinator transport, agents, cleanup)."""
+    bus, _, agents = connect_inprocess([(d.method, d.info) for d in devices], fleet=cfg.run.fleet,
+                                       eval_every=cfg.run.eval_every)
+    clock = fleet_clock(cfg, checked_slots(cfg))
+    return ClockedCoordinatorTransport(bus, agents, clock, final_round=cfg.run.rounds + 1), agents, lambda: None

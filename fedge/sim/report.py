@@ -39,10 +39,49 @@ def _privacy(res: SimResult) -> dict[str, Any] | None:
             "training_rounds_released": len(spent), "budget_spent": last["budget_spent"]}
 
 
+def _virtual(res: SimResult) -> tuple[dict[str, Any] | None, dict[int, tuple[float, float]]]:
+    """The ``clock`` part of results.json, and each timed round's (start, end) in virtual seconds."""
+    clock = res.clock
+    if clock is None:
+        return None, {}
+    ck = res.cfg.clock
+    spans = {r.round: (r.start_s, r.end_s) for r in clock.rounds}
+    doc = {"virtual_s": clock.now, "jitter": ck.jitter, "availability": ck.availability,
+           "deadline_s": ck.deadline_s, "mean_round_s": clock.now / max(1, len(clock.rounds)),
+           "lost": {str(r.round): {d: t.lost for d, t in r.devices.items() if not t.delivered}
+                    for r in clock.rounds if any(not t.delivered for t in r.devices.values())}}
+    return doc, spans
+
+
+def _device_virtual(res: SimResult, dev_id: str, reports: list[RoundReport]) -> dict[str, Any]:
+    """One device in virtual time: per round its timeline (None: no work), and its busy / idle / offline share."""
+    clock = res.clock
+    if clock is None or dev_id not in clock.devices:
+        return {}
+    by_round = {r.round: r.devices.get(dev_id) for r in clock.rounds}
+    timeline = [(t.to_dict() if (t := by_round.get(rep.round)) is not None else None) for rep in reports]
+    shares = clock.shares(dev_id)
+    return {"virtual": timeline, "busy_share": shares["busy"], "idle_share": shares["idle"],
+            "offline_share": shares["offline"]}
+
+
+def time_to_accuracy(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """(virtual seconds, mean global accuracy) after each round: the accuracy reached by each moment."""
+    times = [0.0] + [r["virtual_end_s"] for r in results["rounds_log"] if r.get("virtual_end_s") is not None]
+    out = []
+    for i, t in enumerate(times):
+        accs = [d["acc_global"][i] for d in results["devices"] if i < len(d["acc_global"]) and
+                d["acc_global"][i] is not None]
+        if accs:
+            out.append({"after_round": i, "virtual_s": t, "mean_acc_global": sum(accs) / len(accs)})
+    return out
+
+
 def build_results(res: SimResult) -> dict[str, Any]:
     """The JSON document of a run."""
     reports: list[RoundReport] = res.reports
     rounds = res.cfg.run.rounds
+    clock_doc, spans = _virtual(res)
     devices: list[dict[str, Any]] = []
     for d in res.devices:
         dev_id = d.info.device_id
@@ -74,6 +113,9 @@ def build_results(res: SimResult) -> dict[str, Any]:
             # Training rounds only (the final evaluation round uploads metrics only, but is counted).
             "bytes_up": up,
             "bytes_down": down,
+            # seconds of each round's work as the device measured it (here: on the simulating host)
+            "train_s": [rep.train_s.get(dev_id) for rep in reports],
+            **_device_virtual(res, dev_id, reports),
         })
 
     def mean(key: str) -> float | None:
@@ -84,7 +126,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
         """Mean bytes per device per training round."""
         return sum(sum(d[key][:rounds]) for d in devices) / max(1, len(devices) * rounds)
 
-    return {
+    doc: dict[str, Any] = {
         "name": res.cfg.run.name,
         "method": res.cfg.run.method,
         "dataset": res.cfg.run.dataset,
@@ -110,12 +152,19 @@ def build_results(res: SimResult) -> dict[str, Any]:
         },
         "rounds_log": [
             {"round": r.round, "phase": r.phase, "seconds": r.seconds, "accepted": len(r.accepted),
-             "rejected": r.rejected, **({"epsilon": _finite(r.privacy["epsilon"])} if r.privacy else {})}
+             "rejected": r.rejected, **({"epsilon": _finite(r.privacy["epsilon"])} if r.privacy else {}),
+             **({"sampled": r.sampled} if r.sampled else {}), "missing": r.missing,
+             **({"virtual_start_s": spans[r.round][0], "virtual_end_s": spans[r.round][1]}
+                if r.round in spans else {})}
             for r in reports
         ],
         "privacy": _privacy(res),
+        "clock": clock_doc,
         "devices": devices,
     }
+    if clock_doc is not None:
+        doc["time_to_accuracy"] = time_to_accuracy(doc)
+    return doc
 
 
 # The guard's verdicts a device reports (issue 17): on the synthetic samples, and (GeFL) on the fleet's
@@ -148,7 +197,7 @@ def personal_and_guard(reports: list[RoundReport], dev_id: str) -> dict[str, Any
 
 
 def write_results(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """Write results.json, accuracy.png and traffic.png into ``out_dir``."""
+    """Write results.json, accuracy.png, traffic.png and (with a virtual clock) time_to_accuracy.png in ``out_dir``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,7 +236,35 @@ def write_results(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(paths[2], dpi=120)
     plt.close(fig)
+    if results.get("time_to_accuracy"):
+        paths.append(out / "time_to_accuracy.png")
+        _plot_time_to_accuracy(results, paths[-1])
     return paths
+
+
+def _plot_time_to_accuracy(results: dict[str, Any], path: Path) -> None:
+    """Global accuracy against virtual time: each device's evaluations (dots) and the fleet's mean (line)."""
+    import matplotlib.pyplot as plt
+
+    times = [0.0] + [r["virtual_end_s"] for r in results["rounds_log"] if r.get("virtual_end_s") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for d in results["devices"]:
+        pts = [(times[i], 100 * a) for i, a in enumerate(d["acc_global"][: len(times)]) if a is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), ls="none", marker=".", ms=3, alpha=0.4)  # only rounds it evaluated in
+    mean = results["time_to_accuracy"]
+    ax.plot([m["virtual_s"] for m in mean], [100 * m["mean_acc_global"] for m in mean], "k.-", lw=2,
+            label="fleet mean")
+    ax.set_xlabel("virtual time (s)")
+    ax.set_ylabel("global test accuracy (%)")
+    ck = results["clock"]
+    ax.set_title(f"{results['method']} on {results['dataset']}: time to accuracy "
+                 f"(availability {ck['availability']}, jitter {ck['jitter']:g})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 
@@ -207,6 +284,9 @@ def format_table(results: dict[str, Any]) -> str:
     header += ["synthetic kept"] if guard else []
     header += ["fleet stem kept"] if stem else []
     header += ["up", "down", "prec"]
+    clocked = any("busy_share" in d for d in devs)
+    offline = any(d.get("offline_share", 0) > 0 for d in devs)
+    header += (["busy %", "idle %"] + (["offline %"] if offline else [])) if clocked else []
     rows = [header]
     for d in devs:
         row = [d["id"], d["profile"], d["arch"], f"{d['params']:,}" if d["params"] else "-",
@@ -220,6 +300,9 @@ def format_table(results: dict[str, Any]) -> str:
                 g = d.get(key, [])
                 row.append(f"{sum(x['used'] for x in g)}/{len(g)}")
         row += [format_bytes(sum(d["bytes_up"])), format_bytes(sum(d["bytes_down"])), d["upload_precision"]]
+        if clocked:
+            row += [_pct(d.get("busy_share")), _pct(d.get("idle_share"))]
+            row += [_pct(d.get("offline_share"))] if offline else []
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
@@ -241,6 +324,13 @@ def format_table(results: dict[str, Any]) -> str:
     if stem:
         lines.append(f"guard: the fleet's extractor kept in {s['guard_stem_used']} of {s['guard_stem_decisions']} "
                      "device-rounds (else the group's own)")
+    ck = results.get("clock")
+    if ck:
+        lost = sum(len(v) for v in ck["lost"].values())
+        lines.append(f"virtual time: {ck['virtual_s']:.1f} s ({ck['mean_round_s']:.1f} s per round; availability "
+                     f"{ck['availability']}, jitter {ck['jitter']:g}"
+                     + (f", deadline {ck['deadline_s']:g} s" if ck["deadline_s"] else "")
+                     + (f"; {lost} update(s) lost to the clock" if lost else "") + ")")
     p = results.get("privacy")
     if p:
         eps = "∞" if p["epsilon"] is None else f"{p['epsilon']:.3g}"

@@ -1,0 +1,272 @@
+"""The virtual clock: how long each device's work takes, and how long each synchronous round lasts.
+
+Per device (:class:`DeviceClock`), for one round's work:
+
+* **download** — the descriptor and the global state it fetched: ``RTT/2 + bytes × 8 ÷ downlink``;
+* **compute** — its local training, ``3 × MACs × samples × epochs ÷`` the speed model's rate for its
+  model and batch (:mod:`fedge.profiles.speed`, or the profile's ``[measured]`` rates);
+* **upload** — its update: ``RTT/2 + bytes × 8 ÷ uplink``;
+
+each part times a seeded mean-one lognormal jitter factor (σ = ``[clock] jitter``), drawn from the
+device's index, the round and the part, so a run repeats exactly whatever order devices are asked in.
+Availability (:mod:`fedge.fleet.availability`) says when the device is online.
+
+A **synchronous round** (:meth:`FleetClock.sync_round`) starts when the previous one ended; each
+participant starts at once, and its update arrives at start + its total, unless it goes offline
+first (the coordinator hears its last will then) or misses ``deadline_s``; the round lasts until the
+coordinator has heard of every participant, or the whole deadline when one missed it. An
+asynchronous scheduler would use the same :meth:`DeviceClock.timing` and availability per event.
+
+Torch-free: sizes come from the devices' slots (:mod:`fedge.fleet.slots`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedge.common.archs import ArchSpec
+from fedge.errors import ConfigError
+from fedge.fleet.availability import Availability, OnOff, read_trace
+from fedge.fleet.config import ClockSection, FleetConfig
+from fedge.fleet.slots import DeviceSlot, device_profile
+from fedge.profiles.schema import Network
+from fedge.profiles.speed import TRAIN_MACS_FACTOR, SpeedModel, speed_model
+
+log = logging.getLogger(__name__)
+
+_PARTS = {"download": 1, "compute": 2, "upload": 3}  # jitter streams
+
+
+@dataclass(frozen=True)
+class TrainWork:
+    """One round of local training: ``epochs`` passes over ``samples`` samples of ``spec`` at ``batch``."""
+
+    spec: ArchSpec
+    batch: int
+    samples: int
+    epochs: int
+
+    @property
+    def macs(self) -> float:
+        """Training multiply-accumulates: 3 × forward MACs per sample × samples × epochs."""
+        return float(TRAIN_MACS_FACTOR * self.spec.macs() * self.samples * self.epochs)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How long one device's work of one round takes, by part, in virtual seconds."""
+
+    download_s: float
+    compute_s: float
+    upload_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.download_s + self.compute_s + self.upload_s
+
+
+@dataclass
+class DeviceClock:
+    """One device's timing model: its speed, its link, its availability and its jitter."""
+
+    device_id: str
+    index: int
+    speed: SpeedModel
+    network: Network
+    availability: Availability
+    work: TrainWork
+    """What one training round of this device is (its model, batch, samples and epochs)."""
+    jitter: float = 0.0
+    seed: int = 0
+
+    def _factor(self, rnd: int, part: str) -> float:
+        if self.jitter <= 0:
+            return 1.0
+        z = np.random.default_rng([self.seed & 0xFFFF_FFFF, self.index, rnd, _PARTS[part]]).standard_normal()
+        return math.exp(self.jitter * z - self.jitter**2 / 2)  # mean one
+
+    def compute_s(self, work: TrainWork | None, rnd: int = 0) -> float:
+        """Seconds of ``work`` on this device (None: no training, e.g. the final evaluation)."""
+        if work is None:
+            return 0.0
+        return work.macs / self.speed.mac_rate(work.spec, work.batch) * self._factor(rnd, "compute")
+
+    def transfer_s(self, nbytes: int, *, up: bool, rnd: int = 0) -> float:
+        """Seconds to move ``nbytes`` over the link: half the round-trip time, then bytes × 8 ÷ rate."""
+        if nbytes <= 0:
+            return 0.0
+        kbps = self.network.uplink_kbps if up else self.network.downlink_kbps
+        wire = self.network.latency_ms / 2000 + nbytes * 8 / (kbps * 1000)
+        return wire * self._factor(rnd, "upload" if up else "download")
+
+    def timing(self, rnd: int, *, bytes_down: int, bytes_up: int, work: TrainWork | None) -> Timing:
+        """The parts of this device's work in round ``rnd``.
+
+        ``rnd`` only seeds the jitter: an asynchronous scheduler passes the device's task counter (its n-th
+        piece of work) and asks :attr:`availability` whether the device is still online when the work ends
+        (``availability.online_until(start) >= start + timing.total_s``) and when it can start the next
+        (``availability.next_online(t)``).
+        """
+        return Timing(self.transfer_s(bytes_down, up=False, rnd=rnd), self.compute_s(work, rnd),
+                      self.transfer_s(bytes_up, up=True, rnd=rnd))
+
+
+@dataclass(frozen=True)
+class DeviceRound:
+    """One participant of one round, in virtual time."""
+
+    start_s: float
+    download_s: float
+    compute_s: float
+    upload_s: float
+    finish_s: float
+    delivered: bool
+    lost: str = ""
+    """Why its update never arrived: ``"offline"`` (went offline first) or ``"deadline"``; empty if delivered."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RoundTime:
+    """One round in virtual time: when it started and ended, and each participant's timeline."""
+
+    round: int
+    start_s: float
+    end_s: float
+    devices: dict[str, DeviceRound] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
+class Participation:
+    """What one device did in a round: the bytes it moved and whether it trained."""
+
+    bytes_down: int
+    bytes_up: int
+    trained: bool
+
+
+class FleetClock:
+    """Virtual time of a whole fleet: the devices' clocks, the current time, every round so far."""
+
+    def __init__(self, devices: Sequence[DeviceClock], *, deadline_s: float = 0.0) -> None:
+        self.devices = {d.device_id: d for d in devices}
+        self.deadline_s = deadline_s
+        self.now = 0.0
+        self.rounds: list[RoundTime] = []
+
+    def online(self, t: float | None = None) -> set[str]:
+        """The devices online at ``t`` (default: now)."""
+        t = self.now if t is None else t
+        return {d for d, c in self.devices.items() if c.availability.online(t)}
+
+    def advance_to_online(self, ids: Iterable[str] | None = None) -> float:
+        """Move ``now`` to the first moment one of ``ids`` (default: every device) is online; returns it.
+
+        Raises :class:`ConfigError` when none of them ever comes online again (a trace that ends).
+        """
+        pool = list(self.devices if ids is None else ids)
+        t = min((self.devices[d].availability.next_online(self.now) for d in pool), default=math.inf)
+        if math.isinf(t):
+            raise ConfigError(f"no device comes online after virtual time {self.now:g} s",
+                              hint="the availability trace ends before the run: extend it, or use fewer rounds")
+        self.now = max(self.now, t)
+        return self.now
+
+    def sync_round(self, rnd: int, participants: Mapping[str, Participation], *, record: bool = True) -> RoundTime:
+        """Time one synchronous round in which ``participants`` worked (each started at ``now``); advances now.
+
+        A participant's update is lost when it goes offline before it finishes, or finishes after
+        ``deadline_s``. The round ends when the coordinator has heard of every participant: its
+        update arrived, it went offline (its last will), or the deadline passed (the whole deadline
+        when one was lost to it).
+        """
+        start = self.now
+        out = RoundTime(rnd, start, start)
+        heard = [start]  # when the coordinator learns each participant's outcome
+        for dev_id, p in participants.items():
+            c = self.devices[dev_id]
+            t = c.timing(rnd, bytes_down=p.bytes_down, bytes_up=p.bytes_up, work=c.work if p.trained else None)
+            finish = start + t.total_s
+            lost = ""
+            gone = c.availability.online_until(start)
+            if self.deadline_s and t.total_s > self.deadline_s and start + self.deadline_s < gone:
+                lost = "deadline"
+                heard.append(start + self.deadline_s)
+            elif finish > gone:
+                lost = "offline"
+                heard.append(gone)  # its last will: the coordinator stops waiting for it
+            else:
+                heard.append(finish)
+            out.devices[dev_id] = DeviceRound(start, t.download_s, t.compute_s, t.upload_s, finish, not lost, lost)
+        end = max(heard)
+        if self.deadline_s and any(r.lost == "deadline" for r in out.devices.values()):
+            end = start + self.deadline_s
+        out.end_s = end
+        if record:
+            self.now = end
+            self.rounds.append(out)
+        return out
+
+    # -- what a report shows ------------------------------------------------------------------
+    def busy_s(self, device_id: str) -> float:
+        """Virtual seconds ``device_id`` spent working (downloading, training, uploading) over every round."""
+        return sum(min(r.devices[device_id].finish_s, r.end_s,
+                       self.devices[device_id].availability.online_until(r.start_s)) - r.start_s
+                   for r in self.rounds if device_id in r.devices)
+
+    def shares(self, device_id: str) -> dict[str, float]:
+        """Fractions of the run's virtual time ``device_id`` was busy, idle (online, no work) and offline."""
+        total = self.now
+        if total <= 0:
+            return {"busy": 0.0, "idle": 1.0, "offline": 0.0}
+        busy = min(self.busy_s(device_id), total)
+        online = self.devices[device_id].availability.online_share(0.0, total) * total
+        busy = min(busy, online)
+        return {"busy": busy / total, "idle": max(0.0, online - busy) / total, "offline": 1 - online / total}
+
+
+def _work(cfg: FleetConfig, slot: DeviceSlot) -> TrainWork:
+    p = slot.plan
+    return TrainWork(slot.spec, cfg.train.batch_size or p.batch_size, max(1, slot.num_samples),
+                     cfg.train.local_epochs or p.local_epochs)
+
+
+def _availability(cfg: FleetConfig, slot: DeviceSlot, clock: ClockSection, seed: int,
+                  trace: Mapping[str, Availability] | None) -> Availability:
+    if clock.availability == "trace":
+        assert trace is not None
+        return trace[slot.device_id]
+    if clock.availability == "onoff":
+        g = cfg.devices[slot.group]
+        on = g.online_mean_s if g.online_mean_s is not None else clock.online_mean_s
+        off = g.offline_mean_s if g.offline_mean_s is not None else clock.offline_mean_s
+        return OnOff(on, off, (seed & 0xFFFF_FFFF, slot.index, 0xA7))
+    return Availability()
+
+
+def fleet_clock(cfg: FleetConfig, slots: Sequence[DeviceSlot]) -> FleetClock:
+    """The virtual clock of ``cfg``'s devices (``slots``, in fleet order) per its ``[clock]`` table."""
+    ck = cfg.clock
+    seed = cfg.run.seed if ck.seed is None else ck.seed
+    trace = None
+    if ck.availability == "trace":
+        path = cfg.base_dir / ck.trace
+        trace = read_trace(path, [s.device_id for s in slots])
+    clocks = []
+    for slot in slots:
+        profile = device_profile(cfg, slot.group)
+        clocks.append(DeviceClock(slot.device_id, slot.index, speed_model(profile), profile.network,
+                                  _availability(cfg, slot, ck, seed, trace), _work(cfg, slot), ck.jitter, seed))
+    return FleetClock(clocks, deadline_s=ck.deadline_s)
