@@ -105,7 +105,8 @@ def _run(args: argparse.Namespace) -> int:
         cfg, dev, own = _device(b.fleet_config, b.device_id, args.profile, args.data, args.status_file)
         settings = parse_broker_url(args.broker or b.broker, username=args.username or b.username,
                                     password=args.password or b.password(), ca_file=args.ca or b.ca_file,
-                                    tls=True if args.tls else None)
+                                    tls=True if args.tls else None, cert_file=args.cert or b.cert_file,
+                                    key_file=args.key or b.key_file)
     else:
         if not (args.config and args.device_id and args.broker):
             raise ConfigError("fedge edge run needs --bundle DIR, or --config FLEET.toml --device-id ID --broker URL")
