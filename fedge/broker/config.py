@@ -377,7 +377,9 @@ def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: B
     fleet_pub = None
     if opts.signs:
         files.signing_key, fleet_pub = _signing_key(outp / "coordinator")
-        shutil.copyfile(fleet_pub, outp / "deploy" / "fleet.pub")
+        for user in users[1:]:  # the deploy account and every device: what they verify signatures with
+            secrets_dir[user].mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(fleet_pub, secrets_dir[user] / "fleet.pub")
 
     scheme = "mqtts" if opts.uses_tls else "mqtt"
     if opts.bundles and fleet_config is None:
@@ -397,7 +399,6 @@ def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: B
                 shutil.copyfile(files.ca, bdir / "ca.crt")
                 lines.append('ca_file = "ca.crt"')
             if fleet_pub is not None:
-                shutil.copyfile(fleet_pub, bdir / "fleet.pub")
                 lines.append('fleet_key = "fleet.pub"')
             _write(bdir / "bundle.toml", "\n".join(lines) + "\n")
             files.bundles.append(bdir)

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from fedge.errors import ConfigError, FedgeError, ProfileError
@@ -43,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument("--device-id", help="this device's id in the fleet config (e.g. rpi4-2gb-1)")
     r.add_argument("--profile", help="expected profile of the device (checked against the fleet config)")
     add_broker_arguments(r)
+    r.add_argument("--fleet-key", metavar="FILE",
+                   help="the fleet's Ed25519 public key (a bundle's fleet.pub, read from the bundle by default): "
+                        "round descriptors and global state must then be signed with the fleet key")
+    r.add_argument("--state-dir", metavar="DIR",
+                   help="where the device keeps what must survive a restart: the newest signed message seen per "
+                        "topic (replay protection) and, with OTA updates, its model store")
     r.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk uploads above this size")
     r.add_argument("--global-timeout", type=float, default=120.0, metavar="S",
                    help="how long to wait for a round's global state (default 120)")
@@ -113,7 +120,17 @@ def _run(args: argparse.Namespace) -> int:
         cfg, dev, own = _device(args.config, args.device_id, args.profile, args.data, args.status_file)
         settings = broker_settings(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, global_timeout_s=args.global_timeout)
-    transport = MqttDeviceTransport(settings, cfg.run.fleet, dev.info.device_id, wire)
+    fleet_key = args.fleet_key or (b.fleet_key if args.bundle else None)
+    verifier = None
+    if fleet_key is not None:
+        from fedge.common.signing import Verifier
+
+        state = None
+        if args.state_dir:
+            Path(args.state_dir).mkdir(parents=True, exist_ok=True)
+            state = Path(args.state_dir) / "signed-seen.json"
+        verifier = Verifier.from_file(fleet_key, state=state)
+    transport = MqttDeviceTransport(settings, cfg.run.fleet, dev.info.device_id, wire, verifier=verifier)
     agent: DeviceAgent
     if own is not None:
         from fedge.edge.own_data import OwnDataAgent
