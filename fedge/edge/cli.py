@@ -50,6 +50,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument("--state-dir", metavar="DIR",
                    help="where the device keeps what must survive a restart: the newest signed message seen per "
                         "topic (replay protection) and, with OTA updates, its model store")
+    r.add_argument("--model-store", metavar="DIR",
+                   help="accept over-the-air model updates (`fedge deploy`) into this store: signed by the fleet key, "
+                        "checked on the device's local split and with a smoke test, switched in atomically, rolled "
+                        "back by themselves (needs the fleet key)")
+    r.add_argument("--model", metavar="DIR", help="with --model-store: the flashed model an empty store starts from")
     r.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk uploads above this size")
     r.add_argument("--global-timeout", type=float, default=120.0, metavar="S",
                    help="how long to wait for a round's global state (default 120)")
@@ -93,6 +98,30 @@ def _device(cfg_path: str, device_id: str, profile: str | None,
     except ProfileError:
         pass
     return cfg, dev, own
+
+
+def _ota(args: argparse.Namespace, cfg: Any, dev: Any, transport: Any, verifier: Any) -> Any:
+    """The device's over-the-air updates (``--model-store``) on the transport's connection, or None."""
+    if not args.model_store:
+        return None
+    if verifier is None:
+        raise ConfigError("--model-store accepts only models signed by the fleet: it needs the fleet key",
+                          hint="give --fleet-key FILE (a bundle's fleet.pub), or a bundle written with --sign/--mtls")
+    from fedge.mqtt.ota import OtaDevice
+    from fedge.runtime.ota import ModelUpdater
+    from fedge.runtime.store import ModelStore
+
+    store = ModelStore(args.model_store)
+    if args.model:
+        store.seed(args.model)
+    test = dev.method.ctx.local_test  # the device's own validation split
+    updater = ModelUpdater(store, (test.x, test.y) if test is not None and len(test.y) else None)
+    print(f"{dev.info.device_id}: model store {args.model_store}, version {store.current} in use; accepting "
+          "updates signed by the fleet key", file=sys.stderr)
+    return OtaDevice(transport.client, cfg.run.fleet, dev.info.device_id, verifier, store.incoming,
+                     apply=lambda data, order: updater.apply(data, version=order.version, fleet=order.fleet,
+                                                             threshold=order.threshold),
+                     status=store.status, precheck=store.check_new)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -143,6 +172,7 @@ def _run(args: argparse.Namespace) -> int:
               f"local test images{skipped}", file=sys.stderr)
     else:
         agent = DeviceAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every)
+    ota = _ota(args, cfg, dev, transport, verifier)
     service = EdgeService(agent, transport, EdgeOptions(exit_after_final=not args.keep_running))
     stopped = []
 
@@ -153,6 +183,8 @@ def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_term)
     # Connect in the background: a device that boots before its broker keeps retrying with back-off.
     transport.start(wait=False)
+    if ota is not None:
+        ota.start()
     print(f"{dev.info.device_id}: {dev.info.profile}, {dev.info.arch}, {dev.info.num_samples} samples, "
           f"{cfg.run.method} on fleet {cfg.run.fleet} via {settings.url}", file=sys.stderr)
     try:
@@ -161,6 +193,8 @@ def _run(args: argparse.Namespace) -> int:
         service.stop()
         return 130
     finally:
+        if ota is not None:
+            ota.stop()
         transport.close()
     print(f"{dev.info.device_id}: {rounds} rounds handled, {service.failures} retried", file=sys.stderr)
     return 0 if service.finished or stopped or args.keep_running else 1

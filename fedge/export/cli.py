@@ -50,7 +50,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Run an exported model directory on PNG/JPEG images, .npy arrays of raw pixels, or every "
                     "image in a directory (numpy and ONNX Runtime only). Checksums are verified first.",
     )
-    inf.add_argument("--model", required=True, metavar="DIR", help="a directory written by `fedge export`")
+    which = inf.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="DIR", help="a directory written by `fedge export`")
+    which.add_argument("--store", metavar="DIR",
+                       help="a device's model store (`fedge edge run --model-store`): the version in use; a new "
+                            "version that keeps crashing before it classified anything is rolled back by itself")
     inf.add_argument("inputs", nargs="*", metavar="INPUT",
                      help="image files, .npy arrays, or directories (each image and .npy array directly in them)")
     inf.add_argument("--preprocessed", action="store_true",
@@ -162,7 +166,15 @@ def _infer(args: argparse.Namespace) -> int:
         from fedge.common.signing import Verifier
 
         verifier = Verifier.from_file(args.fleet_key)
+    store = None
+    if args.store:
+        from fedge.runtime.store import ModelStore
+
+        store = ModelStore(args.store)
+        args.model = str(store.open_current())  # counts a start of a version on trial (rolls back a crashing one)
     model = EdgeModel.load(args.model, providers=args.provider, verifier=verifier)
+    if store is not None and args.check:
+        store.confirm()
     if args.check or args.verbose:
         print("\n".join(_model_report(model)), file=sys.stderr if not args.check else sys.stdout)
     if not args.inputs:
@@ -177,6 +189,8 @@ def _infer(args: argparse.Namespace) -> int:
             chunk = files[start : start + INFER_CHUNK]
             batch = load_inputs(chunk, model.norm, preprocessed=args.preprocessed)
             probs = model.predict(batch.x, preprocessed=True).probs
+            if store is not None and start == 0:
+                store.confirm()  # it ran inference: the version's trial is over
             order = probs.argsort(axis=1)[:, ::-1][:, :k]
             rows += [
                 {"input": name, "top": [{"class": model.classes[j], "index": int(j),

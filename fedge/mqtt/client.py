@@ -198,6 +198,7 @@ class MqttClient:
         self._on_disconnect = on_disconnect
         self._subs: dict[str, int] = {}
         self._subs_lock = threading.Lock()
+        self._routes: list[tuple[str, MessageHandler]] = []  # (topic prefix, handler): see route()
         self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._connected = threading.Event()
         self._stopping = threading.Event()
@@ -286,8 +287,10 @@ class MqttClient:
             if kind == "stop":
                 return
             try:
-                if kind == "message" and self._on_message is not None:
-                    self._on_message(arg)
+                if kind == "message":
+                    handler = next((h for prefix, h in self._routes if arg.topic.startswith(prefix)), self._on_message)
+                    if handler is not None:
+                        handler(arg)
                 elif kind == "connect":
                     self.connects += 1
                     log.info("%s connected to %s%s", self.client_id, self.settings.url,
@@ -353,6 +356,19 @@ class MqttClient:
             self._subs[topic_filter] = qos
         if self.connected:
             self._client.subscribe(topic_filter, qos)
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        """Stop receiving ``topic_filter`` (now, and after reconnects)."""
+        with self._subs_lock:
+            if self._subs.pop(topic_filter, None) is None:
+                return
+        if self.connected:
+            self._client.unsubscribe(topic_filter)
+
+    def route(self, prefix: str, handler: MessageHandler) -> None:
+        """Hand messages whose topic starts with ``prefix`` to ``handler`` instead of the client's ``on_message``
+        (on the dispatcher thread): a second protocol — the OTA updates — shares the device's one connection."""
+        self._routes.append((prefix, handler))
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> Publication:
         """Queue a publish (never blocks). Connected or not: paho keeps a QoS 1 message until the broker
