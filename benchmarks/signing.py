@@ -7,7 +7,9 @@ Ed25519 signature of the header, the topic, the replay guard). The messages are 
 
 * FedProto: the global prototypes, 10 x 64 fp32 + 10 counts (3 kB);
 * FedAvg on ``tier-xs`` and on ``tier-xl``: the group's whole state dict at fp32 (the largest global a
-  fleet publishes: 1.5 MB for tier-xl).
+  fleet publishes: 1.5 MB for tier-xl). Above the chunk size (256 KiB) what is signed on the artifact's topic is
+  the manifest of its chunks, which carries the message's sha256; the chunk layer hashes the reassembled message
+  anyway (shown for reference, not counted as the cost of signing).
 
 Each figure is the median of ``--repeats`` timed calls (after a warm-up). "device, persisted guard" adds
 writing the replay guard's file (``fedge edge run --state-dir``: a small JSON renamed into place, not fsync'd) per
@@ -19,6 +21,7 @@ verified message.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import statistics
@@ -35,6 +38,7 @@ from benchmarks.common import RESULTS, markdown_table
 from fedge.common.archs import arch_by_name
 from fedge.common.messages import Message
 from fedge.common.signing import ReplayGuard, Signer, Verifier
+from fedge.mqtt.chunking import DEFAULT_CHUNK_BYTES, chunk_frames
 from fedge.mqtt.topics import FleetTopics
 
 OUT = RESULTS / "signing.json"
@@ -72,12 +76,16 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(method: str, repeats: int) -> dict[str, Any]:
+def measure(method: str, repeats: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[str, Any]:
     """Milliseconds to sign and to verify one round's descriptor + global state of ``method``."""
     topics = FleetTopics(FLEET)
     signer = Signer(Ed25519PrivateKey.generate())
     public = signer.key.public_key()
-    desc, glob = _descriptor(), _globals(method)
+    desc, message = _descriptor(), _globals(method)
+    # What the transports sign on the artifact's topic: the whole message, or, above the chunk size, the manifest
+    # of its chunks (which carries the message's sha256, checked by the chunk layer after reassembly anyway).
+    chunked = len(message) > chunk_bytes
+    glob = chunk_frames(message, chunk_bytes)[0] if chunked else message
     sign = _median_ms(lambda: (signer.seal(topics.round, desc), signer.seal(topics.global_("a"), glob)), repeats)
 
     def verify_with(guard_path: Path | None) -> float:
@@ -95,10 +103,14 @@ def measure(method: str, repeats: int) -> dict[str, Any]:
             one()
         return statistics.median(spent[3:]) * 1e3
 
+    # what the chunk layer hashes anyway (the whole message), under the same load: not a cost of signing
+    floor = _median_ms(lambda: hashlib.sha256(message).digest(), repeats)
     verify = verify_with(None)
     with tempfile.TemporaryDirectory() as tmp:
         persisted = verify_with(Path(tmp) / "seen.json")
-    return {"method": method, "descriptor_bytes": len(desc), "global_bytes": len(glob), "sign_ms": sign,
+    return {"method": method, "descriptor_bytes": len(desc), "global_bytes": len(message), "chunked": chunked,
+            "signed_global_payload_bytes": len(glob), "chunk_sha256_ms": floor,
+            "sign_ms": sign,
             "verify_ms": verify, "verify_persisted_ms": persisted, "total_ms": sign + verify,
             "total_persisted_ms": sign + persisted}
 
@@ -119,11 +131,14 @@ def main(argv: list[str] | None = None) -> int:
            "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    rows = [[c["method"], f"{c['descriptor_bytes']:,}", f"{c['global_bytes']:,}", f"{c['sign_ms']:.3f}",
+    rows = [[c["method"], f"{c['descriptor_bytes']:,}", f"{c['global_bytes']:,}",
+             f"{c['signed_global_payload_bytes']:,}" + (" (manifest)" if c["chunked"] else ""), f"{c['sign_ms']:.3f}",
              f"{c['verify_ms']:.3f}", f"{c['verify_persisted_ms']:.3f}", f"**{c['total_ms']:.3f}**",
-             f"{c['total_persisted_ms']:.3f}"] for c in cells]
-    print(markdown_table(["global state", "descriptor B", "global B", "coordinator signs ms", "device verifies ms",
-                          "device verifies, persisted guard ms", "sign + verify ms", "… persisted ms"], rows))
+             f"{c['total_persisted_ms']:.3f}", f"{c['chunk_sha256_ms']:.3f}"] for c in cells]
+    print(markdown_table(["global state", "descriptor B", "global B", "signed on its topic B", "coordinator signs ms",
+                          "device verifies ms",
+                          "device verifies, persisted guard ms", "sign + verify ms", "… persisted ms",
+                          "(chunk layer's sha256, not signing) ms"], rows))
     worst = max(c["total_persisted_ms"] for c in cells)
     print(f"target: sign + verify <= {TARGET_MS} ms per device per round; worst here {worst:.3f} ms "
           f"({'met' if worst <= TARGET_MS else 'NOT met'}); load average {load}; {args.out}")

@@ -86,8 +86,8 @@ def generate_key(path: str | os.PathLike[str], public_path: str | os.PathLike[st
     return key
 
 
-def _write(path: Path, data: bytes, mode: int, *, durable: bool = True) -> None:
-    """Write atomically (a new file renamed over ``path``), created with ``mode``; ``durable`` fsyncs it first."""
+def _write(path: Path, data: bytes, mode: int) -> None:
+    """Write atomically and durably (a new file, fsync'd, renamed over ``path``), created with ``mode``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
@@ -95,8 +95,7 @@ def _write(path: Path, data: bytes, mode: int, *, durable: bool = True) -> None:
     try:
         os.fchmod(fd, mode)
         os.write(fd, data)
-        if durable:
-            os.fsync(fd)
+        os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
@@ -235,6 +234,7 @@ class ReplayGuard:
         self.path = Path(path) if path is not None else None
         self._seen: dict[str, tuple[int, str]] = {}
         self._lock = threading.Lock()
+        self._fd: int | None = None
         if self.path is not None and self.path.is_file():
             try:
                 raw = json.loads(self.path.read_text())
@@ -255,11 +255,21 @@ class ReplayGuard:
                                                    f"than the newest accepted ({last[0]})")
             self._seen[header.topic] = (header.seq, header.sha256)
             if self.path is not None:
-                # Not fsync'd: two fsyncs per round cost ~15 ms on this machine's disk, more on an SD card. After a
-                # power cut the file is the previous or the current version (renamed into place whole): at worst
-                # the newest message's predecessor is accepted once more.
-                _write(self.path, json.dumps(self._seen).encode(), 0o600, durable=False)
+                self._persist(json.dumps(self._seen).encode())
             return True
+
+    def _persist(self, data: bytes) -> None:
+        """Rewrite the file in place (one open file, no new inode per message, no fsync): a few hundred bytes,
+        within one page. Creating and renaming a file per message cost 2-7 ms on this loaded machine, an fsync
+        ~7 ms more. A power cut may keep the previous version (the predecessor of the newest message could be
+        accepted once more) or, at worst, tear it: then the guard starts from nothing, with a warning."""
+        assert self.path is not None
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.fchmod(self._fd, 0o600)
+        os.pwrite(self._fd, data, 0)
+        os.ftruncate(self._fd, len(data))
 
 
 class Verifier:

@@ -47,8 +47,9 @@ class MqttCoordinatorTransport(CoordinatorTransport):
                  client_id: str | None = None, signer: Signer | None = None) -> None:
         self.topics = FleetTopics(fleet)
         # With a signer, every round descriptor, global state and refusal is published as a signed frame
-        # (fedge.common.signing; docs/protocol.md section 11). The retained book keeps the unsigned round
-        # descriptor (it re-announces it under a fresh id) and the signed global state (republished as is).
+        # (fedge.common.signing; docs/protocol.md section 11): a chunked global state through its manifest, which
+        # carries the whole message's sha256. The retained book keeps the unsigned round descriptor (it
+        # re-announces it under a fresh id) and the signed global state (republished as is).
         self.signer = signer
         self.settings = settings or TransportSettings()
         self.stats = TransportStats()
@@ -176,9 +177,9 @@ class MqttCoordinatorTransport(CoordinatorTransport):
 
     def publish_global(self, artifact: str, data: bytes) -> None:
         check_name(artifact, "artifact name")
-        data = self._seal(self.topics.global_(artifact), data)  # signed whole, then chunked
         with self._lock:  # remembered before publishing: a reconnect meanwhile republishes it
-            update = self._retained.set_global(artifact, data)
+            # signed: the payload of the artifact's own topic (the message, or the manifest of its chunks)
+            update = self._retained.set_global(artifact, data, self._seal if self.signer is not None else None)
         pubs = [self.client.publish(t, p, retain=True) for t, p in update.publish]
         # A zero-length retained message deletes: the part topics a previous (longer) version used.
         pubs += [self.client.publish(t, b"", retain=True) for t in update.clear]

@@ -116,10 +116,14 @@ class MqttDeviceTransport(DeviceTransport):
             return
         asm = self._assemblers.setdefault(g.artifact, RetainedAssembler(self.settings.max_message_bytes))
         try:
-            whole = asm.on_root(m.payload) if g.part is None else asm.on_part(m.payload)
-            if whole is None:
-                return
-            whole = self._opened(self.topics.global_(g.artifact), whole)
+            if g.part is None:
+                # Verified here: the whole message, or the manifest whose sha256 the reassembled parts must match.
+                root = self._opened(m.topic, m.payload) if m.payload else None
+                if root is None:
+                    return
+                whole = asm.on_root(root)
+            else:
+                whole = asm.on_part(m.payload)
             if whole is None:
                 return
             _, meta = read_header(whole)
