@@ -11,19 +11,19 @@ import signal
 import socket
 import ssl
 import stat
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from broker_helpers import mtls_mosquitto, wait_until
 
 from fedge.broker.config import BrokerOptions, write_broker_config
 from fedge.broker.pki import CertificateAuthority, cert_pem, key_pem, utcnow
 from fedge.cli import main
 from fedge.edge.service import Bundle
 from fedge.errors import ConfigError, TransportError
-from fedge.mqtt.broker import MosquittoProcess, free_port
+from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.client import BrokerSettings, MqttClient, Received, Will
 from fedge.mqtt.topics import FleetTopics
 
@@ -35,19 +35,8 @@ T = FleetTopics(FLEET)
 @pytest.fixture
 def mtls(mosquitto_bin: str) -> Iterator[tuple[MosquittoProcess, Path]]:
     """Mosquitto with the config `fedge broker config --mtls` writes, on a free loopback port."""
-    port = free_port()
-    work = Path(tempfile.mkdtemp(prefix="fedge-mtls-test-"))
-    os.chmod(work, 0o755)  # started as root, mosquitto drops to its account, which must reach the files
-    out = work / "broker"
-    files = write_broker_config(FLEET, DEVICES, out, BrokerOptions(port=port, bind="127.0.0.1", mtls=True))
-    assert files.warnings == []
-    broker = MosquittoProcess(files.config.read_text(), port=port, workdir=work)
-    broker.start()
-    try:
-        yield broker, out
-    finally:
-        broker.close()
-        shutil.rmtree(work, ignore_errors=True)
+    with mtls_mosquitto(FLEET, DEVICES) as running:
+        yield running
 
 
 def _files(out: Path, user: str) -> tuple[Path, Path]:
@@ -66,15 +55,6 @@ def _client(broker: MosquittoProcess, out: Path, user: str | None, *, cert: tupl
     c = MqttClient(settings, client_id or f"test-{user}-{time.monotonic_ns()}", will=will,
                    on_message=None if got is None else got.append)
     return c.start(wait)
-
-
-def _wait(cond: object, timeout: float = 5.0) -> bool:
-    end = time.time() + timeout
-    while time.time() < end:
-        if cond():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_config_writes_certificates_not_passwords(tmp_path: Path) -> None:
@@ -117,7 +97,7 @@ def test_devices_connect_with_their_certificates_and_the_acl_keys_on_the_cn(
         a.wait_published([a.publish(T.update("cam-2"), b"forged"), a.publish(T.hello("cam-2"), b"forged"),
                           a.publish(T.round, b"forged round"), a.publish(T.update("cam-1"), b"mine")], 5)
         victim.wait_published([victim.publish(T.update("cam-2"), b"theirs")], 5)
-        assert _wait(lambda: len(seen) >= 2)
+        assert wait_until(lambda: len(seen) >= 2)
         time.sleep(0.3)
         assert sorted((m.topic, m.payload) for m in seen) == [(T.update("cam-1"), b"mine"),
                                                               (T.update("cam-2"), b"theirs")]
@@ -154,7 +134,7 @@ def test_a_revoked_device_cannot_connect(mtls: tuple[MosquittoProcess, Path], tm
     assert online.connected  # ... but a connection it already had stays up until it drops,
     broker.restart()  # so a restart cuts it, and it cannot come back
     time.sleep(0.5)
-    assert _wait(lambda: not online.connected or online.connects == 1)
+    assert wait_until(lambda: not online.connected or online.connects == 1)
     time.sleep(3.5)  # its back-off (1-2 s, then 2-4 s) had time to try again
     assert online.connects == 1 and "revoked" in str(online.last_error)
     online.stop()

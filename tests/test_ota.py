@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,14 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from broker_helpers import mtls_mosquitto, wait_until
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from export_helpers import digits, trained
 
-from fedge.broker.config import BrokerOptions, write_broker_config
 from fedge.cli import main
 from fedge.common.signing import Signer, Verifier
 from fedge.errors import PayloadError
-from fedge.mqtt.broker import MosquittoProcess, free_port
+from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.chunking import parse_frame
 from fedge.mqtt.client import BrokerSettings, MqttClient, Received
 from fedge.mqtt.ota import Order, OtaDevice, parse_status, release
@@ -222,21 +221,11 @@ def test_kill_9_during_the_swap_leaves_the_old_or_the_new_model_whole(models: Mo
 
 @pytest.fixture
 def fleet(mosquitto_bin: str, tmp_path: Path) -> Iterator[tuple[MosquittoProcess, Path, Path]]:
-    port = free_port()
-    work = Path(tempfile.mkdtemp(prefix="fedge-ota-test-"))
-    os.chmod(work, 0o755)
     cfg = tmp_path / "fleet.toml"
     cfg.write_text(f'[run]\nmethod = "fedproto"\nrounds = 1\ndataset = "digits"\nfleet = "{FLEET}"\n\n'
                    '[[devices]]\nprofile = "rpi4-2gb"\ncount = 3\nid_prefix = "cam"\narch = "tier-xs"\n')
-    files = write_broker_config(FLEET, DEVICES, work / "broker",
-                                BrokerOptions(port=port, bind="127.0.0.1", mtls=True), fleet_config=cfg)
-    broker = MosquittoProcess(files.config.read_text(), port=port, workdir=work)
-    broker.start()
-    try:
-        yield broker, work / "broker", cfg
-    finally:
-        broker.close()
-        shutil.rmtree(work, ignore_errors=True)
+    with mtls_mosquitto(FLEET, DEVICES, fleet_config=cfg) as (broker, out):
+        yield broker, out, cfg
 
 
 def _settings(broker: MosquittoProcess, out: Path, d: Path, stem: str) -> BrokerSettings:
@@ -362,26 +351,17 @@ def test_devices_refuse_unsigned_or_older_orders_and_resume_a_download(
         time.sleep(1.0)
         assert dev.ota.rejected == {"unsigned": 1, "key": 1}
         order(7, device="cam-2")  # signed, but for another device
-        assert _wait(lambda: statuses.get("cam-1", {}).get("state") == "refused")
+        assert wait_until(lambda: statuses.get("cam-1", {}).get("state") == "refused")
         assert "the order is for cam-2" in statuses["cam-1"]["reason"]
         order(7)
-        assert _wait(lambda: statuses.get("cam-1", {}).get("state") == "installed", 60), statuses.get("cam-1")
+        assert wait_until(lambda: statuses.get("cam-1", {}).get("state") == "installed", 60), statuses.get("cam-1")
         assert dev.ota.parts_received == rel.parts - 4  # resumed: only the missing parts travelled
         assert dev.store.current == 7 and statuses["cam-1"]["version"] == 7
         order(6)  # older than the installed one: refused before downloading, nothing changes
-        assert _wait(lambda: statuses["cam-1"]["state"] == "refused" and statuses["cam-1"]["target"] == 6)
+        assert wait_until(lambda: statuses["cam-1"]["state"] == "refused" and statuses["cam-1"]["target"] == 6)
         assert statuses["cam-1"]["reason"] == "model version 6 is older than the installed one (7): nothing changed"
         assert dev.store.current == 7
     finally:
         dev.ota.stop()
         dev.client.stop()
         op.stop()
-
-
-def _wait(cond: object, timeout: float = 20.0) -> bool:
-    end = time.time() + timeout
-    while time.time() < end:
-        if cond():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False

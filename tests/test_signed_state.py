@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -16,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from broker_helpers import mtls_mosquitto, wait_until
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from fedge.broker.config import BrokerOptions, write_broker_config
 from fedge.cli import main
 from fedge.common.messages import Message
 from fedge.common.signing import (
@@ -30,7 +29,7 @@ from fedge.common.signing import (
     load_private_key,
     parse_signed,
 )
-from fedge.mqtt.broker import MosquittoProcess, free_port
+from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.client import BrokerSettings, MqttClient
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
@@ -127,19 +126,9 @@ def test_bad_key_files_get_clear_errors(tmp_path: Path, capsys: pytest.CaptureFi
 
 @pytest.fixture
 def mtls_broker(mosquitto_bin: str) -> Iterator[tuple[MosquittoProcess, Path]]:
-    port = free_port()
-    work = Path(tempfile.mkdtemp(prefix="fedge-signed-test-"))
-    os.chmod(work, 0o755)
-    out = work / "broker"
-    files = write_broker_config(FLEET, ["cam-1", "cam-2", "rpi4-2gb-1", "rpi4-2gb-2", "x86-gateway-1",
-                                        "x86-gateway-2"], out, BrokerOptions(port=port, bind="127.0.0.1", mtls=True))
-    broker = MosquittoProcess(files.config.read_text(), port=port, workdir=work)
-    broker.start()
-    try:
-        yield broker, out
-    finally:
-        broker.close()
-        shutil.rmtree(work, ignore_errors=True)
+    with mtls_mosquitto(FLEET, ["cam-1", "cam-2", "rpi4-2gb-1", "rpi4-2gb-2", "x86-gateway-1",
+                                "x86-gateway-2"]) as running:
+        yield running
 
 
 def _settings(broker: MosquittoProcess, out: Path, who: str) -> BrokerSettings:
@@ -147,15 +136,6 @@ def _settings(broker: MosquittoProcess, out: Path, who: str) -> BrokerSettings:
     stem = "client" if who == "coordinator" else "device"
     return BrokerSettings(host="localhost", port=broker.port, tls=True, ca_file=str(out / "tls/ca.crt"),
                           cert_file=str(d / f"{stem}.crt"), key_file=str(d / f"{stem}.key"))
-
-
-def _wait(cond: object, timeout: float = 5.0) -> bool:
-    end = time.time() + timeout
-    while time.time() < end:
-        if cond():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_device_refuses_unsigned_tampered_replayed_and_misplaced_state(
@@ -179,14 +159,14 @@ def test_a_device_refuses_unsigned_tampered_replayed_and_misplaced_state(
         spy = MqttClient(_settings(broker, out, "cam-2"), "spy", on_message=lambda m: seen.append(m.payload)).start(5)
         spy.subscribe(t.round)
         coord.announce_round(r1)
-        assert _wait(lambda: dev.current_round() == r1)
+        assert wait_until(lambda: dev.current_round() == r1)
         assert dev.fetch_global("protos") == big
         coord.announce_round(r2)
-        assert _wait(lambda: dev.current_round() == r2 and len(seen) == 2)
+        assert wait_until(lambda: dev.current_round() == r2 and len(seen) == 2)
         old_round_1, signed_round_2 = seen
         spy.stop()
         coord.announce_round(r3)
-        assert _wait(lambda: dev.current_round() == r3)
+        assert wait_until(lambda: dev.current_round() == r3)
         coord.close()
         time.sleep(0.2)
         attacker = MqttCoordinatorTransport(_settings(broker, out, "coordinator"), FLEET, wire).start()  # no key
@@ -201,7 +181,7 @@ def test_a_device_refuses_unsigned_tampered_replayed_and_misplaced_state(
             attacker.client.publish(t.round, signed_round_2, retain=True),              # replayed (older)
             attacker.client.publish(t.global_("protos"), signer.seal(t.round, _round(5)), retain=True),  # misplaced
         ], 5)
-        assert _wait(lambda: sum(dev.stats.rejected.values()) == 5), dev.stats.rejected
+        assert wait_until(lambda: sum(dev.stats.rejected.values()) == 5), dev.stats.rejected
         assert dev.stats.rejected == {"unsigned": 1, "signature": 1, "replay": 2, "topic": 1}
         assert dev.current_round() == r3  # unchanged
         assert dev.fetch_global("protos") == big

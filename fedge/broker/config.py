@@ -46,6 +46,7 @@ from fedge.broker.identity import CLIENT_STEM, CRL_NAME, DEVICE_STEM, ensure_cli
 from fedge.broker.limits import QueueLimits, largest_model_bytes, queue_limits
 from fedge.broker.passwords import PBKDF2_ITERATIONS, hash_password, new_password
 from fedge.broker.pki import CLIENT_DAYS, INDEX_NAME, CertificateAuthority, CertIndex, cert_pem, key_pem, write_secret
+from fedge.common.atomicfile import write_atomic
 from fedge.common.signing import generate_key, load_private_key, public_pem
 from fedge.errors import ConfigError
 from fedge.mqtt.chunking import DEFAULT_CHUNK_BYTES
@@ -224,19 +225,7 @@ def mosquitto_conf(out: Path, opts: BrokerOptions, *, tls_dir: Path | None, limi
 def _write(path: Path, text: str, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
     """Write atomically; the file is created with ``mode`` (never the umask's) and ``owner`` before
     any byte is in it, then renamed over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        os.fchmod(fd, mode)  # the umask may have cleared bits of ``mode``
-        if owner is not None:
-            os.fchown(fd, *owner)
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_atomic(path, text.encode(), mode, owner)
 
 
 def broker_account(run_as: str | None) -> tuple[int, int] | None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass
 from ipaddress import ip_address
 from pathlib import Path
@@ -30,6 +29,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedge.common.atomicfile import write_atomic
 from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -64,20 +64,8 @@ def cert_pem(cert: x509.Certificate) -> bytes:
 
 
 def write_secret(path: Path, data: bytes, mode: int = 0o600, owner: tuple[int, int] | None = None) -> None:
-    """Write ``data`` atomically, created with ``mode`` (never the umask's) and ``owner`` before any byte."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        os.fchmod(fd, mode)
-        if owner is not None:
-            os.fchown(fd, *owner)
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    """Write ``data`` atomically, created with ``mode`` (default 0600) and ``owner`` before any byte."""
+    write_atomic(path, data, mode, owner)
 
 
 def load_key(path: Path) -> Key:

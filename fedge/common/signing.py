@@ -44,6 +44,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fedge.common import boundedjson
+from fedge.common.atomicfile import write_atomic
 from fedge.errors import ConfigError, PayloadError
 
 log = logging.getLogger(__name__)
@@ -80,25 +81,10 @@ def generate_key(path: str | os.PathLike[str], public_path: str | os.PathLike[st
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
-    _write(Path(path), pem, 0o600)
+    write_atomic(path, pem, 0o600)
     if public_path is not None:
-        _write(Path(public_path), public_pem(key.public_key()), 0o644)
+        write_atomic(public_path, public_pem(key.public_key()), 0o644)
     return key
-
-
-def _write(path: Path, data: bytes, mode: int) -> None:
-    """Write atomically and durably (a new file, fsync'd, renamed over ``path``), created with ``mode``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        os.fchmod(fd, mode)
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def load_private_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:

@@ -24,7 +24,7 @@ from typing import Any
 
 from fedge.common.signing import SignatureError, Signer, Verifier
 from fedge.errors import ExportError
-from fedge.runtime.manifest import MANIFEST_NAME
+from fedge.runtime.manifest import MANIFEST_NAME, read_manifest_json
 
 SIGNATURE = "signature"
 
@@ -38,21 +38,10 @@ def canonical(manifest: dict[str, Any]) -> bytes:
         raise ExportError(f"the manifest cannot be signed: {exc}") from exc
 
 
-def _read(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / MANIFEST_NAME
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ExportError(f"{path} is not readable JSON: {exc}", hint="re-copy the model directory") from exc
-    if not isinstance(data, dict):
-        raise ExportError(f"{path} must hold a JSON object")
-    return data
-
-
 def sign_manifest(model_dir: str | os.PathLike[str], signer: Signer) -> dict[str, str]:
     """Sign ``model_dir/manifest.json`` in place (atomically); returns the signature record."""
     root = Path(model_dir)
-    data = _read(root)
+    data = read_manifest_json(root)
     record = signer.sign_detached(canonical(data))
     data[SIGNATURE] = record
     path = root / MANIFEST_NAME
@@ -66,7 +55,7 @@ def verify_manifest(model_dir: str | os.PathLike[str], verifier: Verifier) -> st
     """Check the manifest's signature against the fleet key; returns the key id. An :class:`ExportError`
     naming the manifest otherwise (nothing is loaded)."""
     root = Path(model_dir)
-    data = _read(root)
+    data = read_manifest_json(root)
     what = str(root / MANIFEST_NAME)
     try:
         verifier.verify_detached(canonical(data), data.get(SIGNATURE), what)
