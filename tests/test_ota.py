@@ -106,6 +106,12 @@ def test_the_store_switches_whole_versions_and_refuses_older_or_damaged_ones(mod
     with pytest.raises(StoreError, match="is not a whole export"):
         store.install(ModelPackage(FLEET, 3, broken))
     assert snapshot(tmp_path / "store") == before  # nothing changed
+    # opening the store (fedge infer --store) never removes the staging directory of a live installer
+    live, dead = tmp_path / f"store/.staging-3-{os.getpid()}", tmp_path / "store/.staging-3-999999999"
+    live.mkdir()
+    dead.mkdir()
+    ModelStore(tmp_path / "store")
+    assert live.is_dir() and not dead.exists()
 
 
 def test_a_model_that_lowers_local_accuracy_is_rolled_back(models: Models, tmp_path: Path) -> None:
@@ -365,3 +371,34 @@ def test_devices_refuse_unsigned_or_older_orders_and_resume_a_download(
         dev.ota.stop()
         dev.client.stop()
         op.stop()
+
+
+def test_fedge_edge_run_with_a_model_store_takes_an_update_from_fedge_deploy(
+        fleet: tuple[MosquittoProcess, Path, Path], models: Models, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The command a flashed device runs (install.sh's launcher): its bundle's certificate and fleet key, a model
+    store seeded from the flashed model; `fedge deploy` installs version 2 on it."""
+    broker, out, cfg = fleet
+    bundle = out / "bundles/cam-2"
+    text = (bundle / "bundle.toml").read_text()
+    (bundle / "bundle.toml").write_text(text.replace('broker = "mqtts://localhost:8883"',
+                                                     f'broker = "mqtts://localhost:{broker.port}"'))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    store = tmp_path / "state/models"
+    proc = subprocess.Popen([sys.executable, "-m", "fedge", "edge", "run", "--bundle", str(bundle), "--keep-running",
+                             "--state-dir", str(tmp_path / "state"), "--model-store", str(store),
+                             "--model", str(models.good)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    logs = ""
+    try:
+        # read the link, not ModelStore(store): opening a store clears staging directories it finds
+        assert wait_until(lambda: (store / "current").is_symlink(), 120), "the agent did not seed its store"
+        time.sleep(1.0)  # its first status is retained
+        assert main(deploy(broker, out, cfg, models.good, 2, "--devices", "cam-2", "--canary", "0")) == 0
+        assert "cam-2                    installed: running version 2" in capsys.readouterr().out
+        assert ModelStore(store).current == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        logs, _ = proc.communicate(timeout=60)
+        print(logs[-3000:])
+    assert "model store" in logs and "accepting updates signed by the fleet key" in logs, logs[-2000:]

@@ -82,6 +82,17 @@ class StoreState:
             return cls()
 
 
+def _alive(pid: str) -> bool:
+    """Whether process ``pid`` (a staging directory's owner) still runs."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -101,7 +112,8 @@ class ModelStore:
         self.versions.mkdir(parents=True, exist_ok=True)
         self.incoming.mkdir(exist_ok=True)
         for leftover in self.root.glob(".staging-*"):  # a crash mid-install: never a version
-            shutil.rmtree(leftover, ignore_errors=True)
+            if not _alive(leftover.name.rsplit("-", 1)[-1]):  # (another process may be installing right now)
+                shutil.rmtree(leftover, ignore_errors=True)
         (self.root / "current.tmp").unlink(missing_ok=True)
         (self.root / "previous.tmp").unlink(missing_ok=True)
         self.state = StoreState.load(self.root / STATE_NAME)
