@@ -373,6 +373,7 @@ def test_devices_refuse_unsigned_or_older_orders_and_resume_a_download(
         op.stop()
 
 
+@pytest.mark.slow  # 19-40 s here: the agent's process imports torch and builds its device
 def test_fedge_edge_run_with_a_model_store_takes_an_update_from_fedge_deploy(
         fleet: tuple[MosquittoProcess, Path, Path], models: Models, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
