@@ -80,6 +80,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
     w.add_argument("--max-update-bytes", type=int, help="refuse larger updates (default 64 MiB; each update is "
                                                         "also bounded by what its device owes)")
+    r.add_argument("--signing-key", metavar="FILE",
+                   help="the fleet's Ed25519 key (`fedge broker config --sign` or --mtls: coordinator/signing.key): "
+                        "every round descriptor, global state and refusal is signed with it (default: "
+                        "STATE_DIR/signing.key when it exists; without a key nothing is signed)")
     r.add_argument("--rounds", type=int, help="override [run] rounds")
     r.add_argument("--any-device", action="store_true",
                    help="accept hellos from devices not listed in the fleet config")
@@ -94,6 +98,20 @@ def _wait_for_fleet(transport: Any, ids: list[str], timeout_s: float) -> None:
         transport.wait_for_hellos(ids, timeout_s)
     except TransportError as exc:
         log.warning("%s: starting with the devices online once the quorum is", exc.message)
+
+
+def _signer(args: argparse.Namespace) -> Any:
+    """The fleet's signer from --signing-key, else STATE_DIR/signing.key if present, else None (unsigned)."""
+    from pathlib import Path
+
+    from fedge.common.signing import Signer
+
+    path = args.signing_key or (Path(args.state_dir) / "signing.key")
+    if args.signing_key is None and not Path(path).is_file():
+        return None
+    signer = Signer.from_file(path)
+    print(f"signing round descriptors and global state with key {signer.key_id} ({path})", file=sys.stderr)
+    return signer
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -145,7 +163,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         settings = broker_settings(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes)
-    transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire)
+    transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire, signer=_signer(args))
     try:
         transport.start()
         service = CoordinatorService(strat, transport, engine_cfg, args.state_dir)

@@ -116,6 +116,12 @@ class Bundle:
         username = "rpi4-2gb-1"
         password_file = "password"      # mode 0600
         ca_file = "ca.crt"              # only with mqtts://
+        # with `fedge broker config --mtls` instead of username and password_file:
+        cert_file = "device.crt"        # CN = the device id
+        key_file = "device.key"         # mode 0600
+        # with --sign or --mtls: the fleet's Ed25519 public key; the device then accepts only signed
+        # round descriptors, global state and model updates
+        fleet_key = "fleet.pub"
     """
 
     device_id: str
@@ -124,6 +130,9 @@ class Bundle:
     username: str | None = None
     password_file: str | None = None
     ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    fleet_key: str | None = None
     source: str = ""
 
     @classmethod
@@ -142,11 +151,13 @@ class Bundle:
             return None if p is None else str(p if Path(p).is_absolute() else (base / p).resolve())
 
         bundle = Bundle(b.device_id, str(resolve(b.fleet_config)), b.broker, b.username, resolve(b.password_file),
-                        resolve(b.ca_file), str(path))
+                        resolve(b.ca_file), resolve(b.cert_file), resolve(b.key_file), resolve(b.fleet_key), str(path))
         for what, p in (("fleet_config", bundle.fleet_config), ("password_file", bundle.password_file),
-                        ("ca_file", bundle.ca_file)):
+                        ("ca_file", bundle.ca_file), ("cert_file", bundle.cert_file), ("key_file", bundle.key_file),
+                        ("fleet_key", bundle.fleet_key)):
             if p is not None and not Path(p).is_file():
-                raise ConfigError(f"{path}: {what} {p} does not exist")
+                raise ConfigError(f"{path}: {what} {p} does not exist",
+                                  hint="flash the device again (a revoked device needs `fedge broker rotate` first)")
         return bundle
 
     def password(self) -> str | None:

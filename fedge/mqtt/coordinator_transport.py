@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Collection, Iterator
 
+from fedge.common.signing import Signer
 from fedge.common.transport import CoordinatorTransport, Inbound
 from fedge.errors import TransportError
 from fedge.mqtt.chunking import ChunkError, Reassembler, frame_kind
@@ -43,8 +44,13 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     """
 
     def __init__(self, broker: BrokerSettings, fleet: str, settings: TransportSettings | None = None, *,
-                 client_id: str | None = None) -> None:
+                 client_id: str | None = None, signer: Signer | None = None) -> None:
         self.topics = FleetTopics(fleet)
+        # With a signer, every round descriptor, global state and refusal is published as a signed frame
+        # (fedge.common.signing; docs/protocol.md section 11): a chunked global state through its manifest, which
+        # carries the whole message's sha256. The retained book keeps the unsigned round descriptor (it
+        # re-announces it under a fresh id) and the signed global state (republished as is).
+        self.signer = signer
         self.settings = settings or TransportSettings()
         self.stats = TransportStats()
         self._updates: queue.Queue[Inbound] = queue.Queue()
@@ -145,15 +151,20 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         for topic, payload in again.globals:
             self.client.publish(topic, payload, retain=True)
         if again.round is not None:
-            self.client.publish(self.topics.round, again.round, retain=True)
+            self.client.publish(self.topics.round, self._seal(self.topics.round, again.round), retain=True)
             log.info("re-announced round %d after reconnecting", again.round_number)
+
+    def _seal(self, topic: str, data: bytes) -> bytes:
+        """``data`` signed for ``topic`` when this coordinator signs, else as it is."""
+        return data if self.signer is None else self.signer.seal(topic, data)
 
     # -- CoordinatorTransport -----------------------------------------------------------
     def announce_round(self, data: bytes) -> None:
         with self._lock:
             self._retained.set_round(data)
-        pub = self.client.publish(self.topics.round, data, retain=True)
-        self.stats.count_out(len(data))
+        signed = self._seal(self.topics.round, data)
+        pub = self.client.publish(self.topics.round, signed, retain=True)
+        self.stats.count_out(len(signed))
         self.client.require_published([pub], self.settings.publish_timeout_s, "announcing the round")
 
     def end_run(self) -> None:
@@ -167,7 +178,8 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     def publish_global(self, artifact: str, data: bytes) -> None:
         check_name(artifact, "artifact name")
         with self._lock:  # remembered before publishing: a reconnect meanwhile republishes it
-            update = self._retained.set_global(artifact, data)
+            # signed: the payload of the artifact's own topic (the message, or the manifest of its chunks)
+            update = self._retained.set_global(artifact, data, self._seal if self.signer is not None else None)
         pubs = [self.client.publish(t, p, retain=True) for t, p in update.publish]
         # A zero-length retained message deletes: the part topics a previous (longer) version used.
         pubs += [self.client.publish(t, b"", retain=True) for t in update.clear]
@@ -183,7 +195,8 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     def refuse(self, device_id: str, data: bytes | None) -> None:
         """Tell a device why it was refused (a retained ``refused`` message on its own topic), or clear that
         (``None``) once it is accepted. Not awaited: the device reads it whenever it is connected."""
-        self.client.publish(self.topics.refused(device_id), data or b"", retain=True)
+        topic = self.topics.refused(device_id)
+        self.client.publish(topic, self._seal(topic, data) if data else b"", retain=True)
 
     def offline(self) -> set[str]:
         """Devices whose latest status is a believable ``offline`` (:class:`~fedge.mqtt.status_book.StatusBook`).

@@ -14,6 +14,7 @@ import threading
 import time
 
 from fedge.common.messages import Message
+from fedge.common.signing import SignatureError, Verifier
 from fedge.common.tensorcodec import read_header
 from fedge.common.transport import DeviceTransport
 from fedge.errors import PayloadError, TransportError
@@ -34,8 +35,13 @@ class MqttDeviceTransport(DeviceTransport):
     """
 
     def __init__(self, broker: BrokerSettings, fleet: str, device_id: str,
-                 settings: TransportSettings | None = None, *, client_id: str | None = None) -> None:
+                 settings: TransportSettings | None = None, *, client_id: str | None = None,
+                 verifier: Verifier | None = None) -> None:
         self.topics = FleetTopics(fleet)
+        # With a verifier (the fleet key from the bundle), round descriptors, global state and refusals are
+        # accepted only signed by the fleet key, for the topic they came on, and not older than the newest
+        # accepted there; the rest is refused, counted in stats.rejected and logged.
+        self.verifier = verifier
         self.device_id = check_name(device_id, "device id")
         self.settings = settings or TransportSettings()
         self.stats = TransportStats()
@@ -81,21 +87,43 @@ class MqttDeviceTransport(DeviceTransport):
         with self._hello_lock:
             self._announced = False
 
+    def _opened(self, topic: str, data: bytes) -> bytes | None:
+        """The message inside a signed frame when this device verifies (None: refused, counted, logged)."""
+        if self.verifier is None or not data:
+            return data
+        try:
+            return self.verifier.open(topic, data)
+        except SignatureError as exc:
+            self.stats.rejected[exc.reason] = self.stats.rejected.get(exc.reason, 0) + 1
+            log.warning("%s: refused a message on %s: %s", self.device_id, topic, exc.message)
+            return None
+
     def _on_message(self, m: Received) -> None:
         self.stats.messages_in += 1
         self.stats.bytes_in += len(m.payload)
         if m.topic == self.topics.round:
-            self._on_round(m.payload)
+            raw = self._opened(m.topic, m.payload)
+            if raw is not None:
+                self._on_round(raw)
             return
         if m.topic == self.topics.refused(self.device_id):
-            self._on_refused(m.payload)
+            raw = self._opened(m.topic, m.payload)
+            if raw is not None:
+                self._on_refused(raw)
             return
         g = self.topics.parse_global(m.topic)
         if g is None:
             return
         asm = self._assemblers.setdefault(g.artifact, RetainedAssembler(self.settings.max_message_bytes))
         try:
-            whole = asm.on_root(m.payload) if g.part is None else asm.on_part(m.payload)
+            if g.part is None:
+                # Verified here: the whole message, or the manifest whose sha256 the reassembled parts must match.
+                root = self._opened(m.topic, m.payload) if m.payload else None
+                if root is None:
+                    return
+                whole = asm.on_root(root)
+            else:
+                whole = asm.on_part(m.payload)
             if whole is None:
                 return
             _, meta = read_header(whole)

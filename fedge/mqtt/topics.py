@@ -9,6 +9,10 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/global/{artifact}          retained  global state message, or a chunk manifest
     fedge/{fleet}/global/{artifact}/part/{i} retained  chunk frame i of a chunked global state
     fedge/{fleet}/refused/{id}               retained  why the coordinator refused device {id} (empty: accepted)
+    fedge/{fleet}/ota/models/{version}       retained  a signed model package (or its chunk manifest)
+    fedge/{fleet}/ota/models/{version}/part/{i} retained chunk frame i of a chunked model package
+    fedge/{fleet}/ota/devices/{id}           retained  the signed deployment order for device {id}
+    fedge/{fleet}/devices/{id}/ota           retained  the device's model version and update state (JSON)
 
 A device writes only its own ``devices/{its id}/{status,hello,update}`` and reads
 ``rounds/#``, ``global/#`` and its own ``refused/{its id}``; the coordinator reads
@@ -117,6 +121,26 @@ class FleetTopics:
     def global_filter(self, artifact: str) -> str:
         """One subscription that covers the artifact and all its parts (``#`` matches the parent too)."""
         return f"{self.global_(artifact)}/#"
+
+    # -- over-the-air model updates (fedge deploy) ----------------------------------------
+    def ota_model(self, version: int) -> str:
+        """The retained model package of ``version`` (whole, or its chunk manifest)."""
+        return f"{self.base}/ota/models/{int(version)}"
+
+    def ota_model_part(self, version: int, index: int) -> str:
+        """Retained chunk ``index`` of the model package of ``version``."""
+        return f"{self.ota_model(version)}/part/{int(index)}"
+
+    def ota_order(self, device_id: str) -> str:
+        """``fedge/{fleet}/ota/devices/{id}``: the retained, signed deployment order for one device."""
+        return f"{self.base}/ota/devices/{check_name(device_id, 'device id')}"
+
+    def ota_status(self, device_id: str) -> str:
+        """``fedge/{fleet}/devices/{id}/ota``: the device's retained update status (JSON)."""
+        return f"{self.base}/devices/{check_name(device_id, 'device id')}/ota"
+
+    def ota_status_filter(self) -> str:
+        return f"{self.base}/devices/+/ota"
 
     # -- parsing --------------------------------------------------------------------------
     def parse_device(self, topic: str) -> DeviceTopic | None:
