@@ -13,8 +13,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fedge.common.rounds import DeviceInfo
 from fedge.common.units import format_bytes
 from fedge.coordinator.engine import RoundReport
+from fedge.fleet.config import device_ids
 from fedge.sim.simulate import SimResult
 
 
@@ -44,8 +46,15 @@ def build_results(res: SimResult) -> dict[str, Any]:
     reports: list[RoundReport] = res.reports
     rounds = res.cfg.run.rounds
     devices: list[dict[str, Any]] = []
-    for d in res.devices:
-        dev_id = d.info.device_id
+    # (registry record, plan, local test samples, how it was lost): every device of the fleet, those
+    # lost with a worker of a parallel run included (with what they reported before).
+    entries: list[tuple[DeviceInfo, dict[str, Any], int, str | None]] = [
+        (d.info, d.plan, len(d.method.ctx.local_test), None) for d in res.devices]
+    entries += [(x.info, x.plan, x.num_local_test, x.reason) for x in res.lost]
+    order = {dev_id: i for i, (dev_id, _) in enumerate(device_ids(res.cfg))}
+    entries.sort(key=lambda e: order.get(e[0].device_id, len(order)))
+    for info, plan, num_local_test, lost in entries:
+        dev_id = info.device_id
         acc_g: list[float | None] = [None] * (len(reports))
         acc_l: list[float | None] = [None] * (len(reports))
         up = [0] * len(reports)
@@ -59,13 +68,14 @@ def build_results(res: SimResult) -> dict[str, Any]:
         seen = [a for a in acc_g if a is not None]
         devices.append({**personal_and_guard(reports, dev_id),
             "id": dev_id,
-            "profile": d.info.profile,
-            "arch": d.info.arch,
-            "params": d.info.extra.get("params"),
-            "num_train": d.info.num_samples,
-            "num_local_test": len(d.method.ctx.local_test),
-            "upload_precision": d.info.upload_precision,
-            "plan": d.plan,
+            "profile": info.profile,
+            "arch": info.arch,
+            "params": info.extra.get("params"),
+            "num_train": info.num_samples,
+            "num_local_test": num_local_test,
+            "upload_precision": info.upload_precision,
+            "plan": plan,
+            **({"lost": lost} if lost else {}),
             "acc_global": acc_g,
             "acc_local": acc_l,
             "final_acc_global": acc_g[-1] if acc_g else None,
@@ -110,10 +120,13 @@ def build_results(res: SimResult) -> dict[str, Any]:
         },
         "rounds_log": [
             {"round": r.round, "phase": r.phase, "seconds": r.seconds, "accepted": len(r.accepted),
-             "rejected": r.rejected, **({"epsilon": _finite(r.privacy["epsilon"])} if r.privacy else {})}
+             "rejected": r.rejected, **({"missing": r.missing} if r.missing else {}),
+             **({"epsilon": _finite(r.privacy["epsilon"])} if r.privacy else {})}
             for r in reports
         ],
         "privacy": _privacy(res),
+        # where the devices trained (backend, workers, each worker's peak RSS, lost devices; issue 30)
+        "simulation": res.extra.get("simulation"),
         "devices": devices,
     }
 

@@ -20,10 +20,12 @@ from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
 from fedge.coordinator.strategy import Strategy
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.models.checkpoint import save_checkpoint
+from fedge.errors import ConfigError
 from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
 from fedge.fleet.registry import method_entry
-from fedge.fleet.slots import checked_slots
+from fedge.fleet.slots import check_feature_dims, checked_slots, device_slots
+from fedge.sim.parallel import LostDevice, sequential_run
 from fedge.sim.transports import transport_runner
 
 if TYPE_CHECKING:
@@ -40,7 +42,8 @@ class SimResult:
     agents: list[DeviceAgent]
     reports: list[RoundReport]
     seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # "simulation": the backend's facts (results.json)
+    lost: list[LostDevice] = field(default_factory=list)  # devices whose worker died (parallel backends)
 
 
 def build_fleet(cfg: FleetConfig) -> tuple[list[SimDevice], Strategy]:
@@ -72,14 +75,64 @@ def run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
 
 def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | Path | None = None,
              on_round: Callable[[RoundReport], None] | None = None) -> SimResult:
-    """Run ``cfg`` end to end; with ``out_dir``, save each device's final model there."""
+    """Run ``cfg`` end to end; with ``out_dir``, save each device's final model there.
+
+    ``cfg.simulation`` says where the devices train: here, one after another (``sequential``), or in
+    worker processes or Ray actors (:mod:`fedge.sim.parallel`), with the same results.
+    """
     transport_runner(transport)  # an unknown name fails before any work
+    sim = cfg.simulation
+    if sim.parallel and transport != "inprocess":
+        raise ConfigError(
+            f"[simulation] backend = {sim.backend!r} trains devices in workers over the in-process transport; "
+            f"--transport {transport} already runs every device concurrently, each in its own thread with its own "
+            "broker connection, which is the point of simulating over it",
+            hint='use backend = "sequential" with --transport mqtt, or --transport inprocess with the '
+                 f'{sim.backend} backend (real devices in separate processes: `fedge edge run`, docs/mqtt.md)')
     t0 = time.perf_counter()
-    devices, strat = build_fleet(cfg)
-    agents, reports = run_rounds(cfg, devices, strat, transport=transport, on_round=on_round)
+    if sim.threads is not None and not sim.parallel:
+        torch_threads(sim.threads)
+    lost: list[LostDevice] = []
+    if sim.parallel:
+        devices, agents, reports, extra, lost = _run_parallel(cfg, on_round)
+    else:
+        devices, strat = build_fleet(cfg)
+        agents, reports = run_rounds(cfg, devices, strat, transport=transport, on_round=on_round)
+        extra = {"simulation": sequential_run(devices)}
     if out_dir is not None:
         ckpt_dir = Path(out_dir) / "checkpoints"
         for d in devices:
             save_checkpoint(d.method.ctx.model, ckpt_dir / f"{d.info.device_id}.safetensors",
                             extra={"fedge.profile": d.info.profile, "fedge.dataset": cfg.run.dataset})
-    return SimResult(cfg, devices, agents, reports, time.perf_counter() - t0)
+    return SimResult(cfg, devices, agents, reports, time.perf_counter() - t0, extra, lost)
+
+
+def torch_threads(n: int) -> None:
+    """torch intra-op threads of this process (``[simulation] threads`` of a sequential run)."""
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def _run_parallel(cfg: FleetConfig, on_round: Callable[[RoundReport], None] | None
+                  ) -> tuple[list[SimDevice], list[DeviceAgent], list[RoundReport], dict[str, Any],
+                             list[LostDevice]]:
+    """The rounds with the devices in worker processes or Ray actors (:mod:`fedge.sim.parallel`)."""
+    from fedge.sim.parallel import ParallelFleet
+
+    data = load_fleet_data(cfg)
+    slots = device_slots(cfg, data.train.y)
+    entry = method_entry(cfg.run.method)
+    check_feature_dims(cfg, (s.feature_dim for s in slots), shares_features=entry.shares_features)
+    strat = entry.build_strategy(cfg.method_config, num_classes=data.train.num_classes, rounds=cfg.run.rounds)
+    fleet = ParallelFleet(cfg, data, slots)
+    try:
+        coord = fleet.start()
+        checks = slot_checks(slots, own_data=cfg.own_data)
+        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=checks,
+                                                          privacy=cfg.privacy_mechanism))
+        reports = engine.run(on_round=on_round)
+        devices, agents, lost = fleet.finish()
+    finally:
+        fleet.close()
+    return devices, agents, reports, {"simulation": fleet.run.to_dict()}, lost

@@ -1,0 +1,189 @@
+"""The worker side of a parallel simulation (issue 30): a host for some of the fleet's devices.
+
+A :class:`DeviceHost` lives in a worker process (``--backend process``) or a Ray actor
+(``--backend ray``) for the whole run. It builds its devices once, from the slots and data shares
+the driver sends (the same :func:`~fedge.fleet.devices.device_from_slot` the sequential run uses,
+so the devices are the same, bit for bit), and keeps each one's whole state — model, optimizer,
+personal copy, generator, random generators, data share — between rounds: shipping that state
+every round would cost more than the round's training for the small models of a fleet, and
+rebuilding it would lose what a device carries from round to round.
+
+Each round the host receives what a device would receive over the wire — the encoded round
+descriptor and the encoded global artifacts that changed — and runs the real
+:class:`~fedge.edge.agent.DeviceAgent` of every device it holds, in fleet order; it returns each
+update exactly as encoded. The round engine, the coordinator half and the transport stay in the
+driver, so every message still crosses the real encoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fedge.common.transport import DeviceTransport
+from fedge.edge.agent import DeviceAgent, Traffic
+from fedge.edge.data.datasets import Dataset
+from fedge.edge.methods.base import DeviceMethod, GlobalEval
+from fedge.fleet.config import FleetConfig
+from fedge.fleet.devices import device_from_slot
+from fedge.fleet.registry import METHODS, MethodEntry, register_method
+from fedge.fleet.slots import DeviceSlot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeviceShare:
+    """What a worker needs to build one device: its slot and its data share."""
+
+    slot: DeviceSlot
+    train: Dataset
+    local_test: Dataset
+
+
+@dataclass
+class HostSpec:
+    """Everything one worker is sent at start-up (the global test set travels separately: it is
+    shared by every worker, and Ray puts it into the object store once)."""
+
+    worker: int
+    cfg: FleetConfig
+    entry: MethodEntry  # registered in the worker when it is not a built-in (a method defined outside fedge)
+    shares: list[DeviceShare]
+    threads: int
+
+
+@dataclass
+class RoundResult:
+    """One worker's answer to a round: every update its devices sent, in fleet order."""
+
+    updates: list[tuple[str, bytes]]
+    seconds: float  # time the worker spent on the round
+    peak_rss: int  # the worker process's peak resident set, bytes
+
+
+@dataclass
+class FinishedDevice:
+    """A device's final state, shipped back to the driver once after the last round."""
+
+    device_id: str
+    method: DeviceMethod
+    traffic: list[Traffic]
+    last_round: int
+    trained_runs: set[str] = field(default_factory=set)
+
+
+def _writable(d: Dataset) -> Dataset:
+    if d.x.flags.writeable and d.y.flags.writeable:
+        return d
+    return Dataset(d.name, d.x.copy(), d.y.copy(), d.classes, d.norm)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+class _HostTransport(DeviceTransport):
+    """One device's view of the round its worker was handed: the descriptor and the global bytes
+    as the driver's bus holds them; its updates are kept for the driver."""
+
+    def __init__(self, host: DeviceHost) -> None:
+        self.host = host
+        self.sent: list[bytes] = []
+
+    def send_hello(self, data: bytes) -> None:
+        self.host.hellos.append(data)
+
+    def current_round(self) -> bytes | None:
+        return self.host.descriptor
+
+    def fetch_global(self, artifact: str) -> bytes | None:
+        return self.host.globals.get(artifact)
+
+    def send_update(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+class DeviceHost:
+    """Some devices of a fleet, built once and stepped in fleet order each round."""
+
+    def __init__(self, spec: HostSpec, global_test: Dataset | None) -> None:
+        t0 = time.perf_counter()
+        # One intra-op thread per worker by default: the workers are the parallelism, and float
+        # reductions then run in the order a single-threaded sequential run uses (bit-identical results).
+        torch.set_num_threads(spec.threads)
+        if spec.entry.name not in METHODS:
+            register_method(spec.entry)
+        cfg = spec.cfg
+        self.worker = spec.worker
+        self.global_eval = GlobalEval(global_test) if global_test is not None else None
+        self.descriptor: bytes | None = None
+        self.globals: dict[str, bytes] = {}
+        self.hellos: list[bytes] = []
+        self.agents: list[DeviceAgent] = []
+        if global_test is not None and not global_test.x.flags.writeable:
+            # Ray hands every actor of a node the same read-only copy from its object store; the test
+            # set is only ever read (evaluation), so torch's warning about non-writable arrays is noise here.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for share in spec.shares:
+            # a device's own share is written to by nobody either, but it is small: a private copy
+            # keeps "training data is an ordinary array" true for every method
+            train, local_test = _writable(share.train), _writable(share.local_test)
+            dev = device_from_slot(cfg, share.slot, train, local_test, global_test, global_eval=self.global_eval)
+            self.agents.append(DeviceAgent(dev.method, _HostTransport(self), dev.info, fleet=cfg.run.fleet,
+                                           eval_every=cfg.run.eval_every))
+        self.build_seconds = time.perf_counter() - t0
+        log.info("worker %d (pid %d): built %d devices in %.1f s", self.worker, os.getpid(), len(self.agents),
+                 self.build_seconds)
+
+    def hello(self) -> list[bytes]:
+        """Every device's hello message, in fleet order."""
+        self.hellos = []
+        for a in self.agents:
+            a.hello()
+        return list(self.hellos)
+
+    def run_round(self, descriptor: bytes, changed: dict[str, bytes]) -> RoundResult:
+        """Step every device through the round ``descriptor`` announces; ``changed``: the global
+        artifacts published since the previous call."""
+        t0 = time.perf_counter()
+        self.descriptor = descriptor
+        self.globals.update(changed)
+        updates: list[tuple[str, bytes]] = []
+        for a in self.agents:
+            a.step()
+            sent = a.transport.sent  # type: ignore[attr-defined]
+            updates += [(a.device.device_id, data) for data in sent]
+            sent.clear()
+        return RoundResult(updates, time.perf_counter() - t0, peak_rss_bytes())
+
+    def status(self) -> dict[str, Any]:
+        """Where this worker runs and what it measured: pid, host, devices, memory, evaluations."""
+        ev = self.global_eval
+        return {"worker": self.worker, "pid": os.getpid(), "node": socket.gethostname(),
+                "devices": [a.device.device_id for a in self.agents], "threads": torch.get_num_threads(),
+                "build_s": round(self.build_seconds, 3), "peak_rss_bytes": peak_rss_bytes(),
+                "global_eval_passes": ev.passes if ev else 0, "global_eval_hits": ev.hits if ev else 0}
+
+    def finish(self) -> list[FinishedDevice]:
+        """Every device's final state, for checkpoints, reports and sample grids in the driver.
+
+        The global test set and the shared evaluation cache are left behind: the driver has the
+        one test set and puts it back, so it does not travel once per device."""
+        out = []
+        for a in self.agents:
+            a.method.ctx.global_test = None
+            a.method.ctx.global_eval = None
+            out.append(FinishedDevice(a.device.device_id, a.method, a.traffic, a.last_round, set(a.trained_runs)))
+        return out
