@@ -15,6 +15,8 @@ driver joins an existing cluster started with ``ray start``: docs/simulation.md 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from typing import Any
 
@@ -61,7 +63,10 @@ class RayPool(WorkerPool):
             if sim.address:
                 ray.init(address=sim.address, **kwargs)
             else:
-                ray.init(**kwargs)
+                # a local Ray's workers import what this process can (a method defined beside a script),
+                # as the process backend's do; a cluster's nodes must have it installed (docs/simulation.md)
+                path = os.pathsep.join(p for p in sys.path if p)
+                ray.init(runtime_env={"env_vars": {"PYTHONPATH": path}}, **kwargs)
             self._started_ray = True
         self.init_seconds = time.perf_counter() - t0
         self.resources = {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}

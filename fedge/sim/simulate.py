@@ -15,16 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.config import slot_checks
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
-from fedge.coordinator.strategy import Strategy
+from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.models.checkpoint import save_checkpoint
 from fedge.errors import ConfigError
 from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
 from fedge.fleet.registry import method_entry
-from fedge.fleet.slots import check_feature_dims, checked_slots, device_slots
+from fedge.fleet.slots import DeviceSlot, check_feature_dims, checked_slots, device_slots
 from fedge.sim.parallel import LostDevice, sequential_run
 from fedge.sim.transports import transport_runner
 
@@ -44,6 +45,7 @@ class SimResult:
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)  # "simulation": the backend's facts (results.json)
     lost: list[LostDevice] = field(default_factory=list)  # devices whose worker died (parallel backends)
+    globals: dict[str, Arrays] = field(default_factory=dict)  # the last global state the coordinator published
 
 
 def build_fleet(cfg: FleetConfig) -> tuple[list[SimDevice], Strategy]:
@@ -61,16 +63,28 @@ def run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
     caller may prepare first (e.g. a benchmark that withholds part of each device's data). ``transport``
     is a name of :data:`~fedge.sim.transports.TRANSPORTS` or a runner of one's own (e.g. an in-process bus
     on which a device stops answering, to replay an emulated fault)."""
+    agents, engine = _run_rounds(cfg, devices, strat, transport=transport, on_round=on_round)
+    return agents, engine.reports
+
+
+def _run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, transport: str | TransportRunner,
+                on_round: Callable[[RoundReport], None] | None) -> tuple[list[DeviceAgent], RoundEngine]:
     connect = transport if callable(transport) else transport_runner(transport)
     coord, agents, cleanup = connect(cfg, devices)
     try:
-        # the devices' hellos are checked against the fleet config's slots, as `fedge coordinator run` does
-        slots = slot_checks(checked_slots(cfg), own_data=cfg.own_data)
-        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=slots,
-                                                          privacy=cfg.privacy_mechanism))
-        return agents, engine.run(on_round=on_round)
+        engine = _engine(cfg, strat, coord, checked_slots(cfg))
+        engine.run(on_round=on_round)
+        return agents, engine
     finally:
         cleanup()
+
+
+def _engine(cfg: FleetConfig, strat: Strategy, coord: CoordinatorTransport, slots: list[DeviceSlot]) -> RoundEngine:
+    """The round engine of a simulation; the devices' hellos are checked against the fleet config's
+    slots, as ``fedge coordinator run`` does."""
+    checks = slot_checks(slots, own_data=cfg.own_data)
+    return RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=checks,
+                                                  privacy=cfg.privacy_mechanism))
 
 
 def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | Path | None = None,
@@ -94,17 +108,18 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
         torch_threads(sim.threads)
     lost: list[LostDevice] = []
     if sim.parallel:
-        devices, agents, reports, extra, lost = _run_parallel(cfg, on_round)
+        devices, agents, reports, final_globals, extra, lost = _run_parallel(cfg, on_round)
     else:
         devices, strat = build_fleet(cfg)
-        agents, reports = run_rounds(cfg, devices, strat, transport=transport, on_round=on_round)
+        agents, engine = _run_rounds(cfg, devices, strat, transport=transport, on_round=on_round)
+        reports, final_globals = engine.reports, engine.globals
         extra = {"simulation": sequential_run(devices)}
     if out_dir is not None:
         ckpt_dir = Path(out_dir) / "checkpoints"
         for d in devices:
             save_checkpoint(d.method.ctx.model, ckpt_dir / f"{d.info.device_id}.safetensors",
                             extra={"fedge.profile": d.info.profile, "fedge.dataset": cfg.run.dataset})
-    return SimResult(cfg, devices, agents, reports, time.perf_counter() - t0, extra, lost)
+    return SimResult(cfg, devices, agents, reports, time.perf_counter() - t0, extra, lost, final_globals)
 
 
 def torch_threads(n: int) -> None:
@@ -115,8 +130,8 @@ def torch_threads(n: int) -> None:
 
 
 def _run_parallel(cfg: FleetConfig, on_round: Callable[[RoundReport], None] | None
-                  ) -> tuple[list[SimDevice], list[DeviceAgent], list[RoundReport], dict[str, Any],
-                             list[LostDevice]]:
+                  ) -> tuple[list[SimDevice], list[DeviceAgent], list[RoundReport], dict[str, Arrays],
+                             dict[str, Any], list[LostDevice]]:
     """The rounds with the devices in worker processes or Ray actors (:mod:`fedge.sim.parallel`)."""
     from fedge.sim.parallel import ParallelFleet
 
@@ -127,12 +142,9 @@ def _run_parallel(cfg: FleetConfig, on_round: Callable[[RoundReport], None] | No
     strat = entry.build_strategy(cfg.method_config, num_classes=data.train.num_classes, rounds=cfg.run.rounds)
     fleet = ParallelFleet(cfg, data, slots)
     try:
-        coord = fleet.start()
-        checks = slot_checks(slots, own_data=cfg.own_data)
-        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=checks,
-                                                          privacy=cfg.privacy_mechanism))
-        reports = engine.run(on_round=on_round)
+        engine = _engine(cfg, strat, fleet.start(), slots)
+        engine.run(on_round=on_round)
         devices, agents, lost = fleet.finish()
     finally:
         fleet.close()
-    return devices, agents, reports, {"simulation": fleet.run.to_dict()}, lost
+    return devices, agents, engine.reports, engine.globals, {"simulation": fleet.run.to_dict()}, lost

@@ -49,14 +49,13 @@ class GlobalEval:
         self._lock = threading.Lock()
 
     def accuracy(self, model: torch.nn.Module, compute: Callable[[], float], *, kind: str = "model",
-                 extra: bytes = b"", digest: bytes | None = None) -> float:
-        """``compute()`` (an accuracy of ``model`` on :attr:`test`), or the figure of an identical earlier call.
-
-        ``digest``: the model's :func:`state_digest` when the caller has it already.
-        """
+                 extra: bytes = b"") -> float:
+        """``compute()`` (an accuracy of ``model`` on :attr:`test`), or the figure of an identical earlier call."""
         h = hashlib.blake2b(digest_size=20)
         spec = getattr(model, "spec", None)
-        for part in (kind.encode(), repr(spec).encode(), digest or state_digest(model), extra):
+        # BatchNorm's batch counters differ between devices that trained different numbers of batches, yet
+        # an evaluation never reads them (eval mode uses the running statistics): they are not part of the key.
+        for part in (kind.encode(), repr(spec).encode(), state_digest(model, counters=False), extra):
             h.update(len(part).to_bytes(8, "little"))
             h.update(part)
         key = h.digest()
@@ -153,18 +152,17 @@ class DeviceMethod(ABC):
             out["acc_local"] = accuracy(ctx.model, ctx.local_test.x, ctx.local_test.y)
         if ctx.global_test is not None and len(ctx.global_test.y):
             test = ctx.global_test
-            out["acc_global"] = self.global_accuracy(lambda: accuracy(ctx.model, test.x, test.y), digest=digest)
+            out["acc_global"] = self.global_accuracy(lambda: accuracy(ctx.model, test.x, test.y))
         self._eval_cache = (digest, dict(out))
         return out
 
-    def global_accuracy(self, compute: Callable[[], float], *, kind: str = "model", extra: bytes = b"",
-                        digest: bytes | None = None) -> float:
+    def global_accuracy(self, compute: Callable[[], float], *, kind: str = "model", extra: bytes = b"") -> float:
         """An accuracy of this device's model on ``ctx.global_test``: through the process's shared
         :class:`GlobalEval` when there is one for that test set, else ``compute()`` itself."""
         shared = self.ctx.global_eval
         if shared is None or shared.test is not self.ctx.global_test:
             return compute()
-        return shared.accuracy(self.ctx.model, compute, kind=kind, extra=extra, digest=digest)
+        return shared.accuracy(self.ctx.model, compute, kind=kind, extra=extra)
 
 
 # -- state-dict <-> arrays ------------------------------------------------------------------
@@ -188,10 +186,13 @@ def model_arrays(model: torch.nn.Module, prefixes: Iterable[str] | None = None,
     }
 
 
-def state_digest(model: torch.nn.Module) -> bytes:
-    """A digest of every state-dict entry (weights and BN statistics): equal iff the model is unchanged."""
+def state_digest(model: torch.nn.Module, *, counters: bool = True) -> bytes:
+    """A digest of every state-dict entry (weights and BN statistics): equal iff the model is unchanged.
+    ``counters=False`` leaves BatchNorm's batch counters out (what a prediction depends on)."""
     h = hashlib.blake2b(digest_size=16)
     for k, v in model.state_dict().items():
+        if not counters and is_buffer_counter(k):
+            continue
         h.update(k.encode())
         h.update(v.detach().cpu().contiguous().numpy().tobytes())
     return h.digest()
