@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import signal
 import sys
@@ -112,7 +113,7 @@ def test_process_workers_give_the_sequential_run_bit_for_bit(sequential_fedavg: 
             assert ds[key] == dp[key], (ds["id"], key)
     sim = par["simulation"]
     assert sim["backend"] == "process" and sim["threads_per_worker"] == 1 and sim["lost"] == {}
-    assert len(sim["workers"]) == 2 and sorted(sum(sim["placement"], [])) == sorted(d["id"] for d in seq["devices"])
+    assert len(sim["workers"]) == 2 and sorted(d for p in sim["placement"] for d in p) == sorted(d["id"] for d in seq["devices"])
     pids = {w["pid"] for w in sim["workers"]}
     assert os.getpid() not in pids and len(pids) == 2  # the devices trained elsewhere
     assert all(w["peak_rss_bytes"] > 50 * 2**20 for w in sim["workers"])  # torch alone is more than that
@@ -257,7 +258,7 @@ def test_a_killed_worker_process_is_its_devices_dropout(dying_method: str) -> No
     res = simulate(cfg)
     placement = build_results(res)["simulation"]["placement"]
     victim = next(p for p in placement if any(d.endswith("-2") for d in p))
-    _check_dropout(res, victim, sum(placement, []))
+    _check_dropout(res, victim, [d for p in placement for d in p])
     assert all("killed by signal 9" in v for v in build_results(res)["simulation"]["lost"].values())
     assert len(res.devices) == 4 - len(victim) and len(res.lost) == len(victim)
 
@@ -328,7 +329,7 @@ def ray_cluster() -> Iterator[Any]:
 
     # the workers must import this module (its dying method), as a local Ray fedge starts arranges itself
     path = os.pathsep.join(p for p in sys.path if p)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     try:
         yield ray
@@ -351,7 +352,7 @@ def test_a_dead_ray_actor_is_its_devices_dropout(ray_cluster: Any, dying_method:
     res = simulate(on(fleet(dying_method, archs=("tier-xs",), count=4), "ray"))
     placement = build_results(res)["simulation"]["placement"]
     victim = next(p for p in placement if any(d.endswith("-2") for d in p))
-    _check_dropout(res, victim, sum(placement, []))
+    _check_dropout(res, victim, [d for p in placement for d in p])
 
 
 def test_ray_refuses_what_the_cluster_cannot_host(ray_cluster: Any) -> None:
