@@ -113,7 +113,8 @@ def test_process_workers_give_the_sequential_run_bit_for_bit(sequential_fedavg: 
             assert ds[key] == dp[key], (ds["id"], key)
     sim = par["simulation"]
     assert sim["backend"] == "process" and sim["threads_per_worker"] == 1 and sim["lost"] == {}
-    assert len(sim["workers"]) == 2 and sorted(d for p in sim["placement"] for d in p) == sorted(d["id"] for d in seq["devices"])
+    assert len(sim["workers"]) == 2
+    assert sorted(d for p in sim["placement"] for d in p) == sorted(d["id"] for d in seq["devices"])
     pids = {w["pid"] for w in sim["workers"]}
     assert os.getpid() not in pids and len(pids) == 2  # the devices trained elsewhere
     assert all(w["peak_rss_bytes"] > 50 * 2**20 for w in sim["workers"])  # torch alone is more than that
