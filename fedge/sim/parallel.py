@@ -22,6 +22,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport, InMemoryDeviceTransport
 from fedge.common.rounds import DeviceInfo
 from fedge.common.transport import CoordinatorTransport
@@ -199,6 +201,9 @@ class ParallelFleet:
                  for w, idx in enumerate(self.placement)]
         log.info("%s backend: %d workers, devices %s", self.pool.kind, len(specs), self.run.placement)
         self._absorb(self.pool.start(specs, data.test), rnd=0)
+        del specs
+        # The workers hold their shares now; the driver keeps the splits and the test set, not the images.
+        self.data = FleetData(data.train.subset(np.zeros(0, dtype=np.int64)), data.test, data.splits)
         self.run.start_s = self.pool.start_seconds
         self.run.backend_info = self.pool.describe()
         hellos = self.pool.broadcast("hello")

@@ -141,6 +141,7 @@ def _run_parallel(cfg: FleetConfig, on_round: Callable[[RoundReport], None] | No
     check_feature_dims(cfg, (s.feature_dim for s in slots), shares_features=entry.shares_features)
     strat = entry.build_strategy(cfg.method_config, num_classes=data.train.num_classes, rounds=cfg.run.rounds)
     fleet = ParallelFleet(cfg, data, slots)
+    del data  # the fleet drops the training images once the workers hold their shares
     try:
         engine = _engine(cfg, strat, fleet.start(), slots)
         engine.run(on_round=on_round)

@@ -89,7 +89,20 @@ def _writable(d: Dataset) -> Dataset:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size in bytes (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    """This process's peak resident set size in bytes.
+
+    Linux: ``VmHWM`` of /proc/self/status, the high-water mark of this program's own memory. Not
+    ``ru_maxrss``: across the exec that starts a worker, Linux keeps the larger of the two, and
+    the forked copy of the driver counts the driver's whole resident set — every worker would
+    report at least the driver's peak. Elsewhere ``ru_maxrss`` (bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 

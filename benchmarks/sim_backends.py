@@ -1,0 +1,190 @@
+"""Simulation backends side by side (issue 30): sequential vs worker processes vs Ray, one job, one machine.
+
+The job is a row of table 1's ``--quick`` schedule (``generative_rows.table1_methods(quick=True)``,
+built as ``generative.py table1`` builds it: K = 10, CNN-1 … CNN-10, Fashion-MNIST IID 10 %,
+SGD lr 0.1, batch 64, 5 local epochs, evaluation every 5 rounds); FedAvg within group by default.
+``--rounds`` / ``--devices`` shrink it (the job is then *not* the quick schedule, and the JSON and
+table say so).
+
+Every backend runs in a child process of its own (so Ray's start-up is measured from nothing and
+each process's peak memory is its own): ``sequential`` at one torch thread (the reference every
+other backend must equal bit for bit), ``sequential-t2`` at two threads (what a plain
+``fedge simulate`` does on a 2-core machine: context, not the reference), ``process`` with
+``--workers`` worker processes and ``ray`` with as many single-CPU actors on a local Ray started
+with ``num_cpus = --workers``. Reported per backend: wall time (whole run, start-up included), its
+ratio to each sequential run, seconds per training round, start-up (workers spawned and devices
+built; Ray: ``ray.init`` and the actors apart), the driver's per-round overhead (dispatch,
+transfer, (de)serialisation: round wall time minus the slowest worker's own time), peak RSS of the
+driver and of each worker, and whether every device's accuracies and bytes equal the reference's.
+
+    python benchmarks/sim_backends.py                           # FedAvg, quick schedule: 20 rounds
+    python benchmarks/sim_backends.py --method gefl-cvae        # another table-1 row
+    python benchmarks/sim_backends.py --rounds 2 --devices 4 --no-docs   # a smoke run
+
+Results: ``benchmarks/results/sim_backends/<job>.json`` and the ``sim-backends`` section of docs/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, markdown_table, text_table, write_docs_section
+
+OUT = RESULTS / "sim_backends"
+BACKENDS = ("sequential", "sequential-t2", "process", "ray")
+TARGETS = {"process": 0.6, "ray": 0.7}  # wall time ≤ this × the sequential run's (issue 30)
+
+
+def job_config(method: str, seed: int, rounds: int | None, devices: int | None, backend: str, workers: int) -> Any:
+    """The fleet config of the job on ``backend``."""
+    from generative_rows import build_config, table1_methods
+
+    from fedge.fleet.config import SimulationSection
+
+    m = table1_methods(published=False, quick=True)[method]
+    if rounds is not None:
+        m = dataclasses.replace(m, rounds=rounds)
+    cfg = build_config(m, seed)
+    if devices is not None:
+        cfg = dataclasses.replace(cfg, devices=(dataclasses.replace(cfg.devices[0], count=devices),))
+    sim = {"sequential": SimulationSection(threads=1),
+           "sequential-t2": SimulationSection(threads=2),
+           "process": SimulationSection(backend="process", workers=workers, threads=1),
+           "ray": SimulationSection(backend="ray", workers=workers, threads=1)}[backend]
+    return dataclasses.replace(cfg, simulation=sim)
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One backend's run (in its own process): what the table reports."""
+    from fedge.sim.worker import peak_rss_bytes
+
+    t0 = time.perf_counter()
+    if args.child == "ray":
+        import ray
+
+        ray.init(num_cpus=args.workers, include_dashboard=False, logging_level=logging.WARNING)
+    ray_init = time.perf_counter() - t0
+    from fedge.sim.report import build_results
+    from fedge.sim.simulate import simulate
+
+    cfg = job_config(args.method, args.seed, args.rounds, args.devices, args.child, args.workers)
+    res = build_results(simulate(cfg))
+    wall = time.perf_counter() - t0
+    sim = res["simulation"]
+    return {
+        "backend": args.child, "wall_s": wall, "seconds_per_round": res["seconds_per_round"],
+        "rounds": res["rounds"], "ray_init_s": ray_init if args.child == "ray" else None,
+        "driver_peak_rss_bytes": peak_rss_bytes(),
+        "simulation": sim, "mean_best_acc_global": res["summary"]["mean_best_acc_global"],
+        "mean_final_acc_global": res["summary"]["mean_final_acc_global"],
+        "devices": {d["id"]: {"acc_global": d["acc_global"], "acc_local": d["acc_local"],
+                              "bytes_up": d["bytes_up"], "bytes_down": d["bytes_down"]} for d in res["devices"]},
+    }
+
+
+def run_child(backend: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", backend, "--method", args.method, "--seed", str(args.seed),
+           "--workers", str(args.workers)]
+    cmd += ["--rounds", str(args.rounds)] if args.rounds is not None else []
+    cmd += ["--devices", str(args.devices)] if args.devices is not None else []
+    print(f"running {backend} ...", flush=True)
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f}"
+
+
+def render(cell: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]:
+    """(header, rows, notes) of the table."""
+    runs = cell["runs"]
+    ref = runs.get("sequential")
+    t2 = runs.get("sequential-t2")
+    header = ["backend", "workers", "wall s", "× seq (1 thr)", "× seq (2 thr)", "s / round", "start-up s",
+              "overhead s / round", "driver RSS MiB", "worker peak RSS MiB", "identical to seq"]
+    rows = []
+    for name in BACKENDS:
+        r = runs.get(name)
+        if r is None:
+            continue
+        sim = r["simulation"]
+        workers = [w for w in sim["workers"] if "peak_rss_bytes" in w]
+        start = sim.get("start_s")
+        if name == "ray":
+            start_txt = f"{r['ray_init_s']:.1f} + {start:.1f}"  # ray.init + actors (devices built)
+        else:
+            start_txt = "-" if start is None else f"{start:.1f}"
+        over = sim.get("mean_round_overhead_s")
+        rows.append([
+            name, str(len(sim["workers"])), f"{r['wall_s']:.1f}",
+            f"{r['wall_s'] / ref['wall_s']:.2f}" if ref else "-", f"{r['wall_s'] / t2['wall_s']:.2f}" if t2 else "-",
+            f"{r['seconds_per_round']:.2f}", start_txt, "-" if over is None else f"{over:.3f}",
+            mib(r["driver_peak_rss_bytes"]),
+            " / ".join(mib(w["peak_rss_bytes"]) for w in workers) if name not in ("sequential", "sequential-t2")
+            else "(the driver)",
+            "reference" if name == "sequential" else ("yes" if r["identical"] else "NO"),
+        ])
+    notes = []
+    for name, target in TARGETS.items():
+        if name in runs and ref:
+            ratio = runs[name]["wall_s"] / ref["wall_s"]
+            notes.append(f"{name}: {ratio:.2f}× the sequential wall time (target ≤ {target}) — "
+                         + ("met" if ratio <= target else "NOT met"))
+    return header, rows, notes
+
+
+def identical(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["devices"] == b["devices"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--method", default="fedavg", help="a table-1 row key (generative_rows.table1_methods)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, help="shorten the job (default: the quick schedule's rounds)")
+    ap.add_argument("--devices", type=int, help="fewer devices (default: table 1's 10)")
+    ap.add_argument("--workers", type=int, default=2, help="process workers / Ray actors (and Ray's num_cpus)")
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    ap.add_argument("--no-docs", action="store_true", help="do not write docs/results.md")
+    ap.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+
+    quick = args.rounds is None and args.devices is None
+    job = f"{args.method}-{'quick' if quick else f'r{args.rounds}-d{args.devices}'}-s{args.seed}-w{args.workers}"
+    runs = {b: run_child(b, args) for b in args.backends}
+    ref = runs.get("sequential")
+    for r in runs.values():
+        r["identical"] = identical(r, ref) if ref else None
+    command = "python benchmarks/sim_backends.py " + " ".join(sys.argv[1:])
+    cell = {"job": job, "method": args.method, "quick_schedule": quick, "seed": args.seed, "workers": args.workers,
+            "command": command.strip(), "runs": runs}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{job}.json").write_text(json.dumps(cell, indent=1))
+    header, rows, notes = render(cell)
+    print()
+    print(text_table(header, rows))
+    for n in notes:
+        print(n)
+    if not args.no_docs:
+        body = (f"**Simulation backends** (issue 30): `{command.strip()}` — {args.method}, "
+                + ("table 1's quick schedule" if quick else f"{args.rounds} rounds, {args.devices} devices (reduced)")
+                + f", seed {args.seed}, on this 2-core machine.\n\n" + markdown_table(header, rows)
+                + "\n\n" + "\n".join(f"* {n}" for n in notes))
+        write_docs_section("sim-backends", body)
+
+
+if __name__ == "__main__":
+    main()
