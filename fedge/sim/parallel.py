@@ -208,10 +208,12 @@ class ParallelFleet:
         self.run.backend_info = self.pool.describe()
         hellos = self.pool.broadcast("hello")
         self._absorb(hellos, rnd=0)
+        by_index: dict[int, bytes] = {}
         for w in self.placement_of_live():
             got = hellos.get(w)
-            if isinstance(got, list):
-                self.bus.hellos.extend(got)
+            if isinstance(got, list):  # one hello per device, in the order of the worker's placement
+                by_index.update(zip(self.placement[w], got, strict=True))
+        self.bus.hellos.extend(by_index[i] for i in sorted(by_index))  # registered in fleet order, as sequentially
         self.bus.pump = self.pump
         return InMemoryCoordinatorTransport(self.bus)
 

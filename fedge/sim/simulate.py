@@ -103,6 +103,10 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
             "broker connection, which is the point of simulating over it",
             hint='use backend = "sequential" with --transport mqtt, or --transport inprocess with the '
                  f'{sim.backend} backend (real devices in separate processes: `fedge edge run`, docs/mqtt.md)')
+    if sim.backend == "ray":
+        from fedge.sim.raypool import import_ray
+
+        import_ray()  # without the extra, say so before any data is loaded
     t0 = time.perf_counter()
     if sim.threads is not None and not sim.parallel:
         torch_threads(sim.threads)
