@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport, InMemoryDeviceTransport
+from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.edge.agent import DeviceAgent
@@ -183,7 +184,6 @@ class ParallelFleet:
         sim = cfg.simulation
         self.pool, n = make_pool(sim, len(slots))
         self.placement = place([estimated_cost(cfg, s) for s in slots], n)
-        self.worker_of = {i: w for w, idx in enumerate(self.placement) for i in idx}
         self.run = ParallelRun(sim.backend, [[slots[i].device_id for i in idx] for idx in self.placement],
                                default_threads(sim))
         self.bus = InMemoryBus()
@@ -209,7 +209,7 @@ class ParallelFleet:
         hellos = self.pool.broadcast("hello")
         self._absorb(hellos, rnd=0)
         by_index: dict[int, bytes] = {}
-        for w in self.placement_of_live():
+        for w in self._live_workers():
             got = hellos.get(w)
             if isinstance(got, list):  # one hello per device, in the order of the worker's placement
                 by_index.update(zip(self.placement[w], got, strict=True))
@@ -217,7 +217,7 @@ class ParallelFleet:
         self.bus.pump = self.pump
         return InMemoryCoordinatorTransport(self.bus)
 
-    def placement_of_live(self) -> list[int]:
+    def _live_workers(self) -> list[int]:
         return [w for w in range(len(self.placement)) if w not in self._lost_workers]
 
     def _absorb(self, results: dict[int, Any], *, rnd: int) -> None:
@@ -236,12 +236,13 @@ class ParallelFleet:
         if raw is None or raw is self._last_descriptor:
             return
         self._last_descriptor = raw
+        rnd = Message.from_bytes(raw).round
+        # The engine encodes each artifact anew when it publishes it: a new bytes object is a new version.
         changed = {k: v for k, v in self.bus.globals.items() if self._sent.get(k) is not v}
         t0 = time.perf_counter()
         results = self.pool.broadcast("run_round", raw, changed)
         wall = time.perf_counter() - t0
         self._sent.update(changed)
-        rnd = len(self.run.timings) + 1
         self._absorb(results, rnd=rnd)
         done = [r for r in results.values() if isinstance(r, RoundResult)]
         self.run.timings.append(RoundTiming(rnd, wall, max((r.seconds for r in done), default=0.0)))
@@ -257,7 +258,7 @@ class ParallelFleet:
         agents; and the devices lost with their workers."""
         status = self.pool.broadcast("status")
         finished = self.pool.broadcast("finish")
-        self._absorb(finished, rnd=len(self.run.timings))
+        self._absorb(finished, rnd=self.run.timings[-1].round if self.run.timings else 0)
         for w in range(len(self.placement)):
             st = status.get(w)
             self.run.workers.append(st if isinstance(st, dict) else
