@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["sequential", "process", "ray"], choices=BACKENDS)
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, interleaved; the best is reported")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/results.md")
+    ap.add_argument("--report-only", action="store_true", help="the table (and docs) from the saved JSON")
     ap.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -171,7 +172,11 @@ def main() -> None:
         return
 
     quick = args.rounds is None and args.devices is None
-    job = f"{args.method}-{'quick' if quick else f'r{args.rounds}-d{args.devices}'}-s{args.seed}-w{args.workers}"
+    job = f"{args.method}-{'quick' if quick else f'r{args.rounds}-d{args.devices or 10}'}-s{args.seed}-w{args.workers}"
+    if args.report_only:
+        cell = json.loads((OUT / f"{job}.json").read_text())
+        report(cell, args)
+        return
     every: dict[str, list[dict[str, Any]]] = {b: [] for b in args.backends}
     for _ in range(args.repeat):
         for b in args.backends:
@@ -186,16 +191,22 @@ def main() -> None:
             "repeat": args.repeat, "command": command.strip(), "runs": runs}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{job}.json").write_text(json.dumps(cell, indent=1))
+    report(cell, args)
+
+
+def report(cell: dict[str, Any], args: argparse.Namespace) -> None:
+    """Print the table; unless ``--no-docs``, write it into docs/results.md."""
     header, rows, notes = render(cell)
     print()
     print(text_table(header, rows))
     for n in notes:
         print(n)
     if not args.no_docs:
-        body = (f"**Simulation backends** (issue 30): `{command.strip()}` — {args.method}, "
-                + ("table 1's quick schedule" if quick else f"{args.rounds} rounds, {args.devices} devices (reduced)")
-                + f", seed {args.seed}, best of {args.repeat} interleaved run(s) each, on this 2-core machine shared "
-                "with other jobs.\n\n" + markdown_table(header, rows)
+        job = ("table 1's quick schedule" if cell["quick_schedule"] else
+               f"table 1's quick schedule cut to {args.rounds or 'its'} rounds and {args.devices or 10} devices")
+        body = (f"**Simulation backends** (issue 30): `{cell['command']}` — {cell['method']}, {job}, "
+                f"seed {cell['seed']}, best of {cell.get('repeat', 1)} interleaved run(s) each, on this 2-core "
+                "machine shared with other jobs.\n\n" + markdown_table(header, rows)
                 + "\n\n" + "\n".join(f"* {n}" for n in notes))
         write_docs_section("sim-backends", body)
 

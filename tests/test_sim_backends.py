@@ -94,7 +94,8 @@ def sequential_fedavg() -> SimResult:
 
 # -- identical results -------------------------------------------------------------------------------------
 
-def test_process_workers_give_the_sequential_run_bit_for_bit(sequential_fedavg: SimResult, tmp_path: Path) -> None:
+def test_process_workers_give_the_sequential_run_bit_for_bit(sequential_fedavg: SimResult, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """Same seed, 1 torch thread per worker: every accuracy, byte count, aggregate and final weight is equal.
     The process run goes through the command line (--backend/--workers) and its results.json."""
     cfg_path = tmp_path / "fleet.toml"
@@ -106,6 +107,7 @@ def test_process_workers_give_the_sequential_run_bit_for_bit(sequential_fedavg: 
     out = tmp_path / "run"
     assert main(["simulate", str(cfg_path), "--backend", "process", "--workers", "2", "--out", str(out),
                  "--no-progress"]) == 0
+    assert "process backend: 2 workers (peak RSS " in capsys.readouterr().out
     par = json.loads((out / "results.json").read_text())
     seq = build_results(sequential_fedavg)
     for ds, dp in zip(seq["devices"], par["devices"], strict=True):

@@ -254,6 +254,15 @@ def format_table(results: dict[str, Any]) -> str:
     if stem:
         lines.append(f"guard: the fleet's extractor kept in {s['guard_stem_used']} of {s['guard_stem_decisions']} "
                      "device-rounds (else the group's own)")
+    sim = results.get("simulation") or {}
+    if sim.get("backend", "sequential") != "sequential":
+        workers = sim.get("workers", [])
+        peaks = ", ".join(format_bytes(w["peak_rss_bytes"]) for w in workers if "peak_rss_bytes" in w)
+        overhead_ms = 1000 * (sim.get("mean_round_overhead_s") or 0)
+        lines.append(f"{sim['backend']} backend: {len(workers)} workers (peak RSS {peaks or '-'}), start-up "
+                     f"{sim.get('start_s', 0):.1f} s, driver overhead {overhead_ms:.0f} ms per round")
+        for dev, why in sorted(sim.get("lost", {}).items()):
+            lines.append(f"lost {dev}: {why}")
     p = results.get("privacy")
     if p:
         eps = "∞" if p["epsilon"] is None else f"{p['epsilon']:.3g}"
