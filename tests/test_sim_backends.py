@@ -27,7 +27,7 @@ from fedge.common.method_settings import FedAvgSettings
 from fedge.common.rounds import RoundInfo
 from fedge.edge.methods.base import Arrays, GlobalEval, model_arrays
 from fedge.edge.methods.fedavg import FedAvgDevice
-from fedge.errors import ConfigError
+from fedge.errors import ConfigError, FedgeError
 from fedge.fleet.config import FleetConfig, parse_fleet
 from fedge.fleet.registry import METHODS, MethodEntry, register_method
 from fedge.sim.report import build_results
@@ -266,6 +266,22 @@ def test_a_killed_worker_process_is_its_devices_dropout(dying_method: str) -> No
     _check_dropout(res, victim, [d for p in placement for d in p])
     assert all("killed by signal 9" in v for v in build_results(res)["simulation"]["lost"].values())
     assert len(res.devices) == 4 - len(victim) and len(res.lost) == len(victim)
+
+
+@dataclass(frozen=True)
+class BrokenSettings(FedAvgSettings):
+    method: ClassVar[str] = "fedavg-broken"
+
+
+def test_a_worker_that_cannot_build_its_devices_fails_the_run() -> None:
+    """An error in a worker (here: a device half that does not import) is the run's error, with the worker's
+    traceback — not a silent dropout of every device."""
+    if BrokenSettings.method not in METHODS:
+        register_method(MethodEntry(BrokenSettings, "fedge.edge.methods.nowhere:Device",
+                                    "fedge.coordinator.strategies.fedavg:FedAvgStrategy"))
+    with pytest.raises(FedgeError) as exc:
+        simulate(fleet(BrokenSettings.method, backend="process", count=2))
+    assert "failed: ModuleNotFoundError: No module named 'fedge.edge.methods.nowhere'" in exc.value.message
 
 
 # -- bad settings --------------------------------------------------------------------------------------------

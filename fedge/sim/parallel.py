@@ -30,7 +30,7 @@ from fedge.common.rounds import DeviceInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.data.datasets import Dataset
-from fedge.errors import ConfigError
+from fedge.errors import ConfigError, FedgeError
 from fedge.fleet.config import FleetConfig, SimulationSection
 from fedge.fleet.devices import FleetData, SimDevice
 from fedge.fleet.registry import method_entry
@@ -200,8 +200,14 @@ class ParallelFleet:
                           self.run.threads)
                  for w, idx in enumerate(self.placement)]
         log.info("%s backend: %d workers, devices %s", self.pool.kind, len(specs), self.run.placement)
-        self._absorb(self.pool.start(specs, data.test), rnd=0)
+        started = self.pool.start(specs, data.test)
         del specs
+        failed = [r for r in started.values() if isinstance(r, WorkerLost)]
+        if failed:  # a worker that cannot even build its devices is a broken set-up, not a device's dropout
+            self.pool.close()
+            raise FedgeError(f"{failed[0].reason} while starting (building its devices)",
+                             hint="its error is above (stderr); a Ray cluster's nodes need the driver's fedge, torch "
+                                  "and Python versions (docs/simulation.md)")
         # The workers hold their shares now; the driver keeps the splits and the test set, not the images.
         self.data = FleetData(data.train.subset(np.zeros(0, dtype=np.int64)), data.test, data.splits)
         self.run.start_s = self.pool.start_seconds

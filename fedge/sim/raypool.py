@@ -120,7 +120,8 @@ class RayPool(WorkerPool):
             try:
                 out[w] = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
-                reason = f"worker {w} (Ray actor) died: {str(exc).splitlines()[0]}"
+                first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+                reason = f"worker {w} (Ray actor) died: {first}"
                 log.warning("%s", reason)
                 self._actors.pop(w, None)
                 out[w] = WorkerLost(w, reason)
