@@ -121,9 +121,13 @@ class ProcessPool(WorkerPool):
     def start(self, specs: list[HostSpec], global_test: Dataset | None) -> dict[int, Any | WorkerLost]:
         t0 = time.perf_counter()
         for spec in specs:
+            # A session of its own: Ctrl-C in the terminal interrupts the driver alone, which then closes
+            # the workers in order (instead of every worker dying mid-round with a traceback). As with
+            # Ray's daemonised workers, Linux's autogroup scheduler then gives each worker its own share
+            # of the CPUs rather than one share for the whole terminal session.
             self._procs[spec.worker] = subprocess.Popen(
                 [sys.executable, "-m", "fedge.sim.procpool"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}, start_new_session=True)
         for spec in specs:
             self._send(spec.worker, dumps(("start", (list(sys.path), spec, global_test))))
         out = self._gather(set(self._procs))
