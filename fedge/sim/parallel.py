@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,52 +28,15 @@ from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.edge.agent import DeviceAgent
-from fedge.edge.data.datasets import Dataset
 from fedge.errors import ConfigError, FedgeError
 from fedge.fleet.config import FleetConfig, SimulationSection
 from fedge.fleet.devices import FleetData, SimDevice
 from fedge.fleet.registry import method_entry
 from fedge.fleet.slots import DeviceSlot
+from fedge.sim.pool import WorkerLost, WorkerPool
 from fedge.sim.worker import DeviceShare, FinishedDevice, HostSpec, RoundResult, peak_rss_bytes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerLost:
-    """A worker that stopped answering: it died (or its Ray actor did); ``reason`` says how."""
-
-    worker: int
-    reason: str
-
-
-class WorkerPool(ABC):
-    """Workers each hosting a :class:`~fedge.sim.worker.DeviceHost`; calls run on all of them at once."""
-
-    kind: str
-    start_seconds: float  # from asking for the workers to every device built
-
-    @abstractmethod
-    def start(self, specs: list[HostSpec], global_test: Dataset | None) -> dict[int, Any | WorkerLost]:
-        """Start one worker per spec and build its devices."""
-
-    @abstractmethod
-    def broadcast(self, name: str, *args: Any) -> dict[int, Any | WorkerLost]:
-        """``DeviceHost.<name>(*args)`` on every live worker in parallel (``args`` shipped once where the
-        backend allows): each worker's result, or :class:`WorkerLost`."""
-
-    @property
-    @abstractmethod
-    def live(self) -> list[int]:
-        """Workers still answering."""
-
-    def describe(self) -> dict[str, Any]:
-        """Backend facts for ``results.json`` (start-up costs ...)."""
-        return {}
-
-    @abstractmethod
-    def close(self) -> None:
-        """Stop the workers (and whatever the pool started)."""
 
 
 def default_threads(sim: SimulationSection) -> int:

@@ -30,7 +30,7 @@ from typing import IO, Any
 
 from fedge.edge.data.datasets import Dataset
 from fedge.errors import FedgeError
-from fedge.sim.parallel import WorkerLost, WorkerPool
+from fedge.sim.pool import WorkerLost, WorkerPool
 from fedge.sim.worker import DeviceHost, HostSpec
 
 log = logging.getLogger(__name__)

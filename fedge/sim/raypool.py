@@ -24,7 +24,7 @@ from fedge.common.extras import MissingExtraError
 from fedge.edge.data.datasets import Dataset
 from fedge.errors import ConfigError, FedgeError
 from fedge.fleet.config import SimulationSection
-from fedge.sim.parallel import WorkerLost, WorkerPool
+from fedge.sim.pool import WorkerLost, WorkerPool
 from fedge.sim.worker import DeviceHost, HostSpec
 
 log = logging.getLogger(__name__)
