@@ -118,7 +118,7 @@ def render(cell: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]
     ref = runs.get("sequential")
     t2 = runs.get("sequential-t2")
     header = ["backend", "workers", "wall s (best)", "× seq (1 thr)", "× seq (2 thr)", "s / round", "start-up s",
-              "overhead s / round", "driver RSS MiB", "worker peak RSS MiB", "identical to seq"]
+              "overhead s / round", "worker balance", "driver RSS MiB", "worker peak RSS MiB", "identical to seq"]
     rows = []
     for name in BACKENDS:
         r = runs.get(name)
@@ -135,7 +135,7 @@ def render(cell: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]
         rows.append([
             name, str(len(sim["workers"])), f"{r['wall_s']:.1f}",
             f"{r['wall_s'] / ref['wall_s']:.2f}" if ref else "-", f"{r['wall_s'] / t2['wall_s']:.2f}" if t2 else "-",
-            f"{r['seconds_per_round']:.2f}", start_txt, "-" if over is None else f"{over:.3f}",
+            f"{r['seconds_per_round']:.2f}", start_txt, "-" if over is None else f"{over:.3f}", balance(sim),
             mib(r["driver_peak_rss_bytes"]),
             " / ".join(mib(w["peak_rss_bytes"]) for w in workers) if name not in ("sequential", "sequential-t2")
             else "(the driver)",
@@ -148,6 +148,13 @@ def render(cell: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]
             notes.append(f"{name}: {ratio:.2f}× the sequential wall time (target ≤ {target}) — "
                          + ("met" if ratio <= target else "NOT met"))
     return header, rows, notes
+
+
+def balance(sim: dict[str, Any]) -> str:
+    """Mean over rounds of (work done) / (workers × the busiest worker's time): 1.00 = perfectly even."""
+    shares = [sum(w) / (len(w) * max(w)) for w in sim.get("round_worker_s", [])
+              if w and None not in w and max(w) > 0]
+    return f"{sum(shares) / len(shares):.2f}" if shares else "-"
 
 
 def identical(a: dict[str, Any], b: dict[str, Any]) -> bool:

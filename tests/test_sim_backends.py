@@ -121,6 +121,8 @@ def test_process_workers_give_the_sequential_run_bit_for_bit(sequential_fedavg: 
     assert os.getpid() not in pids and len(pids) == 2  # the devices trained elsewhere
     assert all(w["peak_rss_bytes"] > 50 * 2**20 for w in sim["workers"])  # torch alone is more than that
     assert len(sim["round_wall_s"]) == 3 and all(o >= 0 for o in sim["round_overhead_s"])
+    assert all(len(w) == 2 and all(x > 0 for x in w) for w in sim["round_worker_s"])
+    assert sorted(sim["device_s"]) == sorted(d["id"] for d in seq["devices"])
     # the final models the workers shipped back are the sequential run's, byte for byte (checkpoints)
     from fedge.edge.models import load_checkpoint
 

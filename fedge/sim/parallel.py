@@ -89,6 +89,8 @@ class RoundTiming:
     round: int
     wall_s: float
     slowest_worker_s: float
+    worker_s: list[float | None] = field(default_factory=list)  # each worker's own time (None: lost)
+    device_s: dict[str, float] = field(default_factory=dict)  # each device's step in its worker
 
     @property
     def overhead_s(self) -> float:
@@ -117,6 +119,11 @@ class ParallelRun:
             "placement": self.placement, "start_s": round(self.start_s, 3),
             "round_wall_s": [round(t.wall_s, 4) for t in rounds],
             "round_overhead_s": [round(t.overhead_s, 4) for t in rounds],
+            # how evenly the placement spread the work: each worker's busy seconds per round, and each
+            # device's total over the run (the placement estimates it from samples × epochs × MACs)
+            "round_worker_s": [[None if x is None else round(x, 3) for x in t.worker_s] for t in rounds],
+            "device_s": {d: round(sum(t.device_s.get(d, 0.0) for t in rounds), 3)
+                         for d in dict.fromkeys(d for t in rounds for d in t.device_s)},
             "mean_round_overhead_s": sum(overheads) / len(overheads) if overheads else None,
             "lost": self.lost, **self.backend_info,
         }
@@ -213,7 +220,10 @@ class ParallelFleet:
         self._sent.update(changed)
         self._absorb(results, rnd=rnd)
         done = [r for r in results.values() if isinstance(r, RoundResult)]
-        self.run.timings.append(RoundTiming(rnd, wall, max((r.seconds for r in done), default=0.0)))
+        per_worker = [r.seconds if isinstance(r := results.get(w), RoundResult) else None
+                      for w in range(len(self.placement))]
+        self.run.timings.append(RoundTiming(rnd, wall, max((r.seconds for r in done), default=0.0), per_worker,
+                                            {d: t for r in done for d, t in r.device_seconds.items()}))
         by_device: dict[str, list[bytes]] = {}
         for r in done:
             for dev, data in r.updates:

@@ -69,6 +69,7 @@ class RoundResult:
     updates: list[tuple[str, bytes]]
     seconds: float  # time the worker spent on the round
     peak_rss: int  # the worker process's peak resident set, bytes
+    device_seconds: dict[str, float] = field(default_factory=dict)  # each device's share of ``seconds``
 
 
 @dataclass
@@ -174,12 +175,15 @@ class DeviceHost:
         self.descriptor = descriptor
         self.globals.update(changed)
         updates: list[tuple[str, bytes]] = []
+        took: dict[str, float] = {}
         for a in self.agents:
+            t1 = time.perf_counter()
             a.step()
+            took[a.device.device_id] = time.perf_counter() - t1
             sent = a.transport.sent  # type: ignore[attr-defined]
             updates += [(a.device.device_id, data) for data in sent]
             sent.clear()
-        return RoundResult(updates, time.perf_counter() - t0, peak_rss_bytes())
+        return RoundResult(updates, time.perf_counter() - t0, peak_rss_bytes(), took)
 
     def status(self) -> dict[str, Any]:
         """Where this worker runs and what it measured: pid, host, devices, memory, evaluations."""
