@@ -1,8 +1,9 @@
 """Simulation backends side by side (issue 30): sequential vs worker processes vs Ray, one job, one machine.
 
-The job is a row of table 1's ``--quick`` schedule (``generative_rows.table1_methods(quick=True)``,
-built as ``generative.py table1`` builds it: K = 10, CNN-1 … CNN-10, Fashion-MNIST IID 10 %,
-SGD lr 0.1, batch 64, 5 local epochs, evaluation every 5 rounds); FedAvg within group by default.
+The job is a row of table 1's ``--quick`` schedule (``benchmarks.generative.rows.table1_methods``,
+``quick=True``, built as ``python -m benchmarks.generative table1 --quick`` builds it: K = 10,
+CNN-1 … CNN-10, Fashion-MNIST IID 10 %, SGD lr 0.1, batch 64, 5 local epochs, evaluation every 5
+rounds); FedAvg within group by default.
 ``--rounds`` / ``--devices`` shrink it (the job is then *not* the quick schedule, and the JSON and
 table say so).
 
@@ -17,16 +18,20 @@ about the backends. ``--repeat N`` runs the backends N times, interleaved (A B C
 reports each one's best run, so a burst of load from other jobs on a shared machine does not
 decide a ratio; every run's figures stay in the JSON.
 
-Reported per backend: wall time (whole run, start-up included), its ratio to each sequential
-run, seconds per training round, start-up (workers spawned and devices built; Ray: ``ray.init``
-and the actors apart), the driver's per-round overhead (dispatch, transfer, (de)serialisation:
-round wall time minus the slowest worker's own time), peak RSS of the driver and of each worker,
-and whether every device's accuracies and bytes equal the reference's.
+Reported per backend: wall time (whole run, start-up included), the CPU seconds of its process
+tree, its ratio to each sequential run, seconds per training round, start-up (workers spawned and
+devices built; Ray: ``ray.init`` and the actors apart), the driver's per-round overhead (dispatch,
+transfer, (de)serialisation: round wall time minus the slowest worker's own time), how evenly the
+workers were loaded, peak RSS of the driver and of each worker, how many of the 2 cores other jobs
+took meanwhile (machine busy time minus the run's own CPU time, over its wall time), and whether
+every device's accuracies and bytes equal the reference's.
 
-    python benchmarks/sim_backends.py                           # FedAvg, quick schedule: 20 rounds
-    python benchmarks/sim_backends.py --method gefl-cvae        # another table-1 row
-    python benchmarks/sim_backends.py --rounds 3 --repeat 2     # 3 rounds of it, each backend twice
-    python benchmarks/sim_backends.py --rounds 1 --devices 4 --no-docs   # a smoke run
+    python -m benchmarks.sim_backends                           # FedAvg, quick schedule: 20 rounds
+    python -m benchmarks.sim_backends --repeat 2                # the same, each backend twice (best of 2)
+    python -m benchmarks.sim_backends --method gefl-cvae        # another table-1 row
+    python -m benchmarks.sim_backends --rounds 3 --repeat 2     # 3 rounds of it, each backend twice
+    python -m benchmarks.sim_backends --rounds 1 --devices 4 --no-docs   # a smoke run
+    python -m benchmarks.sim_backends --rounds 3 --repeat 2 --report-only   # the table again from its JSON
 
 Results: ``benchmarks/results/sim_backends/<job>.json`` and the ``sim-backends`` section of docs/results.md.
 """
@@ -37,32 +42,30 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
+import threading
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, markdown_table, text_table, write_docs_section
+from benchmarks.common import REPO, RESULTS, markdown_table, text_table, write_docs_section
 
 OUT = RESULTS / "sim_backends"
 BACKENDS = ("sequential", "sequential-t2", "process", "ray")
 TARGETS = {"process": 0.6, "ray": 0.7}  # wall time ≤ this × the sequential run's (issue 30)
+QUIET_CORES = 0.2  # other jobs' mean CPU use (cores) above this while a backend ran: no speed comparison
 
 
 def job_config(method: str, seed: int, rounds: int | None, devices: int | None, backend: str, workers: int) -> Any:
     """The fleet config of the job on ``backend``."""
-    from generative_rows import build_config, table1_methods
-
+    from benchmarks.generative.rows import build_config, table1_methods
     from fedge.fleet.config import SimulationSection
 
     m = table1_methods(published=False, quick=True)[method]
     if rounds is not None:
         m = dataclasses.replace(m, rounds=rounds)
-    cfg = build_config(m, seed)
-    if devices is not None:
-        cfg = dataclasses.replace(cfg, devices=(dataclasses.replace(cfg.devices[0], count=devices),))
+    cfg = build_config(m, seed, devices=10 if devices is None else devices)
     sim = {"sequential": SimulationSection(threads=1),
            "sequential-t2": SimulationSection(threads=2),
            "process": SimulationSection(backend="process", workers=workers, threads=1),
@@ -98,14 +101,74 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _busy_ticks() -> int:
+    """Clock ticks every CPU of the machine spent busy since boot (/proc/stat; idle and iowait left out)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]
+    return sum(fields) - fields[3] - fields[4]
+
+
+def _tree_ticks(root: int) -> dict[int, int]:
+    """CPU ticks (user + system) of ``root`` and every live descendant (Ray's raylet and workers included)."""
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        rest = stat[stat.rindex(")") + 2:].split()  # the fields after the command name
+        parent[int(d)] = int(rest[1])
+        ticks[int(d)] = int(rest[11]) + int(rest[12])
+    tree, todo = {root}, [root]
+    while todo:
+        pid = todo.pop()
+        kids = [c for c, p in parent.items() if p == pid and c not in tree]
+        tree.update(kids)
+        todo += kids
+    return {pid: ticks[pid] for pid in tree if pid in ticks}
+
+
 def run_child(backend: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", backend, "--method", args.method, "--seed", str(args.seed),
-           "--workers", str(args.workers)]
+    """One backend's run in a child process (``python -m benchmarks.sim_backends --child BACKEND``).
+
+    While it runs, the CPU time the rest of the machine used is sampled: the machine's busy time
+    (/proc/stat) minus the CPU time of the child's process tree (sampled each second, so a process
+    that lives under a second is partly counted as the rest's). ``other_cores``: that, over the
+    run's wall time — how many of the 2 cores other jobs took, which decides whether 2 workers could
+    have 2 cores at all."""
+    cmd = [sys.executable, "-m", "benchmarks.sim_backends", "--child", backend, "--method", args.method,
+           "--seed", str(args.seed), "--workers", str(args.workers)]
     cmd += ["--rounds", str(args.rounds)] if args.rounds is not None else []
     cmd += ["--devices", str(args.devices)] if args.devices is not None else []
     print(f"running {backend} ...", flush=True)
-    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # fedge and the benchmarks from this tree
+    hz = os.sysconf("SC_CLK_TCK")
+    busy0, t0 = _busy_ticks(), time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    own: dict[int, int] = {}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            for pid, t in _tree_ticks(proc.pid).items():
+                own[pid] = max(own.get(pid, 0), t)
+            done.wait(1.0)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, _ = proc.communicate()
+    done.set()
+    sampler.join()
+    wall, busy = time.perf_counter() - t0, _busy_ticks() - busy0
+    if proc.returncode != 0:
+        raise SystemExit(f"{backend} failed (exit {proc.returncode})")
+    other = max(0.0, (busy - sum(own.values())) / hz / wall)
+    return {**json.loads(out.strip().splitlines()[-1]), "other_cores": other,
+            "own_cores": sum(own.values()) / hz / wall}
 
 
 def mib(n: float | None) -> str:
@@ -117,8 +180,9 @@ def render(cell: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]
     runs = cell["runs"]
     ref = runs.get("sequential")
     t2 = runs.get("sequential-t2")
-    header = ["backend", "workers", "wall s (best)", "× seq (1 thr)", "× seq (2 thr)", "s / round", "start-up s",
-              "overhead s / round", "worker balance", "driver RSS MiB", "worker peak RSS MiB", "identical to seq"]
+    header = ["backend", "workers", "wall s (best)", "CPU s", "× seq (1 thr)", "× seq (2 thr)", "s / round",
+              "start-up s", "overhead s / round", "worker balance", "driver RSS MiB", "worker peak RSS MiB",
+              "others' cores", "identical to seq"]
     rows = []
     for name in BACKENDS:
         r = runs.get(name)
@@ -134,11 +198,13 @@ def render(cell: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]
         over = sim.get("mean_round_overhead_s")
         rows.append([
             name, str(len(sim["workers"])), f"{r['wall_s']:.1f}",
+            "-" if r.get("own_cores") is None else f"{r['own_cores'] * r['wall_s']:.0f}",
             f"{r['wall_s'] / ref['wall_s']:.2f}" if ref else "-", f"{r['wall_s'] / t2['wall_s']:.2f}" if t2 else "-",
             f"{r['seconds_per_round']:.2f}", start_txt, "-" if over is None else f"{over:.3f}", balance(sim),
             mib(r["driver_peak_rss_bytes"]),
             " / ".join(mib(w["peak_rss_bytes"]) for w in workers) if name not in ("sequential", "sequential-t2")
             else "(the driver)",
+            "-" if r.get("other_cores") is None else f"{r['other_cores']:.2f}",
             "reference" if name == "sequential" else ("yes" if r["identical"] else "NO"),
         ])
     notes = []
@@ -147,6 +213,12 @@ def render(cell: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]
             ratio = runs[name]["wall_s"] / ref["wall_s"]
             notes.append(f"{name}: {ratio:.2f}× the sequential wall time (target ≤ {target}) — "
                          + ("met" if ratio <= target else "NOT met"))
+    others = [r["other_cores"] for r in runs.values() if r.get("other_cores") is not None]
+    if others and max(others) > QUIET_CORES:
+        notes.append(f"other jobs took up to {max(others):.2f} of the 2 cores while a backend ran: the ratios say "
+                     "as much about them as about the backends — run it again on a quiet machine")
+    elif not others:
+        notes.append("what other jobs took of the cores was not recorded for these runs (measured before that column)")
     return header, rows, notes
 
 
@@ -163,7 +235,7 @@ def identical(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", default="fedavg", help="a table-1 row key (generative_rows.table1_methods)")
+    ap.add_argument("--method", default="fedavg", help="a table-1 row key (benchmarks.generative.rows.table1_methods)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, help="shorten the job (default: the quick schedule's rounds)")
     ap.add_argument("--devices", type=int, help="fewer devices (default: table 1's 10)")
@@ -193,7 +265,7 @@ def main() -> None:
     for b, r in runs.items():
         r["identical"] = all(identical(x, ref) for x in every[b]) if ref else None
         r["all_wall_s"] = [x["wall_s"] for x in every[b]]
-    command = "python benchmarks/sim_backends.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.sim_backends " + " ".join(sys.argv[1:])
     cell = {"job": job, "method": args.method, "quick_schedule": quick, "seed": args.seed, "workers": args.workers,
             "repeat": args.repeat, "command": command.strip(), "runs": runs}
     OUT.mkdir(parents=True, exist_ok=True)
@@ -213,7 +285,8 @@ def report(cell: dict[str, Any], args: argparse.Namespace) -> None:
                f"table 1's quick schedule cut to {args.rounds or 'its'} rounds and {args.devices or 10} devices")
         body = (f"**Simulation backends** (issue 30): `{cell['command']}` — {cell['method']}, {job}, "
                 f"seed {cell['seed']}, best of {cell.get('repeat', 1)} interleaved run(s) each, on this 2-core "
-                "machine shared with other jobs.\n\n" + markdown_table(header, rows)
+                "machine (others' cores: the CPU other jobs used while that backend ran, in cores).\n\n"
+                + markdown_table(header, rows)
                 + "\n\n" + "\n".join(f"* {n}" for n in notes))
         write_docs_section("sim-backends", body)
 
