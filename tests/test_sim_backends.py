@@ -152,13 +152,27 @@ def test_process_backend_keeps_the_aggregates_identical(sequential_fedavg: SimRe
 ], ids=["local", "lgfedavg", "fedproto-personal", "fedproto-privacy-clip", "gefl-guard-personal", "geflf",
         "fedvtc-guard"])
 def test_every_method_is_identical_in_worker_processes(method: str, config: dict[str, Any] | None,
-                                                       privacy: dict[str, Any] | None) -> None:
-    """Each method (with the guard, personalisation, [privacy] clipping) gives the same bytes with 2 workers."""
+                                                       privacy: dict[str, Any] | None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each method (with the guard, personalisation, [privacy] clipping) gives the same bytes with 2 workers,
+    a device moved to the other worker mid-run (its whole state shipped) included."""
     torch.set_num_threads(1)
     archs = ("cnn1-p32", "cnn2-p32") if method in ("gefl", "geflf", "fedvtc") else ("tier-xs", "tier-s")
-    rounds = 3 if method in ("gefl", "geflf") else 2
+    # a phase of two rounds at least (GeFL-F: warm-up, generator, then two head rounds), so a move happens
+    rounds = {"gefl": 3, "geflf": 4}.get(method, 2)
     cfg = fleet(method, method_config=config, archs=archs, count=3, rounds=rounds, privacy=privacy)
-    assert_identical(simulate(cfg), simulate(on(cfg, "process")))
+    monkeypatch.setattr("fedge.sim.parallel.rebalance", move_first_device)
+    par = simulate(on(cfg, "process"))
+    assert build_results(par)["simulation"]["migrations"], "no round was followed by one of its own phase"
+    assert_identical(simulate(cfg), par)
+
+
+def move_first_device(costs: dict[int, float], placement: list[list[int]], live: list[int],
+                      **_: Any) -> list[list[int]]:
+    """A rebalance that always moves worker 0's first device to worker 1, whatever was measured."""
+    new = [list(p) for p in placement]
+    new[1].append(new[0].pop(0))
+    return [sorted(p) for p in new]
 
 
 def test_privacy_noise_works_in_workers() -> None:
@@ -263,7 +277,7 @@ def test_a_killed_worker_process_is_its_devices_dropout(dying_method: str) -> No
     torch.set_num_threads(1)
     cfg = fleet(dying_method, backend="process", archs=("tier-xs",), count=4)
     res = simulate(cfg)
-    placement = build_results(res)["simulation"]["placement"]
+    placement = build_results(res)["simulation"]["final_placement"]  # where the devices were when it died
     victim = next(p for p in placement if any(d.endswith("-2") for d in p))
     _check_dropout(res, victim, [d for p in placement for d in p])
     assert all("killed by signal 9" in v for v in build_results(res)["simulation"]["lost"].values())
@@ -333,6 +347,36 @@ def test_ray_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert "pip install 'fedge[ray]'" in err
 
 
+def test_rebalance_moves_the_fewest_devices_for_a_real_gain() -> None:
+    from fedge.sim.parallel import rebalance
+
+    # worker 0 took 1 s, worker 1 took 5 s: placed again by the seconds (3 s each), and of the placements
+    # that give it the one that moves one device, not three
+    costs = {0: 1.0, 1: 2.0, 2: 1.5, 3: 1.5}
+    assert rebalance(costs, [[0], [1, 2, 3]], [0, 1]) == [[0, 1], [2, 3]]
+    # already within 10 % of the best placement: nothing moves
+    assert rebalance({0: 1.0, 1: 1.05, 2: 1.0, 3: 1.0}, [[0, 1], [2, 3]], [0, 1]) is None
+    # a lost worker's devices stay where they were (lost); the live ones share the rest
+    assert rebalance({0: 3.0, 1: 1.0, 2: 1.0, 4: 1.0}, [[0, 1, 2], [3], [4]], [0, 2]) == [[1, 2, 4], [3], [0]]
+
+
+def test_a_misplaced_fleet_is_rebalanced_by_measured_seconds(sequential_fedavg: SimResult,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An estimate that is badly off (device 1 as costly as the rest together) puts one device on worker 0
+    and three on worker 1; after round 1 the driver places them again by the seconds each took, moves
+    devices with their whole state, and every figure still equals the sequential run's."""
+    monkeypatch.setattr("fedge.sim.parallel.estimated_cost", lambda cfg, slot: 100.0 if slot.index == 0 else 1.0)
+    par = simulate(on(fleet(), "process"))
+    sim = build_results(par)["simulation"]
+    ids = [d.info.device_id for d in sequential_fedavg.devices]
+    assert sim["placement"] == [ids[:1], ids[1:]]
+    (m,) = sim["migrations"]  # once for the training phase, before round 2
+    assert m["before_round"] == 2 and m["moved"] and m["bytes"] > 0
+    assert m["predicted_cpu_s"] < m["busiest_worker_cpu_s"]
+    assert sorted(len(p) for p in sim["final_placement"]) == [2, 2]
+    assert_identical(sequential_fedavg, par)
+
+
 def test_placement_balances_the_estimated_work() -> None:
     from fedge.sim.parallel import place
 
@@ -370,10 +414,19 @@ def test_ray_actors_give_the_sequential_run_bit_for_bit(ray_cluster: Any, sequen
     assert sim["ray"]["init_s"] >= 0 and sim["mean_round_overhead_s"] is not None
 
 
+def test_ray_actors_move_devices_bit_for_bit(ray_cluster: Any, sequential_fedavg: SimResult,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device moved between actors (its state through Ray's object store) trains on unchanged."""
+    monkeypatch.setattr("fedge.sim.parallel.rebalance", move_first_device)
+    res = simulate(on(fleet(), "ray"))
+    assert build_results(res)["simulation"]["migrations"]
+    assert_identical(sequential_fedavg, res)
+
+
 def test_a_dead_ray_actor_is_its_devices_dropout(ray_cluster: Any, dying_method: str) -> None:
     torch.set_num_threads(1)
     res = simulate(on(fleet(dying_method, archs=("tier-xs",), count=4), "ray"))
-    placement = build_results(res)["simulation"]["placement"]
+    placement = build_results(res)["simulation"]["final_placement"]  # where the devices were when it died
     victim = next(p for p in placement if any(d.endswith("-2") for d in p))
     _check_dropout(res, victim, [d for p in placement for d in p])
 

@@ -7,10 +7,18 @@ artifacts that changed since the last round to every worker at once, and puts th
 updates the workers return onto the bus **in fleet order**, so the engine validates and
 aggregates them in the order a sequential run does: the same sums, bit for bit.
 
-Devices are pinned to workers for the whole run (:func:`place`: the longest estimated jobs first,
-each to the least-loaded worker). A worker that dies takes its devices with it: they are missing
-from that round on, which the engine reports as dropouts, and ``results.json`` says which worker
-died and how (``simulation.lost``).
+Each device lives in one worker, state and all (:mod:`fedge.sim.worker` says why). The first
+placement comes from the planner's estimate of each device's round (:func:`estimated_cost`: the
+longest jobs first, each to the least-loaded worker). That estimate counts multiply-accumulates,
+and small networks' rounds are not proportional to them (per-batch and memory-bound work weigh
+as much), so once the first round of a phase has run the driver places the devices again by the
+seconds each one actually took (:func:`rebalance`), and moves the devices whose worker changes
+— their whole state, once — when that promises the busiest worker at least :data:`MIN_GAIN` less
+time. A device's results do not depend on which worker trains it: a rebalanced run is still the
+sequential run, bit for bit.
+
+A worker that dies takes its devices with it: they are missing from that round on, which the
+engine reports as dropouts, and ``results.json`` says which worker died and how (``simulation.lost``).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import numpy as np
 
 from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport, InMemoryDeviceTransport
 from fedge.common.messages import Message
-from fedge.common.rounds import DeviceInfo
+from fedge.common.rounds import DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.edge.agent import DeviceAgent
 from fedge.errors import ConfigError, FedgeError
@@ -33,10 +41,15 @@ from fedge.fleet.config import FleetConfig, SimulationSection
 from fedge.fleet.devices import FleetData, SimDevice
 from fedge.fleet.registry import method_entry
 from fedge.fleet.slots import DeviceSlot
-from fedge.sim.pool import WorkerLost, WorkerPool
-from fedge.sim.worker import DeviceShare, FinishedDevice, HostSpec, RoundResult, peak_rss_bytes
+from fedge.profiles.planner import round_time_s
+from fedge.sim.pool import WorkerLost, WorkerPool, dumps
+from fedge.sim.worker import DeviceShare, DeviceState, HostSpec, RoundResult, peak_rss_bytes
 
 log = logging.getLogger(__name__)
+
+# A rebalance must promise the busiest worker at least this fraction less time: one round's seconds
+# are noisy on a shared machine, and a moved device's state travels twice (out of its worker, into the next).
+MIN_GAIN = 0.1
 
 
 def default_threads(sim: SimulationSection) -> int:
@@ -55,9 +68,11 @@ def available_cpus() -> int:
 
 
 def estimated_cost(cfg: FleetConfig, slot: DeviceSlot) -> float:
-    """A device's relative cost per round: samples × epochs × multiply-accumulates per sample."""
+    """A device's relative cost per round before any round has run: the planner's round-time estimate
+    (:func:`fedge.profiles.planner.round_time_s`: MACs × samples × epochs) on one common clock, since
+    every simulated device trains on this machine's cores, whatever its profile's."""
     epochs = cfg.train.local_epochs or slot.plan.local_epochs
-    return float(max(1, slot.num_samples) * epochs * max(1, slot.spec.macs()))
+    return round_time_s(slot.spec, 1.0, samples=max(1, slot.num_samples), epochs=epochs)
 
 
 def place(costs: list[float], workers: int) -> list[list[int]]:
@@ -70,6 +85,32 @@ def place(costs: list[float], workers: int) -> list[list[int]]:
         load[w] += costs[i]
         pinned[w].append(i)
     return [sorted(p) for p in pinned if p]
+
+
+def rebalance(costs: dict[int, float], placement: list[list[int]], live: list[int], *,
+              min_gain: float = MIN_GAIN) -> list[list[int]] | None:
+    """The live workers' devices placed again by ``costs`` (device index -> seconds it took), or None
+    when that would not cut the busiest live worker's time by at least ``min_gain``.
+
+    :func:`place` decides the groups; then, greedily, the group and live worker that share the most
+    devices are paired first, so few devices (and their bytes) move. Lost workers keep their entries.
+    """
+    devices = [i for w in live for i in placement[w]]
+    current = max(sum(costs[i] for i in placement[w]) for w in live)
+    groups = [[devices[j] for j in g] for g in place([costs[i] for i in devices], len(live))]
+    if max(sum(costs[i] for i in g) for g in groups) > (1.0 - min_gain) * current:
+        return None
+    out = [[] if w in live else list(p) for w, p in enumerate(placement)]
+    shared = sorted(((len(set(g) & set(placement[w])), -k, -w) for k, g in enumerate(groups) for w in live),
+                    reverse=True)
+    taken_groups: set[int] = set()
+    taken_workers: set[int] = set()
+    for _, k, w in shared:
+        if -k not in taken_groups and -w not in taken_workers:
+            taken_groups.add(-k)
+            taken_workers.add(-w)
+            out[-w] = groups[-k]
+    return out
 
 
 @dataclass(frozen=True)
@@ -91,6 +132,11 @@ class RoundTiming:
     slowest_worker_s: float
     worker_s: list[float | None] = field(default_factory=list)  # each worker's own time (None: lost)
     device_s: dict[str, float] = field(default_factory=dict)  # each device's step in its worker
+    device_cpu_s: dict[str, float] = field(default_factory=dict)  # the same in CPU seconds (the rebalance's)
+    phase: str = ""
+    # the driver's own time before this round's workers' part (since the previous one ended): the engine
+    # validating, aggregating and encoding, while every worker waits
+    driver_s: float = 0.0
 
     @property
     def overhead_s(self) -> float:
@@ -110,6 +156,8 @@ class ParallelRun:
     lost: dict[str, str] = field(default_factory=dict)  # device id -> how its worker was lost
     workers: list[dict[str, Any]] = field(default_factory=list)
     backend_info: dict[str, Any] = field(default_factory=dict)
+    migrations: list[dict[str, Any]] = field(default_factory=list)  # each rebalance: round, moves, seconds
+    final_placement: list[list[str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         rounds = [t for t in self.timings if t.wall_s > 0]
@@ -119,12 +167,16 @@ class ParallelRun:
             "placement": self.placement, "start_s": round(self.start_s, 3),
             "round_wall_s": [round(t.wall_s, 4) for t in rounds],
             "round_overhead_s": [round(t.overhead_s, 4) for t in rounds],
+            "round_driver_s": [round(t.driver_s, 4) for t in rounds],
             # how evenly the placement spread the work: each worker's busy seconds per round, and each
-            # device's total over the run (the placement estimates it from samples × epochs × MACs)
+            # device's total over the run (the first placement estimates it; rebalances measure it)
             "round_worker_s": [[None if x is None else round(x, 3) for x in t.worker_s] for t in rounds],
             "device_s": {d: round(sum(t.device_s.get(d, 0.0) for t in rounds), 3)
                          for d in dict.fromkeys(d for t in rounds for d in t.device_s)},
+            "device_cpu_s": {d: round(sum(t.device_cpu_s.get(d, 0.0) for t in rounds), 3)
+                             for d in dict.fromkeys(d for t in rounds for d in t.device_cpu_s)},
             "mean_round_overhead_s": sum(overheads) / len(overheads) if overheads else None,
+            "migrations": self.migrations, "final_placement": self.final_placement or self.placement,
             "lost": self.lost, **self.backend_info,
         }
 
@@ -146,19 +198,22 @@ def make_pool(sim: SimulationSection, num_devices: int) -> tuple[WorkerPool, int
 class ParallelFleet:
     """The fleet's devices in a :class:`WorkerPool`, wired to an in-memory bus in the driver."""
 
-    def __init__(self, cfg: FleetConfig, data: FleetData, slots: list[DeviceSlot]) -> None:
+    def __init__(self, cfg: FleetConfig, data: FleetData, slots: list[DeviceSlot], pool: WorkerPool,
+                 workers: int) -> None:
         self.cfg = cfg
         self.data = data
         self.slots = slots
         sim = cfg.simulation
-        self.pool, n = make_pool(sim, len(slots))
-        self.placement = place([estimated_cost(cfg, s) for s in slots], n)
+        self.pool = pool  # made by make_pool, and maybe spawned already; closed by whoever made it
+        self.placement = place([estimated_cost(cfg, s) for s in slots], workers)
         self.run = ParallelRun(sim.backend, [[slots[i].device_id for i in idx] for idx in self.placement],
                                default_threads(sim))
         self.bus = InMemoryBus()
         self._sent: dict[str, bytes] = {}  # artifact -> the bytes last shipped to the workers
         self._last_descriptor: bytes | None = None
         self._lost_workers: set[int] = set()
+        self._phases_balanced: set[str] = set()  # phases whose first round's seconds decided a rebalance
+        self._driver_since: float | None = None  # when the driver last got the workers' results
 
     def start(self) -> CoordinatorTransport:
         """Start the workers, build every device in them, and queue the devices' hellos on the bus."""
@@ -173,7 +228,6 @@ class ParallelFleet:
         del specs
         failed = [r for r in started.values() if isinstance(r, WorkerLost)]
         if failed:  # a worker that cannot even build its devices is a broken set-up, not a device's dropout
-            self.pool.close()
             raise FedgeError(f"{failed[0].reason} while starting (building its devices)",
                              hint="its error is above (stderr); a Ray cluster's nodes need the driver's fedge, torch "
                                   "and Python versions (docs/simulation.md)")
@@ -210,8 +264,14 @@ class ParallelFleet:
         raw = self.bus.round_msg
         if raw is None or raw is self._last_descriptor:
             return
+        t_in = time.perf_counter()
+        driver_s = t_in - self._driver_since if self._driver_since is not None else 0.0
         self._last_descriptor = raw
-        rnd = Message.from_bytes(raw).round
+        msg = Message.from_bytes(raw)
+        rnd = msg.round
+        info = RoundInfo.from_dict(msg.info["round"])
+        if not info.is_final:
+            self._maybe_rebalance(rnd, info.phase)
         # The engine encodes each artifact anew when it publishes it: a new bytes object is a new version.
         changed = {k: v for k, v in self.bus.globals.items() if self._sent.get(k) is not v}
         t0 = time.perf_counter()
@@ -223,13 +283,71 @@ class ParallelFleet:
         per_worker = [r.seconds if isinstance(r := results.get(w), RoundResult) else None
                       for w in range(len(self.placement))]
         self.run.timings.append(RoundTiming(rnd, wall, max((r.seconds for r in done), default=0.0), per_worker,
-                                            {d: t for r in done for d, t in r.device_seconds.items()}))
+                                            {d: t for r in done for d, t in r.device_seconds.items()},
+                                            {d: t for r in done for d, t in r.device_cpu_s.items()},
+                                            info.phase, driver_s))
         by_device: dict[str, list[bytes]] = {}
         for r in done:
             for dev, data in r.updates:
                 by_device.setdefault(dev, []).append(data)
         for s in self.slots:  # fleet order: the aggregation order of a sequential run
             self.bus.updates.extend(by_device.get(s.device_id, []))
+        self._driver_since = time.perf_counter()
+
+    def _maybe_rebalance(self, rnd: int, phase: str) -> None:
+        """Before round ``rnd``: once per phase, after its first round, place the devices again by the
+        CPU seconds each took in it (:func:`rebalance`) and move those whose worker changes. CPU seconds,
+        not wall seconds: on a shared machine a worker that other jobs crowded out would look slow."""
+        last = self.run.timings[-1] if self.run.timings else None
+        if last is None or last.phase != phase or phase in self._phases_balanced:
+            return
+        self._phases_balanced.add(phase)
+        live = self._live_workers()
+        costs = {i: last.device_cpu_s.get(self.slots[i].device_id) for w in live for i in self.placement[w]}
+        if len(live) < 2 or any(c is None for c in costs.values()):
+            return
+        measured = {i: float(c) for i, c in costs.items() if c is not None}
+        new = rebalance(measured, self.placement, live)
+        busiest = max(sum(measured[i] for i in self.placement[w]) for w in live)
+        if new is None:
+            log.info("round %d: the placement stays (round %d's busiest worker %.2f CPU s; no placement cuts it "
+                     "by %.0f %%)", rnd, last.round, busiest, 100 * MIN_GAIN)
+            return
+        self._migrate(new, rnd, busiest, max(sum(measured[i] for i in new[w]) for w in live))
+
+    def _migrate(self, new: list[list[int]], rnd: int, busiest: float, predicted: float) -> None:
+        """Move every device whose worker differs in ``new``: its state out of the old worker, into the new."""
+        t0 = time.perf_counter()
+        where = {i: w for w, idx in enumerate(self.placement) for i in idx}
+        moves = {i: (where[i], w) for w, idx in enumerate(new) for i in idx if where[i] != w}
+        out: dict[int, list[str]] = {}
+        for i, (src, _) in sorted(moves.items()):
+            out.setdefault(src, []).append(self.slots[i].device_id)
+        released = self.pool.call_each("release", {w: (ids,) for w, ids in out.items()})
+        self._absorb(released, rnd=rnd)  # a worker lost now loses its devices, those about to move included
+        states: dict[str, DeviceState] = {st.device_id: st for res in released.values() if isinstance(res, list)
+                                          for st in res}
+        placement = [list(p) for p in self.placement]
+        into: dict[int, list[DeviceState]] = {}
+        for i, (src, dst) in sorted(moves.items()):
+            st = states.get(self.slots[i].device_id)
+            if st is None:
+                continue
+            placement[src].remove(i)
+            placement[dst].append(i)
+            into.setdefault(dst, []).append(st)
+        self.placement = [sorted(p) for p in placement]
+        blobs = {w: (dumps(sts),) for w, sts in into.items()}
+        self._absorb(self.pool.call_each("adopt", blobs), rnd=rnd)
+        moved = {self.slots[i].device_id: [src, dst] for i, (src, dst) in sorted(moves.items())
+                 if self.slots[i].device_id in states}
+        seconds = time.perf_counter() - t0
+        self.run.migrations.append({"before_round": rnd, "moved": moved, "seconds": round(seconds, 3),
+                                    "bytes": sum(len(b[0]) for b in blobs.values()),
+                                    "busiest_worker_cpu_s": round(busiest, 3), "predicted_cpu_s": round(predicted, 3)})
+        self.run.final_placement = [[self.slots[i].device_id for i in idx] for idx in self.placement]
+        log.info("round %d: rebalanced by the measured CPU seconds (busiest worker %.2f s -> %.2f s predicted): "
+                 "moved %s in %.2f s", rnd, busiest, predicted, moved, seconds)
 
     def finish(self) -> tuple[list[SimDevice], list[DeviceAgent], list[LostDevice]]:
         """Every surviving device's final state, shipped back once, as the sequential run's devices and
@@ -242,7 +360,7 @@ class ParallelFleet:
             self.run.workers.append(st if isinstance(st, dict) else
                                     {"worker": w, "devices": [self.slots[i].device_id for i in self.placement[w]],
                                      "lost": True})
-        states: dict[str, FinishedDevice] = {}
+        states: dict[str, DeviceState] = {}
         for res in finished.values():
             if not isinstance(res, WorkerLost):
                 states.update({f.device_id: f for f in res})
@@ -263,9 +381,6 @@ class ParallelFleet:
             devices.append(dev)
             agents.append(agent)
         return devices, agents, lost
-
-    def close(self) -> None:
-        self.pool.close()
 
 
 def sequential_run(devices: list[SimDevice]) -> dict[str, Any]:

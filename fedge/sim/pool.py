@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import copyreg
+import io
+import pickle
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from fedge.edge.data.datasets import Dataset
 from fedge.sim.worker import HostSpec
+
+
+def _proxy(d: dict[Any, Any]) -> MappingProxyType[Any, Any]:
+    return MappingProxyType(d)
+
+
+def _reduce_proxy(m: MappingProxyType[Any, Any]) -> tuple[Any, tuple[dict[Any, Any]]]:
+    return _proxy, (dict(m),)
+
+
+def dumps(obj: Any) -> bytes:
+    """``obj`` pickled with the standard pickler, read-only mappings (profiles, plans) included."""
+    buf = io.BytesIO()
+    p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    p.dispatch_table = {**copyreg.dispatch_table, MappingProxyType: _reduce_proxy}
+    p.dump(obj)
+    return buf.getvalue()
 
 
 @dataclass(frozen=True)
@@ -24,14 +45,23 @@ class WorkerPool(ABC):
     kind: str
     start_seconds: float  # from asking for the workers to every device built
 
+    def spawn(self, workers: int) -> None:  # noqa: B027 (optional: doing nothing is a valid implementation)
+        """Start ``workers`` workers ahead of :meth:`start`, so their interpreters start and import torch
+        while the driver loads the data (a backend that cannot may do nothing here)."""
+
     @abstractmethod
     def start(self, specs: list[HostSpec], global_test: Dataset | None) -> dict[int, Any | WorkerLost]:
-        """Start one worker per spec and build its devices."""
+        """Build each spec's devices in its worker (started here unless :meth:`spawn` did)."""
 
     @abstractmethod
     def broadcast(self, name: str, *args: Any) -> dict[int, Any | WorkerLost]:
         """``DeviceHost.<name>(*args)`` on every live worker in parallel (``args`` shipped once where the
         backend allows): each worker's result, or :class:`WorkerLost`."""
+
+    @abstractmethod
+    def call_each(self, name: str, args: dict[int, tuple[Any, ...]]) -> dict[int, Any | WorkerLost]:
+        """``DeviceHost.<name>(*args[w])`` on each worker ``w`` of ``args`` in parallel, each with its own
+        arguments (a rebalance's device states): each one's result, or :class:`WorkerLost`."""
 
     @property
     @abstractmethod

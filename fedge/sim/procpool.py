@@ -15,8 +15,6 @@ dropouts instead of the round hanging.
 
 from __future__ import annotations
 
-import copyreg
-import io
 import logging
 import os
 import pickle
@@ -25,34 +23,16 @@ import subprocess
 import sys
 import time
 import traceback
-from types import MappingProxyType
 from typing import IO, Any
 
 from fedge.edge.data.datasets import Dataset
 from fedge.errors import FedgeError
-from fedge.sim.pool import WorkerLost, WorkerPool
+from fedge.sim.pool import WorkerLost, WorkerPool, dumps
 from fedge.sim.worker import DeviceHost, HostSpec
 
 log = logging.getLogger(__name__)
 
 _LEN = 8  # bytes of a frame's length prefix
-
-
-def _proxy(d: dict[Any, Any]) -> MappingProxyType[Any, Any]:
-    return MappingProxyType(d)
-
-
-def _reduce_proxy(m: MappingProxyType[Any, Any]) -> tuple[Any, tuple[dict[Any, Any]]]:
-    return _proxy, (dict(m),)
-
-
-def dumps(obj: Any) -> bytes:
-    """``obj`` pickled with the standard pickler, read-only mappings (profiles, plans) included."""
-    buf = io.BytesIO()
-    p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-    p.dispatch_table = {**copyreg.dispatch_table, MappingProxyType: _reduce_proxy}
-    p.dump(obj)
-    return buf.getvalue()
 
 
 def write_frame(out: IO[bytes], data: bytes) -> None:
@@ -118,16 +98,22 @@ class ProcessPool(WorkerPool):
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self.start_seconds = 0.0
 
-    def start(self, specs: list[HostSpec], global_test: Dataset | None) -> dict[int, Any | WorkerLost]:
-        t0 = time.perf_counter()
-        for spec in specs:
+    def spawn(self, workers: int) -> None:
+        """Start worker processes 0 … ``workers - 1``; each imports torch and fedge meanwhile."""
+        for w in range(workers):
+            if w in self._procs:
+                continue
             # A session of its own: Ctrl-C in the terminal interrupts the driver alone, which then closes
             # the workers in order (instead of every worker dying mid-round with a traceback). As with
             # Ray's daemonised workers, Linux's autogroup scheduler then gives each worker its own share
             # of the CPUs rather than one share for the whole terminal session.
-            self._procs[spec.worker] = subprocess.Popen(
+            self._procs[w] = subprocess.Popen(
                 [sys.executable, "-m", "fedge.sim.procpool"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}, start_new_session=True)
+
+    def start(self, specs: list[HostSpec], global_test: Dataset | None) -> dict[int, Any | WorkerLost]:
+        t0 = time.perf_counter()
+        self.spawn(max(s.worker for s in specs) + 1)  # any not spawned before
         for spec in specs:
             self._send(spec.worker, dumps(("start", (list(sys.path), spec, global_test))))
         out = self._gather(set(self._procs))
@@ -149,6 +135,14 @@ class ProcessPool(WorkerPool):
         for w in sorted(targets):
             self._send(w, data)
         return self._gather(targets)
+
+    def call_each(self, name: str, args: dict[int, tuple[Any, ...]]) -> dict[int, Any | WorkerLost]:
+        targets = {w for w in args if w in self._procs}
+        for w in sorted(targets):
+            self._send(w, dumps((name, args[w])))
+        out = self._gather(targets)
+        out.update({w: WorkerLost(w, f"worker {w} was lost before") for w in args if w not in targets})
+        return out
 
     def _send(self, worker: int, data: bytes) -> None:
         stdin = self._procs[worker].stdin

@@ -113,6 +113,12 @@ class RayPool(WorkerPool):
         refs = [ray.put(a) for a in args]
         return self._gather({w: getattr(a, name).remote(*refs) for w, a in self._actors.items()})
 
+    def call_each(self, name: str, args: dict[int, tuple[Any, ...]]) -> dict[int, Any | WorkerLost]:
+        pending = {w: getattr(self._actors[w], name).remote(*a) for w, a in args.items() if w in self._actors}
+        out = self._gather(pending)
+        out.update({w: WorkerLost(w, f"worker {w} was lost before") for w in args if w not in pending})
+        return out
+
     def _gather(self, pending: dict[int, Any]) -> dict[int, Any | WorkerLost]:
         ray = self.ray
         out: dict[int, Any | WorkerLost] = {}

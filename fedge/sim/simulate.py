@@ -137,19 +137,21 @@ def _run_parallel(cfg: FleetConfig, on_round: Callable[[RoundReport], None] | No
                   ) -> tuple[list[SimDevice], list[DeviceAgent], list[RoundReport], dict[str, Arrays],
                              dict[str, Any], list[LostDevice]]:
     """The rounds with the devices in worker processes or Ray actors (:mod:`fedge.sim.parallel`)."""
-    from fedge.sim.parallel import ParallelFleet
+    from fedge.sim.parallel import ParallelFleet, make_pool
 
-    data = load_fleet_data(cfg)
-    slots = device_slots(cfg, data.train.y)
-    entry = method_entry(cfg.run.method)
-    check_feature_dims(cfg, (s.feature_dim for s in slots), shares_features=entry.shares_features)
-    strat = entry.build_strategy(cfg.method_config, num_classes=data.train.num_classes, rounds=cfg.run.rounds)
-    fleet = ParallelFleet(cfg, data, slots)
-    del data  # the fleet drops the training images once the workers hold their shares
+    pool, workers = make_pool(cfg.simulation, cfg.num_devices)
     try:
+        pool.spawn(workers)  # the workers start and import torch while this process loads the data
+        data = load_fleet_data(cfg)
+        slots = device_slots(cfg, data.train.y)
+        entry = method_entry(cfg.run.method)
+        check_feature_dims(cfg, (s.feature_dim for s in slots), shares_features=entry.shares_features)
+        strat = entry.build_strategy(cfg.method_config, num_classes=data.train.num_classes, rounds=cfg.run.rounds)
+        fleet = ParallelFleet(cfg, data, slots, pool, workers)
+        del data  # the fleet drops the training images once the workers hold their shares
         engine = _engine(cfg, strat, fleet.start(), slots)
         engine.run(on_round=on_round)
         devices, agents, lost = fleet.finish()
     finally:
-        fleet.close()
+        pool.close()
     return devices, agents, engine.reports, engine.globals, {"simulation": fleet.run.to_dict()}, lost

@@ -17,8 +17,10 @@ driver, so every message still crosses the real encoding.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import pickle
 import resource
 import socket
 import sys
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from fedge.common.rounds import DeviceInfo
 from fedge.common.transport import DeviceTransport
 from fedge.edge.agent import DeviceAgent, Traffic
 from fedge.edge.data.datasets import Dataset
@@ -70,17 +73,27 @@ class RoundResult:
     seconds: float  # time the worker spent on the round
     peak_rss: int  # the worker process's peak resident set, bytes
     device_seconds: dict[str, float] = field(default_factory=dict)  # each device's share of ``seconds``
+    # each device's CPU seconds in this worker process: its work, whatever other jobs took of the cores
+    # meanwhile (wall seconds on a shared machine are partly theirs); what a rebalance goes by
+    device_cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
-class FinishedDevice:
-    """A device's final state, shipped back to the driver once after the last round."""
+class DeviceState:
+    """A device's whole state between rounds: its method half (model, optimizer, personal copy,
+    generator, random generators, data share) and what its agent counted. Shipped to another
+    worker when the driver rebalances the placement, and back to the driver after the last round.
+    The global test set and the worker's evaluation cache stay behind (each worker has its own)."""
 
-    device_id: str
+    info: DeviceInfo
     method: DeviceMethod
     traffic: list[Traffic]
     last_round: int
     trained_runs: set[str] = field(default_factory=set)
+
+    @property
+    def device_id(self) -> str:
+        return self.info.device_id
 
 
 def _writable(d: Dataset) -> Dataset:
@@ -137,10 +150,15 @@ class DeviceHost:
         # One intra-op thread per worker by default: the workers are the parallelism, and float
         # reductions then run in the order a single-threaded sequential run uses (bit-identical results).
         torch.set_num_threads(spec.threads)
+        # torch imports its compiler (torch._dynamo, 2-5 s) the first time an optimizer is built: here, while
+        # the other workers start too, rather than inside round 1, whose seconds decide the rebalance
+        importlib.import_module("torch._dynamo")
         if spec.entry.name not in METHODS:
             register_method(spec.entry)
         cfg = spec.cfg
         self.worker = spec.worker
+        self.fleet, self.eval_every = cfg.run.fleet, cfg.run.eval_every
+        self.global_test = global_test
         self.global_eval = GlobalEval(global_test) if global_test is not None else None
         self.descriptor: bytes | None = None
         self.globals: dict[str, bytes] = {}
@@ -176,14 +194,16 @@ class DeviceHost:
         self.globals.update(changed)
         updates: list[tuple[str, bytes]] = []
         took: dict[str, float] = {}
+        cpu: dict[str, float] = {}
         for a in self.agents:
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             a.step()
             took[a.device.device_id] = time.perf_counter() - t1
+            cpu[a.device.device_id] = time.process_time() - c1
             sent = a.transport.sent  # type: ignore[attr-defined]
             updates += [(a.device.device_id, data) for data in sent]
             sent.clear()
-        return RoundResult(updates, time.perf_counter() - t0, peak_rss_bytes(), took)
+        return RoundResult(updates, time.perf_counter() - t0, peak_rss_bytes(), took, cpu)
 
     def status(self) -> dict[str, Any]:
         """Where this worker runs and what it measured: pid, host, devices, memory, evaluations."""
@@ -193,14 +213,38 @@ class DeviceHost:
                 "build_s": round(self.build_seconds, 3), "peak_rss_bytes": peak_rss_bytes(),
                 "global_eval_passes": ev.passes if ev else 0, "global_eval_hits": ev.hits if ev else 0}
 
-    def finish(self) -> list[FinishedDevice]:
-        """Every device's final state, for checkpoints, reports and sample grids in the driver.
-
-        The global test set and the shared evaluation cache are left behind: the driver has the
-        one test set and puts it back, so it does not travel once per device."""
-        out = []
-        for a in self.agents:
-            a.method.ctx.global_test = None
-            a.method.ctx.global_eval = None
-            out.append(FinishedDevice(a.device.device_id, a.method, a.traffic, a.last_round, set(a.trained_runs)))
+    def release(self, device_ids: list[str]) -> list[DeviceState]:
+        """Hand over the state of ``device_ids`` (the driver moves them to another worker) and stop
+        stepping them here."""
+        wanted = set(device_ids)
+        out = [self._state(a) for a in self.agents if a.device.device_id in wanted]
+        self.agents = [a for a in self.agents if a.device.device_id not in wanted]
+        log.info("worker %d: released %s", self.worker, [s.device_id for s in out])
         return out
+
+    def adopt(self, blob: bytes) -> None:
+        """Take over devices another worker released; they train here from the next round on.
+
+        ``blob``: their :class:`DeviceState` list as the driver pickled it (:func:`fedge.sim.pool.dumps`),
+        unpickled here into arrays of this worker's own: Ray would hand over read-only views of its
+        object store, and a device's state is written to every round."""
+        states: list[DeviceState] = pickle.loads(blob)
+        for st in states:
+            st.method.ctx.global_test = self.global_test
+            st.method.ctx.global_eval = self.global_eval
+            agent = DeviceAgent(st.method, _HostTransport(self), st.info, fleet=self.fleet, eval_every=self.eval_every)
+            agent.traffic, agent.last_round, agent.trained_runs = st.traffic, st.last_round, st.trained_runs
+            self.agents.append(agent)
+        log.info("worker %d: adopted %s", self.worker, [s.device_id for s in states])
+
+    def finish(self) -> list[DeviceState]:
+        """Every device's final state, for checkpoints, reports and sample grids in the driver."""
+        return [self._state(a) for a in self.agents]
+
+    @staticmethod
+    def _state(a: DeviceAgent) -> DeviceState:
+        """``a``'s state without the global test set and the shared evaluation cache: the receiving
+        side has the one test set and puts it back, so it does not travel once per device."""
+        a.method.ctx.global_test = None
+        a.method.ctx.global_eval = None
+        return DeviceState(a.device, a.method, a.traffic, a.last_round, set(a.trained_runs))
