@@ -24,12 +24,20 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section
+from benchmarks.common import (
+    REPO,
+    RESULTS,
+    cached_cell,
+    markdown_table,
+    mean_std,
+    run_sampled,
+    text_table,
+    write_docs_section,
+)
 
 FLOWER_ENV = REPO / ".venv-flower"
 FLOWER_PINS = ["flwr[simulation]==1.42.0", "ray==2.55.1", "typer>=0.13,<0.21"]
@@ -172,25 +180,18 @@ def run_child(python: Path, side: str, seed: int, rounds: int) -> dict[str, Any]
     cmd = [str(python), "-m", "benchmarks.flower_fedavg", "--worker", side, "--seed", str(seed),
            "--rounds", str(rounds)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_DEDUP_LOGS": "0"}  # fedge and benchmarks from this tree
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
     peak = 0
     loads: list[float] = []  # the machine's 1-minute load average while this side ran
-    done = threading.Event()
 
-    def sample() -> None:
+    def sample(pid: int) -> None:
         nonlocal peak
-        while not done.is_set():
-            peak = max(peak, _tree_pss_kib(proc.pid))
-            loads.append(os.getloadavg()[0])
-            done.wait(0.2)
+        peak = max(peak, _tree_pss_kib(pid))
+        loads.append(os.getloadavg()[0])
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out, _ = proc.communicate()
-    done.set()
-    sampler.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"{side} seed {seed} failed (exit {proc.returncode}); its output:\n{out[-3000:]}")
+    done = run_sampled(cmd, sample, every=0.2, env=env)
+    out = done.stdout
+    if done.returncode != 0:
+        raise SystemExit(f"{side} seed {seed} failed (exit {done.returncode}); its output:\n{out[-3000:]}")
     line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
     return {**json.loads(line[len("RESULT "):]), "peak_pss_mib": peak / 1024, "side": side, "seed": seed,
             "rounds": rounds, "mean_load": sum(loads) / max(1, len(loads)), "cores": os.cpu_count()}

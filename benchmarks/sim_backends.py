@@ -43,13 +43,11 @@ import dataclasses
 import json
 import logging
 import os
-import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
-from benchmarks.common import REPO, RESULTS, markdown_table, text_table, write_docs_section
+from benchmarks.common import REPO, RESULTS, markdown_table, run_sampled, text_table, write_docs_section
 
 OUT = RESULTS / "sim_backends"
 BACKENDS = ("sequential", "sequential-t2", "process", "ray")
@@ -147,25 +145,18 @@ def run_child(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     print(f"running {backend} ...", flush=True)
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # fedge and the benchmarks from this tree
     hz = os.sysconf("SC_CLK_TCK")
-    busy0, t0 = _busy_ticks(), time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
     own: dict[int, int] = {}
-    done = threading.Event()
 
-    def sample() -> None:
-        while not done.is_set():
-            for pid, t in _tree_ticks(proc.pid).items():
-                own[pid] = max(own.get(pid, 0), t)
-            done.wait(1.0)
+    def sample(pid: int) -> None:
+        for p, t in _tree_ticks(pid).items():
+            own[p] = max(own.get(p, 0), t)
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out, _ = proc.communicate()
-    done.set()
-    sampler.join()
+    busy0, t0 = _busy_ticks(), time.perf_counter()
+    done = run_sampled(cmd, sample, every=1.0, env=env, cwd=REPO)
     wall, busy = time.perf_counter() - t0, _busy_ticks() - busy0
-    if proc.returncode != 0:
-        raise SystemExit(f"{backend} failed (exit {proc.returncode})")
+    if done.returncode != 0:
+        raise SystemExit(f"{backend} failed (exit {done.returncode})")
+    out = done.stdout
     other = max(0.0, (busy - sum(own.values())) / hz / wall)
     return {**json.loads(out.strip().splitlines()[-1]), "other_cores": other,
             "own_cores": sum(own.values()) / hz / wall}
