@@ -122,7 +122,10 @@ def test_process_workers_give_the_sequential_run_bit_for_bit(sequential_fedavg: 
     assert all(w["peak_rss_bytes"] > 50 * 2**20 for w in sim["workers"])  # torch alone is more than that
     assert len(sim["round_wall_s"]) == 3 and all(o >= 0 for o in sim["round_overhead_s"])
     assert all(len(w) == 2 and all(x > 0 for x in w) for w in sim["round_worker_s"])
-    assert sorted(sim["device_s"]) == sorted(d["id"] for d in seq["devices"])
+    assert sorted(sim["device_s"]) == sorted(sim["device_cpu_s"]) == sorted(d["id"] for d in seq["devices"])
+    assert all(c > 0 for c in sim["device_cpu_s"].values())
+    assert len(sim["round_driver_s"]) == 3 and all(t > 0 for t in sim["round_driver_s"])
+    assert sim["final_placement"] == sim["placement"] or sim["migrations"]
     # the final models the workers shipped back are the sequential run's, byte for byte (checkpoints)
     from fedge.edge.models import load_checkpoint
 

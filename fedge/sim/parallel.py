@@ -244,6 +244,7 @@ class ParallelFleet:
                 by_index.update(zip(self.placement[w], got, strict=True))
         self.bus.hellos.extend(by_index[i] for i in sorted(by_index))  # registered in fleet order, as sequentially
         self.bus.pump = self.pump
+        self._driver_since = time.perf_counter()  # round 1's driver time: the engine's start, the hellos
         return InMemoryCoordinatorTransport(self.bus)
 
     def _live_workers(self) -> list[int]:
@@ -265,7 +266,7 @@ class ParallelFleet:
         if raw is None or raw is self._last_descriptor:
             return
         t_in = time.perf_counter()
-        driver_s = t_in - self._driver_since if self._driver_since is not None else 0.0
+        driver_s = t_in - self._driver_since if self._driver_since is not None else 0.0  # (None: pumped by hand)
         self._last_descriptor = raw
         msg = Message.from_bytes(raw)
         rnd = msg.round
