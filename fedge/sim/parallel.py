@@ -97,6 +97,8 @@ def rebalance(costs: dict[int, float], placement: list[list[int]], live: list[in
     """
     devices = [i for w in live for i in placement[w]]
     current = max(sum(costs[i] for i in placement[w]) for w in live)
+    if current <= 0:
+        return None
     groups = [[devices[j] for j in g] for g in place([costs[i] for i in devices], len(live))]
     if max(sum(costs[i] for i in g) for g in groups) > (1.0 - min_gain) * current:
         return None
@@ -336,6 +338,9 @@ class ParallelFleet:
                 continue
             placement[src].remove(i)
             placement[dst].append(i)
+            if dst in self._lost_workers:  # died while the others released: the state has nowhere to go
+                self.run.lost[st.device_id] = f"round {rnd}: moving to worker {dst}, which was lost"
+                continue
             into.setdefault(dst, []).append(st)
         self.placement = [sorted(p) for p in placement]
         blobs = {w: (dumps(sts),) for w, sts in into.items()}
