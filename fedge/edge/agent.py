@@ -91,6 +91,15 @@ class DeviceAgent:
             self.trained_runs.add(run)
         return True
 
+    def evaluates(self, info: RoundInfo) -> bool:
+        """Whether the device evaluates at the start of ``info``'s round: the model after round r = info.round - 1.
+
+        Every ``eval_every``-th round's model and the final one; the initial model (r = 0) only when
+        every round is evaluated (``eval_every = 1``), so ``eval_every = rounds`` costs one evaluation.
+        """
+        done = info.round - 1
+        return info.is_final or (done % self.eval_every == 0 and (done > 0 or self.eval_every == 1))
+
     def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:
         started = self.timer()  # info.train_s: this round's work on the device's own clock
         down = descriptor_bytes
@@ -105,7 +114,7 @@ class DeviceAgent:
             artifacts = project_global(artifacts, self.method.ctx.privacy)
         self.method.apply_global(info, artifacts)
         metrics = {}
-        if info.is_final or (info.round - 1) % self.eval_every == 0:
+        if self.evaluates(info):
             metrics = self.method.evaluate()
         if info.is_final:
             arrays: dict[str, Any] = {}
