@@ -95,11 +95,11 @@ class BrokerFiles:
 
 
 def acl_text(fleet: str, devices: list[str], coordinator: str) -> str:
-    """The ACL: each device writes exactly its own status, hello and update topics and reads rounds
+    """The ACL: each device writes exactly its own status, hello, update and health topics and reads rounds
     and globals; the coordinator reads every device topic and may clear (write) their retained copies.
 
     Mosquitto's ACL cannot refuse the retain flag per topic, so a device could keep a retained
-    message on each topic it may write: three exact topics (no ``#``) bound that to three messages
+    message on each topic it may write: four exact topics (no ``#``) bound that to four messages
     of at most ``max_packet_size`` per device, and the coordinator deletes a retained update or a
     malformed retained status as soon as it sees one (:mod:`fedge.mqtt.coordinator_transport`).
     """

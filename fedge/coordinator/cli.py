@@ -86,16 +86,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.set_defaults(func=_run)
 
 
-def _wait_for_fleet(transport: Any, ids: list[str], timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for every device's hello; the quorum decides when fewer say hello."""
-    from fedge.errors import TransportError
-
-    try:
-        transport.wait_for_hellos(ids, timeout_s)
-    except TransportError as exc:
-        log.warning("%s: starting with the devices online once the quorum is", exc.message)
-
-
 def _run(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -158,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"resuming {cfg.run.method} on fleet {cfg.run.fleet} after round {service.resumed_from} "
                   f"(state in {args.state_dir})", file=sys.stderr)
         if args.wait_for_fleet > 0 and not service.resumed_from:
-            _wait_for_fleet(transport, ids, args.wait_for_fleet)
+            service.engine.await_fleet(ids, args.wait_for_fleet)
         total = strat.total_rounds() + 1
 
         def on_round(rep: Any) -> None:
