@@ -80,17 +80,31 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
     w.add_argument("--max-update-bytes", type=int, help="refuse larger updates (default 64 MiB; each update is "
                                                         "also bounded by what its device owes)")
+    o = r.add_argument_group("watching the fleet")
+    o.add_argument("--wait-log", type=float, default=30.0, metavar="S",
+                   help="while a round, the quorum or the fleet's hellos are incomplete, log every S seconds which "
+                        "devices it waits for and why (default 30; 0: never)")
     r.add_argument("--rounds", type=int, help="override [run] rounds")
     r.add_argument("--any-device", action="store_true",
                    help="accept hellos from devices not listed in the fleet config")
     r.set_defaults(func=_run)
 
 
+def _check_watch_flags(args: argparse.Namespace) -> None:
+    from fedge.errors import ConfigError
+
+    if args.wait_log < 0:
+        raise ConfigError(f"--wait-log must be >= 0 seconds, got {args.wait_log:g}")
+
+
 def _run(args: argparse.Namespace) -> int:
     import dataclasses
+    from pathlib import Path
 
     from fedge.coordinator.config import EngineConfig, slot_checks
+    from fedge.coordinator.monitor import FleetMonitor, fleet_infos
     from fedge.coordinator.service import KEEP_REPORTS, CoordinatorService
+    from fedge.coordinator.store import REPORTS_FILE, read_reports
     from fedge.fleet.config import device_ids, load_fleet
     from fedge.fleet.registry import method_entry
     from fedge.fleet.slots import checked_slots, fleet_classes
@@ -98,6 +112,7 @@ def _run(args: argparse.Namespace) -> int:
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.settings import TransportSettings
 
+    _check_watch_flags(args)
     cfg = load_fleet(args.config)
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
@@ -135,9 +150,17 @@ def _run(args: argparse.Namespace) -> int:
         settings = broker_settings(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes)
     transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire)
+    monitor = FleetMonitor(fleet=cfg.run.fleet, method=cfg.run.method, total_rounds=strat.total_rounds(),
+                           transport=transport, fleet_devices=fleet_infos(engine_cfg.slots, ids),
+                           wait_log_s=args.wait_log)
     try:
         transport.start()
-        service = CoordinatorService(strat, transport, engine_cfg, args.state_dir)
+        service = CoordinatorService(strat, transport, engine_cfg, args.state_dir, observers=[monitor])
+        monitor.run_id = service.engine.run_id
+        if service.resumed_from:  # the rounds before the restart, for the dashboard
+            for rep in read_reports(Path(args.state_dir) / REPORTS_FILE):
+                monitor.add_report(rep)
+        monitor.start()
         from fedge.mqtt.topics import FleetTopics
 
         topics = FleetTopics(cfg.run.fleet)
@@ -165,6 +188,7 @@ def _run(args: argparse.Namespace) -> int:
 
         service.run(on_round=on_round)
     finally:
+        monitor.stop()
         transport.close()
         if embedded is not None:
             embedded.stop()

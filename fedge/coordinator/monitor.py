@@ -165,6 +165,8 @@ class FleetMonitor(EngineObserver):
     def refused(self, device_id: str, what: str, reason: str, message: str) -> None:
         if what != "hello":
             return  # refused updates are counted from the round report (the numbers of reports.jsonl)
+        # a check's message starts with its own reason ("slot: ..."), which the key already says
+        message = message.removeprefix(f"{reason.removeprefix('hello-')}: ")
         with self._lock:
             if device_id in self.devices:
                 self.devices[device_id].refusal = (reason, message[:500], self.clock())

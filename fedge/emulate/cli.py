@@ -58,7 +58,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     f = esub.add_parser("fault", help="kill, pause or partition a device; restart broker or coordinator",
                         description="kill DEVICE (SIGKILL; --for S starts it again: a reboot), pause DEVICE "
                                     "(freeze), partition DEVICE (disconnect from the fleet network), resume DEVICE "
-                                    "(undo pause/partition), restart broker|coordinator.")
+                                    "(undo pause/partition; start a killed device again), restart broker|coordinator. "
+                                    "A fault the device's state rules out (killing an exited device) says so.")
     f.add_argument("action", choices=("kill", "pause", "partition", "resume", "restart"))
     f.add_argument("target", help="device id, or broker/coordinator for restart")
     f.add_argument("--for", dest="duration", type=float, metavar="S", help="undo the fault after S seconds")
