@@ -26,6 +26,7 @@ EXTRA_OF: dict[str, tuple[str, str]] = {
     "amqtt": ("amqtt", "sim"),
     "yaml": ("pyyaml", "flash"),
     "dp_accounting": ("dp-accounting", "privacy"),
+    "prometheus_client": ("prometheus-client", "observe"),
 }
 
 

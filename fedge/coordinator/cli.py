@@ -81,6 +81,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.add_argument("--max-update-bytes", type=int, help="refuse larger updates (default 64 MiB; each update is "
                                                         "also bounded by what its device owes)")
     o = r.add_argument_group("watching the fleet")
+    o.add_argument("--http", metavar="HOST:PORT",
+                   help="serve the dashboard and /metrics (read-only; off by default; HOST defaults to 127.0.0.1, "
+                        "any other address needs a token)")
+    o.add_argument("--http-token-file", metavar="FILE",
+                   help="the token every request must carry (Authorization: Bearer, or a browser's basic-auth "
+                        "password); default $FEDGE_HTTP_TOKEN")
     o.add_argument("--wait-log", type=float, default=30.0, metavar="S",
                    help="while a round, the quorum or the fleet's hellos are incomplete, log every S seconds which "
                         "devices it waits for and why (default 30; 0: never)")
@@ -90,11 +96,41 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.set_defaults(func=_run)
 
 
-def _check_watch_flags(args: argparse.Namespace) -> None:
+def _check_watch_flags(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """(the --http endpoint or None, the token): refused before anything connects when they are wrong."""
+    from fedge.coordinator.web import check_bind, load_token, parse_endpoint
     from fedge.errors import ConfigError
 
     if args.wait_log < 0:
         raise ConfigError(f"--wait-log must be >= 0 seconds, got {args.wait_log:g}")
+    if args.http is None:
+        if args.http_token_file:
+            raise ConfigError("--http-token-file without --http", hint="add --http HOST:PORT")
+        return None, None
+    endpoint = parse_endpoint(args.http)
+    token = load_token(args.http_token_file)
+    check_bind(endpoint, token)
+    return endpoint, token
+
+
+def start_web(monitor: Any, endpoint: Any, token: str | None) -> tuple[Any, list[Any]]:
+    """The dashboard and /metrics server for ``monitor``: (server, the observers the engine must tell)."""
+    from fedge.coordinator.dashboard import monitor_routes
+    from fedge.coordinator.web import DashboardServer
+
+    observers: list[Any] = []
+    render = None
+    try:
+        from fedge.coordinator.metrics import FleetMetrics
+    except ModuleNotFoundError as exc:
+        if exc.name != "prometheus_client":
+            raise
+        log.warning("/metrics is off: prometheus_client is not installed (pip install 'fedge[observe]')")
+    else:
+        metrics = FleetMetrics(monitor)
+        observers.append(metrics.observer)
+        render = metrics.render
+    return DashboardServer(monitor_routes(monitor, render), endpoint, token).start(), observers
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -112,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.settings import TransportSettings
 
-    _check_watch_flags(args)
+    endpoint, token = _check_watch_flags(args)
     cfg = load_fleet(args.config)
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
@@ -153,6 +189,7 @@ def _run(args: argparse.Namespace) -> int:
     monitor = FleetMonitor(fleet=cfg.run.fleet, method=cfg.run.method, total_rounds=strat.total_rounds(),
                            transport=transport, fleet_devices=fleet_infos(engine_cfg.slots, ids),
                            wait_log_s=args.wait_log)
+    web: Any = None
     try:
         transport.start()
         service = CoordinatorService(strat, transport, engine_cfg, args.state_dir, observers=[monitor])
@@ -161,6 +198,11 @@ def _run(args: argparse.Namespace) -> int:
             for rep in read_reports(Path(args.state_dir) / REPORTS_FILE):
                 monitor.add_report(rep)
         monitor.start()
+        if endpoint is not None:
+            web, more = start_web(monitor, endpoint, token)
+            service.engine.observers.extend(more)  # before the first round: they see every round
+            print(f"dashboard on {web.url}/, metrics on {web.url}/metrics{' (token required)' if token else ''}",
+                  file=sys.stderr)
         from fedge.mqtt.topics import FleetTopics
 
         topics = FleetTopics(cfg.run.fleet)
@@ -188,6 +230,8 @@ def _run(args: argparse.Namespace) -> int:
 
         service.run(on_round=on_round)
     finally:
+        if web is not None:
+            web.stop()
         monitor.stop()
         transport.close()
         if embedded is not None:

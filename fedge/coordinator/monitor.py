@@ -419,7 +419,7 @@ class FleetMonitor(EngineObserver):
                 last = max(seen.get(d.device_id, 0.0), d.health_at)
                 devices.append({
                     "device": d.device_id, "profile": d.profile, "arch": d.arch, "in_fleet": d.in_fleet,
-                    "state": _state_word(d, st, self.live),
+                    "state": device_state(d, st, self.live),
                     "status_since": st[1] if st else None,
                     "last_seen": last or None,
                     "health": d.health.to_dict() if d.health else None,
@@ -451,7 +451,7 @@ class FleetMonitor(EngineObserver):
             }
 
 
-def _state_word(d: DeviceState, status: tuple[bool, float] | None, live: bool) -> str:
+def device_state(d: DeviceState, status: tuple[bool, float] | None, live: bool) -> str:
     """online | offline | refused | no hello | unknown (after the fact, nobody knows)."""
     if d.refusal is not None and not d.registered:
         return "refused"
