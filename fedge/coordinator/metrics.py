@@ -8,7 +8,7 @@ as prometheus_client writes them):
 ========================================  =========  ===================================================
 ``fedge_info{fleet,method,run}``          gauge      1; the run's labels
 ``fedge_devices{state}``                  gauge      devices of the fleet by state: online, offline,
-                                                     refused, no_hello, unknown
+                                                     refused, no_hello (registered: after the fact)
 ``fedge_round``                           gauge      the round in progress (0: none)
 ``fedge_round_pending_devices``           gauge      devices the round in progress still waits for
 ``fedge_rounds_completed_total``          counter    rounds completed (the final evaluation round too)
@@ -47,7 +47,7 @@ from fedge.coordinator.report import RoundReport
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ROUND_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 AGGREGATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-STATES = ("online", "offline", "refused", "no_hello", "unknown")
+STATES = ("online", "offline", "refused", "no_hello", "registered")
 # per-device health gauges: metric suffix -> (record field, help)
 HEALTH_GAUGES: dict[str, tuple[str, str]] = {
     "rss_bytes": ("rss_bytes", "resident memory of the device's agent"),

@@ -452,18 +452,18 @@ class FleetMonitor(EngineObserver):
 
 
 def device_state(d: DeviceState, status: tuple[bool, float] | None, live: bool) -> str:
-    """online | offline | refused | no hello | unknown (after the fact, nobody knows)."""
+    """online | offline | refused | no hello, or after the fact (``live`` False) registered | no hello."""
     if d.refusal is not None and not d.registered:
         return "refused"
     if not live:
-        return "unknown"
+        return "registered" if d.registered else "no hello"
     if status is not None:
         return "online" if status[0] else "offline"
     return "online" if d.registered else "no hello"
 
 
-def monitor_from_state_dir(state_dir: str | Path, *, fleet_devices: Mapping[str, DeviceInfo] | None = None,
-                           live: bool = True) -> FleetMonitor:
+def monitor_from_state_dir(state_dir: str | Path, *,
+                           fleet_devices: Mapping[str, DeviceInfo] | None = None) -> FleetMonitor:
     """A monitor replaying a coordinator's state directory: ``state.json`` (fleet, method, registered
     devices) and ``reports.jsonl`` (every completed round, read with ``live=True``: a line still being
     appended is left out). The numbers are the reports' own."""
@@ -491,8 +491,10 @@ def monitor_from_state_dir(state_dir: str | Path, *, fleet_devices: Mapping[str,
     mon = FleetMonitor(fleet=str(doc.get("fleet", "")), method=str(doc.get("method", "")),
                        total_rounds=max([r.round for r in reports if r.phase != "final"], default=0),
                        fleet_devices=devices, run_id=str(doc.get("run_id", "")), wait_log_s=0, live=False)
-    for info in devices.values():
-        mon.devices[info.device_id].registered = True
+    registered = {str(d.get("device_id")) for d in doc.get("devices", []) if isinstance(d, dict)} \
+        if isinstance(doc.get("devices"), list) else set()
+    for dev_id in registered & set(mon.devices):
+        mon.devices[dev_id].registered = True
     for r in reports:
         mon.add_report(r)
     finished = any(r.phase == "final" for r in reports)
@@ -500,6 +502,41 @@ def monitor_from_state_dir(state_dir: str | Path, *, fleet_devices: Mapping[str,
     if finished:
         mon.total_rounds = max(r.round for r in reports) - 1
     return mon
+
+
+class FileView:
+    """The view of a state directory, rebuilt only when ``reports.jsonl`` or ``state.json`` changed (a run
+    still going is followed as its coordinator appends)."""
+
+    def __init__(self, state_dir: str | Path, fleet_devices: Mapping[str, DeviceInfo] | None = None) -> None:
+        self.dir = Path(state_dir)
+        self.fleet_devices = dict(fleet_devices or {})
+        self._key: tuple[Any, ...] | None = None
+        self._monitor: FleetMonitor | None = None
+        self._lock = threading.Lock()
+
+    def _stamp(self) -> tuple[Any, ...]:
+        from fedge.coordinator.store import REPORTS_FILE, STATE_FILE
+
+        out: list[Any] = []
+        for name in (REPORTS_FILE, STATE_FILE):
+            try:
+                st = (self.dir / name).stat()
+                out += [st.st_mtime_ns, st.st_size]
+            except OSError:
+                out += [None, None]
+        return tuple(out)
+
+    def monitor(self) -> FleetMonitor:
+        with self._lock:
+            key = self._stamp()
+            if self._monitor is None or key != self._key:
+                self._monitor = monitor_from_state_dir(self.dir, fleet_devices=self.fleet_devices)
+                self._key = key
+            return self._monitor
+
+    def view(self) -> dict[str, Any]:
+        return self.monitor().view()
 
 
 def fleet_infos(slots: Mapping[str, Any] | None, ids: Iterable[str] = ()) -> dict[str, DeviceInfo]:

@@ -90,7 +90,9 @@ class MqttCoordinatorTransport(CoordinatorTransport):
             return
         self.stats.messages_in += 1
         self.stats.bytes_in += len(m.payload)
-        if m.payload and not m.retain:  # a retained copy says nothing about when the device was last there
+        # A retained copy says nothing about when the device was last there, and an `offline` is usually
+        # its last-will, which the broker sends for it after it is gone.
+        if m.payload and not m.retain and m.payload != STATUS_OFFLINE:
             self._last_seen[t.device_id] = m.received
         if t.kind == "health":
             if not m.payload:
