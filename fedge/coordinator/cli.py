@@ -87,6 +87,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     o.add_argument("--http-token-file", metavar="FILE",
                    help="the token every request must carry (Authorization: Bearer, or a browser's basic-auth "
                         "password); default $FEDGE_HTTP_TOKEN")
+    o.add_argument("--tensorboard", metavar="DIR",
+                   help="write TensorBoard event files of the per-round scalars (accuracy per fleet, profile and "
+                        "device, round and aggregation time, updates, traffic) into DIR")
     o.add_argument("--wait-log", type=float, default=30.0, metavar="S",
                    help="while a round, the quorum or the fleet's hellos are incomplete, log every S seconds which "
                         "devices it waits for and why (default 30; 0: never)")
@@ -280,6 +283,12 @@ def _run(args: argparse.Namespace) -> int:
             for rep in read_reports(Path(args.state_dir) / REPORTS_FILE):
                 monitor.add_report(rep)
         monitor.start()
+        if args.tensorboard:
+            from fedge.coordinator.tensorboard import TensorBoardWriter
+
+            board = TensorBoardWriter(args.tensorboard)
+            board.profiles({d: i.profile for d, i in fleet_infos(engine_cfg.slots, ids).items()})
+            service.engine.observers.append(board)
         if endpoint is not None:
             web, more = start_web(monitor, endpoint, token)
             service.engine.observers.extend(more)  # before the first round: they see every round
