@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         "coordinator_cpu_ms_per_round_mean": {m: 1000 * c for m, c in mean_cpu.items()},
         "cpu_increase_pct_median": 100 * (cpu["on"] / cpu["off"] - 1),
         "cpu_increase_pct_mean": 100 * (mean_cpu["on"] / mean_cpu["off"] - 1),
-        "round_ms": {m: 1000 * statistics.median([s for r in rs for s in r["round_seconds"]]) for m, rs in runs.items()},
+        "round_ms": {m: 1000 * statistics.median([s for r in rs for s in r["round_seconds"]])
+                     for m, rs in runs.items()},
         "scrape_ms": {"median": statistics.median(scrapes) if scrapes else None, "max": max(scrapes, default=None),
                       "count": len(scrapes), "bytes": max((r["scrape_bytes"] for r in runs["on"]), default=0)},
         "page_load_ms": {"each": pages, "max": max(pages, default=None),
