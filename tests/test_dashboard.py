@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 from observe_helpers import small_fleet
+from selenium.common.exceptions import StaleElementReferenceException
 
 from fedge.common.messages import Message
 from fedge.coordinator.config import EngineConfig, slot_checks
@@ -167,28 +169,12 @@ def test_the_dashboard_of_a_live_fleet_in_chromium(tmp_path: Path, mosquitto: Mo
         first_version = browser.find_element(By.ID, "live").get_attribute("data-version")
         deadline = time.time() + 30
         while time.time() < deadline:  # heartbeats (1 s after start) and the killed device's last-will
-            if cells(browser, "rpi4-2gb-1")["text"].count("no heartbeat") == 0 and \
-                    cells(browser, killed)["state"] == "offline":
+            if retry(lambda: "no heartbeat" not in cells(browser, "rpi4-2gb-1")["text"]
+                     and cells(browser, killed)["state"] == "offline"):
                 break
             time.sleep(1)  # the page refreshes itself every 2 s
-        rows = browser.find_elements(By.CSS_SELECTOR, "#devices tbody tr")
-        assert sorted(r.get_attribute("data-device") for r in rows) == sorted(ids)
-        assert cells(browser, "rpi4-2gb-1")["state"] == "online"
-        assert cells(browser, killed)["state"] == "offline"
-        liar_row = cells(browser, refused_id)
-        assert liar_row["state"] == "refused"
-        reason = browser.find_element(By.CSS_SELECTOR, f'#devices tr[data-device="{refused_id}"] .refusal').text
-        assert reason == ("hello-slot: x86-gateway-1's hello contradicts its slot in the fleet config: arch: "
-                          "expected 'tier-xs', got 'tier-xl'")
-        assert "no heartbeat" not in cells(browser, "rpi4-2gb-1")["text"]  # its health is shown
-        assert "MB" in browser.find_element(By.CSS_SELECTOR,
-                                            '#devices tr[data-device="rpi4-2gb-1"] td.health-mem').text
-        # the charts: one accuracy line and its band per profile, bars for both rounds, a line per device
-        acc = browser.find_element(By.ID, "chart-acc-profile")
-        assert len(acc.find_elements(By.CSS_SELECTOR, "polyline.series")) == 1  # one profile answered: rpi4-2gb
-        assert len(browser.find_element(By.ID, "chart-up-profile").find_elements(By.CSS_SELECTOR, "rect.bar")) == 2
-        dev_lines = browser.find_element(By.ID, "chart-acc-device").find_elements(By.CSS_SELECTOR, "polyline")
-        assert sorted(p.get_attribute("data-label") for p in dev_lines) == ["rpi4-2gb-1", "rpi4-2gb-2"]
+        # the page replaces its live part every 2 s: read it in one piece, again if it changed under us
+        retry(lambda: check_live_page(browser, ids, killed, refused_id))
         page = browser.page_source
         assert SECRET not in page and TOKEN not in page
         png = browser.get_screenshot_as_png()
@@ -197,10 +183,12 @@ def test_the_dashboard_of_a_live_fleet_in_chromium(tmp_path: Path, mosquitto: Mo
         assert load_s < 5
         # it refreshes itself: the next heartbeats (every 10 s) change the view, and the page shows the new one
         deadline = time.time() + 25
-        while time.time() < deadline and browser.find_element(By.ID, "live").get_attribute("data-version") \
-                == first_version:
+        def version() -> str:
+            return str(browser.find_element(By.ID, "live").get_attribute("data-version"))
+
+        while time.time() < deadline and retry(version) == first_version:
             time.sleep(0.5)
-        assert browser.find_element(By.ID, "live").get_attribute("data-version") != first_version
+        assert retry(version) != first_version
         gate.go.set()
         runner.join(120)
         assert not runner.is_alive() and result
@@ -223,6 +211,40 @@ def test_the_dashboard_of_a_live_fleet_in_chromium(tmp_path: Path, mosquitto: Mo
     assert SECRET not in logged
     assert "x86-gateway-1 (refused: hello-slot:" in logged or any(
         "x86-gateway-1" in r.getMessage() for r in caplog.records if r.name == "fedge.coordinator.gate")
+
+
+def retry(fn: Any) -> Any:
+    """``fn()``, again if the page replaced its live part while ``fn`` read it (every 2 s)."""
+    for attempt in range(10):
+        try:
+            return fn()
+        except StaleElementReferenceException:
+            if attempt == 9:
+                raise
+            time.sleep(0.3)
+
+
+def check_live_page(browser: Any, ids: list[str], killed: str, refused_id: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    rows = browser.find_elements(By.CSS_SELECTOR, "#devices tbody tr")
+    assert sorted(r.get_attribute("data-device") for r in rows) == sorted(ids)
+    assert cells(browser, "rpi4-2gb-1")["state"] == "online"
+    assert cells(browser, killed)["state"] == "offline"
+    liar_row = cells(browser, refused_id)
+    assert liar_row["state"] == "refused"
+    reason = browser.find_element(By.CSS_SELECTOR, f'#devices tr[data-device="{refused_id}"] .refusal').text
+    assert reason == ("hello-slot: x86-gateway-1's hello contradicts its slot in the fleet config: arch: "
+                      "expected 'tier-xs', got 'tier-xl'")
+    assert "no heartbeat" not in cells(browser, "rpi4-2gb-1")["text"]  # its health is shown
+    memory = browser.find_element(By.CSS_SELECTOR, '#devices tr[data-device="rpi4-2gb-1"] td.health-mem').text
+    assert re.fullmatch(r"[\d.]+ [kMG]B / [\d.]+ [kMGT]B free", memory), memory
+    # the charts: one accuracy line and its band per profile, bars for both rounds, a line per device
+    acc = browser.find_element(By.ID, "chart-acc-profile")
+    assert len(acc.find_elements(By.CSS_SELECTOR, "polyline.series")) == 1  # one profile answered: rpi4-2gb
+    assert len(browser.find_element(By.ID, "chart-up-profile").find_elements(By.CSS_SELECTOR, "rect.bar")) == 2
+    dev_lines = browser.find_element(By.ID, "chart-acc-device").find_elements(By.CSS_SELECTOR, "polyline")
+    assert sorted(p.get_attribute("data-label") for p in dev_lines) == ["rpi4-2gb-1", "rpi4-2gb-2"]
 
 
 def check_numbers_equal_reports(browser: Any, reports: list[RoundReport], ids: list[str]) -> None:

@@ -147,7 +147,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     fleet_devices = _fleet_devices(config) if config else {}
     files = FileView(state_dir, fleet_devices)
     if args.once:
-        Path(args.once).write_text(page(files.view(), title=str(state_dir)))
+        Path(args.once).write_text(page(files.view(), title=str(state_dir), every_row=True))
         print(f"wrote {args.once}")
         return 0
     endpoint = parse_endpoint(args.http)

@@ -33,6 +33,7 @@ from fedge.coordinator.web import Routes
 REFRESH_MS = 2000
 BIG_FLEET = 200  # above this many devices the page refreshes every BIG_REFRESH_MS (drawing it takes ~50 ms at 1,000)
 BIG_REFRESH_MS = 5000
+ROWS = 200  # device rows drawn unless ?all=1 (problems first): a browser lays 1,000 rows out in about a second
 OKABE_ITO = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
 GOLDEN_ANGLE = 137.50776405003785
 W, H = 640, 240  # chart size (px)
@@ -46,7 +47,7 @@ SCRIPT = """// fedge dashboard: refresh the live part of the page every few seco
   var version = live.dataset.version;
   var every = parseInt(live.dataset.refresh, 10) || REFRESH_MS;
   function refresh() {
-    fetch('fragment', {cache: 'no-store', credentials: 'same-origin'}).then(function (r) {
+    fetch('fragment' + window.location.search, {cache: 'no-store', credentials: 'same-origin'}).then(function (r) {
       if (!r.ok) { throw new Error(r.status); }
       return r.text();
     }).then(function (text) {
@@ -310,9 +311,14 @@ def _health_cells(d: dict[str, Any], now: float, live: bool) -> str:
             f'</td><td class="n">{_e(disk)}</td><td class="muted">{_e(_ago(d["health_at"], now))}</td>')
 
 
-def device_table(view: dict[str, Any]) -> str:
+def device_table(view: dict[str, Any], every_row: bool = False) -> str:
     now = view["generated"]
     devices = sorted(view["devices"], key=lambda d: (STATE_ORDER.get(d["state"], 9), d["device"]))
+    note = ""
+    if len(devices) > ROWS and not every_row:
+        note = (f'<p class="muted" id="rows-note">{ROWS} of {len(devices)} devices, problems first: '
+                '<a href="?all=1">show every device</a></p>')
+        devices = devices[:ROWS]
     body = []
     for d in devices:
         refused = ", ".join(f"{_e(k)} {v}" for k, v in sorted(d["refused"].items()))
@@ -340,7 +346,7 @@ def device_table(view: dict[str, Any]) -> str:
             '<th class="n">disk free</th><th>heartbeat</th><th class="n">last round</th><th class="n">accepted</th>'
             '<th class="n">missed</th><th>refused</th><th class="n">acc %</th><th class="n">local %</th>'
             '<th class="n">up</th><th class="n">down</th><th>last error</th></tr></thead><tbody>'
-            + "".join(body) + "</tbody></table>")
+            + "".join(body) + "</tbody></table>" + note)
 
 
 def status_line(view: dict[str, Any]) -> str:
@@ -372,16 +378,16 @@ def status_line(view: dict[str, Any]) -> str:
     return "".join(out)
 
 
-def fragment(view: dict[str, Any]) -> str:
+def fragment(view: dict[str, Any], every_row: bool = False) -> str:
     """The live part of the page (replaced as a whole by the page's script)."""
     every = REFRESH_MS if len(view["devices"]) <= BIG_FLEET else BIG_REFRESH_MS
     return (f'<div id="live" data-live="{1 if view["live"] else 0}" data-version="{view["version"]}" '
             f'data-refresh="{every}">'
             + status_line(view) + "<h2>Profiles</h2>" + profile_table(view) + charts(view)
-            + f'<h2>Devices ({len(view["devices"])})</h2>' + device_table(view) + "</div>")
+            + f'<h2>Devices ({len(view["devices"])})</h2>' + device_table(view, every_row) + "</div>")
 
 
-def page(view: dict[str, Any], title: str = "") -> str:
+def page(view: dict[str, Any], title: str = "", every_row: bool = False) -> str:
     where = title or ("live" if view["live"] else "after the fact")
     head = (f"fedge · {view['fleet'] or 'fleet'} · {view['method']}")
     return ("<!doctype html><html lang=en><head><meta charset=utf-8>"
@@ -390,13 +396,14 @@ def page(view: dict[str, Any], title: str = "") -> str:
             f"<h1>{_e(head)}</h1><p class=muted>run {_e(view['run_id'][:8] or '?')} · {_e(where)} · "
             f"page drawn {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(view['generated']))} "
             "<span id=stale hidden>· the coordinator does not answer</span></p>"
-            + fragment(view) + '<script src="dashboard.js"></script></body></html>')
+            + fragment(view, every_row) + '<script src="dashboard.js"></script></body></html>')
 
 
 def routes_for(view: Callable[[], dict[str, Any]], metrics: Callable[[], bytes] | None = None,
                title: str = "") -> Routes:
     """The page, its live fragment, ``/api/state`` and ``/metrics`` of a view function."""
-    return Routes(page=lambda: page(view(), title), fragment=lambda: fragment(view()), state=view,
+    return Routes(page=lambda every_row: page(view(), title, every_row),
+                  fragment=lambda every_row: fragment(view(), every_row), state=view,
                   metrics=metrics, script=SCRIPT)
 
 

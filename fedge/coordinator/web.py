@@ -119,8 +119,8 @@ def check_bind(endpoint: Endpoint, token: str | None) -> None:
 class Routes:
     """What the server serves; each function is called per request (on the request's thread)."""
 
-    page: Callable[[], str]  # the whole page (HTML)
-    fragment: Callable[[], str]  # its live part, fetched by the page's script every few seconds
+    page: Callable[[bool], str]  # the whole page (HTML); True: every device row (?all=1)
+    fragment: Callable[[bool], str]  # its live part, fetched by the page's script every few seconds
     state: Callable[[], dict[str, Any]]  # /api/state
     metrics: Callable[[], bytes] | None = None  # /metrics (None: prometheus_client is missing)
     script: str = ""  # /dashboard.js
@@ -210,13 +210,14 @@ def _handler(server: DashboardServer) -> type[BaseHTTPRequestHandler]:
                 self._send(HTTPStatus.UNAUTHORIZED, b"a token is required\n", "text/plain; charset=utf-8",
                            {"WWW-Authenticate": 'Basic realm="fedge", charset="UTF-8"'})
                 return
-            path = self.path.split("?", 1)[0]
+            path, _, query = self.path.partition("?")
+            every_row = "all=1" in query.split("&")
             routes = server.routes
             try:
                 if path in ("/", "/index.html"):
-                    self._send(200, routes.page().encode(), "text/html; charset=utf-8")
+                    self._send(200, routes.page(every_row).encode(), "text/html; charset=utf-8")
                 elif path == "/fragment":
-                    self._send(200, routes.fragment().encode(), "text/html; charset=utf-8")
+                    self._send(200, routes.fragment(every_row).encode(), "text/html; charset=utf-8")
                 elif path == "/dashboard.js":
                     self._send(200, routes.script.encode(), "text/javascript; charset=utf-8")
                 elif path == "/api/state":

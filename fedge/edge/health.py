@@ -235,7 +235,16 @@ class Heartbeat:
             self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, *, last_beat: bool = True) -> None:
+        """Stop beating; with ``last_beat`` send one more record first (the device's state as it leaves: its
+        last round, and a record at all from a run shorter than one heartbeat)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
+            if last_beat:
+                try:
+                    self.beat()
+                except Exception as exc:  # the connection may be gone already
+                    log.debug("%s: last heartbeat not sent: %s", self.device_id, exc)

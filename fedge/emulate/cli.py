@@ -90,6 +90,9 @@ def _up(args: argparse.Namespace) -> int:
         return 0
     start(emu, client)
     print(f"started project {emu.project}: fedge emulate status --dir {args.out}")
+    if emu.dashboard:
+        print(f"dashboard and /metrics on {emu.dashboard} (loopback; the browser asks for a password: the token in "
+              f"{emu.out / 'http' / 'token'}, any user name)")
     if args.wait:
         code = wait_exited(emu, client, "coordinator", args.timeout)
         print(format_status(status(emu, client), emu, client))
