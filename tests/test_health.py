@@ -224,3 +224,22 @@ def test_heartbeats_over_mosquitto_and_hostile_ones_from_a_raw_client(mosquitto:
         dev.close()
         coord.close()
     assert isinstance(paho.MQTT_ERR_SUCCESS, int)
+
+
+def test_an_error_text_never_carries_the_devices_data_path() -> None:
+    """A round failure naming a file of the device's own data folder: the heartbeat says <data> instead."""
+    from types import SimpleNamespace
+
+    from fedge.common.transport import DeviceTransport
+    from fedge.edge.service import EdgeOptions, EdgeService
+
+    class Quiet(DeviceTransport):
+        def send_hello(self, data: bytes) -> None: ...
+        def current_round(self) -> bytes | None: return None
+        def fetch_global(self, artifact: str) -> bytes | None: return None
+        def send_update(self, data: bytes) -> None: ...
+
+    agent = SimpleNamespace(device=DeviceInfo("d1", "tier-m", "rpi4-4gb"), fleet="f", last_round=2, model_round=1)
+    svc = EdgeService(agent, Quiet(), EdgeOptions(private_paths=("photos", "/srv/cam/photos")))  # type: ignore[arg-type]
+    svc.last_error = "round failed: /srv/cam/photos/cat/1.png is truncated; photos/dog is empty"
+    assert svc._health_state() == (2, 1, "round failed: <data>/cat/1.png is truncated; <data>/dog is empty")

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from fedge.errors import ConfigError, FedgeError, ProfileError
@@ -130,8 +131,9 @@ def _run(args: argparse.Namespace) -> int:
         agent = DeviceAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every)
     if args.heartbeat < 0:
         raise ConfigError(f"--heartbeat must be >= 0 seconds, got {args.heartbeat:g}")
+    private = (args.data, str(Path(args.data).resolve())) if args.data else ()
     service = EdgeService(agent, transport, EdgeOptions(exit_after_final=not args.keep_running,
-                                                        heartbeat_s=args.heartbeat))
+                                                        heartbeat_s=args.heartbeat, private_paths=private))
     stopped = []
 
     def on_term(*_: object) -> None:  # systemd's stop: leave cleanly (offline status, disconnect)

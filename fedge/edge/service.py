@@ -34,6 +34,9 @@ class EdgeOptions:
     retry_min_s: float = 1.0  # back-off after a failed round: doubles up to retry_max_s
     retry_max_s: float = 30.0
     heartbeat_s: float = DEFAULT_HEARTBEAT_S  # health record every this many seconds (0: none)
+    # Paths that must not leave the device in a health record's last error (a device's own data folder):
+    # each is replaced by "<data>".
+    private_paths: tuple[str, ...] = ()
 
 
 class EdgeService:
@@ -55,7 +58,11 @@ class EdgeService:
     def _health_state(self) -> tuple[int, int, str | None]:
         """(last round, model round, last error) for the heartbeat: a refusal by the coordinator first."""
         refusal = getattr(self.transport, "refusal_text", None)
-        return self.agent.last_round, self.agent.model_round, refusal or self.last_error
+        error = refusal or self.last_error
+        for path in sorted(self.options.private_paths, key=len, reverse=True):  # the longest first: a path's
+            if error and path:                                                 # parent would leave its tail
+                error = error.replace(path, "<data>")
+        return self.agent.last_round, self.agent.model_round, error
 
     def stop(self) -> None:
         """Ask :meth:`run` to return at its next wait."""
