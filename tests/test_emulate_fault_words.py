@@ -6,7 +6,6 @@ Docker traceback. Against a stand-in for the engine (every state), and once agai
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from fedge.cli import main
 from fedge.emulate import faults
 from fedge.emulate.compose import NETWORK, Images
-from fedge.emulate.discovery import PROJECT_LABEL, SERVICE_LABEL, docker_client, docker_sdk
+from fedge.emulate.discovery import PROJECT_LABEL, SERVICE_LABEL, docker_sdk
 from fedge.emulate.emulation import Emulation
 from fedge.errors import EmulationError
 
@@ -143,24 +142,15 @@ def test_an_engine_refusal_becomes_words(tmp_path: Path) -> None:
     assert err.value.message == "the Docker engine refused to kill dev-1: Container abc is not running"
 
 
-@pytest.mark.docker
-def test_fault_kill_on_an_exited_container_of_a_real_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """One small container (the base image's sleep), killed, then killed again through the command line."""
-    if shutil.which("docker") is None:
-        pytest.skip("no docker CLI: apt-get install docker.io (.ci/run does it)")
-    try:
-        client = docker_client()
-    except EmulationError as exc:
-        pytest.skip(f"needs a running Docker engine: {exc.message}")
-    image = "fedge-base:bookworm-amd64"
-    try:
-        client.images.get(image)
-    except docker_sdk().errors.ImageNotFound:
-        pytest.skip(f"needs {image} (bash docker/base-image.sh --arch amd64; .ci/run builds it)")
+def test_fault_kill_on_an_exited_container_of_a_real_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           docker_env: tuple[Any, Images]) -> None:
+    """One small container (the broker image's sleep), killed, then killed again through the command line."""
+    client, images = docker_env
+    image = images.broker
     project = f"fedge-words-{uuid.uuid4().hex[:6]}"
     emu = emulation(tmp_path / "emu", project)
     net = client.networks.create(f"{project}_{NETWORK}")
-    c = client.containers.run(image, ["sleep", "300"], detach=True, network=net.name,
+    c = client.containers.run(image, ["300"], entrypoint=["sleep"], detach=True, network=net.name,
                               labels={PROJECT_LABEL: project, SERVICE_LABEL: "dev-1"})
     try:
         assert main(["emulate", "fault", "kill", "dev-1", "--dir", str(emu.out)]) == 0

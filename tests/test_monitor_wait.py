@@ -22,8 +22,6 @@ from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
 
-pytestmark = pytest.mark.mqtt
-
 FLEET = "waits"
 
 

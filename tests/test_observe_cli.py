@@ -22,7 +22,7 @@ from observe_helpers import small_fleet
 from fedge.coordinator.store import REPORTS_FILE, read_reports
 from fedge.mqtt.broker import MosquittoProcess
 
-pytestmark = pytest.mark.mqtt
+pytestmark = pytest.mark.slow  # 47 s here: three rounds of two fedge edge run processes
 
 PASSWORD = "broker-password-never-shown-777"
 TOKEN = "dashboard-token-never-shown-888"
