@@ -4,6 +4,7 @@ and the way over a real Mosquitto — good records are stored, hostile ones refu
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -180,9 +181,66 @@ def test_an_older_heartbeat_does_not_replace_a_newer_one() -> None:
     assert mon.add_health(Inbound(health_bytes(record(seq=1, sent=now + 5)), "d1", now + 5))
 
 
+
+def test_refused_heartbeats_are_logged_once_a_minute_per_device_and_once_for_all_strangers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Every bad heartbeat is counted; the log gets one line per device per minute and one per minute for all
+    senders outside the fleet together (a stranger may cycle through names), with what was held back."""
+    now = [1000.0]
+    mon = FleetMonitor(fleet="f", method="fedproto", total_rounds=2, wait_log_s=0, clock=lambda: now[0],
+                       fleet_devices={"d1": DeviceInfo("d1", "tier-m", "rpi4-4gb")})
+    caplog.set_level(logging.WARNING, logger="fedge.coordinator.monitor")
+    bad = raw_message('{"health": {"seq": NaN}}')
+    for i in range(20):
+        assert not mon.add_health(Inbound(bad, "d1", now[0]))
+        stranger = f"intruder-{i}\nWARNING forged line"
+        assert not mon.add_health(Inbound(health_bytes(record(), sender=stranger), stranger, now[0]))
+    lines = [r.getMessage() for r in caplog.records]
+    assert dict(mon.health_refused) == {"health-malformed": 20, "health-unauthorized": 20}
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("refused a heartbeat from d1 (health-malformed): ")
+    assert lines[1] == ("refused a heartbeat from 'intruder-0\\nWARNING forged line' (health-unauthorized): "
+                        "'intruder-0\\nWARNING forged line' is not a device of this fleet")
+    assert all("\n" not in line for line in lines)  # a name from a topic cannot start a line of its own
+    now[0] += 61
+    assert not mon.add_health(Inbound(bad, "d1", now[0]))
+    assert not mon.add_health(Inbound(health_bytes(record(), sender="x"), "x", now[0]))
+    later = [r.getMessage() for r in caplog.records][2:]
+    assert len(later) == 2 and later[0].endswith(" (19 more since the last such line)"), later
+    assert later[1].endswith(" (19 more since the last such line)"), later
+    assert mon.devices["d1"].health_refused == {"health-malformed": 21}
+    assert set(mon.devices) == {"d1"}  # strangers make no entry
+
+
+def test_what_a_device_says_reaches_the_page_escaped_and_metrics_parseable() -> None:
+    """A record's text is the device's to choose: on the page it is text, never markup; /api/state is JSON;
+    /metrics stays valid exposition text (no device text is a label or a value there)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fedge.coordinator.dashboard import monitor_routes
+    from fedge.coordinator.metrics import FleetMetrics
+
+    mon = monitor()
+    evil = '<script>alert("x")</script><img src=x onerror=alert(1)> "quoted" \\ back\nslash'
+    rec = record(last_error=evil, model='<b>tier-m</b>"', fedge_version="1.0\n# TYPE x counter")
+    assert mon.add_health(Inbound(health_bytes(rec), "d1", time.time()))
+    metrics = FleetMetrics(mon)
+    routes = monitor_routes(mon, metrics.render)
+    page = routes.page(False)
+    assert "<script>alert" not in page and "<img src=x" not in page and "<b>tier-m" not in page
+    assert '&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;' in page
+    assert page.count("<script") == 1  # the page's own /dashboard.js, nothing else
+    state = json.loads(json.dumps(routes.state()))
+    d1 = next(d for d in state["devices"] if d["device"] == "d1")
+    assert d1["health"]["last_error"] == evil
+    text = metrics.render().decode()
+    assert "alert" not in text and "TYPE x counter" not in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    rss = [s for s in families["fedge_device_rss_bytes"].samples if s.labels["device"] == "d1"]
+    assert [s.value for s in rss] == [float(rec["rss_bytes"])]
+
 # -- over Mosquitto -------------------------------------------------------------------------------
 
-@pytest.mark.mqtt
 def test_heartbeats_over_mosquitto_and_hostile_ones_from_a_raw_client(mosquitto: MosquittoProcess) -> None:
     topics = FleetTopics("f")
     coord = MqttCoordinatorTransport(mosquitto.settings(), "f").start()

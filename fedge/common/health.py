@@ -59,11 +59,11 @@ THROTTLE_BITS: dict[int, str] = {
 
 
 class HealthError(PayloadError):
-    """A health record was refused; ``reason`` is the counter key."""
+    """A health record was refused; ``reason`` is the counter key (``health-`` + it), ``message`` says why."""
 
     def __init__(self, reason: str, message: str) -> None:
         self.reason = reason
-        super().__init__(f"{reason}: {message}")
+        super().__init__(message)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,23 @@ UNKNOWN = "?"  # refusals whose sender is not a device of the fleet
 
 
 @dataclass
+class LogThrottle:
+    """At most one log line every ``every_s`` seconds; the lines held back meanwhile are counted."""
+
+    every_s: float = HEALTH_LOG_EVERY_S
+    last: float = float("-inf")
+    held: int = 0
+
+    def allow(self, now: float) -> int | None:
+        """None: hold this line back (counted); else how many were held back since the last line."""
+        if now - self.last < self.every_s:
+            self.held += 1
+            return None
+        held, self.last, self.held = self.held, now, 0
+        return held
+
+
+@dataclass
 class DeviceState:
     """What the monitor knows about one device."""
 
@@ -65,8 +82,7 @@ class DeviceState:
     acc_global: float | None = None
     acc_local: float | None = None
     missed: int = 0  # rounds it was expected in and did not answer
-    _health_logged: float = 0.0
-    _health_unlogged: int = 0
+    health_log: LogThrottle = field(default_factory=LogThrottle)  # its refused heartbeats' log lines
 
 
 @dataclass
@@ -117,6 +133,7 @@ class FleetMonitor(EngineObserver):
         self.rounds: list[RoundSummary] = []
         self.health_refused: Counter[str] = Counter()  # reason -> heartbeats refused
         self.health_accepted = 0
+        self._stranger_log = LogThrottle()  # refused heartbeats from senders outside the fleet, all together
         self.updates_refused: Counter[str] = Counter()  # reason -> messages, from the round reports
         self.updates_accepted = 0
         self.bytes_up = 0
@@ -265,7 +282,7 @@ class FleetMonitor(EngineObserver):
             if msg.kind != HEALTH_KIND:
                 raise HealthError("kind", f"expected a health message, got a {msg.kind}")
             if origin is not None and msg.sender != origin:
-                raise HealthError("spoofed", f"a health message on {origin}'s topic names {msg.sender[:64]!r}")
+                raise HealthError("spoofed", f"a health message on {origin[:64]!r}'s topic names {msg.sender[:64]!r}")
             if msg.fleet != self.fleet:
                 raise HealthError("fleet", f"a health message for fleet {msg.fleet[:64]!r}")
             origin = origin or msg.sender
@@ -290,17 +307,17 @@ class FleetMonitor(EngineObserver):
         with self._lock:
             self.health_refused[key] += 1
             dev = self.devices.get(origin) if origin else None
-            if dev is None:
-                log.warning("refused a heartbeat from %s (%s): %s", (origin or UNKNOWN)[:64], key, message[:300])
-                return
-            dev.health_refused[key] += 1
-            # one line per device per minute: a device sending garbage every second must not flood the log
-            if now - dev._health_logged < HEALTH_LOG_EVERY_S:
-                dev._health_unlogged += 1
-                return
-            more = f" ({dev._health_unlogged} more since the last such line)" if dev._health_unlogged else ""
-            dev._health_logged, dev._health_unlogged = now, 0
-        log.warning("refused a heartbeat from %s (%s): %s%s", origin, key, message[:300], more)
+            if dev is not None:
+                dev.health_refused[key] += 1
+            # One line per device per minute, and one per minute for all senders outside the fleet together:
+            # a device (or a stranger cycling through names) sending garbage every second must not flood the log.
+            held = (dev.health_log if dev is not None else self._stranger_log).allow(now)
+        if held is None:
+            return
+        more = f" ({held} more since the last such line)" if held else ""
+        # a stranger's name comes from its topic: quoted, so a newline in it cannot forge a log line
+        who = dev.device_id if dev is not None else repr(origin[:64]) if origin else UNKNOWN
+        log.warning("refused a heartbeat from %s (%s): %s%s", who, key, message[:300], more)
 
     # -- what it waits for ---------------------------------------------------------------------
     def pending(self) -> list[str]:
