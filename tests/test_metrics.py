@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import secrets
+import socket
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fedge.coordinator.dashboard import monitor_routes
 from fedge.coordinator.store import REPORTS_FILE, read_reports
-from fedge.coordinator.web import DashboardServer, Endpoint, check_bind, load_token, parse_endpoint
+from fedge.coordinator.web import DashboardServer, Endpoint, Routes, check_bind, load_token, parse_endpoint
 from fedge.errors import ConfigError
 from fedge.mqtt.broker import MosquittoProcess
 
@@ -63,6 +66,50 @@ def test_binding_beyond_loopback_needs_a_token(tmp_path: Path, monkeypatch: pyte
     assert load_token(None) == "e" * 16
 
 
+def test_a_token_is_printable_ascii_and_its_file_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A token a header cannot carry unchanged is refused; one in a file others may read works, with a warning
+    that never shows the token."""
+    monkeypatch.delenv("FEDGE_HTTP_TOKEN", raising=False)
+    caplog.set_level(logging.WARNING, logger="fedge.coordinator.web")
+    for bad in ("with a space inside 123", "tab\there-and-more-chars", "ümlaut-is-not-ascii-token"):
+        monkeypatch.setenv("FEDGE_HTTP_TOKEN", bad)
+        with pytest.raises(ConfigError, match="must be printable ASCII without spaces"):
+            load_token(None)
+    monkeypatch.delenv("FEDGE_HTTP_TOKEN")
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe" * 20)
+    with pytest.raises(ConfigError, match=r"cannot read the HTTP token file .*: it is not UTF-8 text"):
+        load_token(str(binary))
+    with pytest.raises(ConfigError, match=r"cannot read the HTTP token file .*: No such file or directory"):
+        load_token(str(tmp_path / "missing"))
+    token = "s3cret-" + "k" * 20
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    for f, mode in ((private, 0o600), (shared, 0o644)):
+        f.write_text(token + "\nsecond line ignored\n")
+        f.chmod(mode)
+    assert load_token(str(private)) == token and not caplog.records
+    assert load_token(str(shared)) == token
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the HTTP token file {shared} may be read by other users (mode 644): chmod 600 {shared}"]
+
+
+def test_an_idle_connection_is_closed_and_the_server_still_answers() -> None:
+    """A client that opens a connection and sends nothing holds its thread only until the request timeout."""
+    routes = Routes(page=lambda _: "<p>page</p>", fragment=lambda _: "", state=dict)
+    server = DashboardServer(routes, Endpoint("127.0.0.1", 0), request_timeout_s=0.5).start()
+    try:
+        host, port = server.httpd.server_address[:2]
+        idle = socket.create_connection((str(host), port), timeout=10)
+        t0 = time.monotonic()
+        assert idle.recv(1) == b""  # the server closed it
+        assert 0.4 < time.monotonic() - t0 < 5
+        idle.close()
+        assert get(server.url + "/") == (200, b"<p>page</p>")
+    finally:
+        server.stop()
+
+
 def test_the_coordinator_command_refuses_a_public_address_without_a_token(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch,
                                                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -78,7 +125,6 @@ def test_the_coordinator_command_refuses_a_public_address_without_a_token(tmp_pa
     assert "Traceback" not in err
 
 
-@pytest.mark.mqtt
 def test_metrics_of_a_real_run_scraped_by_prometheus(tmp_path: Path, mosquitto: MosquittoProcess) -> None:
     cfg = small_fleet(tmp_path, "scraped")
     run = run_watched(cfg, mosquitto, state_dir=tmp_path / "state")

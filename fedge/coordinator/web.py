@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 TOKEN_ENV = "FEDGE_HTTP_TOKEN"
 MIN_TOKEN_CHARS = 16
 DEFAULT_PORT = 8321
+REQUEST_TIMEOUT_S = 30.0  # a connection idle this long is closed
 SECURITY_HEADERS = {
     # the page loads its one script from this server and draws SVG inline; nothing else is allowed
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
@@ -89,19 +90,33 @@ def parse_endpoint(text: str) -> Endpoint:
 
 
 def load_token(token_file: str | None) -> str | None:
-    """The access token: from ``token_file`` (first line), else ``$FEDGE_HTTP_TOKEN``, else None."""
+    """The access token: from ``token_file`` (first line), else ``$FEDGE_HTTP_TOKEN``, else None.
+
+    At least :data:`MIN_TOKEN_CHARS` printable ASCII characters without spaces (what an ``Authorization``
+    header and a browser's password field carry unchanged); a token file other users may read is taken
+    with a warning (the token is no secret then).
+    """
     token: str | None
     if token_file:
+        path = Path(token_file)
         try:
-            text = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read the HTTP token file {token_file}: {exc.strerror}") from exc
+            text = path.read_text().strip()
+            mode = path.stat().st_mode
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+            raise ConfigError(f"cannot read the HTTP token file {token_file}: {why}") from exc
         token = text.splitlines()[0].strip() if text else ""
+        if mode & 0o077:
+            log.warning("the HTTP token file %s may be read by other users (mode %03o): chmod 600 %s",
+                        token_file, mode & 0o777, token_file)
     else:
         token = os.environ.get(TOKEN_ENV) or None
+    hint = "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))' > token"
     if token is not None and len(token) < MIN_TOKEN_CHARS:
         raise ConfigError(f"the HTTP token is {len(token)} characters; at least {MIN_TOKEN_CHARS} are needed",
-                          hint="e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))' > token")
+                          hint=hint)
+    if token is not None and not (token.isascii() and token.isprintable() and " " not in token):
+        raise ConfigError("the HTTP token must be printable ASCII without spaces (a header carries it)", hint=hint)
     return token
 
 
@@ -127,15 +142,20 @@ class Routes:
 
 
 class DashboardServer:
-    """A :class:`ThreadingHTTPServer` on its own daemon thread; see the module docstring."""
+    """A :class:`ThreadingHTTPServer` on its own daemon thread; see the module docstring.
 
-    def __init__(self, routes: Routes, endpoint: Endpoint, token: str | None = None) -> None:
+    A connection that sends nothing for ``request_timeout_s`` is closed: an idle or stalled client (or one
+    that only opens sockets) must not hold one of the server's threads for ever.
+    """
+
+    def __init__(self, routes: Routes, endpoint: Endpoint, token: str | None = None, *,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         check_bind(endpoint, token)
         self.routes = routes
         self.endpoint = endpoint
         self._token = token
         self.requests = 0
-        handler = _handler(self)
+        handler = _handler(self, request_timeout_s)
         try:
             self.httpd = ThreadingHTTPServer((endpoint.host, endpoint.port), handler)
         except OSError as exc:
@@ -182,10 +202,11 @@ class DashboardServer:
         return hmac.compare_digest(given.encode(), self._token.encode())
 
 
-def _handler(server: DashboardServer) -> type[BaseHTTPRequestHandler]:
+def _handler(server: DashboardServer, request_timeout_s: float) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "fedge"
         sys_version = ""
+        timeout = request_timeout_s  # socket timeout of each connection (StreamRequestHandler)
 
         def log_message(self, format: str, *args: Any) -> None:
             # method, path and status only (never headers: the token travels in one)
