@@ -1,17 +1,21 @@
 """What the dashboard and /metrics tests share: a small real fleet over Mosquitto watched by a FleetMonitor,
-a real Prometheus server on loopback, and free ports."""
+a real Prometheus server on loopback, and what reads the page in a real headless Chromium (the
+``browser`` fixture of conftest.py)."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import shutil
 import subprocess
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -144,3 +148,64 @@ class Prometheus:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+# -- the browser ------------------------------------------------------------------------------------------
+
+def screenshot_dir(tmp_path: Path) -> Path:
+    """Where the screenshots go: $FEDGE_SCREENSHOT_DIR (to look at them), else the test's tmp_path."""
+    out = Path(os.environ.get("FEDGE_SCREENSHOT_DIR") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def cells(browser: Any, device: str) -> dict[str, str]:
+    """A device's row on the page: its state, its text, and the exact numbers its cells carry."""
+    from selenium.webdriver.common.by import By
+
+    row = browser.find_element(By.CSS_SELECTOR, f'#devices tr[data-device="{device}"]')
+    out = {"state": row.get_attribute("data-state") or "", "text": row.text}
+    for cls in ("accepted", "up", "down", "acc"):
+        out[cls] = row.find_element(By.CSS_SELECTOR, f"td.{cls}").get_attribute("data-value") or ""
+    return out
+
+
+def assert_not_blank(png: bytes) -> None:
+    """A screenshot of a drawn page: wide, with contrast and many colours (text, tables, charts)."""
+    from PIL import Image, ImageStat
+
+    img = Image.open(io.BytesIO(png)).convert("RGB")
+    assert img.size[0] >= 1000
+    stat = ImageStat.Stat(img)
+    assert max(stat.stddev) > 20, stat.stddev  # a blank page has no variance
+    colours = img.resize((200, 300)).getcolors(200 * 300) or []
+    assert len(colours) > 30, len(colours)  # text, table lines, the charts' colours
+
+
+T = TypeVar("T")
+
+
+def retry(fn: Callable[[], T]) -> T:
+    """``fn()``, again if the page replaced its live part while ``fn`` read it (every 2 s)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for attempt in range(10):
+        try:
+            return fn()
+        except StaleElementReferenceException:
+            if attempt == 9:
+                raise
+            time.sleep(0.3)
+    raise AssertionError("unreachable")
+
+
+def check_numbers_equal_reports(browser: Any, reports: list[RoundReport], ids: list[str]) -> None:
+    """Every device's accepted updates, bytes up and down and last accuracy on the page are those of the reports."""
+    for dev in ids:
+        row = cells(browser, dev)
+        accepted = [r for r in reports if dev in r.accepted]
+        assert int(row["accepted"]) == len(accepted), dev
+        assert int(row["up"]) == sum(r.bytes_up[dev] for r in accepted), dev
+        assert int(row["down"]) == sum(r.bytes_down[dev] for r in accepted), dev
+        last = [r.metrics[dev]["acc_global"] for r in accepted if "acc_global" in r.metrics.get(dev, {})]
+        assert (float(row["acc"]) if row["acc"] else None) == (last[-1] if last else None), dev

@@ -6,22 +6,23 @@ password or token on the page, in /metrics, in /api/state or in the log."""
 
 from __future__ import annotations
 
-import io
 import logging
-import os
 import re
-import shutil
-import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from observe_helpers import small_fleet
-from selenium.common.exceptions import StaleElementReferenceException
+from observe_helpers import (
+    assert_not_blank,
+    cells,
+    check_numbers_equal_reports,
+    retry,
+    screenshot_dir,
+    small_fleet,
+)
 
 from fedge.common.messages import Message
 from fedge.coordinator.config import EngineConfig, slot_checks
@@ -40,45 +41,8 @@ from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.sim.over_mqtt import start_fleet
 from fedge.sim.simulate import build_fleet
 
-pytestmark = pytest.mark.mqtt
-
-
-
-def screenshot_dir(tmp_path: Path) -> Path:
-    """Where the screenshots go: $FEDGE_SCREENSHOT_DIR (to look at them), else the test's tmp_path."""
-    out = Path(os.environ.get("FEDGE_SCREENSHOT_DIR") or tmp_path)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
 SECRET = "mqtt-password-not-for-pages-31337"
 TOKEN = "http-token-not-for-pages-424242"
-
-
-def chromium() -> Any:
-    """A headless Chromium with a fresh profile, through Debian's chromedriver (no download of either)."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if binary is None or driver is None:
-        pytest.fail("chromium and chromium-driver are not installed: apt-get install chromium chromium-driver "
-                    "(.ci/run does it)")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = binary
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
-                f"--user-data-dir={tempfile.mkdtemp(prefix='fedge-chromium-')}", "--window-size=1400,1800"):
-        opts.add_argument(arg)
-    return webdriver.Chrome(service=Service(executable_path=driver), options=opts)
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    b = chromium()
-    try:
-        yield b
-    finally:
-        b.quit()
 
 
 class Gate(EngineObserver):
@@ -96,27 +60,6 @@ class Gate(EngineObserver):
         if report.round == self.after:
             self.reached.set()
             self.go.wait(120)
-
-
-def cells(browser: Any, device: str) -> dict[str, str]:
-    from selenium.webdriver.common.by import By
-
-    row = browser.find_element(By.CSS_SELECTOR, f'#devices tr[data-device="{device}"]')
-    out = {"state": row.get_attribute("data-state") or "", "text": row.text}
-    for cls in ("accepted", "up", "down", "acc"):
-        out[cls] = row.find_element(By.CSS_SELECTOR, f"td.{cls}").get_attribute("data-value") or ""
-    return out
-
-
-def assert_not_blank(png: bytes) -> None:
-    from PIL import Image, ImageStat
-
-    img = Image.open(io.BytesIO(png)).convert("RGB")
-    assert img.size[0] >= 1000
-    stat = ImageStat.Stat(img)
-    assert max(stat.stddev) > 20, stat.stddev  # a blank page has no variance
-    colours = img.resize((200, 300)).getcolors(200 * 300) or []
-    assert len(colours) > 30, len(colours)  # text, table lines, the charts' colours
 
 
 def test_the_dashboard_of_a_live_fleet_in_chromium(tmp_path: Path, mosquitto: MosquittoProcess, browser: Any,
@@ -213,17 +156,6 @@ def test_the_dashboard_of_a_live_fleet_in_chromium(tmp_path: Path, mosquitto: Mo
         "x86-gateway-1" in r.getMessage() for r in caplog.records if r.name == "fedge.coordinator.gate")
 
 
-def retry(fn: Any) -> Any:
-    """``fn()``, again if the page replaced its live part while ``fn`` read it (every 2 s)."""
-    for attempt in range(10):
-        try:
-            return fn()
-        except StaleElementReferenceException:
-            if attempt == 9:
-                raise
-            time.sleep(0.3)
-
-
 def check_live_page(browser: Any, ids: list[str], killed: str, refused_id: str) -> None:
     from selenium.webdriver.common.by import By
 
@@ -238,24 +170,13 @@ def check_live_page(browser: Any, ids: list[str], killed: str, refused_id: str) 
                       "expected 'tier-xs', got 'tier-xl'")
     assert "no heartbeat" not in cells(browser, "rpi4-2gb-1")["text"]  # its health is shown
     memory = browser.find_element(By.CSS_SELECTOR, '#devices tr[data-device="rpi4-2gb-1"] td.health-mem').text
-    assert re.fullmatch(r"[\d.]+ [kMG]B / [\d.]+ [kMGT]B free", memory), memory
+    assert re.fullmatch(r"[\d.]+ [kMG]B / [\d.]+ [kMGT]B free of [\d.]+ [kMGT]B", memory), memory
     # the charts: one accuracy line and its band per profile, bars for both rounds, a line per device
     acc = browser.find_element(By.ID, "chart-acc-profile")
     assert len(acc.find_elements(By.CSS_SELECTOR, "polyline.series")) == 1  # one profile answered: rpi4-2gb
     assert len(browser.find_element(By.ID, "chart-up-profile").find_elements(By.CSS_SELECTOR, "rect.bar")) == 2
     dev_lines = browser.find_element(By.ID, "chart-acc-device").find_elements(By.CSS_SELECTOR, "polyline")
     assert sorted(p.get_attribute("data-label") for p in dev_lines) == ["rpi4-2gb-1", "rpi4-2gb-2"]
-
-
-def check_numbers_equal_reports(browser: Any, reports: list[RoundReport], ids: list[str]) -> None:
-    for dev in ids:
-        row = cells(browser, dev)
-        accepted = [r for r in reports if dev in r.accepted]
-        assert int(row["accepted"]) == len(accepted), dev
-        assert int(row["up"]) == sum(r.bytes_up[dev] for r in accepted), dev
-        assert int(row["down"]) == sum(r.bytes_down[dev] for r in accepted), dev
-        last = [r.metrics[dev]["acc_global"] for r in accepted if "acc_global" in r.metrics.get(dev, {})]
-        assert (float(row["acc"]) if row["acc"] else None) == (last[-1] if last else None), dev
 
 
 def test_the_dashboard_of_a_state_directory_after_the_fact(tmp_path: Path, mosquitto: MosquittoProcess,

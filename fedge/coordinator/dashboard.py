@@ -37,7 +37,7 @@ ROWS = 200  # device rows drawn unless ?all=1 (problems first): a browser lays 1
 OKABE_ITO = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
 GOLDEN_ANGLE = 137.50776405003785
 W, H = 640, 240  # chart size (px)
-PAD_L, PAD_R, PAD_T, PAD_B = 48, 12, 12, 32
+PAD_L, PAD_R, PAD_T, PAD_B = 62, 12, 12, 32  # left: room for "10.0 kB" beside the axis title
 STATE_ORDER = {"refused": 0, "offline": 1, "no hello": 2, "online": 3, "registered": 4}
 
 SCRIPT = """// fedge dashboard: refresh the live part of the page every few seconds (no other script runs here).
@@ -296,11 +296,13 @@ def _health_cells(d: dict[str, Any], now: float, live: bool) -> str:
         refused = sum(d["health_refused"].values())
         note = f' <span class="why">({refused} refused)</span>' if refused else ""
         return f'<td class="muted" colspan="5">no heartbeat{note}</td>'
-    mem = "–"
-    if h["rss_bytes"] is not None:
-        mem = _bytes(h["rss_bytes"])
-        if h["mem_available_bytes"] is not None:
-            mem += f' / {_bytes(h["mem_available_bytes"])} free'
+    # the agent's RSS, then what is left of the RAM it may use (a container's: its cgroup limit). RSS counts
+    # shared library pages and may exceed that limit; the free figure is the one that runs out.
+    mem = "–" if h["rss_bytes"] is None else _bytes(h["rss_bytes"])
+    if h["mem_available_bytes"] is not None:
+        mem += f' / {_bytes(h["mem_available_bytes"])} free'
+        if h["mem_total_bytes"] is not None:
+            mem += f' of {_bytes(h["mem_total_bytes"])}'
     temp = "–" if h["cpu_temp_c"] is None else f'{h["cpu_temp_c"]:.0f} °C'
     throttle = ", ".join(d["throttle"]) or ("throttled" if h["cpu_mhz"] and h["cpu_max_mhz"]
                                              and h["cpu_mhz"] < 0.8 * h["cpu_max_mhz"] else "")
@@ -342,7 +344,8 @@ def device_table(view: dict[str, Any], every_row: bool = False) -> str:
             f'<td class="n down" data-value="{d["bytes_down"]}">{_bytes(d["bytes_down"])}</td>'
             f'<td class="err">{_e(err)}</td></tr>')
     return ('<table id="devices"><thead><tr><th>device</th><th>profile</th><th>model</th><th>state</th>'
-            '<th>last seen</th><th class="n">CPU %</th><th class="n">memory</th><th class="n">temp</th>'
+            '<th>last seen</th><th class="n">CPU %</th>'
+            '<th class="n" title="RSS of the agent / free of the RAM it may use">memory</th><th class="n">temp</th>'
             '<th class="n">disk free</th><th>heartbeat</th><th class="n">last round</th><th class="n">accepted</th>'
             '<th class="n">missed</th><th>refused</th><th class="n">acc %</th><th class="n">local %</th>'
             '<th class="n">up</th><th class="n">down</th><th>last error</th></tr></thead><tbody>'
