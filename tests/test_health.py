@@ -112,6 +112,7 @@ def test_sensors_read_from_a_fake_sysfs(tmp_path: Path, monkeypatch: pytest.Monk
     ({"cpu_temp_c": {"a": {"b": 1}}}, "malformed"),  # nesting
     ({"rss_bytes": 1.5}, "malformed"),  # a float where an integer belongs
     ({"rss_bytes": 10 ** 30}, "range"),  # huge
+    ({"disk_free_bytes": 2 ** 53 + 1}, "range"),  # no integer above 2^53: JSON readers would round it
     ({"cpu_temp_c": 1e300}, "range"),
     ({"cpu_percent": -1.0}, "range"),
     ({"model": "m" * 65}, "malformed"),

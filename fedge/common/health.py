@@ -42,7 +42,7 @@ FIELDS: dict[str, tuple[str, float, float, bool]] = {
     "cpu_mhz": ("float", 0, 100000, True),  # current clock of CPU 0 ...
     "cpu_max_mhz": ("float", 0, 100000, True),  # ... and its maximum (below it under load: throttled)
     "throttled": ("int", 0, (1 << 32) - 1, True),  # Raspberry Pi firmware flags (get_throttled)
-    "disk_free_bytes": ("int", 0, 1 << 60, True),
+    "disk_free_bytes": ("int", 0, _BIG, True),
     "fedge_version": ("text", 0, MAX_NAME, False),
     "model": ("text", 0, MAX_NAME, False),  # the device's architecture (e.g. tier-m)
     "model_round": ("int", 0, 1 << 31, False),  # round of the newest global state it applied (0: none)
