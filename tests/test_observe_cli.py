@@ -22,7 +22,7 @@ from observe_helpers import small_fleet
 from fedge.coordinator.store import REPORTS_FILE, read_reports
 from fedge.mqtt.broker import MosquittoProcess
 
-pytestmark = pytest.mark.slow  # 47 s here: three rounds of two fedge edge run processes
+pytestmark = pytest.mark.slow  # 47-99 s here: three rounds of two fedge edge run processes
 
 PASSWORD = "broker-password-never-shown-777"
 TOKEN = "dashboard-token-never-shown-888"
@@ -34,22 +34,54 @@ def get(url: str) -> bytes:
         return bytes(r.read())
 
 
+def wait_for_hellos(broker: MosquittoProcess, fleet: str, ids: set[str], timeout_s: float = 180) -> None:
+    """Until every device of ``ids`` has its retained hello on the broker (each process imports torch first: on
+    a loaded machine that takes longer than the coordinator's --wait-for-fleet)."""
+    from fedge.mqtt.client import MqttClient, Received
+    from fedge.mqtt.topics import FleetTopics
+
+    topics = FleetTopics(fleet)
+    seen: set[str] = set()
+
+    def on_message(m: Received) -> None:
+        parsed = topics.parse_device(m.topic)
+        if parsed is not None:
+            seen.add(parsed.device_id)
+
+    mq = MqttClient(broker.settings(), "test-hello-watch", clean_session=True, on_message=on_message)
+    mq.subscribe(topics.device_filter("hello"))
+    mq.start()
+    try:
+        deadline = time.time() + timeout_s
+        while not ids <= seen:
+            assert time.time() < deadline, f"hellos after {timeout_s:.0f} s: {sorted(seen)}"
+            time.sleep(0.2)
+    finally:
+        mq.stop()
+
+
 def test_coordinator_run_with_http_and_tensorboard(tmp_path: Path, mosquitto: MosquittoProcess) -> None:
     cfg = small_fleet(tmp_path, "cli", rounds=3)
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = (tmp_path / "coordinator.log").open("w+b")
-    coord = subprocess.Popen(
-        [sys.executable, "-m", "fedge", "-vv", "coordinator", "run", "--config", cfg.source, "--broker", mosquitto.url,
-         "--username", "coordinator", "--password", PASSWORD, "--state-dir", str(tmp_path / "state"),
-         "--wait-for-fleet", "8", "--min-devices", "2", "--http", "127.0.0.1:0", "--http-token-file", str(token),
-         "--tensorboard", str(tmp_path / "tb"), "--wait-log", "2"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    # The devices first, the coordinator once their hellos are retained on the broker: it then finds them at
+    # once, and its "waiting for hellos" lines name the third device of the fleet, which never says hello.
     devices = [subprocess.Popen([sys.executable, "-m", "fedge", "edge", "run", "--config", cfg.source, "--device-id",
                                  dev, "--broker", mosquitto.url, "--heartbeat", "1"], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, env=env) for dev in ("rpi4-2gb-1", "x86-gateway-1")]
+    procs = list(devices)
     states: list[dict] = []
     try:
+        wait_for_hellos(mosquitto, cfg.run.fleet, {"rpi4-2gb-1", "x86-gateway-1"})
+        coord = subprocess.Popen(
+            [sys.executable, "-m", "fedge", "-vv", "coordinator", "run", "--config", cfg.source, "--broker",
+             mosquitto.url, "--username", "coordinator", "--password", PASSWORD, "--state-dir", str(tmp_path / "state"),
+             "--wait-for-fleet", "8", "--min-devices", "2", "--http", "127.0.0.1:0", "--http-token-file", str(token),
+             "--tensorboard", str(tmp_path / "tb"), "--wait-log", "2"], stdout=log, stderr=subprocess.STDOUT, env=env)
+        procs.append(coord)
         url = None
         deadline = time.time() + 120
         while time.time() < deadline and url is None:
@@ -74,12 +106,13 @@ def test_coordinator_run_with_http_and_tensorboard(tmp_path: Path, mosquitto: Mo
         for d in devices:
             assert d.wait(120) == 0
     finally:
-        for p in (coord, *devices):
+        for p in procs:
             if p.poll() is None:
                 p.kill()
     log.seek(0)
     text = log.read().decode()
     assert PASSWORD not in text and TOKEN not in text
+    assert "may be read by other users" not in text  # the token file is 0600
     assert states, text[-2000:]
     # heartbeats of both devices reached the monitor; the third device of the fleet never said hello
     healthy = {d["device"] for s in states for d in s["devices"] if d["health"]}
