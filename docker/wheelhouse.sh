@@ -3,8 +3,9 @@
 #
 #   docker/wheelhouse.sh [--arch amd64|arm64] [--out DIR] [--extra EXTRA]
 #
-# EXTRA (default sim): the fedge extra the images install. An emulated device trains on the fleet's
-# benchmark data set (digits comes from scikit-learn), which is fedge[sim]'s, not fedge[device]'s.
+# EXTRA (default sim,observe): the fedge extras the images install. An emulated device trains on the fleet's
+# benchmark data set (digits comes from scikit-learn), which is fedge[sim]'s, not fedge[device]'s; the
+# coordinator serves /metrics with fedge[observe]'s prometheus_client.
 # DIR/deps/  every dependency wheel for CPython 3.11 on ARCH (reused while DIR/deps/.complete names the same
 #            torch, extra and fedge requirements)
 # DIR/fedge/ the fedge wheel of this checkout (rebuilt every time: it is small)
@@ -16,7 +17,7 @@ set -eu
 here=$(cd "$(dirname "$0")/.." && pwd)
 arch=amd64
 out=""
-extra=sim
+extra=sim,observe
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) arch=$2; shift 2 ;;

@@ -125,13 +125,13 @@ class BrokerFiles:
 
 
 def acl_text(fleet: str, devices: list[str], coordinator: str, deploy: str | None = None) -> str:
-    """The ACL: each device writes exactly its own status, hello, update and OTA status topics and reads
+    """The ACL: each device writes exactly its own status, hello, update, health and OTA status topics and reads
     rounds, globals, model packages and its own deployment order; the coordinator reads every device topic
     and may clear (write) their retained copies; the deploy account writes ``ota/#`` and reads the devices'
     OTA statuses. Under mutual TLS the user name is the certificate's CN.
 
     Mosquitto's ACL cannot refuse the retain flag per topic, so a device could keep a retained
-    message on each topic it may write: three exact topics (no ``#``) bound that to three messages
+    message on each topic it may write: four exact topics (no ``#``) bound that to four messages
     of at most ``max_packet_size`` per device, and the coordinator deletes a retained update or a
     malformed retained status as soon as it sees one (:mod:`fedge.mqtt.coordinator_transport`).
     """

@@ -27,6 +27,7 @@ EXTRA_OF: dict[str, tuple[str, str]] = {
     "yaml": ("pyyaml", "flash"),
     "dp_accounting": ("dp-accounting", "privacy"),
     "ray": ("ray", "ray"),
+    "prometheus_client": ("prometheus-client", "observe"),
 }
 
 

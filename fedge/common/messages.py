@@ -10,7 +10,7 @@ self-contained byte string. Envelope keys (all strings):
 ``round``       round number (decimal)
 ``msg_id``      sender-unique id; the pair (sender, msg_id) is never reused
 ``sender``      device id, or ``coordinator``
-``kind``        ``update`` | ``global`` | ``round`` | ``hello`` | ``refused``
+``kind``        ``update`` | ``global`` | ``round`` | ``hello`` | ``refused`` | ``health``
 ``info``        JSON object with method-specific scalars (sample counts, phase, ...)
 ==============  =============================================================
 """
@@ -30,8 +30,8 @@ from fedge.common.tensorcodec import Payload, TensorSpec, check_size, encode, lo
 from fedge.errors import PayloadError
 
 PROTOCOL_VERSION = "1"
-Kind = Literal["update", "global", "round", "hello", "refused"]
-KINDS: tuple[str, ...] = ("update", "global", "round", "hello", "refused")
+Kind = Literal["update", "global", "round", "hello", "refused", "health"]
+KINDS: tuple[str, ...] = ("update", "global", "round", "hello", "refused", "health")
 # Limits on the envelope's ``info`` JSON: methods put scalars there, a hello one level more.
 MAX_INFO_BYTES = 64 * 1024
 MAX_INFO_DEPTH = 8

@@ -63,6 +63,21 @@ class CoordinatorTransport(ABC):
         """Ids of devices known to be offline (e.g. by their last-will); default: none known."""
         return set()
 
+    def health(self) -> list[Inbound]:
+        """Health messages (heartbeats) received since the last call; default: none (in-process)."""
+        return []
+
+    def statuses(self) -> dict[str, tuple[bool, float]]:
+        """Each device's latest status as received: id -> (online, unix seconds); default: none known.
+
+        Unlike :meth:`offline` this is what the devices (or their last-wills) said, believed or not:
+        what an operator is shown."""
+        return {}
+
+    def last_seen(self) -> dict[str, float]:
+        """Unix seconds of the last message of any kind from each device; default: none known."""
+        return {}
+
     def refuse(self, device_id: str, data: bytes | None) -> None:  # noqa: B027 - optional hook
         """Tell ``device_id`` why its hello was refused (a ``refused`` message), or clear that with None."""
 
@@ -95,6 +110,9 @@ class DeviceTransport(ABC):
     @abstractmethod
     def send_update(self, data: bytes) -> None:
         """Upload this device's update for the current round."""
+
+    def send_health(self, data: bytes) -> None:  # noqa: B027 - optional hook
+        """Publish a health message (a heartbeat; may be lost: the next one replaces it). Default: dropped."""
 
     def wait_for_round(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` until a new round descriptor may be available.

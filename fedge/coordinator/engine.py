@@ -15,7 +15,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from fedge.common.messages import Message
@@ -24,6 +24,7 @@ from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.config import DEFAULT_MAX_UPDATE_BYTES, EngineConfig
 from fedge.coordinator.gate import Admitted, UpdateGate
+from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.report import RoundReport
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
@@ -41,12 +42,16 @@ class RoundEngine:
     """Drives a :class:`Strategy` over a :class:`CoordinatorTransport`."""
 
     def __init__(self, strategy: Strategy, transport: CoordinatorTransport, config: EngineConfig,
-                 *, state_dir: str | os.PathLike[str] | None = None) -> None:
+                 *, state_dir: str | os.PathLike[str] | None = None,
+                 observers: Sequence[EngineObserver] = ()) -> None:
         self.strategy = strategy
         self.transport = transport
         self.config = config
+        self.observers = list(observers)  # told what happens (fedge.coordinator.observer); never waited for
         strategy.aggregation = config.aggregation
-        self.gate = UpdateGate(strategy, config, refuse=self._refuse)
+        self.gate = UpdateGate(strategy, config, refuse=self._refuse,
+                               observe=lambda *a: self._notify("refused", *a),
+                               registered=lambda dev: self._notify("registered", dev))
         self.globals: dict[str, Arrays] = {}
         self.reports: list[RoundReport] = []
         self.completed = 0
@@ -62,6 +67,14 @@ class RoundEngine:
     def devices(self) -> dict[str, DeviceInfo]:
         """Registered devices by id."""
         return self.gate.devices
+
+    def _notify(self, event: str, *args: Any) -> None:
+        """Tell every observer; one that fails is logged and ignored (watching must not stop the fleet)."""
+        for obs in self.observers:
+            try:
+                getattr(obs, event)(*args)
+            except Exception:
+                log.exception("observer %s failed on %s", type(obs).__name__, event)
 
     # -- registration ---------------------------------------------------------------------
     def _refuse(self, device_id: str, reason: str, message: str) -> None:
@@ -87,6 +100,25 @@ class RoundEngine:
         c = self.config
         return max(c.min_devices, math.ceil(c.quorum_fraction * c.expected_devices))
 
+    def await_fleet(self, device_ids: Collection[str], timeout_s: float) -> list[str]:
+        """Register hellos until each of ``device_ids`` is registered or was refused, at most ``timeout_s``;
+        returns the ids that are neither (the log names them)."""
+        want = set(device_ids)
+        end = time.monotonic() + timeout_s
+        self._notify("fleet_wait", sorted(want), time.time() + timeout_s)
+        while True:
+            self.register_pending()
+            # a device whose latest hello was refused has answered: waiting longer will not register it
+            missing = want - set(self.devices) - self.gate.refused
+            remaining = end - time.monotonic()
+            if not missing or remaining <= 0:
+                break
+            self.transport.wait_for_devices(min(1.0, remaining))
+        if missing:
+            log.warning("no hello from %d device(s) after %.0f s: %s; starting with the devices online once the "
+                        "quorum is", len(missing), timeout_s, ", ".join(sorted(missing)[:10]))
+        return sorted(missing)
+
     def await_quorum(self) -> None:
         """Register hellos until the quorum is online; :class:`TransportError` after ``quorum_timeout_s``."""
         need = self.quorum()
@@ -97,6 +129,8 @@ class RoundEngine:
             online = len(self.online_devices())
             if online >= need:
                 return
+            if not announced:
+                self._notify("quorum_wait", need, time.time() + self.config.quorum_timeout_s)
             remaining = end - time.monotonic()
             if remaining <= 0:
                 raise TransportError(
@@ -172,6 +206,7 @@ class RoundEngine:
             self.strategy.begin_round(rnd)
         self.gate.begin_round(rnd, final=info.is_final, sampled=sampled)
         pending = set(expected)  # live: the transport stops once it is empty
+        self._notify("round_started", info, frozenset(expected), pending)
 
         def accept(up: Admitted) -> None:
             if not info.is_final:
@@ -203,8 +238,12 @@ class RoundEngine:
             log.warning("round %d: no update from %s", rnd, ", ".join(missing))
         report.missing = missing
         self.gate.end_round(missing)
+        aggregation_s = 0.0
         if not info.is_final:
-            self._publish(self.strategy.finish_round(rnd), rnd)
+            t_agg = time.perf_counter()
+            artifacts = self.strategy.finish_round(rnd)
+            aggregation_s = time.perf_counter() - t_agg
+            self._publish(artifacts, rnd)
             if self.config.privacy is not None:
                 report.privacy = PrivacyLedger(self.config.privacy).entry(rnd)
         report.seconds = time.perf_counter() - t0
@@ -212,6 +251,7 @@ class RoundEngine:
         self.completed = rnd
         self._checkpoint(report)
         self._trim_reports()
+        self._notify("round_finished", report, aggregation_s)
         return report
 
     def _trim_reports(self) -> None:
@@ -249,6 +289,7 @@ class RoundEngine:
         # Over MQTT this clears the retained descriptor, so no device answers this run's final
         # round once the run is over (the base hook has nothing to clear).
         self.transport.end_run()
+        self._notify("run_finished")
         return self.reports
 
     def _privacy_allows(self, rnd: int) -> bool:
@@ -294,3 +335,4 @@ class RoundEngine:
         self.gate.last_missing = set(self.reports[-1].missing) if self.reports else set()
         self.globals = state.globals
         self._trim_reports()
+

@@ -78,11 +78,15 @@ class UpdateGate:
     """Registration and admission of device messages (see the module docstring)."""
 
     def __init__(self, strategy: Strategy, config: EngineConfig,
-                 refuse: Callable[[str, str, str], None] | None = None) -> None:
+                 refuse: Callable[[str, str, str], None] | None = None,
+                 observe: Callable[[str, str, str, str], None] | None = None,
+                 registered: Callable[[DeviceInfo], None] | None = None) -> None:
         self.strategy = strategy
         self.config = config
         # (device id, reason, message) for a refused hello; (device id, "", "") when one is accepted
         self._refuse = refuse
+        self._observe = observe  # (device id, "hello" | "update", reason key, message) of every refusal
+        self._registered = registered  # each device a valid hello registered
         self._refused: set[str] = set()
         self.hellos_accepted = 0  # valid hellos registered (or re-registered) since start
         self.devices: dict[str, DeviceInfo] = {}
@@ -97,6 +101,11 @@ class UpdateGate:
         self._seen: set[str] = set()
         self._sampled: set[str] | None = None  # devices sampled for this round (None: all)
 
+    @property
+    def refused(self) -> set[str]:
+        """Devices whose latest hello was refused (a copy)."""
+        return set(self._refused)
+
     # -- counting -------------------------------------------------------------------------
     def reject(self, device: str | None, exc: BaseException, what: str) -> None:
         """Count and log one refused message (``what``: "hello", "update")."""
@@ -109,6 +118,8 @@ class UpdateGate:
         # reason "error" is not a check of ours: keep the traceback for whoever debugs it
         log.warning("round %d: refused %s %s from %s (%s): %s", self._round, article, what, device, key, message,
                     exc_info=exc if reason == "error" else None)
+        if self._observe is not None:
+            self._observe(device, what, key, message)
 
     def drain(self) -> Rejections:
         """The refusals counted so far; counting starts again from zero."""
@@ -138,6 +149,8 @@ class UpdateGate:
             if dev.device_id not in self.devices:
                 new.append(dev.device_id)
             self.devices[dev.device_id] = dev
+            if self._registered is not None:
+                self._registered(dev)
         return new
 
     def _check_hello(self, msg: Message, item: Inbound) -> DeviceInfo:

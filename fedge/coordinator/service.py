@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
+from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,9 @@ class CoordinatorService:
     """
 
     def __init__(self, strategy: Strategy, transport: CoordinatorTransport, config: EngineConfig,
-                 state_dir: str | Path) -> None:
+                 state_dir: str | Path, *, observers: Sequence[EngineObserver] = ()) -> None:
         self.transport = transport
-        self.engine = RoundEngine(strategy, transport, config, state_dir=state_dir)
+        self.engine = RoundEngine(strategy, transport, config, state_dir=state_dir, observers=observers)
         self.state_dir = Path(state_dir)
 
     @property

@@ -44,6 +44,7 @@ class DeviceAgent:
         self.fleet = fleet
         self.eval_every = max(1, eval_every)
         self.last_round = 0
+        self.model_round = 0  # round of the newest global state applied (its "model version"; 0: none yet)
         self.traffic: list[Traffic] = []
         self.trained_runs: set[str] = set()  # run ids (of round descriptors) this agent trained a round in
         self._ignored_run = ""
@@ -109,7 +110,9 @@ class DeviceAgent:
             if data is None:
                 continue  # nothing aggregated yet (first round)
             down += len(data)
-            artifacts[name] = Message.from_bytes(data).tensors
+            msg = Message.from_bytes(data)
+            artifacts[name] = msg.tensors
+            self.model_round = max(self.model_round, msg.round)
         if self.method.ctx.privacy is not None:
             artifacts = project_global(artifacts, self.method.ctx.privacy)
         self.method.apply_global(info, artifacts)

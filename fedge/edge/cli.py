@@ -59,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument("--global-timeout", type=float, default=120.0, metavar="S",
                    help="how long to wait for a round's global state (default 120)")
     r.add_argument("--keep-running", action="store_true", help="stay connected after the final round")
+    r.add_argument("--heartbeat", type=float, default=10.0, metavar="S",
+                   help="publish a health record (memory, CPU, temperature, throttling, disk, last round and "
+                        "error) every S seconds (default 10; 0: never)")
     r.set_defaults(func=_run)
 
 
@@ -173,7 +176,11 @@ def _run(args: argparse.Namespace) -> int:
     else:
         agent = DeviceAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every)
     ota = _ota(args, cfg, dev, transport, verifier)
-    service = EdgeService(agent, transport, EdgeOptions(exit_after_final=not args.keep_running))
+    if args.heartbeat < 0:
+        raise ConfigError(f"--heartbeat must be >= 0 seconds, got {args.heartbeat:g}")
+    private = (args.data, str(Path(args.data).resolve())) if args.data else ()
+    service = EdgeService(agent, transport, EdgeOptions(exit_after_final=not args.keep_running,
+                                                        heartbeat_s=args.heartbeat, private_paths=private))
     stopped = []
 
     def on_term(*_: object) -> None:  # systemd's stop: leave cleanly (offline status, disconnect)

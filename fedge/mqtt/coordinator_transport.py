@@ -9,19 +9,21 @@ reconnection (:mod:`.retained`; see ``docs/protocol.md``, "Recovery").
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
 import time
 from collections.abc import Collection, Iterator
 
+from fedge.common.health import MAX_HEALTH_BYTES
 from fedge.common.signing import Signer
 from fedge.common.transport import CoordinatorTransport, Inbound
 from fedge.errors import TransportError
 from fedge.mqtt.chunking import ChunkError, Reassembler, frame_kind
 from fedge.mqtt.client import BrokerSettings, MqttClient, Received
 from fedge.mqtt.retained import RetainedState
-from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportStats
+from fedge.mqtt.settings import MAX_HELLO_BYTES, MAX_QUEUED_HEALTH, TransportSettings, TransportStats
 from fedge.mqtt.status_book import StatusBook
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics, check_name
 
@@ -56,6 +58,13 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self._updates: queue.Queue[Inbound] = queue.Queue()
         self._hellos: list[Inbound] = []
         self._hello_from: set[str] = set()  # every device a hello ever came from
+        # Heartbeats for the monitor (fedge.coordinator.monitor), bounded: the oldest go first.
+        self._health: collections.deque[Inbound] = collections.deque(maxlen=MAX_QUEUED_HEALTH)
+        self.health_dropped = 0  # heartbeats dropped unread (queue full) or oversize
+        # For people, not for decisions: each device's latest status as received (believed or not) and the
+        # last time anything came from it, in unix seconds. Plain dict stores: atomic under the GIL.
+        self._statuses: dict[str, tuple[bool, float]] = {}
+        self._last_seen: dict[str, float] = {}
         self._book = StatusBook(self.settings.offline_confirm_s, self.settings.status_grace_s)  # under _cond
         self._cond = threading.Condition()
         self._reasm = Reassembler(self.settings.max_message_bytes)
@@ -67,6 +76,7 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self.client.subscribe(self.topics.device_filter("status"))
         self.client.subscribe(self.topics.device_filter("hello"))
         self.client.subscribe(self.topics.device_filter("update"))
+        self.client.subscribe(self.topics.device_filter("health"))
 
     def start(self) -> MqttCoordinatorTransport:
         self.client.start(self.settings.connect_timeout_s)
@@ -77,7 +87,7 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         """One line for people starting devices: the broker, the fleet and its topics."""
         t = self.topics
         return (f"fleet {t.fleet!r} on {self.client.settings.url}: devices publish to {t.base}/devices/ID/"
-                f"{{status,hello,update}} and read {t.round} and {t.base}/global/#")
+                f"{{status,hello,update,health}} and read {t.round} and {t.base}/global/#")
 
     # -- inbound (dispatcher thread) -----------------------------------------------------
     def _on_message(self, m: Received) -> None:
@@ -86,8 +96,28 @@ class MqttCoordinatorTransport(CoordinatorTransport):
             return
         self.stats.messages_in += 1
         self.stats.bytes_in += len(m.payload)
+        # A retained copy says nothing about when the device was last there, and an `offline` is usually
+        # its last-will, which the broker sends for it after it is gone.
+        if m.payload and not m.retain and m.payload != STATUS_OFFLINE:
+            self._last_seen[t.device_id] = m.received
+        if t.kind == "health":
+            if not m.payload:
+                return
+            if m.retain:
+                self._clear_stray(m, "health record")
+                return
+            if len(m.payload) > MAX_HEALTH_BYTES:
+                self.health_dropped += 1
+                self._health.append(Inbound(b"", t.device_id, m.received,
+                                            reject=("oversize", f"a {len(m.payload)}-byte health message")))
+                return
+            if len(self._health) == self._health.maxlen:
+                self.health_dropped += 1
+            self._health.append(Inbound(m.payload, t.device_id, m.received))
+            return
         if t.kind == "status":
             if m.payload in (STATUS_ONLINE, STATUS_OFFLINE):
+                self._statuses[t.device_id] = (m.payload == STATUS_ONLINE, m.received)
                 with self._cond:
                     self._book.record(t.device_id, m.payload == STATUS_ONLINE)
                     self._cond.notify_all()
@@ -213,6 +243,21 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         """Devices whose latest status is ``online``."""
         with self._cond:
             return self._book.online()
+
+    def health(self) -> list[Inbound]:
+        """Heartbeats received since the last call (at most :data:`MAX_QUEUED_HEALTH`; older ones dropped)."""
+        out = []
+        while True:
+            try:
+                out.append(self._health.popleft())
+            except IndexError:
+                return out
+
+    def statuses(self) -> dict[str, tuple[bool, float]]:
+        return dict(self._statuses)
+
+    def last_seen(self) -> dict[str, float]:
+        return dict(self._last_seen)
 
     def wait_for_devices(self, timeout_s: float) -> None:
         with self._cond:

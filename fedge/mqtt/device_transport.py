@@ -61,6 +61,7 @@ class MqttDeviceTransport(DeviceTransport):
         # coordinator re-announces the same round (it restarted or the broker lost it).
         self._last_update: tuple[tuple[str, int], str | None, bytes] | None = None
         self.refusal: bytes | None = None  # the coordinator's latest `refused` message for this device
+        self.refusal_text: str | None = None  # ... in words ("slot: ..."), for the device's health record
         self.changes = 0  # descriptor changes received
         self._changes_read = 0  # ... as of the last current_round() call
         self.client = MqttClient(broker, client_id or f"fedge-{fleet}-{device_id}", clean_session=True,
@@ -138,14 +139,17 @@ class MqttDeviceTransport(DeviceTransport):
     def _on_refused(self, raw: bytes) -> None:
         self.refusal = raw or None
         if not raw:
+            self.refusal_text = None
             return
         try:
             msg = Message.from_bytes(raw, max_bytes=MAX_HELLO_BYTES)
             reason, text = msg.info.get("reason", "?"), msg.info.get("message", "")
         except (PayloadError, AttributeError) as exc:
             log.warning("%s: the coordinator refused this device (unreadable reason: %s)", self.device_id, exc)
+            self.refusal_text = "refused by the coordinator (unreadable reason)"
             return
         log.error("%s: the coordinator refused this device: %s: %s", self.device_id, reason, text)
+        self.refusal_text = f"refused by the coordinator: {reason}: {text}"
 
     def _on_round(self, raw: bytes) -> None:
         if not raw:
@@ -244,6 +248,12 @@ class MqttDeviceTransport(DeviceTransport):
         if not self.client.wait_published(pubs, self.settings.publish_timeout_s):
             log.warning("%s: update not acknowledged within %.0f s; it stays queued and is resent after the "
                         "reconnect", self.device_id, self.settings.publish_timeout_s)
+
+    def send_health(self, data: bytes) -> None:
+        """Publish a heartbeat at QoS 0, not retained: one lost or sent while disconnected is dropped, not
+        queued (a burst of stale heartbeats after a reconnection would say nothing the next one does not)."""
+        self.client.publish(self.topics.health(self.device_id), data, qos=0)
+        self.stats.count_out(len(data))
 
     def close(self) -> None:
         """Disconnect cleanly, marking this device offline (the last-will is for crashes)."""

@@ -5,6 +5,7 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/devices/{id}/status        retained  "online" | "offline" (last-will: "offline")
     fedge/{fleet}/devices/{id}/hello         retained  hello message (profile, plan, architecture)
     fedge/{fleet}/devices/{id}/update        -         update message, or its chunk frames
+    fedge/{fleet}/devices/{id}/health        -         health message (heartbeat, QoS 0)
     fedge/{fleet}/rounds/current             retained  round descriptor message
     fedge/{fleet}/global/{artifact}          retained  global state message, or a chunk manifest
     fedge/{fleet}/global/{artifact}/part/{i} retained  chunk frame i of a chunked global state
@@ -14,7 +15,7 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/ota/devices/{id}           retained  the signed deployment order for device {id}
     fedge/{fleet}/devices/{id}/ota           retained  the device's model version and update state (JSON)
 
-A device writes only its own ``devices/{its id}/{status,hello,update}`` and reads
+A device writes only its own ``devices/{its id}/{status,hello,update,health}`` and reads
 ``rounds/#``, ``global/#`` and its own ``refused/{its id}``; the coordinator reads
 ``devices/#`` and writes the rest. The broker
 ACL written by ``fedge broker config`` enforces exactly this split, which is why
@@ -34,8 +35,8 @@ ROOT = "fedge"
 # Ids, fleet and artifact names become topic levels: no '/', '+', '#', no spaces, no '$'.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
-DeviceTopicKind = Literal["status", "hello", "update"]
-DEVICE_KINDS: tuple[str, ...] = ("status", "hello", "update")
+DeviceTopicKind = Literal["status", "hello", "update", "health"]
+DEVICE_KINDS: tuple[str, ...] = ("status", "hello", "update", "health")
 STATUS_ONLINE = b"online"
 STATUS_OFFLINE = b"offline"
 
@@ -95,6 +96,9 @@ class FleetTopics:
 
     def update(self, device_id: str) -> str:
         return self.device(device_id, "update")
+
+    def health(self, device_id: str) -> str:
+        return self.device(device_id, "health")
 
     def device_filter(self, kind: DeviceTopicKind) -> str:
         """Subscription filter for one kind of message from every device."""

@@ -37,11 +37,11 @@ from fedge.common.rounds import DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.edge.agent import DeviceAgent
 from fedge.errors import ConfigError, FedgeError
+from fedge.fleet.clock import fleet_clock
 from fedge.fleet.config import FleetConfig, SimulationSection
 from fedge.fleet.devices import FleetData, SimDevice
 from fedge.fleet.registry import method_entry
 from fedge.fleet.slots import DeviceSlot
-from fedge.profiles.planner import round_time_s
 from fedge.sim.pool import WorkerLost, WorkerPool, dumps
 from fedge.sim.worker import DeviceShare, DeviceState, HostSpec, RoundResult, peak_rss_bytes
 
@@ -68,11 +68,11 @@ def available_cpus() -> int:
 
 
 def estimated_cost(cfg: FleetConfig, slot: DeviceSlot) -> float:
-    """A device's relative cost per round before any round has run: the planner's round-time estimate
-    (:func:`fedge.profiles.planner.round_time_s`: MACs × samples × epochs) on one common clock, since
-    every simulated device trains on this machine's cores, whatever its profile's."""
+    """A device's relative cost per round before any round has run: its training MACs (MACs × samples ×
+    epochs) on one common clock, since every simulated device trains on this machine's cores, whatever
+    its profile's (the speed model, :mod:`fedge.profiles.speed`, would time it on its own hardware)."""
     epochs = cfg.train.local_epochs or slot.plan.local_epochs
-    return round_time_s(slot.spec, 1.0, samples=max(1, slot.num_samples), epochs=epochs)
+    return float(slot.spec.macs() * max(1, slot.num_samples) * epochs)
 
 
 def place(costs: list[float], workers: int) -> list[list[int]]:
@@ -211,6 +211,8 @@ class ParallelFleet:
         self.run = ParallelRun(sim.backend, [[slots[i].device_id for i in idx] for idx in self.placement],
                                default_threads(sim))
         self.bus = InMemoryBus()
+        # the devices' virtual training seconds per round, as the sequential run's clock gives them (train_s)
+        self.clock = fleet_clock(cfg, slots)
         self._sent: dict[str, bytes] = {}  # artifact -> the bytes last shipped to the workers
         self._last_descriptor: bytes | None = None
         self._lost_workers: set[int] = set()
@@ -278,7 +280,9 @@ class ParallelFleet:
         # The engine encodes each artifact anew when it publishes it: a new bytes object is a new version.
         changed = {k: v for k, v in self.bus.globals.items() if self._sent.get(k) is not v}
         t0 = time.perf_counter()
-        results = self.pool.broadcast("run_round", raw, changed)
+        # The final evaluation takes no virtual time (fedge.sim.clocked); a training round the clock's.
+        train_s = {dev: 0.0 if info.is_final else c.compute_s(c.work, rnd) for dev, c in self.clock.devices.items()}
+        results = self.pool.broadcast("run_round", raw, changed, train_s)
         wall = time.perf_counter() - t0
         self._sent.update(changed)
         self._absorb(results, rnd=rnd)

@@ -134,11 +134,13 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
             hint='use backend = "sequential" with --transport mqtt, or --transport inprocess with the '
                  f'{sim.backend} backend (real devices in separate processes: `fedge edge run`, docs/mqtt.md)')
     check_transport(cfg.clock.availability, transport)
-    if sim.parallel and cfg.clock.availability != "always":
+    if sim.parallel and (cfg.clock.availability != "always" or cfg.clock.deadline_s):
+        key = (f"availability = {cfg.clock.availability!r}" if cfg.clock.availability != "always"
+               else f"deadline_s = {cfg.clock.deadline_s:g}")
         raise ConfigError(
-            f"[clock] availability = {cfg.clock.availability!r} is simulated by the sequential in-process run only "
-            f"(it decides, device by device, who is online when); backend = {sim.backend!r} trains in workers",
-            hint='use backend = "sequential" with availability, or drop availability for the parallel backend')
+            f"[clock] {key} is simulated by the sequential in-process run only (it decides, device by device, "
+            f"who is online and whose update arrives in time); backend = {sim.backend!r} trains in workers",
+            hint='use backend = "sequential" with it, or drop it for the parallel backend')
     if sim.backend == "ray":
         from fedge.sim.raypool import import_ray
 

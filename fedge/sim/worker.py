@@ -40,6 +40,7 @@ from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import device_from_slot
 from fedge.fleet.registry import METHODS, MethodEntry, register_method
 from fedge.fleet.slots import DeviceSlot
+from fedge.sim.clocked import Stopwatch
 
 log = logging.getLogger(__name__)
 
@@ -186,9 +187,11 @@ class DeviceHost:
             a.hello()
         return list(self.hellos)
 
-    def run_round(self, descriptor: bytes, changed: dict[str, bytes]) -> RoundResult:
+    def run_round(self, descriptor: bytes, changed: dict[str, bytes],
+                  train_s: dict[str, float] | None = None) -> RoundResult:
         """Step every device through the round ``descriptor`` announces; ``changed``: the global
-        artifacts published since the previous call."""
+        artifacts published since the previous call; ``train_s``: the virtual seconds each device reports
+        for its work (:mod:`fedge.sim.clocked`: as in the sequential run, so the updates' bytes repeat)."""
         t0 = time.perf_counter()
         self.descriptor = descriptor
         self.globals.update(changed)
@@ -196,6 +199,8 @@ class DeviceHost:
         took: dict[str, float] = {}
         cpu: dict[str, float] = {}
         for a in self.agents:
+            if train_s is not None:
+                a.timer = Stopwatch(train_s.get(a.device.device_id, 0.0))
             t1, c1 = time.perf_counter(), time.process_time()
             a.step()
             took[a.device.device_id] = time.perf_counter() - t1
