@@ -13,6 +13,8 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/ota/models/{version}/part/{i} retained chunk frame i of a chunked model package
     fedge/{fleet}/ota/devices/{id}           retained  the signed deployment order for device {id}
     fedge/{fleet}/devices/{id}/ota           retained  the device's model version and update state (JSON)
+    fedge/{fleet}/partials/{account}         -         a partial aggregate from an aggregation worker or relay
+    fedge/{fleet}/relays/{account}/status    retained  a relay's "online" | "offline" (last-will) on its parent
 
 A device writes only its own ``devices/{its id}/{status,hello,update}`` and reads
 ``rounds/#``, ``global/#`` and its own ``refused/{its id}``; the coordinator reads
@@ -38,6 +40,11 @@ DeviceTopicKind = Literal["status", "hello", "update"]
 DEVICE_KINDS: tuple[str, ...] = ("status", "hello", "update")
 STATUS_ONLINE = b"online"
 STATUS_OFFLINE = b"offline"
+
+
+def shared(group: str, topic_filter: str) -> str:
+    """An MQTT 5 shared subscription: the broker hands each matching message to one member of ``group``."""
+    return f"$share/{check_name(group, 'shared subscription group')}/{topic_filter}"
 
 
 def check_name(value: str, what: str) -> str:
@@ -141,6 +148,26 @@ class FleetTopics:
 
     def ota_status_filter(self) -> str:
         return f"{self.base}/devices/+/ota"
+
+    # -- aggregators (workers, relays) -----------------------------------------------------
+    def partial(self, account: str) -> str:
+        """``fedge/{fleet}/partials/{account}``: where an aggregation worker or relay sends its partials."""
+        return f"{self.base}/partials/{check_name(account, 'aggregator account')}"
+
+    @property
+    def partial_filter(self) -> str:
+        return f"{self.base}/partials/+"
+
+    def relay_status(self, account: str) -> str:
+        """``fedge/{fleet}/relays/{account}/status``: a relay's status on its parent broker (last-will)."""
+        return f"{self.base}/relays/{check_name(account, 'relay account')}/status"
+
+    def parse_partial(self, topic: str) -> str | None:
+        """The account of a partial's topic of this fleet, else None."""
+        parts = topic.split("/")
+        if len(parts) != 4 or parts[0] != ROOT or parts[1] != self.fleet or parts[2] != "partials":
+            return None
+        return parts[3] if _NAME.match(parts[3]) else None
 
     # -- parsing --------------------------------------------------------------------------
     def parse_device(self, topic: str) -> DeviceTopic | None:
