@@ -167,7 +167,7 @@ def test_a_bad_partial_is_refused_with_its_reason_and_leaves_the_aggregate_alone
 
 def test_overlap_duplicate_oversize_and_foreign_partials_are_refused() -> None:
     devs = fleet("fedproto", 4)
-    strat, merger = root("fedproto", Aggregation(), devs, 1)
+    _, merger = root("fedproto", Aggregation(), devs, 1)
     data, _ = partial_of("fedproto", devs)
     assert len(merger.admit(Inbound(data, "w0", kind="partial"), set(), lambda e: None)) == 4
     assert merger.admit(Inbound(data, "w0", kind="partial"), set(), lambda e: None) == []  # the same message again
