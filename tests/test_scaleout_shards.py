@@ -1,0 +1,137 @@
+"""``fedge broker config --shards 2 --workers 1``: three real Mosquittos with the generated configs and ACLs.
+
+A device's credential works on its own shard only (on another shard and on the root it has no
+account), a relay can forward the hellos of its own shard's devices and its own partials but not
+another shard's, a worker reads updates through its MQTT 5 shared subscription and may write only its
+own partials, and each device's bundle names its shard's broker.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedge.broker.config import BrokerOptions
+from fedge.broker.shards import split_devices, write_sharded_config
+from fedge.errors import ConfigError, TransportError
+from fedge.fleet.config import device_ids, load_fleet
+from fedge.mqtt.broker import MosquittoProcess, free_port
+from fedge.mqtt.client import BrokerSettings, MqttClient, Received
+from fedge.mqtt.topics import FleetTopics, shared
+
+FLEET_TOML = Path(__file__).resolve().parents[1] / "examples" / "demo.toml"
+CFG = load_fleet(FLEET_TOML)
+IDS = [i for i, _ in device_ids(CFG)]
+T = FleetTopics(CFG.run.fleet)
+
+
+def _ports(n: int) -> int:
+    for _ in range(50):
+        base = free_port()
+        if base + n < 65536 and all(_free(base + k) for k in range(1, n + 1)):
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture
+def sharded(mosquitto_bin: str) -> Iterator[tuple[list[MosquittoProcess], Path, int]]:
+    """The root broker and two shard brokers, started from the generated configs (as `mosquitto -c` would be)."""
+    base = _ports(2)
+    work = Path(tempfile.mkdtemp(prefix="fedge-shards-test-"))
+    os.chmod(work, 0o755)
+    out = work / "broker"
+    files = write_sharded_config(CFG.run.fleet, IDS, out, BrokerOptions(port=base, bind="127.0.0.1"), shards=2,
+                                 workers=1, fleet_config=FLEET_TOML)
+    brokers = [MosquittoProcess(f.config.read_text(), port=base + k, workdir=f.out)
+               for k, f in enumerate([files.root, *files.shards])]
+    try:
+        for b in brokers:
+            b.start()
+        yield brokers, out, base
+    finally:
+        for b in brokers:
+            b.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _client(port: int, user: str, secret: Path, *, got: list[Received] | None = None, mqtt5: bool = False) -> MqttClient:
+    settings = BrokerSettings(port=port, username=user, password=secret.read_text().strip())
+    return MqttClient(settings, f"t-{user}-{time.monotonic_ns()}", mqtt5=mqtt5,
+                      on_message=None if got is None else got.append).start(5)
+
+
+def _settle(got: list[Received], n: int, timeout: float = 2.0) -> None:
+    end = time.time() + timeout
+    while len(got) < n and time.time() < end:
+        time.sleep(0.02)
+    time.sleep(0.3)  # and nothing more arrives
+
+
+def test_devices_are_split_in_fleet_order_and_bad_counts_are_refused() -> None:
+    assert split_devices(["a", "b", "c", "d", "e"], 2) == [["a", "b", "c"], ["d", "e"]]
+    with pytest.raises(ConfigError, match="more than the fleet's 2 devices"):
+        split_devices(["a", "b"], 3)
+
+
+def test_a_credential_works_on_its_own_shard_only(sharded: tuple[list[MosquittoProcess], Path, int]) -> None:
+    (root, s1, s2), out, base = sharded
+    first, last = IDS[0], IDS[-1]  # shard 1 and shard 2
+    pw = out / "bundles" / first / "password"
+    _client(s1.port, first, pw).stop()  # its own shard: fine
+    for other in (s2, root):
+        with pytest.raises(TransportError, match="(?i)not authorized|bad user name"):
+            _client(other.port, first, pw)
+    # every bundle names its shard's broker
+    assert tomllib.loads((out / "bundles" / first / "bundle.toml").read_text())["broker"].endswith(f":{base + 1}")
+    assert tomllib.loads((out / "bundles" / last / "bundle.toml").read_text())["broker"].endswith(f":{base + 2}")
+
+
+def test_relays_forward_only_their_shard_and_workers_write_only_their_partials(
+        sharded: tuple[list[MosquittoProcess], Path, int]) -> None:
+    (root, _, _), out, _ = sharded
+    seen: list[Received] = []
+    coord = _client(root.port, "fedge-coordinator", out / "coordinator" / "password", got=seen)
+    coord.subscribe(f"{T.base}/#")
+    shares: list[Received] = []
+    worker = _client(root.port, "worker-1", out / "workers" / "worker-1" / "password", got=shares, mqtt5=True)
+    worker.subscribe(shared("fedge-workers", T.device_filter("update")))
+    relay = _client(root.port, "relay-1", out / "relays" / "relay-1" / "password")
+    mine, theirs = IDS[0], IDS[-1]
+    try:
+        time.sleep(0.3)
+        relay.wait_published([relay.publish(T.hello(mine), b"forwarded hello"),
+                              relay.publish(T.hello(theirs), b"another shard's hello"),
+                              relay.publish(T.update(mine), b"an update on the root"),
+                              relay.publish(T.partial("relay-1"), b"my partial"),
+                              relay.publish(T.partial("relay-2"), b"posing as relay-2"),
+                              relay.publish(T.round, b"forged round")], 5)
+        worker.wait_published([worker.publish(T.partial("worker-1"), b"worker partial"),
+                               worker.publish(T.partial("relay-1"), b"posing as a relay")], 5)
+        coord.wait_published([coord.publish(T.update(mine), b"an update the worker shares")], 5)
+        _settle(seen, 4)
+        _settle(shares, 1)
+        assert sorted((m.topic, m.payload) for m in seen) == sorted([
+            (T.hello(mine), b"forwarded hello"), (T.partial("relay-1"), b"my partial"),
+            (T.partial("worker-1"), b"worker partial"), (T.update(mine), b"an update the worker shares")])
+        assert [(m.topic, m.payload) for m in shares] == [(T.update(mine), b"an update the worker shares")]
+    finally:
+        for c in (coord, worker, relay):
+            c.stop()
