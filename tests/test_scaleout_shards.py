@@ -72,7 +72,8 @@ def sharded(mosquitto_bin: str) -> Iterator[tuple[list[MosquittoProcess], Path, 
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _client(port: int, user: str, secret: Path, *, got: list[Received] | None = None, mqtt5: bool = False) -> MqttClient:
+def _client(port: int, user: str, secret: Path, *, got: list[Received] | None = None,
+            mqtt5: bool = False) -> MqttClient:
     settings = BrokerSettings(port=port, username=user, password=secret.read_text().strip())
     return MqttClient(settings, f"t-{user}-{time.monotonic_ns()}", mqtt5=mqtt5,
                       on_message=None if got is None else got.append).start(5)
@@ -97,7 +98,7 @@ def test_a_credential_works_on_its_own_shard_only(sharded: tuple[list[MosquittoP
     pw = out / "bundles" / first / "password"
     _client(s1.port, first, pw).stop()  # its own shard: fine
     for other in (s2, root):
-        with pytest.raises(TransportError, match="(?i)not authorized|bad user name"):
+        with pytest.raises(TransportError, match=r"(?i)not authorized|bad user name"):
             _client(other.port, first, pw)
     # every bundle names its shard's broker
     assert tomllib.loads((out / "bundles" / first / "bundle.toml").read_text())["broker"].endswith(f":{base + 1}")
