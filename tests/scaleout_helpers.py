@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gate_helpers import CLASSES, FLEET, device, hello, honest_update
+
 from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.engine import EngineConfig, RoundEngine
@@ -19,7 +21,6 @@ from fedge.mqtt.client import BrokerSettings
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.mqtt.settings import TransportSettings
-from tests.gate_helpers import CLASSES, FLEET, device, hello, honest_update
 
 FAST = TransportSettings(connect_timeout_s=20, offline_confirm_s=0.2, status_grace_s=2.0, publish_timeout_s=30)
 
@@ -105,7 +106,7 @@ def strategy() -> FedProtoStrategy:
 
 
 def relay_main(argv: list[str]) -> None:
-    """``python -m tests.scaleout_helpers NAME SHARD_PORT PARENT_PORT STATE_DIR HOLD_S``: one relay process
+    """``python tests/scaleout_helpers.py NAME SHARD_PORT PARENT_PORT STATE_DIR HOLD_S``: one relay process
     with the tests' FedProto settings (the tests kill it with SIGKILL)."""
     import logging
     import signal

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gate_helpers import CLASSES, FLEET, device, hello, honest_update
 
 from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
@@ -26,7 +27,6 @@ from fedge.coordinator.partial import join64, split64
 from fedge.coordinator.strategies.fedavg import FedAvgStrategy, weight_spec
 from fedge.coordinator.strategies.fedproto import FedProtoStrategy
 from fedge.coordinator.strategy import Strategy
-from tests.gate_helpers import CLASSES, FLEET, device, hello, honest_update
 
 RULES = [Aggregation("mean"), Aggregation("trimmed", trim=0.2), Aggregation("median"),
          Aggregation("mean", clip=2.0), Aggregation("trimmed", trim=0.1, clip=1.5)]

@@ -13,18 +13,19 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from gate_helpers import FLEET
+from scaleout_helpers import FAST, engine_config, root_engine, start_devices, stop_devices, strategy
 
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.aggregator import PartialAggregator
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.client import BrokerSettings
 from fedge.mqtt.relay import Relay
-from tests.gate_helpers import FLEET
-from tests.scaleout_helpers import FAST, engine_config, root_engine, start_devices, stop_devices, strategy
 
 N = 12
 ALL = sorted(f"d{i}" for i in range(N))
@@ -35,7 +36,7 @@ def shard_of(d: DeviceInfo) -> int:
 
 
 @pytest.fixture
-def brokers(mosquitto_bin: str) -> list[MosquittoProcess]:
+def brokers(mosquitto_bin: str) -> Iterator[list[MosquittoProcess]]:
     """Three Mosquittos on loopback: the root and two shards (distinct ports), persistence on."""
     out = [MosquittoProcess(persistence=True).start() for _ in range(3)]
     yield out
@@ -95,8 +96,9 @@ def test_a_relay_killed_mid_round_loses_no_accepted_update(brokers: list[Mosquit
 
     def relay_process() -> subprocess.Popen[bytes]:
         log = open(tmp_path / "r1.log", "ab")  # noqa: SIM115 - the child writes it until it dies
-        return subprocess.Popen([sys.executable, "-m", "tests.scaleout_helpers", "r1", str(s1.port),
-                                 str(root.port), str(state), "0.5"], stdout=log, stderr=log)
+        script = str(Path(__file__).with_name("scaleout_helpers.py"))
+        return subprocess.Popen([sys.executable, script, "r1", str(s1.port), str(root.port), str(state), "0.5"],
+                                stdout=log, stderr=log)
 
     proc = relay_process()
     other = Relay(s2.settings(), root.settings(), FLEET, PartialAggregator(strategy(), engine_config(), "r2"),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+from gate_helpers import FLEET
+from scaleout_helpers import FAST, engine_config, root_engine, start_devices, stop_devices, strategy
 
 from fedge.common.messages import Message
 from fedge.coordinator.aggregator import PartialAggregator
@@ -18,8 +20,6 @@ from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.client import MqttClient
 from fedge.mqtt.topics import FleetTopics
 from fedge.mqtt.worker import AggregationWorker
-from tests.gate_helpers import FLEET
-from tests.scaleout_helpers import FAST, engine_config, root_engine, start_devices, stop_devices, strategy
 
 N = 12
 
