@@ -11,10 +11,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from gate_helpers import CLASSES, FLEET, device, hello, honest_update
 
 from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
+from fedge.common.signing import Signer, Verifier
 from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.coordinator.strategies.fedproto import FedProtoStrategy
 from fedge.mqtt.client import BrokerSettings
@@ -63,13 +65,15 @@ class StatsDevice:
 
 
 def start_devices(brokers: Callable[[DeviceInfo], BrokerSettings], ids: range,
-                  delay: dict[str, dict[int, float]] | None = None) -> list[StatsDevice]:
+                  delay: dict[str, dict[int, float]] | None = None,
+                  fleet_key: Ed25519PublicKey | None = None) -> list[StatsDevice]:
     """Devices ``d{i}`` for ``i`` in ``ids``, each on the broker ``brokers`` gives it (``delay``: device id ->
-    round -> seconds it waits before answering)."""
+    round -> seconds it waits before answering; ``fleet_key``: every device verifies signed state with it)."""
     out = []
     for i in ids:
         info = device(i)
-        tr = MqttDeviceTransport(brokers(info), FLEET, info.device_id, FAST).start()
+        verifier = None if fleet_key is None else Verifier(fleet_key)
+        tr = MqttDeviceTransport(brokers(info), FLEET, info.device_id, FAST, verifier=verifier).start()
         tr.send_hello(hello(info))
         dev = StatsDevice(info, tr, delay=(delay or {}).get(info.device_id, {}))
         dev.thread = threading.Thread(target=dev.run, daemon=True, name=f"dev-{info.device_id}")
@@ -88,9 +92,11 @@ def stop_devices(devs: list[StatsDevice]) -> None:
 
 
 def root_engine(broker: BrokerSettings, n: int, *, rounds: int = 2, updates: bool = True,
-                timeout_s: float = 0.0, client_id: str = "root") -> tuple[RoundEngine, MqttCoordinatorTransport]:
-    """The real engine with FedProto over MQTT, waiting for ``n`` devices (``updates=False``: workers read them)."""
-    tr = MqttCoordinatorTransport(broker, FLEET, FAST, client_id=client_id, updates=updates).start()
+                timeout_s: float = 0.0, client_id: str = "root",
+                signer: Signer | None = None) -> tuple[RoundEngine, MqttCoordinatorTransport]:
+    """The real engine with FedProto over MQTT, waiting for ``n`` devices (``updates=False``: workers read them;
+    ``signer``: it signs descriptors, global state and refusals)."""
+    tr = MqttCoordinatorTransport(broker, FLEET, FAST, client_id=client_id, updates=updates, signer=signer).start()
     strat = FedProtoStrategy(num_classes=CLASSES, rounds=rounds)
     cfg = EngineConfig(fleet=FLEET, method="fedproto", min_devices=n, quorum_timeout_s=60, round_timeout_s=timeout_s)
     return RoundEngine(strat, tr, cfg), tr

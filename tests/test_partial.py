@@ -193,3 +193,29 @@ def test_a_method_that_cannot_be_split_says_so() -> None:
     strat = GeFLStrategy(GeFLSettings(), num_classes=CLASSES, rounds=300)
     with pytest.raises(ConfigError, match="cannot aggregate in parts"):
         PartialAggregator(strat, EngineConfig(fleet=FLEET, method="gefl"), "w0")
+
+
+def test_a_sampled_round_is_sampled_at_the_aggregators_and_at_the_parent() -> None:
+    """Client sampling (issue 27) with partials: an aggregator refuses an unsampled device's update as the
+    coordinator does, and the parent refuses a partial that reports one (``partial-unsampled``)."""
+    devs = fleet("fedproto", 4)
+    rnd = 1
+    agg = Aggregation("mean")
+    strat, cfg = make("fedproto", agg)
+    a = PartialAggregator(strat, cfg, "w0")
+    a.register([Inbound(hello(d), d.device_id) for d in devs])
+    descriptor = {"round": rnd, "phase": "train", "sampled": ["d0", "d1"]}
+    a.begin(rnd, final=False, descriptor="d" * 32, sampled=a.sampled_of(descriptor))
+    assert a.sampled_of({"round": rnd}) is None
+    assert a.admit(Inbound(update("fedproto", devs[0], rnd), "d0"))
+    assert not a.admit(Inbound(update("fedproto", devs[2], rnd), "d2"))
+    assert a.gate.rejections.by_device["d2"] == {"unsampled": 1}
+    # a worker that did not know the sample (or lies) reports d3: the parent refuses the whole partial
+    _, merger = root("fedproto", agg, devs, rnd)
+    merger.gate.begin_round(rnd, final=False, sampled=["d0", "d1"])
+    rogue = worker("fedproto", agg, devs, "w1", rnd)
+    assert rogue.admit(Inbound(update("fedproto", devs[3], rnd), "d3"))
+    data = rogue.flush()
+    assert data is not None
+    assert merger.admit(Inbound(data, "w1", kind="partial"), set(), lambda e: None) == []
+    assert merger.gate.rejections.by_device["w1"] == {"partial-unsampled": 1}

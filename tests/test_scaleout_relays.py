@@ -4,28 +4,39 @@
   as a chain (a relay of a relay: root ← shard 1 ← shard 2) — gives the same global state as the
   flat fleet on one broker, every device counted once per round through its relay's partial.
 * A relay process killed with SIGKILL mid-round (after forwarding part of its shard) and restarted
-  loses no accepted update and counts none twice: it re-issues the descriptor, its devices resend,
-  the ones it had forwarded are refused as duplicates, and the round completes with every device.
+  loses no accepted update and counts none twice: it asks its devices to resend (a retained resend
+  request; the descriptor stays the coordinator's), the ones it had forwarded are refused as
+  duplicates, and the round completes with every device.
+* Signed state (docs/protocol.md §11) through relays: the coordinator signs, the relays forward the
+  descriptor, global state and refusals byte for byte, and every device of the 2-shard tree verifies
+  them with the fleet key and refuses nothing; a descriptor re-encoded under a fresh id (what relays
+  did before) is refused. A relay that lost the sums it had received and starts again gets the updates
+  again through its resend request, the signed descriptor untouched.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gate_helpers import FLEET
 from scaleout_helpers import FAST, engine_config, root_engine, start_devices, stop_devices, strategy
 
+from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
+from fedge.common.signing import Signer
 from fedge.coordinator.aggregator import PartialAggregator
 from fedge.mqtt.broker import MosquittoProcess
-from fedge.mqtt.client import BrokerSettings
+from fedge.mqtt.client import BrokerSettings, MqttClient
 from fedge.mqtt.relay import Relay
+from fedge.mqtt.topics import FleetTopics
 
 N = 12
 ALL = sorted(f"d{i}" for i in range(N))
@@ -117,8 +128,6 @@ def test_a_relay_killed_mid_round_loses_no_accepted_update(brokers: list[Mosquit
         proc.kill()  # SIGKILL: no clean disconnect, its last-will fires
         proc.wait(5)
 
-    import threading
-
     killer = threading.Thread(target=kill_once, daemon=True)
     killer.start()
     restarted: list[subprocess.Popen[bytes]] = []
@@ -153,3 +162,88 @@ def test_a_relay_killed_mid_round_loses_no_accepted_update(brokers: list[Mosquit
     got = engine.globals["prototypes"]
     np.testing.assert_array_equal(got["counts"], want["counts"])
     np.testing.assert_array_max_ulp(got["protos"], want["protos"], maxulp=1)
+
+
+def relay(shard: MosquittoProcess, parent: MosquittoProcess, name: str, hold_s: float = 5.0, **kw: object) -> Relay:
+    return Relay(shard.settings(), parent.settings(), FLEET, PartialAggregator(strategy(), engine_config(), name),
+                 settings=FAST, hold_s=hold_s, **kw).start()  # type: ignore[arg-type]
+
+
+def test_signed_state_crosses_relays_unchanged_and_every_device_verifies_it(brokers: list[MosquittoProcess]) -> None:
+    root, s1, s2 = brokers
+    want = flat_reference()
+    key = Ed25519PrivateKey.generate()
+    relays = [relay(s1, root, "r1"), relay(s2, root, "r2")]
+    engine, transport = root_engine(root.settings(), N, client_id="root-signed", signer=Signer(key))
+    shards = [s1, s2]
+    devs = start_devices(lambda d: shards[shard_of(d)].settings(), range(N), fleet_key=key.public_key())
+    forged = MqttClient(s1.settings(), "forger")
+    try:
+        reports = engine.run()
+        # What a relay did before: the descriptor re-encoded under a fresh message id, the signature dropped.
+        forged.start(10)
+        fresh = Message("round", "coordinator", 9, FLEET, info={"round": {"round": 9, "phase": "train"}, "run": "x"})
+        forged.publish(FleetTopics(FLEET).round, fresh.to_bytes(), retain=True)
+        deadline = time.monotonic() + 10
+        shard1 = [d for d in devs if shard_of(d.info) == 0]
+        while time.monotonic() < deadline and not all(d.transport.stats.rejected for d in shard1):
+            time.sleep(0.05)
+    finally:
+        forged.stop()
+        stop_devices(devs)
+        for r in relays:
+            r.stop()
+        transport.close()
+    # every device verified every descriptor, global state and refusal it used: it answered every round
+    assert all(d.answered == [1, 2, 3] for d in devs), [(d.info.device_id, d.answered) for d in devs]
+    assert all(d.transport.stats.rejected == {"unsigned": 1} for d in shard1), [d.transport.stats.rejected
+                                                                                 for d in shard1]
+    assert all(d.transport.stats.rejected == {} for d in devs if d not in shard1)
+    for rep in reports:
+        assert sorted(rep.accepted) == ALL and rep.missing == [] and rep.rejected == {}, rep
+        assert rep.partials == {"r1": 6, "r2": 6}, rep.partials
+    got = engine.globals["prototypes"]
+    np.testing.assert_array_equal(got["counts"], want["counts"])
+    np.testing.assert_array_max_ulp(got["protos"], want["protos"], maxulp=1)
+
+
+def test_a_restarted_relay_gets_the_updates_again_and_the_signed_descriptor_stays(
+        brokers: list[MosquittoProcess], tmp_path: Path) -> None:
+    root, s1, s2 = brokers
+    key = Ed25519PrivateKey.generate()
+    # r1 sends nothing before all of its shard answered (d5 answers round 1 after 6 s): stopped once it holds
+    # d0-d4's updates, their sums are gone with it
+    first = relay(s1, root, "r1", hold_s=60.0, state_dir=tmp_path / "r1")
+    other = relay(s2, root, "r2")
+    engine, transport = root_engine(root.settings(), N, client_id="root-resend", signer=Signer(key))
+    shards = [s1, s2]
+    devs = start_devices(lambda d: shards[shard_of(d)].settings(), range(N), delay={"d5": {1: 6.0}},
+                         fleet_key=key.public_key())
+    held = {f"d{i}" for i in range(5)}
+    restarted: list[Relay] = []
+
+    def restart() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not held <= first.aggregator.answered:
+            time.sleep(0.05)
+        first.stop()
+        restarted.append(relay(s1, root, "r1", hold_s=60.0, state_dir=tmp_path / "r1"))
+
+    t = threading.Thread(target=restart, daemon=True)
+    t.start()
+    try:
+        reports = engine.run()
+        t.join(5)
+    finally:
+        stop_devices(devs)
+        for r in [first, other, *restarted]:
+            r.stop()
+        transport.close()
+    assert restarted and first.partials_sent == 0 and held <= first.aggregator.answered
+    # d0-d4 sent their round-1 update twice (asked by the restarted relay), d5 once (after the request)
+    sent = {d.info.device_id: d.transport.stats.messages_out for d in devs}
+    assert all(sent[d] == sent["d5"] + 1 for d in held), sent
+    assert all(d.transport.stats.rejected == {} for d in devs), [d.transport.stats.rejected for d in devs]
+    for rep in reports:
+        assert sorted(rep.accepted) == ALL and rep.missing == [] and rep.rejected == {}, rep
+        assert rep.partials == {"r1": 6, "r2": 6}, rep.partials

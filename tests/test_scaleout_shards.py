@@ -136,3 +136,40 @@ def test_relays_forward_only_their_shard_and_workers_write_only_their_partials(
     finally:
         for c in (coord, worker, relay):
             c.stop()
+
+
+def test_a_signing_tls_sharded_fleet_shares_the_roots_key_and_ca_and_mtls_is_refused(mosquitto_bin: str) -> None:
+    base = _ports(2)
+    work = Path(tempfile.mkdtemp(prefix="fedge-shards-sign-"))
+    os.chmod(work, 0o755)
+    out = work / "broker"
+    try:
+        with pytest.raises(ConfigError, match="--mtls cannot be combined with --shards or --workers"):
+            write_sharded_config(CFG.run.fleet, IDS, out, BrokerOptions(mtls=True), shards=2, fleet_config=FLEET_TOML)
+        files = write_sharded_config(CFG.run.fleet, IDS, out, BrokerOptions(port=base, bind="127.0.0.1", sign=True,
+                                                                            tls=True), shards=2, workers=1,
+                                     fleet_config=FLEET_TOML)
+        # one signing key, the root coordinator's: every bundle verifies with its public half, no shard has a key
+        assert files.root.signing_key == out / "coordinator" / "signing.key"
+        assert all(s.signing_key is None for s in files.shards) and not list((out / "shards").rglob("signing.key"))
+        pub = (out / "coordinator" / "fleet.pub").read_bytes()
+        for dev in IDS:
+            assert (out / "bundles" / dev / "fleet.pub").read_bytes() == pub
+            assert tomllib.loads((out / "bundles" / dev / "bundle.toml").read_text())["fleet_key"] == "fleet.pub"
+        # one CA for the tree: a relay verifies the root and its shard with its one ca.crt
+        ca = out / "relays" / "relay-1" / "ca.crt"
+        assert all((s.out / "tls" / "ca.crt").read_bytes() == ca.read_bytes() for s in files.shards)
+        brokers = [MosquittoProcess(f.config.read_text(), port=base + k, workdir=f.out)
+                   for k, f in enumerate([files.root, files.shards[0]])]
+        try:
+            for b in brokers:
+                b.start()
+            secret = (out / "relays" / "relay-1" / "password").read_text().strip()
+            for b in brokers:
+                MqttClient(BrokerSettings(port=b.port, username="relay-1", password=secret, tls=True, ca_file=str(ca)),
+                           f"t-relay-{b.port}").start(5).stop()
+        finally:
+            for b in brokers:
+                b.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

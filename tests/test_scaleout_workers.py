@@ -2,7 +2,8 @@
 
 Two workers share the update stream (``$share/fedge-workers/...``); the coordinator reads only their
 partials. The global prototypes of every round must equal a single coordinator's over the same
-devices, both workers must have had a share, and a bad partial from a worker's account is refused
+devices (the workers' run signed, its devices verifying: a worker reads the signed descriptor inside its
+frame), both workers must have had a share, and a bad partial from a worker's account is refused
 (counted, with its reason) while the coordinator keeps serving.
 """
 
@@ -11,10 +12,12 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gate_helpers import FLEET
 from scaleout_helpers import FAST, engine_config, root_engine, start_devices, stop_devices, strategy
 
 from fedge.common.messages import Message
+from fedge.common.signing import Signer
 from fedge.coordinator.aggregator import PartialAggregator
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.client import MqttClient
@@ -24,11 +27,16 @@ from fedge.mqtt.worker import AggregationWorker
 N = 12
 
 
-def run_fleet(broker: MosquittoProcess, *, workers: int) -> tuple[dict[str, np.ndarray], list, list]:
-    engine, transport = root_engine(broker.settings(), N, updates=workers == 0, client_id=f"root-{workers}")
+def run_fleet(broker: MosquittoProcess, *, workers: int, signed: bool = False) -> tuple[dict[str, np.ndarray], list,
+                                                                                   list]:
+    """``signed``: the coordinator signs (the workers read the descriptor inside its frame) and every device
+    verifies with the fleet key."""
+    key = Ed25519PrivateKey.generate() if signed else None
+    engine, transport = root_engine(broker.settings(), N, updates=workers == 0, client_id=f"root-{workers}",
+                                    signer=None if key is None else Signer(key))
     pool = [AggregationWorker(broker.settings(), FLEET, PartialAggregator(strategy(), engine_config(), f"w{k}"),
                               settings=FAST).start() for k in range(workers)]
-    devs = start_devices(lambda d: broker.settings(), range(N))
+    devs = start_devices(lambda d: broker.settings(), range(N), fleet_key=None if key is None else key.public_key())
     try:
         reports = engine.run()
     finally:
@@ -42,7 +50,7 @@ def run_fleet(broker: MosquittoProcess, *, workers: int) -> tuple[dict[str, np.n
 def test_two_workers_on_a_shared_subscription_give_the_single_coordinators_aggregate(
         mosquitto: MosquittoProcess) -> None:
     flat, flat_reports, _ = run_fleet(mosquitto, workers=0)
-    split, reports, pool = run_fleet(mosquitto, workers=2)
+    split, reports, pool = run_fleet(mosquitto, workers=2, signed=True)  # the workers under signed state
     # the same devices and updates: sums of two partials (float64, sent as two float32 halves) vs one sum
     np.testing.assert_array_equal(split["counts"], flat["counts"])
     np.testing.assert_array_max_ulp(split["protos"], flat["protos"], maxulp=1)

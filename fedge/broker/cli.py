@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from fedge.broker.config import BrokerOptions
 
@@ -143,17 +144,31 @@ def _sharded(args: argparse.Namespace, fleet: str, ids: list[str], opts: BrokerO
     files = write_sharded_config(fleet, ids, args.out, opts, shards=max(args.shards, 1), workers=args.workers,
                                  fleet_config=args.fleet)
     out = files.root.out
-    scheme = "mqtts" if opts.tls else "mqtt"
+    scheme = "mqtts" if opts.uses_tls else "mqtt"
+    root_url = f"{scheme}://{opts.hostname}:{opts.port}"
+
+    def ca(d: Path) -> str:
+        return f" --ca {d / 'ca.crt'}" if opts.uses_tls else ""
+
     print(f"root broker: mosquitto -c {files.root.config} (coordinator, {len(files.relays)} relay and "
           f"{len(files.workers)} worker accounts)")
     for k, (shard, members) in enumerate(zip(files.shards, files.members, strict=True)):
         relay = files.relays[k]
         print(f"shard {k + 1}: mosquitto -c {shard.config} ({len(members)} devices: {members[0]} ... {members[-1]})")
         print(f"  relay: fedge relay --config {args.fleet} --name {relay} --username {relay} --password-file "
-              f"{out / 'relays' / relay / 'password'} --broker {scheme}://{opts.hostname}:{opts.port} "
+              f"{out / 'relays' / relay / 'password'}{ca(out / 'relays' / relay)} --broker {root_url} "
               f"--shard {scheme}://{opts.hostname}:{opts.port + k + 1}")
     for w in files.workers:
         print(f"worker: fedge coordinator worker --config {args.fleet} --username {w} --password-file "
-              f"{out / 'workers' / w / 'password'} --broker {scheme}://{opts.hostname}:{opts.port}")
+              f"{out / 'workers' / w / 'password'}{ca(out / 'workers' / w)} --broker {root_url}")
+    coord = out / "coordinator"
+    sign = ""
+    if files.root.signing_key is not None:
+        sign = f" --signing-key {files.root.signing_key}"
+        print(f"signing: the fleet key {files.root.signing_key} (keep it secret); relays forward the signed state "
+              "unchanged, every bundle holds fleet.pub")
+    print(f"coordinator: fedge coordinator run --config {args.fleet} --broker {root_url} --username "
+          f"{opts.coordinator_user} --password-file {coord / 'password'}{ca(coord)}{sign}"
+          f"{' --workers' if files.workers else ''} --state-dir DIR")
     print(f"device bundles (each naming its shard) in {out / 'bundles'}/ID")
     return 0

@@ -316,11 +316,14 @@ def _largest_message(opts: BrokerOptions, fleet_config: str | Path | None) -> in
 
 
 def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: BrokerOptions | None = None, *,
-                        fleet_config: str | Path | None = None, queue_devices: int | None = None) -> BrokerFiles:
+                        fleet_config: str | Path | None = None, queue_devices: int | None = None,
+                        fleet_pub: Path | None = None) -> BrokerFiles:
     """Write everything for ``fleet`` with ``devices`` to ``out`` (see the module docstring).
 
     ``queue_devices``: how many devices' messages the queues must hold, when not ``len(devices)`` (a
-    sharded fleet's root broker has no device account but carries every device's hello and status)."""
+    sharded fleet's root broker has no device account but carries every device's hello and status).
+    ``fleet_pub``: when the fleet signs, the public key to put in the bundles instead of a signing key of
+    this directory's own (a shard's broker: the root coordinator signs)."""
     opts = opts or BrokerOptions()
     account = broker_account(opts.run_as)
     check_name(fleet, "fleet name")
@@ -369,9 +372,10 @@ def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: B
         for user in (opts.coordinator_user, opts.deploy_user):
             secrets_dir[user].mkdir(parents=True, exist_ok=True)
             shutil.copyfile(files.ca, secrets_dir[user] / "ca.crt")
-    fleet_pub = None
-    if opts.signs:
+    if opts.signs and fleet_pub is None:
         files.signing_key, fleet_pub = _signing_key(outp / "coordinator")
+    if opts.signs:
+        assert fleet_pub is not None
         for user in users[1:]:  # the deploy account and every device: what they verify signatures with
             secrets_dir[user].mkdir(parents=True, exist_ok=True)
             shutil.copyfile(fleet_pub, secrets_dir[user] / "fleet.pub")

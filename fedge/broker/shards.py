@@ -31,6 +31,7 @@ from pathlib import Path
 
 from fedge.broker.config import BrokerFiles, BrokerOptions, _password, _write, broker_account, write_broker_config
 from fedge.broker.passwords import hash_password
+from fedge.common.atomicfile import write_atomic
 from fedge.errors import ConfigError
 from fedge.mqtt.topics import FleetTopics
 
@@ -83,6 +84,12 @@ def write_sharded_config(fleet: str, devices: list[str], out: str | Path, opts: 
                          shards: int, workers: int = 0, fleet_config: str | Path | None = None) -> ShardedFiles:
     """Write the root broker, ``shards`` shard brokers and ``workers`` worker accounts (module docstring)."""
     opts = opts or BrokerOptions()
+    if opts.mtls:
+        raise ConfigError("--mtls cannot be combined with --shards or --workers yet: relays and aggregation workers "
+                          "have password accounts only, and `fedge broker revoke/rotate` know one broker",
+                          hint="use --sign (signed state: relays forward it unchanged, devices verify it) with "
+                               "passwords, and --tls for encryption; or a single broker with --mtls (docs/scale.md, "
+                               "'Identity and signed state')")
     outp = Path(out).resolve()
     members = split_devices(devices, shards)
     relays = {f"relay-{k + 1}": m for k, m in enumerate(members)}
@@ -111,13 +118,28 @@ def write_sharded_config(fleet: str, devices: list[str], out: str | Path, opts: 
         # the relay's password on its shard is its root password (one account, two brokers)
         (sdir / "coordinator").mkdir(parents=True, exist_ok=True)
         _write(sdir / "coordinator" / "password", passwords[relay] + "\n", 0o600)
+        if root.ca is not None:
+            _share_ca(outp, sdir)
         shard = write_broker_config(fleet, shard_devices, sdir, dataclasses.replace(
-            opts, port=opts.port + k + 1, coordinator_user=relay, rotate=False), fleet_config=fleet_config)
+            opts, port=opts.port + k + 1, coordinator_user=relay, rotate=False), fleet_config=fleet_config,
+            fleet_pub=outp / "coordinator" / "fleet.pub" if root.signing_key is not None else None)
         files.shards.append(shard)
         for bundle in shard.bundles:  # every bundle where `fedge flash --broker-dir OUT` looks for it
             target = outp / "bundles" / bundle.name
             shutil.copytree(bundle, target, dirs_exist_ok=True)
             root.bundles.append(target)
+    if root.ca is not None:  # the relays' and workers' CA file (one CA for the whole tree)
+        for d in [outp / "relays" / r for r in relays] + [outp / "workers" / w for w in worker_names]:
+            shutil.copyfile(root.ca, d / "ca.crt")
     log.info("wrote a root broker and %d shard brokers for fleet %s (%d devices, %d workers) to %s", shards, fleet,
              len(devices), workers, outp)
     return files
+
+
+def _share_ca(root: Path, shard: Path) -> None:
+    """Shard brokers get their server certificate from the root's CA (one CA for the tree: a relay verifies
+    both of its brokers with one ``ca.crt``), by finding the root's CA where ``make_tls`` looks for its own."""
+    (shard / "ca").mkdir(mode=0o700, parents=True, exist_ok=True)
+    (shard / "tls").mkdir(parents=True, exist_ok=True)
+    write_atomic(shard / "ca" / "ca.key", (root / "ca" / "ca.key").read_bytes(), 0o600)
+    shutil.copyfile(root / "tls" / "ca.crt", shard / "tls" / "ca.crt")

@@ -49,8 +49,9 @@ class PartialAggregator:
         """Register devices from hellos (the coordinator's checks); the new ids."""
         return self.gate.register(hellos)
 
-    def begin(self, rnd: int, *, final: bool, descriptor: str) -> bool:
-        """Round ``rnd`` was announced (descriptor id ``descriptor``); True if it is a new round here.
+    def begin(self, rnd: int, *, final: bool, descriptor: str, sampled: Iterable[str] | None = None) -> bool:
+        """Round ``rnd`` was announced (descriptor id ``descriptor``; ``sampled``: the devices it samples, None
+        for all, refused here as at the coordinator); True if it is a new round here.
 
         The same round announced again (the coordinator re-announced it, or this node restarted)
         keeps what was accumulated: the gate refuses a second update from the same device.
@@ -61,7 +62,7 @@ class PartialAggregator:
         self.gate.end_round(())
         self.gate.drain()
         self.round, self.final = rnd, final
-        self.gate.begin_round(rnd, final=final)
+        self.gate.begin_round(rnd, final=final, sampled=sampled)
         self.merger.begin_round(rnd, final=final)
         if not final:
             self.strategy.begin_round(rnd)
@@ -75,6 +76,12 @@ class PartialAggregator:
         for d in device_ids:
             self.answered.add(d)
             self.gate._seen.add(d)
+
+    @staticmethod
+    def sampled_of(round_info: object) -> list[str] | None:
+        """The ``sampled`` list of a descriptor's ``round`` info (None: every device; docs/protocol.md section 4)."""
+        sampled = round_info.get("sampled") if isinstance(round_info, dict) else None
+        return [str(d) for d in sampled] if isinstance(sampled, list) else None
 
     # -- inbound ----------------------------------------------------------------------------
     def admit(self, item: Inbound) -> bool:

@@ -218,7 +218,8 @@ def _relay(args: argparse.Namespace) -> int:
 
     agg, parent, wire = _aggregator(args)
     child = parse_broker_url(args.shard, username=parent.username, password=parent.password,
-                             tls=True if parent.tls else None, ca_file=parent.ca_file)
+                             tls=True if parent.tls else None, ca_file=parent.ca_file, cert_file=parent.cert_file,
+                             key_file=parent.key_file)
     relay = Relay(child, parent, agg.config.fleet, agg, settings=wire, state_dir=args.state_dir,
                   margin_s=args.margin, hold_s=args.hold)
     restore = install_stop_signals()

@@ -183,6 +183,9 @@ class PartialMerger:
             device = self.gate.devices.get(dev_id)
             if device is None:
                 raise Rejected("unregistered", f"{msg.sender} reports {dev_id[:64]!r}, which has not said hello here")
+            if not self.gate.sampled(dev_id):
+                raise Rejected("unsampled", f"{msg.sender} reports {dev_id[:64]!r}, which was not sampled for round "
+                                            f"{self._round}")
             if dev_id in counted:
                 overlap.append(dev_id)
                 continue

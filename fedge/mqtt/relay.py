@@ -3,10 +3,13 @@
 Devices of a shard talk only to their shard's broker, with the same topics as a flat fleet. The relay
 is connected to both brokers under its own account:
 
-* **down** (parent → shard, retained, byte for byte): the global state (``global/#``, chunk parts
-  included), the devices' ``refused/{id}``; and the round descriptor, re-issued under a fresh message
-  id whenever this relay starts or reconnects to its shard (devices that already answered the round
-  then send their cached update again: protocol §8), otherwise once per descriptor of the parent;
+* **down** (parent → shard, retained, byte for byte): the round descriptor, the global state
+  (``global/#``, chunk parts included) and the devices' ``refused/{id}`` — signed frames stay signed: a
+  relay holds no fleet key and changes nothing a device verifies (it reads the descriptor inside the
+  frame without verifying it); and, whenever this relay starts or reconnects to its shard, a retained
+  **resend request** (``rounds/resend``, naming the descriptor) so that devices whose update it may have
+  lost send their cached update again (protocol §8 and §13) — where a coordinator re-announces the round
+  under a new message id, which a relay could not sign;
 * **up** (shard → parent): the devices' retained ``hello`` and ``status`` (the parent registers the
   devices and knows who is offline; the parent's ACL lets this relay write exactly those of its
   shard's devices), and — instead of N updates — its partial aggregate: every update passes the
@@ -19,9 +22,10 @@ A relay of relays is the same program with a relay's shard as its child broker: 
 
 **Faults.** The devices this relay has forwarded in the current round are saved (``state_dir``) after
 the parent acknowledged each partial. A relay killed mid-round loses its unsent sums; restarted, it
-re-issues the descriptor, its devices resend their cached updates, the ones it had forwarded are
+asks its devices to resend (the resend request), they send their cached updates again, the ones it had forwarded are
 refused as duplicates and the rest aggregated: no accepted update is lost or counted twice. A shard
-broker restart is a reconnection: the relay publishes the global state and the descriptor again.
+broker restart is a reconnection: the relay publishes the global state, the descriptor and a resend request
+again.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 
 from fedge.common.messages import Message, new_msg_id
 from fedge.common.rounds import FINAL_PHASE
+from fedge.common.signing import unwrap
 from fedge.common.transport import Inbound
 from fedge.coordinator.aggregator import PartialAggregator
 from fedge.errors import PayloadError
@@ -70,7 +75,11 @@ class Relay:
         self._down_retained: dict[str, bytes] = {}  # topic -> payload forwarded down (republished after a
         self._down_lock = threading.Lock()          # reconnection to the shard)
         self._parent_round_id: str | None = None
-        self._descriptor: Message | None = None  # the parent's current descriptor
+        self._descriptor: Message | None = None  # the parent's current descriptor (inside its signed frame)
+        # A relay that starts while its shard already holds the parent's current descriptor (retained: a previous
+        # run of this relay forwarded it) may have lost updates its devices sent: it asks them again, once.
+        self._ask_resend = True
+        self._shard_round_id: str | None = None  # msg id of the descriptor retained on the shard at (re)connection
         self._deadline = 0.0
         self._last_accept = 0.0
         self._saved = self._load_state()
@@ -88,6 +97,7 @@ class Relay:
         for kind in ("status", "hello", "update"):
             self.down.subscribe(t.device_filter(kind))
         self.down.subscribe(t.partial_filter)
+        self.down.subscribe(t.round)  # what the shard holds (retained) when this relay connects
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> Relay:
@@ -135,8 +145,8 @@ class Relay:
     def _on_child_connect(self, session_present: bool) -> None:
         if self.down.connects <= 1:
             return
-        # The shard's broker may have restarted and lost its retained messages: publish them again, and
-        # the descriptor under a fresh id (devices whose update it lost send it again).
+        # The shard's broker may have restarted and lost its retained messages (the descriptor among them):
+        # publish them again, and a resend request (devices whose update it lost send it again).
         with self._down_lock:
             again = list(self._down_retained.items())
         for topic, payload in again:
@@ -147,6 +157,10 @@ class Relay:
     def _on_child(self, m: Received) -> None:
         self.down_stats.messages_in += 1
         self.down_stats.bytes_in += len(m.payload)
+        if m.topic == self.topics.round:
+            if m.retain and m.payload:  # retained: delivered on subscribing, not this relay's own forward
+                self._inbox.put(("shard-round", m.payload))
+            return
         account = self.topics.parse_partial(m.topic)
         if account is not None:
             if m.payload:
@@ -215,16 +229,25 @@ class Relay:
                 self._last_accept = time.monotonic()
         elif kind == "round":
             self._on_round(arg)
+        elif kind == "shard-round":
+            try:
+                self._shard_round_id = Message.from_bytes(unwrap(arg), max_bytes=MAX_HELLO_BYTES).msg_id
+            except PayloadError as exc:
+                log.warning("relay %s: its shard holds a bad round descriptor: %s", self.name, exc)
+                return
+            self._maybe_ask_resend()
         elif kind == "reissue" and self._descriptor is not None:
-            self._publish_descriptor()
+            self._ask_resend = False
+            self._request_resend()
 
     def _on_round(self, raw: bytes) -> None:
         if not raw:  # the run is over: the parent withdrew its descriptor
             self._parent_round_id = None
             self._forward_down(self.topics.round, b"")
+            self._forward_down(self.topics.resend, b"")
             return
-        try:
-            msg = Message.from_bytes(raw, max_bytes=MAX_HELLO_BYTES)
+        try:  # a signed descriptor is read inside its frame, not verified: the devices verify it
+            msg = Message.from_bytes(unwrap(raw), max_bytes=MAX_HELLO_BYTES)
             rnd = msg.info.get("round", {})
             final = isinstance(rnd, dict) and rnd.get("phase") == FINAL_PHASE
             deadline = float(rnd.get("deadline", 0.0)) if isinstance(rnd, dict) else 0.0
@@ -237,25 +260,40 @@ class Relay:
         self._send(self.aggregator.flush())  # whatever is left of the previous round (refused there if late)
         self._descriptor, self._deadline = msg, deadline
         run = str(msg.info.get("run", ""))
-        if self.aggregator.begin(msg.round, final=final, descriptor=msg.msg_id):
+        if self.aggregator.begin(msg.round, final=final, descriptor=msg.msg_id,
+                                 sampled=self.aggregator.sampled_of(msg.info.get("round"))):
             saved = self._saved
             if saved.get("run") == run and saved.get("round") == msg.round:
                 self.aggregator.mark_answered(saved.get("forwarded", []))
                 log.info("relay %s: resuming round %d, %d devices forwarded before the restart", self.name,
                          msg.round, len(saved.get("forwarded", [])))
             self._saved = {"run": run, "round": msg.round, "forwarded": sorted(self.aggregator.answered)}
-        self._publish_descriptor()
+        # Byte for byte: a signed descriptor keeps the coordinator's signature (its topic is the same on every
+        # broker of the tree, the fleet's ``rounds/current``), and every shard sees the same message id.
+        self._forward_down(self.topics.round, raw)
+        self._maybe_ask_resend()
 
-    def _publish_descriptor(self) -> None:
-        """The parent's descriptor under a fresh message id (the shard's devices compare ids)."""
+    def _maybe_ask_resend(self) -> None:
+        """Once after starting, if the shard already held the parent's current descriptor (whichever of the two
+        this relay learnt first): its devices may have answered a previous run of this relay."""
+        if self._ask_resend and self._descriptor is not None and self._shard_round_id == self._descriptor.msg_id:
+            self._ask_resend = False
+            self._request_resend()
+
+    def _request_resend(self) -> None:
+        """Ask the shard's devices to send their cached update of the current descriptor again (this relay
+        started, perhaps after being killed, or reconnected to its shard): retained, so a device away now
+        gets it when it returns; a device acts on each request once (protocol §13)."""
         assert self._descriptor is not None
-        msg = Message.from_bytes(self._descriptor.to_bytes())
-        msg.msg_id = new_msg_id()
-        self._forward_down(self.topics.round, msg.to_bytes())
+        body = json.dumps({"descriptor": self._descriptor.msg_id, "id": new_msg_id()}).encode()
+        self.down.publish(self.topics.resend, body, retain=True)
+        self.down_stats.count_out(len(body))
 
     def expected(self) -> set[str]:
-        """The shard's registered devices that are not offline (child relays' devices included)."""
-        return {d for d in self.aggregator.gate.devices if self._online.get(d, True)}
+        """The shard's registered devices that are not offline and owe this round an update (sampled, when the
+        round samples), child relays' devices included."""
+        gate = self.aggregator.gate
+        return {d for d in gate.devices if self._online.get(d, True) and gate.sampled(d)}
 
     def _maybe_send(self) -> None:
         agg = self.aggregator

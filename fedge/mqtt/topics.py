@@ -6,6 +6,7 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/devices/{id}/hello         retained  hello message (profile, plan, architecture)
     fedge/{fleet}/devices/{id}/update        -         update message, or its chunk frames
     fedge/{fleet}/rounds/current             retained  round descriptor message
+    fedge/{fleet}/rounds/resend              retained  a relay's request to send the cached update again (JSON)
     fedge/{fleet}/global/{artifact}          retained  global state message, or a chunk manifest
     fedge/{fleet}/global/{artifact}/part/{i} retained  chunk frame i of a chunked global state
     fedge/{fleet}/refused/{id}               retained  why the coordinator refused device {id} (empty: accepted)
@@ -112,6 +113,12 @@ class FleetTopics:
     def round(self) -> str:
         """The retained round descriptor."""
         return f"{self.base}/rounds/current"
+
+    @property
+    def resend(self) -> str:
+        """A relay's retained request that devices send their cached update again (docs/protocol.md section 13):
+        the relay forwards the coordinator's (signed) descriptor unchanged, so it cannot re-issue it."""
+        return f"{self.base}/rounds/resend"
 
     def global_(self, artifact: str) -> str:
         """The retained global state ``artifact`` (whole message or chunk manifest)."""

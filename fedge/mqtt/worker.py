@@ -22,6 +22,7 @@ import time
 
 from fedge.common.messages import Message
 from fedge.common.rounds import FINAL_PHASE
+from fedge.common.signing import unwrap
 from fedge.common.transport import Inbound
 from fedge.coordinator.aggregator import PartialAggregator
 from fedge.errors import PayloadError
@@ -97,8 +98,8 @@ class AggregationWorker:
     def _on_round(self, raw: bytes) -> None:
         if not raw:
             return
-        try:
-            msg = Message.from_bytes(raw, max_bytes=MAX_HELLO_BYTES)
+        try:  # a signed descriptor (docs/protocol.md section 11) is read inside its frame: a worker only counts
+            msg = Message.from_bytes(unwrap(raw), max_bytes=MAX_HELLO_BYTES)
             rnd = msg.info.get("round", {})
             final = isinstance(rnd, dict) and rnd.get("phase") == FINAL_PHASE
         except PayloadError as exc:
@@ -109,7 +110,8 @@ class AggregationWorker:
         self._round_id = msg.msg_id
         with self._lock:
             leftover = self.aggregator.flush() if msg.round != self.aggregator.round else None
-            self.aggregator.begin(msg.round, final=final, descriptor=msg.msg_id)
+            self.aggregator.begin(msg.round, final=final, descriptor=msg.msg_id,
+                                  sampled=self.aggregator.sampled_of(rnd))
         if leftover is not None:
             self._send(leftover)
 
