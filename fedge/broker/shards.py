@@ -17,8 +17,10 @@ Devices are split into N contiguous shards in fleet order. ACLs: on a shard a de
 flat fleet's rights — and no account at all on another shard or on the root, so it can publish into
 no other shard. On the root, relay K may write the ``hello`` and ``status`` topics of its shard's
 devices only (it forwards them), its own ``partials/relay-K`` and ``relays/relay-K/status``, and read
-rounds, global state and its devices' ``refused/{id}``; worker K may read updates and hellos (its
-shared subscription) and rounds, and write ``partials/worker-K`` only.
+rounds, global state, model packages and its devices' ``refused/{id}`` and OTA orders, and write
+their OTA statuses; on its shard it also writes ``ota/#`` (it forwards ``fedge deploy``'s updates);
+worker K may read updates and hellos (its shared subscription) and rounds, and write
+``partials/worker-K`` only.
 """
 
 from __future__ import annotations
@@ -71,12 +73,22 @@ def root_acl_extra(fleet: str, relays: dict[str, list[str]], workers: list[str])
     lines: list[str] = []
     for relay, devices in relays.items():
         lines += ["", f"user {relay}", f"topic write {t.partial(relay)}", f"topic readwrite {t.relay_status(relay)}",
-                  f"topic read {t.round}", f"topic read {t.base}/global/#"]
+                  f"topic read {t.round}", f"topic read {t.base}/global/#", f"topic read {t.base}/ota/models/#"]
         for dev in devices:
-            lines += [f"topic write {t.hello(dev)}", f"topic write {t.status(dev)}", f"topic read {t.refused(dev)}"]
+            lines += [f"topic write {t.hello(dev)}", f"topic write {t.status(dev)}", f"topic read {t.refused(dev)}",
+                      f"topic read {t.ota_order(dev)}", f"topic write {t.ota_status(dev)}"]
     for worker in workers:
         lines += ["", f"user {worker}", f"topic read {t.device_filter('update')}",
                   f"topic read {t.device_filter('hello')}", f"topic read {t.round}", f"topic write {t.partial(worker)}"]
+    return "\n".join(lines) + "\n"
+
+
+def shard_acl_extra(fleet: str, relay: str) -> str:
+    """A shard ACL's lines for its relay beyond the coordinator's (it stands in its place): it republishes
+    ``fedge deploy``'s model packages and orders on the shard and reads the devices' OTA statuses. Mosquitto
+    adds a second ``user`` block of the same name to the first."""
+    t = FleetTopics(fleet)
+    lines = ["", f"user {relay}", f"topic readwrite {t.base}/ota/#", f"topic read {t.ota_status_filter()}"]
     return "\n".join(lines) + "\n"
 
 
@@ -123,6 +135,7 @@ def write_sharded_config(fleet: str, devices: list[str], out: str | Path, opts: 
         shard = write_broker_config(fleet, shard_devices, sdir, dataclasses.replace(
             opts, port=opts.port + k + 1, coordinator_user=relay, rotate=False), fleet_config=fleet_config,
             fleet_pub=outp / "coordinator" / "fleet.pub" if root.signing_key is not None else None)
+        _write(shard.acl, shard.acl.read_text() + shard_acl_extra(fleet, relay), 0o600, owner=account)
         files.shards.append(shard)
         for bundle in shard.bundles:  # every bundle where `fedge flash --broker-dir OUT` looks for it
             target = outp / "bundles" / bundle.name

@@ -4,19 +4,21 @@ Devices of a shard talk only to their shard's broker, with the same topics as a 
 is connected to both brokers under its own account:
 
 * **down** (parent → shard, retained, byte for byte): the round descriptor, the global state
-  (``global/#``, chunk parts included) and the devices' ``refused/{id}`` — signed frames stay signed: a
+  (``global/#``, chunk parts included), the devices' ``refused/{id}`` and ``fedge deploy``'s model
+  packages and orders (``ota/#``) — signed frames stay signed: a
   relay holds no fleet key and changes nothing a device verifies (it reads the descriptor inside the
   frame without verifying it); and, whenever this relay starts or reconnects to its shard, a retained
   **resend request** (``rounds/resend``, naming the descriptor) so that devices whose update it may have
   lost send their cached update again (protocol §8 and §13) — where a coordinator re-announces the round
   under a new message id, which a relay could not sign;
-* **up** (shard → parent): the devices' retained ``hello`` and ``status`` (the parent registers the
-  devices and knows who is offline; the parent's ACL lets this relay write exactly those of its
-  shard's devices), and — instead of N updates — its partial aggregate: every update passes the
-  update gate into the strategy's accumulators (:class:`~fedge.coordinator.aggregator.PartialAggregator`),
-  a child relay's partial is merged, and once every online device of the shard has answered (or the
-  round's deadline is ``margin_s`` away, or nothing new came for ``hold_s``) one ``partial`` goes to
-  ``fedge/{fleet}/partials/{account}`` on the parent.
+* **up** (shard → parent): the devices' retained ``hello``, ``status`` and OTA status (the parent
+  registers the devices and knows who is offline, ``fedge deploy`` follows the rollout; the parent's ACL
+  lets this relay write exactly those of its shard's devices), and — instead of N updates — its
+  partial aggregate: every update passes the update gate into the strategy's accumulators
+  (:class:`~fedge.coordinator.aggregator.PartialAggregator`), a child relay's partial is merged, and
+  once every online device of the shard has answered (or the round's deadline is ``margin_s`` away, or
+  nothing new came for ``hold_s``) one ``partial`` goes to ``fedge/{fleet}/partials/{account}`` on the
+  parent.
 
 A relay of relays is the same program with a relay's shard as its child broker: trees of any depth.
 
@@ -90,13 +92,15 @@ class Relay:
         self.up = MqttClient(parent, self.name, clean_session=True, on_message=self._on_parent,
                              on_connect=self._on_parent_connect,
                              will=Will(t.relay_status(self.name), STATUS_OFFLINE))
-        for topic in (t.round, f"{t.base}/global/#", f"{t.base}/refused/+"):
+        # over-the-air model updates (fedge deploy, signed by the fleet key) go down unchanged too
+        for topic in (t.round, f"{t.base}/global/#", f"{t.base}/refused/+", f"{t.base}/ota/#"):
             self.up.subscribe(topic)
         self.down = MqttClient(child, self.name, clean_session=False, on_message=self._on_child,
                                on_connect=self._on_child_connect)
         for kind in ("status", "hello", "update"):
             self.down.subscribe(t.device_filter(kind))
         self.down.subscribe(t.partial_filter)
+        self.down.subscribe(t.ota_status_filter())
         self.down.subscribe(t.round)  # what the shard holds (retained) when this relay connects
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -131,7 +135,7 @@ class Relay:
         if m.topic == self.topics.round:
             self._inbox.put(("round", m.payload))
             return
-        self._forward_down(m.topic, m.payload)  # global state, chunk parts, refusals: byte for byte
+        self._forward_down(m.topic, m.payload)  # global state, chunk parts, refusals, OTA: byte for byte
 
     def _forward_down(self, topic: str, payload: bytes) -> None:
         with self._down_lock:
@@ -160,6 +164,10 @@ class Relay:
         if m.topic == self.topics.round:
             if m.retain and m.payload:  # retained: delivered on subscribing, not this relay's own forward
                 self._inbox.put(("shard-round", m.payload))
+            return
+        if self.topics.parse_ota_status(m.topic) is not None:  # a device's OTA status, for fedge deploy
+            if len(m.payload) <= MAX_HELLO_BYTES:
+                self._forward_up(m.topic, m.payload, retain=True)
             return
         account = self.topics.parse_partial(m.topic)
         if account is not None:

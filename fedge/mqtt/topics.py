@@ -186,6 +186,13 @@ class FleetTopics:
             return None
         return DeviceTopic(parts[3], parts[4])  # type: ignore[arg-type]
 
+    def parse_ota_status(self, topic: str) -> str | None:
+        """The device id of an OTA status topic (``devices/{id}/ota``) of this fleet, else None."""
+        parts = topic.split("/")
+        if len(parts) != 5 or parts[0] != ROOT or parts[1] != self.fleet or parts[2] != "devices" or parts[4] != "ota":
+            return None
+        return parts[3] if _NAME.match(parts[3]) else None
+
     def parse_global(self, topic: str) -> GlobalTopic | None:
         """``GlobalTopic`` for a global-state topic of this fleet, else None."""
         parts = topic.split("/")
