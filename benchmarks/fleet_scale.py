@@ -273,7 +273,9 @@ def coordinator_main(args: argparse.Namespace) -> None:
     from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 
     rss_start = _rss_kb()
-    transport = MqttCoordinatorTransport(BrokerSettings(port=args.port), args.fleet).start()
+    # --workers-mode: aggregation workers read the updates (benchmarks.scaleout); this process merges partials
+    transport = MqttCoordinatorTransport(BrokerSettings(port=args.port), args.fleet,
+                                         updates=not getattr(args, "workers_mode", False)).start()
     strat = FedProtoStrategy(num_classes=CLASSES, rounds=args.rounds)
     # keep_reports=1 as in a long-running coordinator (fedge coordinator run keeps 8): the history is on disk.
     agg = Aggregation(args.aggregation, clip=args.clip)
@@ -459,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("--fleet", required=True)
     co.add_argument("--state-dir", required=True)
     co.add_argument("--observe", metavar="URLFILE", help="serve the dashboard and /metrics; write the URL here")
+    co.add_argument("--workers-mode", action="store_true", help="merge workers' partials, read no updates")
     for q in (p, co):
         q.add_argument("--aggregation", choices=("mean", "trimmed", "median"), default="mean",
                        help="the coordinator's aggregation rule (default mean)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from fedge.broker.config import BrokerOptions
 
@@ -48,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="account mosquitto drops to when started as root (default: mosquitto); run as root, "
                         "this command hands passwd, acl, the server key and data/ to it")
     c.add_argument("--rotate", action="store_true", help="issue new passwords (or certificates) for every account")
+    c.add_argument("--shards", type=int, default=0, metavar="N",
+                   help="split the devices over N shard brokers (ports --port+1 ... --port+N) with one relay "
+                        "account each (fedge relay); the root broker (--port) serves the coordinator and the relays; "
+                        "every device's bundle names its shard (docs/scale.md)")
+    c.add_argument("--workers", type=int, default=0, metavar="K",
+                   help="K aggregation worker accounts on the root broker (fedge coordinator worker)")
     c.set_defaults(func=_config)
 
     for name, helptext in (("revoke", "revoke one device: its certificate into the CRL (or its password removed)"),
@@ -101,6 +108,8 @@ def _config(args: argparse.Namespace) -> int:
                          max_message_bytes=args.max_message_bytes, chunk_bytes=args.chunk_bytes,
                          bundles=not args.no_bundles,
                          run_as=args.run_as, rotate=args.rotate)
+    if args.shards or args.workers:
+        return _sharded(args, cfg.run.fleet, ids, opts)
     files = write_broker_config(cfg.run.fleet, ids, args.out, opts, fleet_config=args.fleet)
     secrets = "client certificates" if opts.mtls else files.passwd.name
     print(f"wrote {files.config}, {secrets}, {files.acl.name} for fleet {cfg.run.fleet}: "
@@ -126,4 +135,40 @@ def _config(args: argparse.Namespace) -> int:
     sign = f" --signing-key {files.signing_key}" if files.signing_key is not None else ""
     print(f"coordinator: fedge coordinator run --config {args.fleet} --broker "
           f"{'mqtts' if opts.uses_tls else 'mqtt'}://{opts.hostname}:{opts.port}{creds}{tls}{sign} --state-dir DIR")
+    return 0
+
+
+def _sharded(args: argparse.Namespace, fleet: str, ids: list[str], opts: BrokerOptions) -> int:
+    from fedge.broker.shards import write_sharded_config
+
+    files = write_sharded_config(fleet, ids, args.out, opts, shards=max(args.shards, 1), workers=args.workers,
+                                 fleet_config=args.fleet)
+    out = files.root.out
+    scheme = "mqtts" if opts.uses_tls else "mqtt"
+    root_url = f"{scheme}://{opts.hostname}:{opts.port}"
+
+    def ca(d: Path) -> str:
+        return f" --ca {d / 'ca.crt'}" if opts.uses_tls else ""
+
+    print(f"root broker: mosquitto -c {files.root.config} (coordinator, {len(files.relays)} relay and "
+          f"{len(files.workers)} worker accounts)")
+    for k, (shard, members) in enumerate(zip(files.shards, files.members, strict=True)):
+        relay = files.relays[k]
+        print(f"shard {k + 1}: mosquitto -c {shard.config} ({len(members)} devices: {members[0]} ... {members[-1]})")
+        print(f"  relay: fedge relay --config {args.fleet} --name {relay} --username {relay} --password-file "
+              f"{out / 'relays' / relay / 'password'}{ca(out / 'relays' / relay)} --broker {root_url} "
+              f"--shard {scheme}://{opts.hostname}:{opts.port + k + 1}")
+    for w in files.workers:
+        print(f"worker: fedge coordinator worker --config {args.fleet} --username {w} --password-file "
+              f"{out / 'workers' / w / 'password'}{ca(out / 'workers' / w)} --broker {root_url}")
+    coord = out / "coordinator"
+    sign = ""
+    if files.root.signing_key is not None:
+        sign = f" --signing-key {files.root.signing_key}"
+        print(f"signing: the fleet key {files.root.signing_key} (keep it secret); relays forward the signed state "
+              "unchanged, every bundle holds fleet.pub")
+    print(f"coordinator: fedge coordinator run --config {args.fleet} --broker {root_url} --username "
+          f"{opts.coordinator_user} --password-file {coord / 'password'}{ca(coord)}{sign}"
+          f"{' --workers' if files.workers else ''} --state-dir DIR")
+    print(f"device bundles (each naming its shard) in {out / 'bundles'}/ID")
     return 0

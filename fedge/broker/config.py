@@ -144,6 +144,9 @@ def acl_text(fleet: str, devices: list[str], coordinator: str, deploy: str | Non
         f"topic readwrite {t.base}/rounds/#",
         f"topic readwrite {t.base}/global/#",
         f"topic readwrite {t.base}/refused/+",
+        # partial aggregates of aggregation workers and relays (docs/scale.md), and the relays' statuses
+        f"topic readwrite {t.partial_filter}",
+        f"topic read {t.base}/relays/+/status",
     ]
     if deploy is not None:
         lines += ["", f"user {deploy}", f"topic readwrite {t.base}/ota/#", f"topic read {t.ota_status_filter()}"]
@@ -313,8 +316,14 @@ def _largest_message(opts: BrokerOptions, fleet_config: str | Path | None) -> in
 
 
 def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: BrokerOptions | None = None, *,
-                        fleet_config: str | Path | None = None) -> BrokerFiles:
-    """Write everything for ``fleet`` with ``devices`` to ``out`` (see the module docstring)."""
+                        fleet_config: str | Path | None = None, queue_devices: int | None = None,
+                        fleet_pub: Path | None = None) -> BrokerFiles:
+    """Write everything for ``fleet`` with ``devices`` to ``out`` (see the module docstring).
+
+    ``queue_devices``: how many devices' messages the queues must hold, when not ``len(devices)`` (a
+    sharded fleet's root broker has no device account but carries every device's hello and status).
+    ``fleet_pub``: when the fleet signs, the public key to put in the bundles instead of a signing key of
+    this directory's own (a shard's broker: the root coordinator signs)."""
     opts = opts or BrokerOptions()
     account = broker_account(opts.run_as)
     check_name(fleet, "fleet name")
@@ -329,7 +338,7 @@ def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: B
     (outp / "data").mkdir(exist_ok=True)
     if account is not None:
         os.chown(outp / "data", *account)  # mosquitto writes its database as this account
-    limits = queue_limits(len(devices), _largest_message(opts, fleet_config), opts.chunk_bytes)
+    limits = queue_limits(queue_devices or len(devices), _largest_message(opts, fleet_config), opts.chunk_bytes)
     tls_dir = outp / "tls" if opts.uses_tls else None
     ca = make_tls(tls_dir, opts.hostname, fleet, owner=account) if tls_dir is not None else None
 
@@ -363,9 +372,10 @@ def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: B
         for user in (opts.coordinator_user, opts.deploy_user):
             secrets_dir[user].mkdir(parents=True, exist_ok=True)
             shutil.copyfile(files.ca, secrets_dir[user] / "ca.crt")
-    fleet_pub = None
-    if opts.signs:
+    if opts.signs and fleet_pub is None:
         files.signing_key, fleet_pub = _signing_key(outp / "coordinator")
+    if opts.signs:
+        assert fleet_pub is not None
         for user in users[1:]:  # the deploy account and every device: what they verify signatures with
             secrets_dir[user].mkdir(parents=True, exist_ok=True)
             shutil.copyfile(fleet_pub, secrets_dir[user] / "fleet.pub")

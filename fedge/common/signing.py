@@ -199,6 +199,14 @@ def parse_signed(data: bytes) -> tuple[SignedHeader, bytes, bytes, bytes]:
     return header, raw, sig, bytes(data[12 + hlen + SIG_BYTES :])
 
 
+def unwrap(data: bytes) -> bytes:
+    """The message inside ``data`` when it is a signed frame, else ``data`` as it is — **without verifying** it:
+    for the nodes that only route signed state and read the round descriptor (relays, aggregation workers);
+    they forward the signed bytes unchanged and the devices verify them. :class:`SignatureError`
+    (``malformed``) for a broken frame."""
+    return parse_signed(data)[3] if is_signed(data) else data
+
+
 def _str(h: Mapping[str, Any], key: str, limit: int) -> str:
     value = h[key]
     if not isinstance(value, str) or len(value) > limit:

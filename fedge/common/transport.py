@@ -25,12 +25,16 @@ class Inbound:
     rejects an update whose envelope sender differs from its origin.
     ``reject`` = (reason, message) marks a payload the transport itself refused
     (a bad chunk checksum, an oversize transfer ...); the engine only counts it.
+    ``kind`` is ``update`` (a device's update) or ``partial`` (an aggregation worker's or a
+    relay's partial aggregate, ``origin`` then being that aggregator's account; see
+    :mod:`fedge.coordinator.partial`).
     """
 
     data: bytes
     origin: str | None = None
     received: float = 0.0  # unix seconds; 0 = unknown
     reject: tuple[str, str] | None = None
+    kind: str = "update"
 
 
 class CoordinatorTransport(ABC):

@@ -100,6 +100,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument("--rounds", type=int, help="override [run] rounds")
     r.add_argument("--any-device", action="store_true",
                    help="accept hellos from devices not listed in the fleet config")
+    r.add_argument("--workers", action="store_true",
+                   help="aggregation workers read the updates (fedge coordinator worker, an MQTT 5 shared "
+                        "subscription): this coordinator merges their partials and does not read updates itself")
     r.set_defaults(func=_run)
 
     dash = sub.add_parser("dashboard", help="the dashboard of a run directory (live while its coordinator runs)",
@@ -116,6 +119,150 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     dash.add_argument("--http-token-file", metavar="FILE", help="the token every request must carry")
     dash.add_argument("--once", metavar="PAGE.html", help="write the page to this file and exit (no server)")
     dash.set_defaults(func=_dashboard)
+
+    wk = csub.add_parser("worker", help="aggregate a share of the updates (MQTT 5 shared subscription)",
+                        description="An aggregation worker: reads its share of the fleet's updates through the "
+                                    "shared subscription $share/GROUP/fedge/FLEET/devices/+/update, checks each "
+                                    "with the coordinator's update gate, accumulates them and sends partial "
+                                    "aggregates to the coordinator (started with --workers). See docs/scale.md.")
+    _add_aggregator_arguments(wk)
+    add_broker_arguments(wk, required=True)
+    wk.add_argument("--group", default="fedge-workers", help="shared subscription group (default fedge-workers)")
+    wk.add_argument("--flush", type=float, default=0.05, metavar="S",
+                   help="send what accumulated every S seconds (default 0.05)")
+    wk.set_defaults(func=_worker)
+
+    rl = sub.add_parser("relay", help="relay one broker shard to its parent broker (hierarchical aggregation)",
+                        description="A relay: connected to its shard's broker (--shard) and to its parent's "
+                                    "(--broker) under one account; forwards the global state and round "
+                                    "descriptors down, the devices' hellos and statuses up, and one partial "
+                                    "aggregate of the shard's updates per round instead of the updates. See "
+                                    "docs/scale.md.")
+    _add_aggregator_arguments(rl)
+    add_broker_arguments(rl, required=True)
+    rl.add_argument("--shard", required=True, metavar="URL", help="the shard's broker (same credentials)")
+    rl.add_argument("--state-dir", metavar="DIR",
+                    help="where the relay notes the devices it forwarded this round (a restarted relay does not "
+                         "count them twice)")
+    rl.add_argument("--margin", type=float, default=1.0, metavar="S",
+                    help="send the partial S seconds before the round's deadline at the latest (default 1)")
+    rl.add_argument("--hold", type=float, default=1.0, metavar="S",
+                    help="send what accumulated once nothing new came for S seconds (default 1)")
+    rl.set_defaults(func=_relay)
+
+
+def _add_aggregator_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, metavar="FLEET.toml", help="the fleet config (the coordinator's)")
+    p.add_argument("--name", metavar="ACCOUNT",
+                   help="this aggregator's account: its partials go to fedge/FLEET/partials/ACCOUNT (default: "
+                        "--username)")
+    p.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
+    p.add_argument("--rounds", type=int, help="override [run] rounds (as the coordinator does)")
+
+
+def _aggregator(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(the aggregator, the broker settings, the transport settings) of a worker or relay command."""
+    import dataclasses
+
+    from fedge.coordinator.aggregator import PartialAggregator
+    from fedge.errors import ConfigError
+    from fedge.mqtt.flags import broker_settings
+    from fedge.mqtt.settings import TransportSettings
+
+    cfg = load_fleet_for(args)
+    if args.rounds is not None:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
+    name = args.name or args.username
+    if not name:
+        raise ConfigError("an aggregator needs an account name", hint="pass --name (or --username)")
+    engine_cfg, strat = _engine_parts(args, cfg, any_device=False)
+    return (PartialAggregator(strat, engine_cfg, name), broker_settings(args),
+            TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes))
+
+
+def load_fleet_for(args: argparse.Namespace) -> Any:
+    from fedge.fleet.config import load_fleet
+
+    return load_fleet(args.config)
+
+
+def _engine_parts(args: argparse.Namespace, cfg: Any, *, any_device: bool) -> tuple[Any, Any]:
+    """The EngineConfig and the strategy a fleet config (and the command's flags) describe."""
+    from fedge.coordinator.config import EngineConfig, slot_checks
+    from fedge.coordinator.service import KEEP_REPORTS
+    from fedge.fleet.config import device_ids
+    from fedge.fleet.registry import method_entry
+    from fedge.fleet.slots import checked_slots, fleet_classes
+
+    ids = [i for i, _ in device_ids(cfg)]
+    for dest in _FLAG_KEYS:
+        if not hasattr(args, dest):
+            setattr(args, dest, None)
+    section = coordinator_settings(args, cfg.coordinator, cfg.source)
+    d = SCHEDULING_DEFAULTS
+
+    def pick(key: str) -> Any:
+        value = getattr(section, key)
+        return d[key] if value is None else value
+
+    engine_cfg = EngineConfig(
+        fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
+        allowed_devices=None if any_device else frozenset(ids), max_update_bytes=int(pick("max_update_bytes")),
+        min_devices=int(pick("min_devices")), quorum_fraction=pick("quorum"), quorum_timeout_s=pick("quorum_timeout_s"),
+        deadline_slack=pick("deadline_slack"), round_timeout_s=pick("round_timeout_s"), min_round_s=pick("min_round_s"),
+        max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule(),
+        # every hello is checked against its device's slot (arch, precision, samples, embedding size)
+        slots=slot_checks(checked_slots(cfg), own_data=cfg.own_data), privacy=cfg.privacy_mechanism,
+        sampling=cfg.sampling)
+    strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
+                                                         rounds=cfg.run.rounds)
+    return engine_cfg, strat
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from fedge.coordinator.service import install_stop_signals
+    from fedge.mqtt.worker import AggregationWorker
+
+    agg, broker, wire = _aggregator(args)
+    worker = AggregationWorker(broker, agg.config.fleet, agg, group=args.group, flush_s=args.flush, settings=wire)
+    restore = install_stop_signals()
+    try:
+        worker.start()
+        print(f"worker {agg.name} of fleet {agg.config.fleet!r}: reading {worker.subscription} on {broker.url}, "
+              f"partials to {worker.topics.partial(agg.name)}", file=sys.stderr, flush=True)
+        worker.run_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        restore()
+        worker.stop()
+    return 0
+
+
+def _relay(args: argparse.Namespace) -> int:
+    from fedge.coordinator.service import install_stop_signals
+    from fedge.mqtt.client import parse_broker_url
+    from fedge.mqtt.relay import Relay
+
+    agg, parent, wire = _aggregator(args)
+    child = parse_broker_url(args.shard, username=parent.username, password=parent.password,
+                             tls=True if parent.tls else None, ca_file=parent.ca_file, cert_file=parent.cert_file,
+                             key_file=parent.key_file)
+    relay = Relay(child, parent, agg.config.fleet, agg, settings=wire, state_dir=args.state_dir,
+                  margin_s=args.margin, hold_s=args.hold)
+    restore = install_stop_signals()
+    try:
+        relay.start()
+        print(f"relay {agg.name} of fleet {agg.config.fleet!r}: shard {child.url} -> parent {parent.url}",
+              file=sys.stderr, flush=True)
+        relay.run_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        restore()
+        relay.stop()
+    return 0
+
 
 
 DEFAULT_HTTP_PORT = 8321
@@ -240,13 +387,10 @@ def _run(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
-    from fedge.coordinator.config import EngineConfig, slot_checks
     from fedge.coordinator.monitor import FleetMonitor, fleet_infos
-    from fedge.coordinator.service import KEEP_REPORTS, CoordinatorService
+    from fedge.coordinator.service import CoordinatorService
     from fedge.coordinator.store import REPORTS_FILE, read_reports
     from fedge.fleet.config import device_ids, load_fleet
-    from fedge.fleet.registry import method_entry
-    from fedge.fleet.slots import checked_slots, fleet_classes
     from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.settings import TransportSettings
@@ -256,24 +400,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
     ids = [i for i, _ in device_ids(cfg)]
-    section = coordinator_settings(args, cfg.coordinator, cfg.source)
-    d = SCHEDULING_DEFAULTS
+    engine_cfg, strat = _engine_parts(args, cfg, any_device=args.any_device)
+    if args.workers:
+        from fedge.coordinator.partial import check_splittable
 
-    def pick(key: str) -> Any:
-        value = getattr(section, key)
-        return d[key] if value is None else value
-
-    engine_cfg = EngineConfig(
-        fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
-        allowed_devices=None if args.any_device else frozenset(ids), max_update_bytes=int(pick("max_update_bytes")),
-        min_devices=int(pick("min_devices")), quorum_fraction=pick("quorum"), quorum_timeout_s=pick("quorum_timeout_s"),
-        deadline_slack=pick("deadline_slack"), round_timeout_s=pick("round_timeout_s"), min_round_s=pick("min_round_s"),
-        max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule(),
-        # every hello is checked against its device's slot (arch, precision, samples, embedding size)
-        slots=slot_checks(checked_slots(cfg), own_data=cfg.own_data), privacy=cfg.privacy_mechanism,
-        sampling=cfg.sampling)
-    strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
-                                                         rounds=cfg.run.rounds)
+        check_splittable(strat)
 
     embedded: Any = None
     if args.broker is None:
@@ -289,7 +420,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         settings = broker_settings(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes)
-    transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire, signer=_signer(args))
+    transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire, signer=_signer(args),
+                                         updates=not args.workers)
     monitor = FleetMonitor(fleet=cfg.run.fleet, method=cfg.run.method, total_rounds=strat.total_rounds(),
                            transport=transport, fleet_devices=fleet_infos(engine_cfg.slots, ids),
                            wait_log_s=args.wait_log)

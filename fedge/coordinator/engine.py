@@ -24,6 +24,7 @@ from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.config import DEFAULT_MAX_UPDATE_BYTES, EngineConfig
 from fedge.coordinator.gate import Admitted, UpdateGate
+from fedge.coordinator.merge import PartialMerger, merged_into
 from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.report import RoundReport
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
@@ -52,6 +53,8 @@ class RoundEngine:
         self.gate = UpdateGate(strategy, config, refuse=self._refuse,
                                observe=lambda *a: self._notify("refused", *a),
                                registered=lambda dev: self._notify("registered", dev))
+        # partial aggregates from aggregation workers and relays (fedge.coordinator.merge)
+        self.partials = PartialMerger(strategy, self.gate, fleet=config.fleet, max_bytes=config.max_update_bytes)
         self.globals: dict[str, Arrays] = {}
         self.reports: list[RoundReport] = []
         self.completed = 0
@@ -205,6 +208,7 @@ class RoundEngine:
         if not info.is_final:
             self.strategy.begin_round(rnd)
         self.gate.begin_round(rnd, final=info.is_final, sampled=sampled)
+        self.partials.begin_round(rnd, final=info.is_final)
         pending = set(expected)  # live: the transport stops once it is empty
         self._notify("round_started", info, frozenset(expected), pending)
 
@@ -221,6 +225,11 @@ class RoundEngine:
                 report.train_s[sender] = float(up.info["train_s"])
 
         for item in self.transport.collect(rnd, pending, info.deadline):
+            if item.kind == "partial":  # a worker's or a relay's share of the round
+                self.register_pending()  # the hellos of the devices it lists may have just arrived
+                pending.difference_update(
+                    self.partials.admit(item, set(report.accepted), merged_into(report, item.origin)))
+                continue
             if not self.gate.admit(item, accept, self.transport.hellos):
                 continue
             sender = report.accepted[-1]

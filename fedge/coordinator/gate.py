@@ -189,6 +189,10 @@ class UpdateGate:
         self._round, self._final, self._seen = rnd, final, set()
         self._sampled = None if sampled is None else set(sampled)
 
+    def sampled(self, device_id: str) -> bool:
+        """Whether ``device_id`` owes an update this round (every device, unless the round samples)."""
+        return self._sampled is None or device_id in self._sampled
+
     def end_round(self, missing: Iterable[str]) -> None:
         """Round over: ``missing`` devices' updates for it will be refused as ``late``."""
         self.last_missing = set(missing)

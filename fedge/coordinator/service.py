@@ -48,7 +48,7 @@ class CoordinatorService:
 
     def run(self, on_round: Callable[[RoundReport], None] | None = None) -> list[RoundReport]:
         """Run to the end of the final round; returns every round's report (also those before a restart)."""
-        restore = _install_stop_signals()
+        restore = install_stop_signals()
         try:
             return self.engine.run(on_round=on_round)
         finally:
@@ -60,7 +60,8 @@ class Stopped(KeyboardInterrupt):
     """Raised in the main thread by SIGTERM, so ``finally`` blocks close connections cleanly."""
 
 
-def _install_stop_signals() -> Callable[[], None]:
+def install_stop_signals() -> Callable[[], None]:
+    """SIGTERM raises :class:`Stopped` in the main thread (a no-op elsewhere); returns the restorer."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 

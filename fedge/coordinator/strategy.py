@@ -30,6 +30,11 @@ class Strategy(ABC):
     # How updates are combined; the engine sets its EngineConfig's. Strategies create their
     # accumulators from it (fedge.coordinator.aggregate.mean / GroupedMean / ClassMean).
     aggregation: Aggregation = Aggregation()
+    # The attributes that hold the round's accumulators (WeightedMean, RobustMean, GroupedMean,
+    # ClassMean; set by begin_round) when they are the strategy's *only* per-round state: then a
+    # round can be aggregated in parts (aggregation workers, relays) and merged exactly
+    # (fedge.coordinator.partial). None: this method's coordinator half cannot be split.
+    partial_fields: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, settings: MethodSettings | None = None, *, num_classes: int, rounds: int) -> None:
         self.settings = self.settings_type.given(settings, type(self).__name__)

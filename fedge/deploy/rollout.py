@@ -80,14 +80,14 @@ class StatusBoard:
         self._cond = threading.Condition()
 
     def on_message(self, m: Received) -> None:
-        parts = m.topic.split("/")
-        if len(parts) != 5 or parts[2] != "devices" or parts[4] != "ota":
+        device = self.topics.parse_ota_status(m.topic)
+        if device is None:
             return
         status = parse_status(m.payload)
-        if status is None or status.get("device") != parts[3]:
+        if status is None or status.get("device") != device:
             return
         with self._cond:
-            self.latest[parts[3]] = status
+            self.latest[device] = status
             self._cond.notify_all()
 
     def wait(self, devices: list[str], deployment: str, timeout_s: float) -> dict[str, dict[str, Any] | None]:

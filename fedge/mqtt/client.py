@@ -156,12 +156,16 @@ MessageHandler = Callable[[Received], None]
 ConnectHandler = Callable[[bool], None]  # argument: session_present
 
 
-def new_paho_client(client_id: str, clean_session: bool) -> paho.Client:
-    """A paho client speaking MQTT 3.1.1, with the 2.x callback API where paho has one."""
+def new_paho_client(client_id: str, clean_session: bool, *, mqtt5: bool = False) -> paho.Client:
+    """A paho client speaking MQTT 3.1.1 (or MQTT 5 with ``mqtt5``: shared subscriptions), with the 2.x
+    callback API where paho has one. MQTT 5 has no clean-session flag: :meth:`MqttClient.start` passes
+    ``clean_start`` when it connects."""
+    protocol = paho.MQTTv5 if mqtt5 else paho.MQTTv311
+    session = None if mqtt5 else clean_session
     if PAHO_V2:
-        return paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean_session,
-                           protocol=paho.MQTTv311)
-    return paho.Client(client_id=client_id, clean_session=clean_session, protocol=paho.MQTTv311)
+        return paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=session,
+                           protocol=protocol)
+    return paho.Client(client_id=client_id, clean_session=session, protocol=protocol)
 
 
 def no_delay(client: paho.Client, userdata: Any, sock: Any) -> None:
@@ -190,9 +194,11 @@ class MqttClient:
     def __init__(self, settings: BrokerSettings, client_id: str, *, clean_session: bool = True,
                  will: Will | None = None, on_message: MessageHandler | None = None,
                  on_connect: ConnectHandler | None = None, on_disconnect: Callable[[], None] | None = None,
-                 max_inflight: int = 100) -> None:
+                 max_inflight: int = 100, mqtt5: bool = False) -> None:
         self.settings = settings
         self.client_id = client_id
+        self.mqtt5 = mqtt5
+        self._clean = clean_session
         self._on_message = on_message
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
@@ -210,7 +216,7 @@ class MqttClient:
         self._pending: dict[int, threading.Event] = {}
         self._early_acks: set[int] = set()  # acknowledged before publish() registered the mid
         self.connects = 0  # successful connections so far (1 + reconnects)
-        c = self._client = new_paho_client(client_id, clean_session)
+        c = self._client = new_paho_client(client_id, clean_session, mqtt5=mqtt5)
         if settings.username is not None:
             c.username_pw_set(settings.username, settings.password)
         if settings.tls:
@@ -318,7 +324,12 @@ class MqttClient:
         self._dispatcher = threading.Thread(target=self._dispatch, name=f"mqtt-{self.client_id}", daemon=True)
         self._dispatcher.start()
         try:
-            self._client.connect_async(self.settings.host, self.settings.port, keepalive=self.settings.keepalive_s)
+            if self.mqtt5:
+                self._client.connect_async(self.settings.host, self.settings.port, keepalive=self.settings.keepalive_s,
+                                           clean_start=self._clean)
+            else:
+                self._client.connect_async(self.settings.host, self.settings.port,
+                                           keepalive=self.settings.keepalive_s)
         except (OSError, ValueError) as exc:
             raise TransportError(f"cannot connect to {self.settings.url}: {exc}") from exc
         self._client.loop_start()

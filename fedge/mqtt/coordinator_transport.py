@@ -46,7 +46,7 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     """
 
     def __init__(self, broker: BrokerSettings, fleet: str, settings: TransportSettings | None = None, *,
-                 client_id: str | None = None, signer: Signer | None = None) -> None:
+                 client_id: str | None = None, signer: Signer | None = None, updates: bool = True) -> None:
         self.topics = FleetTopics(fleet)
         # With a signer, every round descriptor, global state and refusal is published as a signed frame
         # (fedge.common.signing; docs/protocol.md section 11): a chunked global state through its manifest, which
@@ -75,7 +75,12 @@ class MqttCoordinatorTransport(CoordinatorTransport):
                                  on_disconnect=self._on_disconnect)
         self.client.subscribe(self.topics.device_filter("status"))
         self.client.subscribe(self.topics.device_filter("hello"))
-        self.client.subscribe(self.topics.device_filter("update"))
+        # Partial aggregates of aggregation workers and relays (fedge.coordinator.merge) ...
+        self.client.subscribe(self.topics.partial_filter)
+        # ... and the devices' updates, unless aggregation workers read them (a shared subscription).
+        self.updates = updates
+        if updates:
+            self.client.subscribe(self.topics.device_filter("update"))
         self.client.subscribe(self.topics.device_filter("health"))
 
     def start(self) -> MqttCoordinatorTransport:
@@ -93,6 +98,9 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     def _on_message(self, m: Received) -> None:
         t = self.topics.parse_device(m.topic)
         if t is None:
+            account = self.topics.parse_partial(m.topic)
+            if account is not None and m.payload:
+                self._on_partial(account, m)
             return
         self.stats.messages_in += 1
         self.stats.bytes_in += len(m.payload)
@@ -155,6 +163,26 @@ class MqttCoordinatorTransport(CoordinatorTransport):
             return
         if whole is not None:
             self._updates.put(Inbound(whole, t.device_id, m.received))
+
+    def _on_partial(self, account: str, m: Received) -> None:
+        """A worker's or relay's partial aggregate (chunked when large), for the engine's merger."""
+        self.stats.messages_in += 1
+        self.stats.bytes_in += len(m.payload)
+        if m.retain:
+            self._clear_stray(m, "partial")
+            self._updates.put(Inbound(b"", account, m.received, reject=("retained", "a retained partial (deleted)"),
+                                      kind="partial"))
+            return
+        if frame_kind(m.payload) == "message":
+            self._updates.put(Inbound(m.payload, account, m.received, kind="partial"))
+            return
+        try:
+            whole = self._reasm.add(f"partials/{account}", m.payload)
+        except ChunkError as exc:
+            self._updates.put(Inbound(b"", account, m.received, reject=(exc.reason, exc.message), kind="partial"))
+            return
+        if whole is not None:
+            self._updates.put(Inbound(whole, account, m.received, kind="partial"))
 
     def _clear_stray(self, m: Received, what: str) -> None:
         """Delete a retained message the protocol does not allow (the ACL cannot forbid the retain flag)."""

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 
+from fedge.common import boundedjson
 from fedge.common.messages import Message
 from fedge.common.signing import SignatureError, Verifier
 from fedge.common.tensorcodec import read_header
@@ -24,6 +25,8 @@ from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportSta
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics, check_name
 
 log = logging.getLogger(__name__)
+
+MAX_RESEND_BYTES = 1024  # a relay's resend request: {"descriptor": msg id, "id": request id}
 
 
 class MqttDeviceTransport(DeviceTransport):
@@ -60,6 +63,10 @@ class MqttDeviceTransport(DeviceTransport):
         # Last update: ((run, round), descriptor id it answered, message) — sent again when the
         # coordinator re-announces the same round (it restarted or the broker lost it).
         self._last_update: tuple[tuple[str, int], str | None, bytes] | None = None
+        # Relay resend requests (_on_resend): the id of the latest one received, and of the latest one that no
+        # longer concerns the cached update (received before it was sent, or acted on already).
+        self._resend_latest: str | None = None
+        self._resend_seen: str | None = None
         self.refusal: bytes | None = None  # the coordinator's latest `refused` message for this device
         self.refusal_text: str | None = None  # ... in words ("slot: ..."), for the device's health record
         self.changes = 0  # descriptor changes received
@@ -70,6 +77,7 @@ class MqttDeviceTransport(DeviceTransport):
                                  on_disconnect=self._on_disconnect)
         self.client.subscribe(self.topics.round)
         self.client.subscribe(self.topics.refused(device_id))
+        self.client.subscribe(self.topics.resend)
 
     def start(self, wait: bool = True) -> MqttDeviceTransport:
         """Connect (in the background; with ``wait``, until the first connection or a clear error)."""
@@ -106,6 +114,9 @@ class MqttDeviceTransport(DeviceTransport):
             raw = self._opened(m.topic, m.payload)
             if raw is not None:
                 self._on_round(raw)
+            return
+        if m.topic == self.topics.resend:
+            self._on_resend(m.payload)
             return
         if m.topic == self.topics.refused(self.device_id):
             raw = self._opened(m.topic, m.payload)
@@ -176,9 +187,42 @@ class MqttDeviceTransport(DeviceTransport):
             self._cond.notify_all()
         if resend is not None:
             log.info("%s: round %d was re-announced; sending the cached update again", self.device_id, key[1])
-            # Split again: a fresh transfer id, since the coordinator ignores repeats of a finished transfer.
-            for frame in split(resend, self.settings.chunk_bytes):
-                self.client.publish(self.topics.update(self.device_id), frame)
+            self._send_again(resend)
+
+    def _on_resend(self, raw: bytes) -> None:
+        """A relay asks for the cached update again (it restarted, or its shard's broker did). A relay forwards
+        the coordinator's round descriptor byte for byte — it holds no fleet key, so it could not re-announce a
+        signed round under a new id — and asks with this instead (docs/protocol.md sections 8 and 13). It is
+        not signed and needs not be: it only makes this device repeat, once per request id, the update it
+        already sent for the descriptor the request names; a copy counted before is refused as a duplicate.
+        It is retained, so a device that was away when the relay asked gets it on reconnecting; one the device
+        had received before sending its update (again on every reconnection) is not for that update."""
+        if not raw:
+            return
+        try:
+            req = boundedjson.loads(raw, max_bytes=MAX_RESEND_BYTES, max_depth=1, what="resend request")
+            descriptor, req_id = req["descriptor"], req["id"]
+            if not isinstance(descriptor, str) or not isinstance(req_id, str):
+                raise TypeError("descriptor and id must be strings")
+        except (PayloadError, KeyError, TypeError) as exc:
+            log.warning("%s: ignored a bad resend request: %s", self.device_id, exc)
+            return
+        with self._cond:
+            self._resend_latest = req_id
+            last = self._last_update
+            if req_id == self._resend_seen or last is None or last[1] != descriptor:
+                return
+            self._resend_seen = req_id
+            data = last[2]
+        log.info("%s: the relay asked again for round %d's update; sending the cached update", self.device_id,
+                 last[0][1])
+        self._send_again(data)
+
+    def _send_again(self, data: bytes) -> None:
+        # Split again: a fresh transfer id, since the coordinator ignores repeats of a finished transfer.
+        for frame in split(data, self.settings.chunk_bytes):
+            self.client.publish(self.topics.update(self.device_id), frame)
+            self.stats.count_out(len(frame))
 
     # -- DeviceTransport ---------------------------------------------------------------
     def send_hello(self, data: bytes) -> None:
@@ -239,6 +283,7 @@ class MqttDeviceTransport(DeviceTransport):
             rnd = -1
         if key is not None and key[1] == rnd:
             self._last_update = (key, rid, data)
+            self._resend_seen = self._resend_latest  # requests received so far do not concern this update
         pubs = [self.client.publish(self.topics.update(self.device_id), f) for f in frames]
         for f in frames:
             self.stats.count_out(len(f))

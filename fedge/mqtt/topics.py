@@ -7,6 +7,7 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/devices/{id}/update        -         update message, or its chunk frames
     fedge/{fleet}/devices/{id}/health        -         health message (heartbeat, QoS 0)
     fedge/{fleet}/rounds/current             retained  round descriptor message
+    fedge/{fleet}/rounds/resend              retained  a relay's request to send the cached update again (JSON)
     fedge/{fleet}/global/{artifact}          retained  global state message, or a chunk manifest
     fedge/{fleet}/global/{artifact}/part/{i} retained  chunk frame i of a chunked global state
     fedge/{fleet}/refused/{id}               retained  why the coordinator refused device {id} (empty: accepted)
@@ -14,6 +15,8 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/ota/models/{version}/part/{i} retained chunk frame i of a chunked model package
     fedge/{fleet}/ota/devices/{id}           retained  the signed deployment order for device {id}
     fedge/{fleet}/devices/{id}/ota           retained  the device's model version and update state (JSON)
+    fedge/{fleet}/partials/{account}         -         a partial aggregate from an aggregation worker or relay
+    fedge/{fleet}/relays/{account}/status    retained  a relay's "online" | "offline" (last-will) on its parent
 
 A device writes only its own ``devices/{its id}/{status,hello,update,health}`` and reads
 ``rounds/#``, ``global/#`` and its own ``refused/{its id}``; the coordinator reads
@@ -39,6 +42,11 @@ DeviceTopicKind = Literal["status", "hello", "update", "health"]
 DEVICE_KINDS: tuple[str, ...] = ("status", "hello", "update", "health")
 STATUS_ONLINE = b"online"
 STATUS_OFFLINE = b"offline"
+
+
+def shared(group: str, topic_filter: str) -> str:
+    """An MQTT 5 shared subscription: the broker hands each matching message to one member of ``group``."""
+    return f"$share/{check_name(group, 'shared subscription group')}/{topic_filter}"
 
 
 def check_name(value: str, what: str) -> str:
@@ -110,6 +118,12 @@ class FleetTopics:
         """The retained round descriptor."""
         return f"{self.base}/rounds/current"
 
+    @property
+    def resend(self) -> str:
+        """A relay's retained request that devices send their cached update again (docs/protocol.md section 13):
+        the relay forwards the coordinator's (signed) descriptor unchanged, so it cannot re-issue it."""
+        return f"{self.base}/rounds/resend"
+
     def global_(self, artifact: str) -> str:
         """The retained global state ``artifact`` (whole message or chunk manifest)."""
         return f"{self.base}/global/{check_name(artifact, 'artifact name')}"
@@ -146,6 +160,26 @@ class FleetTopics:
     def ota_status_filter(self) -> str:
         return f"{self.base}/devices/+/ota"
 
+    # -- aggregators (workers, relays) -----------------------------------------------------
+    def partial(self, account: str) -> str:
+        """``fedge/{fleet}/partials/{account}``: where an aggregation worker or relay sends its partials."""
+        return f"{self.base}/partials/{check_name(account, 'aggregator account')}"
+
+    @property
+    def partial_filter(self) -> str:
+        return f"{self.base}/partials/+"
+
+    def relay_status(self, account: str) -> str:
+        """``fedge/{fleet}/relays/{account}/status``: a relay's status on its parent broker (last-will)."""
+        return f"{self.base}/relays/{check_name(account, 'relay account')}/status"
+
+    def parse_partial(self, topic: str) -> str | None:
+        """The account of a partial's topic of this fleet, else None."""
+        parts = topic.split("/")
+        if len(parts) != 4 or parts[0] != ROOT or parts[1] != self.fleet or parts[2] != "partials":
+            return None
+        return parts[3] if _NAME.match(parts[3]) else None
+
     # -- parsing --------------------------------------------------------------------------
     def parse_device(self, topic: str) -> DeviceTopic | None:
         """``DeviceTopic`` for a device topic of this fleet, else None."""
@@ -155,6 +189,13 @@ class FleetTopics:
         if parts[4] not in DEVICE_KINDS or not _NAME.match(parts[3]):
             return None
         return DeviceTopic(parts[3], parts[4])  # type: ignore[arg-type]
+
+    def parse_ota_status(self, topic: str) -> str | None:
+        """The device id of an OTA status topic (``devices/{id}/ota``) of this fleet, else None."""
+        parts = topic.split("/")
+        if len(parts) != 5 or parts[0] != ROOT or parts[1] != self.fleet or parts[2] != "devices" or parts[4] != "ota":
+            return None
+        return parts[3] if _NAME.match(parts[3]) else None
 
     def parse_global(self, topic: str) -> GlobalTopic | None:
         """``GlobalTopic`` for a global-state topic of this fleet, else None."""

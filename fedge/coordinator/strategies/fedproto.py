@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from fedge.common.method_settings import FedProtoSettings
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo, class_stats_spec
@@ -14,6 +14,7 @@ class FedProtoStrategy(Strategy):
     """Count-weighted mean of per-class prototypes over all devices."""
 
     settings_type = FedProtoSettings
+    partial_fields: ClassVar[tuple[str, ...] | None] = ("protos",)
 
     def begin_round(self, rnd: int) -> None:
         self.protos = ClassMean(self.num_classes, self.aggregation)
