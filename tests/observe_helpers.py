@@ -85,8 +85,17 @@ def run_watched(cfg: FleetConfig, broker: MosquittoProcess, state_dir: Path | No
                              state_dir=state_dir, observers=[monitor, metrics.observer])
         monitor.run_id = engine.run_id
         reports = engine.run()
-        deadline = time.time() + 15  # the first heartbeats (1 s after each device started)
-        while time.time() < deadline and any(d.health is None for d in monitor.devices.values()):
+
+        def settled() -> bool:
+            # the first heartbeats (1 s after each device started), and every device's "offline" (its service
+            # ends after the final round): stop() closes the coordinator's connection, and a status still on
+            # its way then never arrives (under load the tests' offline counts were one short)
+            statuses = coord.statuses()
+            return (all(d.health is not None for d in monitor.devices.values())
+                    and all(dev in statuses and not statuses[dev][0] for dev in infos))
+
+        deadline = time.time() + 15
+        while time.time() < deadline and not settled():
             monitor.tick()
             time.sleep(0.2)
         return WatchedRun(engine, reports, monitor, metrics)
