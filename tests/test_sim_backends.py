@@ -339,6 +339,23 @@ def test_mqtt_transport_stays_sequential() -> None:
     assert 'backend = "sequential"' in (exc.value.hint or "")
 
 
+@pytest.mark.parametrize("clock, needle", [({"availability": "onoff", "offline_mean_s": 60.0},
+                                             "[clock] availability = 'onoff'"),
+                                            ({"deadline_s": 5.0}, "[clock] deadline_s = 5")])
+def test_a_clock_that_decides_who_delivers_stays_sequential(clock: dict[str, Any], needle: str) -> None:
+    """Availability and a virtual deadline drop updates device by device in the sequential in-process run;
+    a parallel backend is refused before any work, naming the key."""
+    import dataclasses
+
+    from fedge.fleet.config import ClockSection
+
+    cfg = dataclasses.replace(fleet(backend="process"), clock=ClockSection(**clock))
+    with pytest.raises(ConfigError) as exc:
+        simulate(cfg)
+    assert needle in exc.value.message and "backend = 'process' trains in workers" in exc.value.message
+    assert 'use backend = "sequential"' in (exc.value.hint or "")
+
+
 def test_ray_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     """``import ray`` failing (as when the extra is not installed) is an error naming fedge[ray], exit code 8."""
