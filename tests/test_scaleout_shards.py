@@ -144,7 +144,7 @@ def test_a_signing_tls_sharded_fleet_shares_the_roots_key_and_ca_and_mtls_is_ref
     os.chmod(work, 0o755)
     out = work / "broker"
     try:
-        with pytest.raises(ConfigError, match="--mtls cannot be combined with --shards or --workers"):
+        with pytest.raises(ConfigError, match=r"--mtls cannot be combined with --shards, \[\[shards\]\] or --workers"):
             write_sharded_config(CFG.run.fleet, IDS, out, BrokerOptions(mtls=True), shards=2, fleet_config=FLEET_TOML)
         files = write_sharded_config(CFG.run.fleet, IDS, out, BrokerOptions(port=base, bind="127.0.0.1", sign=True,
                                                                             tls=True), shards=2, workers=1,
@@ -212,3 +212,69 @@ def test_fedge_deploys_updates_cross_a_relay_under_the_generated_acls(
         for c in (deploy, dev):
             c.stop()
         relay.stop()
+
+
+def test_a_shards_tree_from_the_fleet_config_keeps_every_credential_in_its_shard(mosquitto_bin: str) -> None:
+    """``[[shards]]`` with a parent (root <- a <- c, root <- b), written by ``fedge broker config`` and run as four
+    Mosquittos: a device's password works on its own shard only, so it can publish into no other shard; the
+    child relay may forward its own devices' hellos and its partial onto its parent shard, nothing of the parent's
+    own devices; the parent relay forwards the whole subtree's hellos to the root."""
+    from test_fleet_shards import HEAD, TREE
+
+    base = _ports(3)
+    tmp_path = Path(tempfile.mkdtemp(prefix="fedge-shards-tree-"))  # searchable by Mosquitto's account
+    os.chmod(tmp_path, 0o755)
+    path = tmp_path / "fleet.toml"
+    path.write_text(HEAD + TREE.format(pa=base + 1, pb=base + 2, pc=base + 3))
+    cfg = load_fleet(path)
+    t = FleetTopics(cfg.run.fleet)
+    out = tmp_path / "broker"
+    files = write_sharded_config(cfg.run.fleet, [i for i, _ in device_ids(cfg)], out,
+                                 BrokerOptions(port=base, bind="127.0.0.1", hostname="127.0.0.1"),
+                                 shards=cfg.shard_layout, fleet_config=path)
+    brokers = [MosquittoProcess(f.config.read_text(), port=port, workdir=f.out)
+               for f, port in zip([files.root, *files.shards], [base, base + 1, base + 2, base + 3], strict=True)]
+    root, a, b, c = brokers
+    clients: list[MqttClient] = []
+    try:
+        for br in brokers:
+            br.start()
+        zero, rpi4, x86 = "rpi-zero-2w-1", "rpi4-4gb-1", "x86-gateway-1"
+        for dev, home in ((zero, c), (rpi4, a), (x86, b)):
+            pw = out / "bundles" / dev / "password"
+            _client(home.port, dev, pw).stop()
+            for other in (br for br in brokers if br is not home):
+                with pytest.raises(TransportError, match=r"(?i)not authorized|bad user name"):
+                    _client(other.port, dev, pw)
+        seen_a: list[Received] = []
+        relay_a_on_a = _client(a.port, "relay-a", out / "relays" / "relay-a" / "password", got=seen_a)
+        relay_a_on_a.subscribe(f"{t.base}/#")
+        seen_root: list[Received] = []
+        coord = _client(root.port, "fedge-coordinator", out / "coordinator" / "password", got=seen_root)
+        coord.subscribe(f"{t.base}/#")
+        relay_c = _client(a.port, "relay-c", out / "relays" / "relay-c" / "password")
+        relay_a = _client(root.port, "relay-a", out / "relays" / "relay-a" / "password")
+        clients += [relay_a_on_a, coord, relay_c, relay_a]
+        time.sleep(0.3)
+        relay_c.wait_published([relay_c.publish(t.hello(zero), b"c's hello"),
+                                relay_c.publish(t.hello(rpi4), b"a's own device, posed by c"),
+                                relay_c.publish(t.partial("relay-c"), b"c's partial"),
+                                relay_c.publish(t.partial("relay-a"), b"posing as relay-a")], 5)
+        relay_a.wait_published([relay_a.publish(t.hello(zero), b"subtree hello"),
+                                relay_a.publish(t.hello(x86), b"b's device, posed by a"),
+                                relay_a.publish(t.partial("relay-a"), b"a's partial")], 5)
+        _settle(seen_a, 2)
+        _settle(seen_root, 2)
+        assert sorted((m.topic, m.payload) for m in seen_a) == sorted([
+            (t.hello(zero), b"c's hello"), (t.partial("relay-c"), b"c's partial")])
+        assert sorted((m.topic, m.payload) for m in seen_root) == sorted([
+            (t.hello(zero), b"subtree hello"), (t.partial("relay-a"), b"a's partial")])
+        # relay-c has no account on the root: a child relay speaks only to its parent shard
+        with pytest.raises(TransportError, match=r"(?i)not authorized|bad user name"):
+            _client(root.port, "relay-c", out / "relays" / "relay-c" / "password")
+    finally:
+        for cl in clients:
+            cl.stop()
+        for br in brokers:
+            br.stop()
+        shutil.rmtree(tmp_path, ignore_errors=True)
