@@ -174,8 +174,9 @@ def worker_main(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps({"cpu_s": _cpu() - cpu0, "updates": w.updates_in}))
 
 
-def run_shards(n: int, rounds: int, shards: int, work: Path) -> dict[str, Any]:
-    """Bytes through the root broker per training round: flat (shards=0) or with ``shards`` relays."""
+def run_shards(n: int, rounds: int, shards: int, work: Path, *, detail: bool = False) -> dict[str, Any]:
+    """Bytes through the root broker per training round: flat (shards=0) or with ``shards`` relays (``detail``:
+    their partials carry one entry per device, as before compact partials)."""
     from benchmarks.fleet_scale import CLASSES
     from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.engine import EngineConfig
@@ -184,10 +185,10 @@ def run_shards(n: int, rounds: int, shards: int, work: Path) -> dict[str, Any]:
 
     root = _broker()
     leaves = [_broker() for _ in range(shards)]
-    fleet = f"s{shards}-{n}"
+    fleet = f"s{shards}{'d' if detail else ''}-{n}"
     relays = [Relay(b.settings(), root.settings(), fleet,
                     PartialAggregator(FedProtoStrategy(num_classes=CLASSES, rounds=rounds),
-                                      EngineConfig(fleet=fleet, method="fedproto"), f"relay-{k + 1}"),
+                                      EngineConfig(fleet=fleet, method="fedproto"), f"relay-{k + 1}", detail=detail),
                     hold_s=5.0).start() for k, b in enumerate(leaves)]
     meter = SysBytes(root.port)
     swarms = _devices([b.port for b in leaves] or [root.port], fleet, n, rounds)
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=1000, help="devices (default 1000)")
     p.add_argument("--shard-n", type=int, default=200, help="devices of the bytes comparison (default 200)")
     p.add_argument("--rounds", type=int, default=3, help="training rounds per run (default 3)")
+    p.add_argument("--only", choices=("workers", "shards"), help="run one of the two comparisons")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     if args.role == "_worker":
@@ -228,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 8192)), hard))
     rows: dict[str, Any] = {}
+    load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="fedge-scaleout-") as tmp:
-        for workers in (0, 2):
+        for workers in () if args.only == "shards" else (0, 2):
             r = run_workers(args.n, args.rounds, workers, Path(tmp))
             cpu = statistics.median(r["cpu_seconds_per_round"])
             rows[f"workers={workers}"] = {
@@ -240,17 +243,19 @@ def main(argv: list[str] | None = None) -> int:
                 "worker_updates": r["worker_updates"], "root_peak_rss_mb": r["peak_rss_mb"], "raw": r}
             print(f"workers={workers}: {rows[f'workers={workers}']['round_s']:.3f} s/round, root CPU "
                   f"{1000 * cpu / args.n:.3f} ms/update", file=sys.stderr, flush=True)
-        for shards in (0, 2):
-            r = run_shards(args.shard_n, args.rounds, shards, Path(tmp))
-            rows[f"shards={shards}"] = {"root_bytes_per_round": r["root_bytes_per_round"],
-                                        "round_s": statistics.median(r["round_seconds"]), "raw": r}
-            print(f"shards={shards}: {r['root_bytes_per_round']:.0f} B/round through the root broker",
+        for shards, detail in () if args.only == "workers" else ((0, False), (2, True), (2, False)):
+            r = run_shards(args.shard_n, args.rounds, shards, Path(tmp), detail=detail)
+            key = f"shards={shards}" + (" detail" if detail else "")
+            rows[key] = {"root_bytes_per_round": r["root_bytes_per_round"],
+                         "round_s": statistics.median(r["round_seconds"]), "raw": r}
+            print(f"{key}: {r['root_bytes_per_round']:.0f} B/round through the root broker",
                   file=sys.stderr, flush=True)
     sz = sizes()
     doc = {"benchmark": "scaleout", "command": " ".join(["python -m benchmarks.scaleout", *(argv or sys.argv[1:])]),
            "n": args.n, "shard_n": args.shard_n, "rounds": args.rounds, "message_bytes": sz, "samples": SAMPLES,
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                       "load_average_at_end": os.getloadavg()}, "rows": rows}
+                       "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()},
+           "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(table(doc))
@@ -260,23 +265,27 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(doc: dict[str, Any]) -> str:
     r, n = doc["rows"], doc["n"]
-    w0, w2 = r["workers=0"], r["workers=2"]
-    s0, s2 = r["shards=0"], r["shards=2"]
     up = doc["message_bytes"]["update"]
-    lines = [
-        f"N = {n}: | s/round | root CPU s/round | root CPU ms/update | workers' CPU ms/update",
-        f"1 coordinator | {w0['round_s']:.3f} | {w0['root_cpu_s_per_round']:.3f} | "
-        f"{w0['root_cpu_ms_per_update']:.3f} | -",
-        f"+ 2 workers | {w2['round_s']:.3f} | {w2['root_cpu_s_per_round']:.3f} | {w2['root_cpu_ms_per_update']:.3f} | "
-        f"{w2['worker_cpu_ms_per_update']:.3f}",
-        f"ratio (2 workers / 1) | {w2['round_s'] / w0['round_s']:.2f} | "
-        f"{w2['root_cpu_s_per_round'] / w0['root_cpu_s_per_round']:.2f} | |",
-        "",
-        f"N = {doc['shard_n']}: | bytes through the root broker per round | in updates of {up} B",
-        f"flat | {s0['root_bytes_per_round']:.0f} | {s0['root_bytes_per_round'] / up:.1f}",
-        f"2 shards + relays | {s2['root_bytes_per_round']:.0f} | {s2['root_bytes_per_round'] / up:.1f}",
-        f"ratio (2 shards / flat) | {s2['root_bytes_per_round'] / s0['root_bytes_per_round']:.3f} |",
-    ]
+    lines = []
+    if "workers=0" in r:
+        w0, w2 = r["workers=0"], r["workers=2"]
+        lines += [
+            f"N = {n}: | s/round | root CPU s/round | root CPU ms/update | workers' CPU ms/update",
+            f"1 coordinator | {w0['round_s']:.3f} | {w0['root_cpu_s_per_round']:.3f} | "
+            f"{w0['root_cpu_ms_per_update']:.3f} | -",
+            f"+ 2 workers | {w2['round_s']:.3f} | {w2['root_cpu_s_per_round']:.3f} | "
+            f"{w2['root_cpu_ms_per_update']:.3f} | {w2['worker_cpu_ms_per_update']:.3f}",
+            f"ratio (2 workers / 1) | {w2['round_s'] / w0['round_s']:.2f} | "
+            f"{w2['root_cpu_s_per_round'] / w0['root_cpu_s_per_round']:.2f} | |", ""]
+    if "shards=0" in r:
+        flat = r["shards=0"]["root_bytes_per_round"]
+        lines.append(f"N = {doc['shard_n']}: | bytes through the root broker per round | in updates of {up} B | "
+                     "ratio to flat")
+        for key, label in (("shards=0", "flat"), ("shards=2 detail", "2 shards + relays, per-device entries"),
+                           ("shards=2", "2 shards + relays, compact partials")):
+            if key in r:
+                b = r[key]["root_bytes_per_round"]
+                lines.append(f"{label} | {b:.0f} | {b / up:.1f} | {b / flat:.3f}")
     return "\n".join(lines)
 
 

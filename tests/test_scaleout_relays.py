@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from gate_helpers import FLEET
+from gate_helpers import FLEET, device, honest_update
 from scaleout_helpers import FAST, engine_config, root_engine, start_devices, stop_devices, strategy
 
 from fedge.common.messages import Message
@@ -96,6 +96,11 @@ def test_a_sharded_fleet_with_relays_equals_the_flat_fleet(brokers: list[Mosquit
         assert sorted(rep.accepted) == ALL and rep.missing == [] and rep.rejected == {}, rep
         # the root hears only relay r1 in the chain; both relays in two shards
         assert rep.partials == ({"r1": 6, "r2": 6} if topology == "two-shards" else {"r1": N}), rep.partials
+        # compact partials: the devices as ids, their reports summarised per relay (in the chain r2's devices
+        # reach the root inside r1's summary), no per-device entry at the root
+        assert {r: a["devices"] for r, a in rep.aggregated.items()} == rep.partials and rep.bytes_up == {}
+        if rep.phase != "final":
+            assert rep.total_bytes()[0] == N * len(honest_update(device(0), rep.round)), rep.aggregated
     # the root broker carried partials, not updates: one partial per relay per round (and per child relay's)
     assert relays[0].partials_sent == len(reports)
 

@@ -143,7 +143,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     rl.add_argument("--shard", required=True, metavar="URL", help="the shard's broker (same credentials)")
     rl.add_argument("--state-dir", metavar="DIR",
                     help="where the relay notes the devices it forwarded this round (a restarted relay does not "
-                         "count them twice)")
+                         "count them twice) and keeps each round's per-device entries (rounds.jsonl)")
     rl.add_argument("--margin", type=float, default=1.0, metavar="S",
                     help="send the partial S seconds before the round's deadline at the latest (default 1)")
     rl.add_argument("--hold", type=float, default=1.0, metavar="S",
@@ -158,6 +158,11 @@ def _add_aggregator_arguments(p: argparse.ArgumentParser) -> None:
                         "--username)")
     p.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
     p.add_argument("--rounds", type=int, help="override [run] rounds (as the coordinator does)")
+    p.add_argument("--detail", action="store_true",
+                   help="send each device's report entry (bytes, update info: ~100 B per device per round) in the "
+                        "partials, so the root's report has per-device figures; default: compact partials (the "
+                        "devices as runs of ids and one summary: bytes, mean metrics, training time), whose size "
+                        "does not grow with the devices (docs/scale.md)")
 
 
 def _aggregator(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -176,7 +181,7 @@ def _aggregator(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if not name:
         raise ConfigError("an aggregator needs an account name", hint="pass --name (or --username)")
     engine_cfg, strat = _engine_parts(args, cfg, any_device=False)
-    return (PartialAggregator(strat, engine_cfg, name), broker_settings(args),
+    return (PartialAggregator(strat, engine_cfg, name, detail=args.detail), broker_settings(args),
             TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes))
 
 
@@ -461,9 +466,9 @@ def _run(args: argparse.Namespace) -> int:
         def on_round(rep: Any) -> None:
             rejected = ", ".join(f"{k} {v}" for k, v in sorted(rep.rejected.items())) or "none"
             # metrics passed the gate (finite numbers), but a printout must not be what stops a coordinator
-            accs = [float(a) for m in rep.metrics.values()
-                    if isinstance(a := m.get("acc_global"), int | float) and not isinstance(a, bool)]
-            acc = f", mean acc {100 * sum(accs) / len(accs):.1f}%" if accs else ""
+            # (compact partials of relays and workers report sums and counts, not each device's figure)
+            acc_sum, acc_n = rep.metric_values("acc_global")
+            acc = f", mean acc {100 * acc_sum / acc_n:.1f}%" if acc_n else ""
             missing = f", missing {', '.join(rep.missing)}" if rep.missing else ""
             p = rep.privacy
             eps = f", ε {p['epsilon']:.3g} at δ {p['delta']:g} (+{p['epsilon_round']:.3g}/round)" if p else ""

@@ -251,3 +251,84 @@ def weight_budget(devices: Iterable[DeviceInfo]) -> float:
 def describe(tensors: Mapping[str, Any]) -> str:
     """A short summary for logs: how many tensors and bytes."""
     return f"{len(tensors)} tensors, {sum(int(np.asarray(v).nbytes) for v in tensors.values())} bytes"
+
+
+# -- device lists: runs of numbered ids ---------------------------------------------------------
+
+MAX_ID_CHARS = 128  # a device id in a partial (fleet ids are far shorter; the bound keeps a list cheap)
+MAX_RUN_WIDTH = 20
+
+
+def _numbered(dev: str) -> tuple[str, int, int] | None:
+    """``PREFIX-0042`` → (``PREFIX-``, 42, width 4): the id's trailing ASCII digits as a number, width 0 for an
+    unpadded one; None if the id does not end in digits."""
+    head = dev.rstrip("0123456789")
+    digits = dev[len(head):]
+    if not digits or len(digits) > MAX_RUN_WIDTH:
+        return None
+    width = len(digits) if digits[0] == "0" and len(digits) > 1 else 0
+    return head, int(digits), width
+
+
+def pack_ids(ids: Iterable[str]) -> list[Any]:
+    """Device ids as runs: ``[prefix, first, last, width]`` stands for ``prefix + str(i)`` (zero-padded to
+    ``width`` if not 0) for i in first..last; an id outside any run of two or more stays a string. fedge's
+    ids are ``PREFIX-1, PREFIX-2, ...``, so a shard whose devices all answered packs into one run per device
+    group, whatever its size (:func:`unpack_ids` reverses it exactly)."""
+    runs: dict[tuple[str, int], list[int]] = {}
+    out: list[Any] = []
+    for dev in ids:
+        n = _numbered(dev)
+        if n is None:
+            out.append(dev)
+        else:
+            runs.setdefault((n[0], n[2]), []).append(n[1])
+    for (prefix, width), nums in sorted(runs.items()):
+        nums.sort()
+        start = prev = nums[0]
+        for x in [*nums[1:], None]:
+            if x is not None and x == prev + 1:
+                prev = x
+                continue
+            if prev > start:
+                out.append([prefix, start, prev, width])
+            else:
+                out.append(prefix + (str(start).zfill(width) if width else str(start)))
+            if x is not None:
+                start = prev = x
+    return out
+
+
+def unpack_ids(raw: object, limit: int = MAX_PARTIAL_DEVICES) -> list[str]:
+    """The ids :func:`pack_ids` packed, checked as untrusted input: a list of strings and runs, at most
+    ``limit`` ids in all (counted before any run is expanded), none twice (:class:`Rejected` otherwise)."""
+    if not isinstance(raw, list) or len(raw) > limit:
+        raise Rejected("malformed", f"a partial's ids must be a list of at most {limit} entries")
+    total = 0
+    for item in raw:
+        if isinstance(item, str):
+            if not 0 < len(item) <= MAX_ID_CHARS:
+                raise Rejected("malformed", f"a device id in a partial must have 1 to {MAX_ID_CHARS} characters")
+            total += 1
+        elif isinstance(item, list) and len(item) == 4:
+            prefix, first, last, width = item
+            if (not isinstance(prefix, str) or len(prefix) > MAX_ID_CHARS or not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in (first, last, width))
+                    or not 0 <= first <= last < 10 ** MAX_RUN_WIDTH or not 0 <= width <= MAX_RUN_WIDTH):
+                raise Rejected("malformed", "a run of ids must be [prefix, first, last, width] with "
+                                            "0 <= first <= last and 0 <= width <= 20")
+            total += last - first + 1
+        else:
+            raise Rejected("malformed", "a partial's ids hold strings and [prefix, first, last, width] runs")
+        if total > limit:
+            raise Rejected("malformed", f"a partial's ids stand for more than {limit} devices")
+    out: list[str] = []
+    for item in raw:
+        if isinstance(item, str):
+            out.append(item)
+        else:
+            prefix, first, last, width = item
+            out += [prefix + (str(i).zfill(width) if width else str(i)) for i in range(first, last + 1)]
+    if len(set(out)) != len(out):
+        raise Rejected("malformed", "a partial lists a device twice")
+    return out

@@ -22,6 +22,12 @@ is connected to both brokers under its own account:
 
 A relay of relays is the same program with a relay's shard as its child broker: trees of any depth.
 
+**Compact partials.** A partial lists its devices as runs of ids with one summary of their reports (the
+aggregator's default; ``--detail`` sends one entry per device), so the bytes through the parent do not grow
+with the shard; with ``state_dir`` the relay keeps each round's per-device entries itself
+(``rounds.jsonl``: bytes up and update info of every device it counted, a child relay's compact devices
+under that child's name).
+
 **Faults.** The devices this relay has forwarded in the current round are saved (``state_dir``) after
 the parent acknowledged each partial. A relay killed mid-round loses its unsent sums; restarted, it
 asks its devices to resend (the resend request), they send their cached updates again, the ones it had forwarded are
@@ -55,6 +61,7 @@ from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
 log = logging.getLogger(__name__)
 
 STATE_FILE = "relay-state.json"
+ROUNDS_FILE = "rounds.jsonl"  # one line per finished round: each device's entry as this relay counted it
 
 
 class Relay:
@@ -268,6 +275,7 @@ class Relay:
         self._send(self.aggregator.flush())  # whatever is left of the previous round (refused there if late)
         self._descriptor, self._deadline = msg, deadline
         run = str(msg.info.get("run", ""))
+        previous = self.aggregator.round
         if self.aggregator.begin(msg.round, final=final, descriptor=msg.msg_id,
                                  sampled=self.aggregator.sampled_of(msg.info.get("round"))):
             saved = self._saved
@@ -276,6 +284,7 @@ class Relay:
                 log.info("relay %s: resuming round %d, %d devices forwarded before the restart", self.name,
                          msg.round, len(saved.get("forwarded", [])))
             self._saved = {"run": run, "round": msg.round, "forwarded": sorted(self.aggregator.answered)}
+            self._record_round(run, previous)
         # Byte for byte: a signed descriptor keeps the coordinator's signature (its topic is the same on every
         # broker of the tree, the fleet's ``rounds/current``), and every shard sees the same message id.
         self._forward_down(self.topics.round, raw)
@@ -337,6 +346,21 @@ class Relay:
         except (OSError, ValueError):
             log.warning("relay %s: %s is unreadable; starting without it", self.name, self.state_path)
             return {}
+
+    def _record_round(self, run: str, rnd: int) -> None:
+        """The previous round's per-device entries, appended to ``rounds.jsonl`` (the detail a compact partial
+        leaves here)."""
+        agg = self.aggregator
+        if self.state_path is None or not agg.last_round_devices:
+            return
+        line = json.dumps({"run": run, "round": rnd, "relay": self.name,
+                           "devices": agg.last_round_devices}, separators=(",", ":"))
+        try:
+            self.state_path.parent.mkdir(parents=True, exist_ok=True)
+            with (self.state_path.parent / ROUNDS_FILE).open("a") as f:
+                f.write(line + "\n")
+        except OSError as exc:
+            log.warning("relay %s: cannot write %s: %s", self.name, ROUNDS_FILE, exc)
 
     def _save_state(self) -> None:
         if self.state_path is None:
