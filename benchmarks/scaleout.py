@@ -119,6 +119,10 @@ class SysBytes:
         time.sleep(2.2)  # two $SYS intervals: the counters include everything so far
         return self.values.get("received", 0) + self.values.get("sent", 0)
 
+    def split(self) -> tuple[int, int]:
+        """(received, sent) as of the last :meth:`total`."""
+        return self.values.get("received", 0), self.values.get("sent", 0)
+
     def close(self) -> None:
         self.c.loop_stop()
         self.c.disconnect()
@@ -174,7 +178,8 @@ def worker_main(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps({"cpu_s": _cpu() - cpu0, "updates": w.updates_in}))
 
 
-def run_shards(n: int, rounds: int, shards: int, work: Path, *, detail: bool = False) -> dict[str, Any]:
+def run_shards(n: int, rounds: int, shards: int, work: Path, *, detail: bool = False,
+               exact: bool = True) -> dict[str, Any]:
     """Bytes through the root broker per training round: flat (shards=0) or with ``shards`` relays (``detail``:
     their partials carry one entry per device, as before compact partials)."""
     from benchmarks.fleet_scale import CLASSES
@@ -185,19 +190,35 @@ def run_shards(n: int, rounds: int, shards: int, work: Path, *, detail: bool = F
 
     root = _broker()
     leaves = [_broker() for _ in range(shards)]
-    fleet = f"s{shards}{'d' if detail else ''}-{n}"
+    fleet = f"s{shards}{'d' if detail else ''}{'' if exact else 'f'}-{n}"
     relays = [Relay(b.settings(), root.settings(), fleet,
                     PartialAggregator(FedProtoStrategy(num_classes=CLASSES, rounds=rounds),
-                                      EngineConfig(fleet=fleet, method="fedproto"), f"relay-{k + 1}", detail=detail),
+                                      EngineConfig(fleet=fleet, method="fedproto"), f"relay-{k + 1}", detail=detail,
+                                      exact=exact),
                     hold_s=5.0).start() for k, b in enumerate(leaves)]
     meter = SysBytes(root.port)
     swarms = _devices([b.port for b in leaves] or [root.port], fleet, n, rounds)
     try:
-        before = meter.total()  # registration (hellos, statuses) is not a round's
+        # registration (hellos, statuses, and the coordinator reading them) is not a round's: the meter is read
+        # once the coordinator has registered every device, before it announces round 1
+        ready = work / f"ready-{fleet}"
+        out = work / f"coord-{fleet}.json"
+        proc = subprocess.Popen([sys.executable, "-m", FLEET_SCALE, "_coordinator", "--port", str(root.port), "--n",
+                                 str(n), "--rounds", str(rounds), "--fleet", fleet, "--state-dir",
+                                 str(work / f"state-{fleet}"), "--out", str(out), "--ready-file", str(ready)])
+        deadline = time.monotonic() + 600
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = meter.total()
+        in0, out0 = meter.split()
+        Path(str(ready) + ".go").touch()
         t0 = time.perf_counter()
-        res = _coordinator(root.port, n, rounds, fleet, work, workers_mode=False)
+        if proc.wait(1800) != 0:
+            raise RuntimeError(f"the coordinator of {fleet} failed ({proc.returncode})")
+        res = json.loads(out.read_text())
         wall = time.perf_counter() - t0
         after = meter.total()
+        in1, out1 = meter.split()
     finally:
         meter.close()
         for r in relays:
@@ -206,6 +227,8 @@ def run_shards(n: int, rounds: int, shards: int, work: Path, *, detail: bool = F
         for b in (root, *leaves):
             b.close()
     res["root_bytes_per_round"] = (after - before) / (rounds + 1)  # training rounds + the final one
+    res["root_bytes_in_per_round"] = (in1 - in0) / (rounds + 1)  # into the root broker (publishes)
+    res["root_bytes_out_per_round"] = (out1 - out0) / (rounds + 1)  # out of it (deliveries)
     res["wall_s"] = wall
     return res
 
@@ -243,11 +266,13 @@ def main(argv: list[str] | None = None) -> int:
                 "worker_updates": r["worker_updates"], "root_peak_rss_mb": r["peak_rss_mb"], "raw": r}
             print(f"workers={workers}: {rows[f'workers={workers}']['round_s']:.3f} s/round, root CPU "
                   f"{1000 * cpu / args.n:.3f} ms/update", file=sys.stderr, flush=True)
-        for shards, detail in () if args.only == "workers" else ((0, False), (2, True), (2, False)):
-            r = run_shards(args.shard_n, args.rounds, shards, Path(tmp), detail=detail)
-            key = f"shards={shards}" + (" detail" if detail else "")
-            rows[key] = {"root_bytes_per_round": r["root_bytes_per_round"],
-                         "round_s": statistics.median(r["round_seconds"]), "raw": r}
+        for shards, detail, exact in () if args.only == "workers" else (
+                (0, False, True), (2, True, True), (2, False, True), (2, False, False)):
+            r = run_shards(args.shard_n, args.rounds, shards, Path(tmp), detail=detail, exact=exact)
+            key = f"shards={shards}" + (" detail" if detail else "") + ("" if exact else " fp32")
+            rows[key] = {k: r[k] for k in ("root_bytes_per_round", "root_bytes_in_per_round",
+                                           "root_bytes_out_per_round")}
+            rows[key].update(round_s=statistics.median(r["round_seconds"]), raw=r)
             print(f"{key}: {r['root_bytes_per_round']:.0f} B/round through the root broker",
                   file=sys.stderr, flush=True)
     sz = sizes()
@@ -279,13 +304,14 @@ def table(doc: dict[str, Any]) -> str:
             f"{w2['root_cpu_s_per_round'] / w0['root_cpu_s_per_round']:.2f} | |", ""]
     if "shards=0" in r:
         flat = r["shards=0"]["root_bytes_per_round"]
-        lines.append(f"N = {doc['shard_n']}: | bytes through the root broker per round | in updates of {up} B | "
-                     "ratio to flat")
+        lines.append(f"N = {doc['shard_n']}: | bytes through the root broker per round (in + out) | in updates of "
+                     f"{up} B | into the root broker | in updates | ratio to flat")
         for key, label in (("shards=0", "flat"), ("shards=2 detail", "2 shards + relays, per-device entries"),
-                           ("shards=2", "2 shards + relays, compact partials")):
+                           ("shards=2", "2 shards + relays, compact partials"),
+                           ("shards=2 fp32", "2 shards + relays, compact partials, --fp32-sums")):
             if key in r:
-                b = r[key]["root_bytes_per_round"]
-                lines.append(f"{label} | {b:.0f} | {b / up:.1f} | {b / flat:.3f}")
+                b, i = r[key]["root_bytes_per_round"], r[key].get("root_bytes_in_per_round", 0.0)
+                lines.append(f"{label} | {b:.0f} | {b / up:.1f} | {i:.0f} | {i / up:.1f} | {b / flat:.3f}")
     return "\n".join(lines)
 
 

@@ -284,3 +284,38 @@ def test_a_compact_partial_weighs_the_same_for_10_or_1000_devices_and_the_root_r
     up, _ = report.total_bytes()
     assert up == sum(len(update("fedproto", d, 1)) for d in devs)
     assert_same(strat.finish_round(1), want, exact=False)
+
+
+@pytest.mark.parametrize("method", ["fedproto", "fedavg"])
+def test_fp32_sums_halve_the_partial_and_stay_within_float32_rounding(method: str) -> None:
+    """``--fp32-sums``: each float64 sum travels as its float32 ``hi`` half only — half the bytes of the sums —
+    and the merged aggregate stays within float32 rounding of the flat one; a ``lo`` without its ``hi`` is
+    still refused."""
+    devs = fleet(method)
+    want = flat_result(method, Aggregation(), devs, 1)
+    strat, merger = root(method, Aggregation(), devs, 1)
+    sizes = {}
+    for exact in (True, False):
+        strat_w, cfg = make(method, Aggregation())
+        w = PartialAggregator(strat_w, cfg, "w0", exact=exact)
+        w.register([Inbound(hello(d), d.device_id) for d in devs])
+        w.begin(1, final=False, descriptor="d" * 32)
+        for d in devs:
+            assert w.admit(Inbound(update(method, d, 1), d.device_id))
+        data = w.flush()
+        assert data is not None
+        msg = Message.from_bytes(data, max_info_bytes=1 << 22)
+        sizes[exact] = sum(v.nbytes for v in msg.tensors.values())
+        if not exact:
+            assert not any(k.endswith("/lo") for k in msg.tensors)
+            assert merger.admit(Inbound(data, "w0", kind="partial"), set(), lambda e: None)
+    assert sizes[False] < 0.55 * sizes[True], sizes
+    got = strat.finish_round(1)
+    for art in want:
+        for k in want[art]:
+            np.testing.assert_allclose(got[art][k], want[art][k], rtol=1e-6, atol=1e-7, err_msg=f"{art}/{k}")
+    _, msg = partial_of("fedproto", fleet("fedproto", 4), name="w1")
+    msg.tensors.pop("protos/sums/hi")
+    _, merger2 = root("fedproto", Aggregation(), fleet("fedproto", 4), 1)
+    assert merger2.admit(Inbound(msg.to_bytes(), "w1", kind="partial"), set(), lambda e: None) == []
+    assert dict(merger2.gate.rejections.by_device["w1"]) == {"partial-schema": 1}

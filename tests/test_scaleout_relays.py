@@ -252,3 +252,54 @@ def test_a_restarted_relay_gets_the_updates_again_and_the_signed_descriptor_stay
     for rep in reports:
         assert sorted(rep.accepted) == ALL and rep.missing == [] and rep.rejected == {}, rep
         assert rep.partials == {"r1": 6, "r2": 6}, rep.partials
+
+
+RECONNECT = {"reconnect_min_s": 0.2, "reconnect_max_s": 1.0}  # as tests/test_mqtt_restarts.py's broker restarts
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_shard_broker_restarted_mid_round_loses_no_accepted_update(brokers: list[MosquittoProcess],
+                                                                     how: str) -> None:
+    """Shard 1's Mosquitto is restarted (SIGTERM, or SIGKILL: it loses what it held in memory) in round 1 while
+    its relay holds d0-d4's updates and d5 has not answered yet: the relay reconnects, publishes the state and a
+    resend request again, the devices resend (refused at the relay as duplicates), d5's update arrives after
+    the restart, and every round counts all 12 devices once: the flat fleet's aggregate."""
+    root, s1, s2 = brokers
+    want = flat_reference()
+    relays = [Relay(s1.settings(**RECONNECT), root.settings(), FLEET,
+                    PartialAggregator(strategy(), engine_config(), "r1"), settings=FAST, hold_s=30.0).start(),
+              relay(s2, root, "r2")]
+    engine, transport = root_engine(root.settings(), N, client_id=f"root-shard-{how}")
+    shards = [s1, s2]
+    devs = start_devices(lambda d: shards[shard_of(d)].settings(**RECONNECT), range(N), delay={"d5": {1: 4.0}})
+    held = {f"d{i}" for i in range(5)}
+    restarted: list[float] = []
+
+    def restart() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not held <= relays[0].aggregator.answered:
+            time.sleep(0.05)
+        assert relays[0].partials_sent == 0  # mid-round: nothing of shard 1 has left the relay yet
+        s1.terminate() if how == "SIGTERM" else s1.kill()
+        s1.start()
+        restarted.append(time.monotonic())
+
+    t = threading.Thread(target=restart, daemon=True)
+    t.start()
+    try:
+        reports = engine.run()
+        t.join(5)
+    finally:
+        stop_devices(devs)
+        for r in relays:
+            r.stop()
+        transport.close()
+    assert restarted and relays[0].down.connects >= 2  # the relay really lost its shard's broker
+    for rep in reports:  # no lost update, none counted twice; refused copies are only resent duplicates
+        assert sorted(rep.accepted) == ALL and rep.missing == [], rep
+        assert set(rep.rejected) <= {"duplicate"}, rep.rejected
+    first = reports[0]
+    assert first.rejected_by_device.keys() <= held, first.rejected_by_device
+    got = engine.globals["prototypes"]
+    np.testing.assert_array_equal(got["counts"], want["counts"])
+    np.testing.assert_array_max_ulp(got["protos"], want["protos"], maxulp=1)

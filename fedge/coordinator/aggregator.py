@@ -35,9 +35,11 @@ log = logging.getLogger(__name__)
 class PartialAggregator:
     """Gate + accumulators for one node (worker or relay) named ``name`` (its broker account)."""
 
-    def __init__(self, strategy: Strategy, config: EngineConfig, name: str, *, detail: bool = False) -> None:
+    def __init__(self, strategy: Strategy, config: EngineConfig, name: str, *, detail: bool = False,
+                 exact: bool = True) -> None:
         check_splittable(strategy)
         self.detail = detail
+        self.exact = exact  # float64 sums as hi + lo float32 halves (False: hi only, half the bytes)
         self.strategy = strategy
         self.config = config
         self.name = name
@@ -155,7 +157,7 @@ class PartialAggregator:
         if self.round == 0 or not self.dirty:
             return None
         rejections = self.gate.drain()
-        tensors = {} if self.final else export_partial(self.strategy)
+        tensors = {} if self.final else export_partial(self.strategy, exact=self.exact)
         if self.detail:  # each device's entry; a compact child's devices stay compact
             info = partial_info(self.descriptor, self._pending, rejections.by_device,
                                 ids=pack_ids(self._compact) if self._compact else None, summary=self._compact_summary)

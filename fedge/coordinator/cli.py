@@ -163,6 +163,10 @@ def _add_aggregator_arguments(p: argparse.ArgumentParser) -> None:
                         "partials, so the root's report has per-device figures; default: compact partials (the "
                         "devices as runs of ids and one summary: bytes, mean metrics, training time), whose size "
                         "does not grow with the devices (docs/scale.md)")
+    p.add_argument("--fp32-sums", action="store_true",
+                   help="send the partial's sums as float32 (half their bytes: about one update per partial) "
+                        "instead of float64 split in two float32 halves (the flat aggregate to 1 float32 ulp); "
+                        "each partial then adds one float32 rounding")
 
 
 def _aggregator(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -181,7 +185,8 @@ def _aggregator(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if not name:
         raise ConfigError("an aggregator needs an account name", hint="pass --name (or --username)")
     engine_cfg, strat = _engine_parts(args, cfg, any_device=False)
-    return (PartialAggregator(strat, engine_cfg, name, detail=args.detail), broker_settings(args),
+    agg = PartialAggregator(strat, engine_cfg, name, detail=args.detail, exact=not args.fp32_sums)
+    return (agg, broker_settings(args),
             TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes))
 
 

@@ -18,6 +18,9 @@ ClassMean        ``counts`` (C,) int64, and ``sums/hi`` + ``sums/lo`` (C, p) for
                  ``rows/stats`` (n, C, p) float32 + ``rows/counts`` (n, C) int64 for a robust rule
 ===============  ============================================================================
 
+A ``lo`` half may be left out (``export_partial(exact=False)``, ``--fp32-sums``): the value is then its
+float32 ``hi``, half the bytes of the sums for one float32 rounding per partial.
+
 Merging is exact for weighted means (sums and weights add) and for the robust rules (rows are
 concatenated: the parent's trimmed mean, median or clipping sees every device's row, as a single
 coordinator does; the cost is bytes, n rows instead of one sum). Anything from the network is
@@ -71,44 +74,49 @@ def join64(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
     return np.asarray(hi, dtype=np.float64) + np.asarray(lo, dtype=np.float64)
 
 
-def _put64(out: Arrays, name: str, x: np.ndarray | float) -> None:
+def _put64(out: Arrays, name: str, x: np.ndarray | float, exact: bool = True) -> None:
     hi, lo = split64(np.asarray(x))
-    out[f"{name}/hi"], out[f"{name}/lo"] = hi, lo
+    out[f"{name}/hi"] = hi
+    if exact:  # without ``lo`` the value is float32: half the bytes, one float32 rounding
+        out[f"{name}/lo"] = lo
 
 
 def _get64(t: Mapping[str, np.ndarray], name: str) -> np.ndarray:
-    return join64(t[f"{name}/hi"], t[f"{name}/lo"])
+    lo = t.get(f"{name}/lo")
+    return join64(t[f"{name}/hi"], np.zeros_like(t[f"{name}/hi"]) if lo is None else lo)
 
 
 # -- export ---------------------------------------------------------------------------------------
 
-def export_partial(strategy: Strategy) -> Arrays:
-    """What the strategy's accumulators hold now, as tensors (see the module docstring)."""
+def export_partial(strategy: Strategy, *, exact: bool = True) -> Arrays:
+    """What the strategy's accumulators hold now, as tensors (see the module docstring); ``exact=False``
+    sends each float64 sum as its float32 ``hi`` half only (no ``lo``): half the bytes of the sums, at the
+    price of one float32 rounding per partial."""
     out: Arrays = {}
     for name in check_splittable(strategy):
         acc = getattr(strategy, name, None)
         if acc is not None:
-            _export(acc, f"{name}/", out)
+            _export(acc, f"{name}/", out, exact)
     return out
 
 
-def _export(acc: Accumulator, prefix: str, out: Arrays) -> None:
+def _export(acc: Accumulator, prefix: str, out: Arrays, exact: bool = True) -> None:
     if isinstance(acc, WeightedMean):
         for k, v in acc.sums.items():
-            _put64(out, f"{prefix}sum/{k}", v)
-        _put64(out, f"{prefix}weight", np.atleast_1d(acc.weight))  # (1,): the codec has no 0-d tensors
+            _put64(out, f"{prefix}sum/{k}", v, exact)
+        _put64(out, f"{prefix}weight", np.atleast_1d(acc.weight), exact)  # (1,): the codec has no 0-d tensors
     elif isinstance(acc, RobustMean):
         keys = list(acc.updates[0]) if acc.updates else []
         for k in keys:
             out[f"{prefix}rows/{k}"] = np.stack([u[k] for u in acc.updates]).astype(np.float32)
-        _put64(out, f"{prefix}weights", np.asarray(acc.weights, dtype=np.float64))
+        _put64(out, f"{prefix}weights", np.asarray(acc.weights, dtype=np.float64), exact)
     elif isinstance(acc, GroupedMean):
         for g, sub in acc.groups.items():
-            _export(sub, f"{prefix}group/{g}/", out)
+            _export(sub, f"{prefix}group/{g}/", out, exact)
     elif isinstance(acc, ClassMean):
         out[f"{prefix}counts"] = acc.counts.copy()
         if acc.sums is not None:
-            _put64(out, f"{prefix}sums", acc.sums)
+            _put64(out, f"{prefix}sums", acc.sums, exact)
         if acc.rows:
             out[f"{prefix}rows/stats"] = np.stack([s for s, _ in acc.rows]).astype(np.float32)
             out[f"{prefix}rows/counts"] = np.stack([c for _, c in acc.rows]).astype(np.int64)
@@ -151,10 +159,11 @@ def check_partial(tensors: Mapping[str, np.ndarray], expected: Mapping[str, np.n
     extra = sorted(set(tensors) - set(expected))
     if extra:
         raise Rejected("schema", f"partial has tensors its devices cannot produce: {extra[:5]}")
-    # A group or a row set that received nothing is simply absent; a half of a float64 pair is not.
+    # A group or a row set that received nothing is simply absent; a float64 pair's ``hi`` half is not (its
+    # ``lo`` half may be: a float32 sum, export_partial(exact=False)).
     for name in missing:
-        pair = name[:-3] + ("/lo" if name.endswith("/hi") else "/hi")
-        if (name.endswith(("/hi", "/lo"))) and pair in tensors:
+        pair = name[:-3] + "/lo"
+        if name.endswith("/hi") and pair in tensors:
             raise Rejected("schema", f"partial has {pair!r} without {name!r}")
     rows: dict[str, int] = {}
     for name, arr in tensors.items():
