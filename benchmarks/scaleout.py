@@ -233,6 +233,65 @@ def run_shards(n: int, rounds: int, shards: int, work: Path, *, detail: bool = F
     return res
 
 
+def run_merge(n: int, per: int) -> dict[str, Any]:
+    """In one process, no broker: what the root coordinator spends on N devices reported by N / ``per`` compact
+    partials — registering the N hellos, admitting each partial as the engine does (the set of devices already
+    counted is rebuilt per partial), finishing the round — and what an aggregator spends per update."""
+    from dataclasses import asdict
+
+    from benchmarks.fleet_scale import CLASSES, _device_info
+    from fedge.common.transport import Inbound
+    from fedge.coordinator.aggregator import PartialAggregator
+    from fedge.coordinator.engine import EngineConfig
+    from fedge.coordinator.gate import UpdateGate
+    from fedge.coordinator.merge import PartialMerger, merged_into
+    from fedge.coordinator.report import RoundReport
+    from fedge.coordinator.strategies.fedproto import FedProtoStrategy
+
+    fleet = "merge"
+    cfg = EngineConfig(fleet=fleet, method="fedproto")
+    ids = [f"dev-{i + 1}" for i in range(n)]
+    hellos = [Inbound(Message("hello", d, 0, fleet, info={"device": _device_info(d).to_dict()}).to_bytes(), d)
+              for d in ids]
+    partials: list[tuple[str, bytes]] = []
+    agg_cpu = 0.0
+    for k in range(n // per):
+        name = f"relay-{k + 1}"
+        agg = PartialAggregator(FedProtoStrategy(num_classes=CLASSES, rounds=3), cfg, name)
+        agg.register(hellos[k * per:(k + 1) * per])
+        agg.begin(1, final=False, descriptor="x" * 32)
+        updates = [Inbound(_update_bytes(fleet, ids[i], 1, False, i), ids[i]) for i in range(k * per, (k + 1) * per)]
+        c0 = _cpu()
+        for u in updates:
+            agg.admit(u)
+        data = agg.flush()
+        agg_cpu += _cpu() - c0
+        assert data is not None
+        partials.append((name, data))
+    strat = FedProtoStrategy(num_classes=CLASSES, rounds=3)
+    gate = UpdateGate(strat, cfg)
+    c0 = _cpu()
+    gate.register(hellos)
+    register_s = _cpu() - c0
+    strat.begin_round(1)
+    gate.begin_round(1, final=False)
+    merger = PartialMerger(strat, gate, fleet=fleet, max_bytes=cfg.max_update_bytes)
+    merger.begin_round(1, final=False)
+    report = RoundReport(round=1, phase="train")
+    c0 = _cpu()
+    for name, data in partials:
+        assert merger.admit(Inbound(data, name, kind="partial"), set(report.accepted), merged_into(report, name))
+    merge_s = _cpu() - c0
+    c0 = _cpu()
+    strat.finish_round(1)
+    finish_s = _cpu() - c0
+    return {"n": n, "devices_per_partial": per, "partials": len(partials),
+            "partial_bytes": statistics.mean(len(d) for _, d in partials),
+            "root_register_ms_per_device": 1000 * register_s / n, "root_merge_ms_per_partial": 1000 * merge_s /
+            len(partials), "root_merge_us_per_device": 1e6 * merge_s / n, "root_finish_ms": 1000 * finish_s,
+            "aggregator_ms_per_update": 1000 * agg_cpu / n, "report_json_bytes": len(json.dumps(asdict(report)))}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="role")
@@ -244,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=1000, help="devices (default 1000)")
     p.add_argument("--shard-n", type=int, default=200, help="devices of the bytes comparison (default 200)")
     p.add_argument("--rounds", type=int, default=3, help="training rounds per run (default 3)")
-    p.add_argument("--only", choices=("workers", "shards"), help="run one of the two comparisons")
+    p.add_argument("--only", choices=("workers", "shards", "merge"),
+                   help="run one part: the workers' or the shards' comparison, or the root's merge costs")
+    p.add_argument("--merge-n", type=int, default=20000, help="devices of the merge measurement (default 20000)")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     if args.role == "_worker":
@@ -255,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, Any] = {}
     load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="fedge-scaleout-") as tmp:
-        for workers in () if args.only == "shards" else (0, 2):
+        for workers in () if args.only in ("shards", "merge") else (0, 2):
             r = run_workers(args.n, args.rounds, workers, Path(tmp))
             cpu = statistics.median(r["cpu_seconds_per_round"])
             rows[f"workers={workers}"] = {
@@ -266,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
                 "worker_updates": r["worker_updates"], "root_peak_rss_mb": r["peak_rss_mb"], "raw": r}
             print(f"workers={workers}: {rows[f'workers={workers}']['round_s']:.3f} s/round, root CPU "
                   f"{1000 * cpu / args.n:.3f} ms/update", file=sys.stderr, flush=True)
-        for shards, detail, exact in () if args.only == "workers" else (
+        for per in (5000, 1000) if args.only in (None, "merge") else ():
+            rows[f"merge per={per}"] = m = run_merge(args.merge_n, per)
+            print(f"merge: {m}", file=sys.stderr, flush=True)
+        for shards, detail, exact in () if args.only in ("workers", "merge") else (
                 (0, False, True), (2, True, True), (2, False, True), (2, False, False)):
             r = run_shards(args.shard_n, args.rounds, shards, Path(tmp), detail=detail, exact=exact)
             key = f"shards={shards}" + (" detail" if detail else "") + ("" if exact else " fp32")
@@ -277,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     sz = sizes()
     doc = {"benchmark": "scaleout", "command": " ".join(["python -m benchmarks.scaleout", *(argv or sys.argv[1:])]),
-           "n": args.n, "shard_n": args.shard_n, "rounds": args.rounds, "message_bytes": sz, "samples": SAMPLES,
+           "n": args.n, "shard_n": args.shard_n,
+           "merge_n": args.merge_n, "rounds": args.rounds, "message_bytes": sz, "samples": SAMPLES,
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                        "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()},
            "rows": rows}
@@ -312,6 +377,13 @@ def table(doc: dict[str, Any]) -> str:
             if key in r:
                 b, i = r[key]["root_bytes_per_round"], r[key].get("root_bytes_in_per_round", 0.0)
                 lines.append(f"{label} | {b:.0f} | {b / up:.1f} | {i:.0f} | {i / up:.1f} | {b / flat:.3f}")
+    for key in sorted(k for k in r if k.startswith("merge")):
+        m = r[key]
+        lines += ["", f"root, N = {m['n']} in {m['partials']} compact partials of {m['devices_per_partial']} | "
+                  f"register ms/device {m['root_register_ms_per_device']:.3f} | merge ms/partial "
+                  f"{m['root_merge_ms_per_partial']:.1f} ({m['root_merge_us_per_device']:.2f} us/device) | "
+                  f"finish ms {m['root_finish_ms']:.2f} | partial B {m['partial_bytes']:.0f} | aggregator ms/update "
+                  f"{m['aggregator_ms_per_update']:.3f} | report JSON B {m['report_json_bytes']}"]
     return "\n".join(lines)
 
 

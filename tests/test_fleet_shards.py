@@ -133,8 +133,13 @@ def test_other_mistakes_are_refused_at_load(tmp_path: Path) -> None:
     assert "may hold only letters" in err.message
     err = refused(tmp_path, base.replace('"127.0.0.1:2"', '"mqtt://u:pw@h:2"'))
     assert "only a scheme, a host and a port" in err.message
-    err = refused(tmp_path, base.replace('devices = ["x86-gateway-1", "x86-gateway-2"]', "devices = []"))
-    assert "#2 ('b') has no devices" in err.message
+    err = refused(tmp_path, base.replace('devices = ["x86-gateway-1", "x86-gateway-2"]', "devices = []")
+                  .replace('devices = ["rpi-zero-2w-*"]', 'devices = ["rpi-zero-2w-*", "x86-gateway-*"]'))
+    assert "#2 ('b') has no devices and no child shards" in err.message
+    # a shard without devices of its own that is a parent: a regional level of relays
+    regional = load_fleet(fleet(tmp_path, base.replace('devices = ["rpi4-4gb-*"]', "devices = []").replace(
+        'devices = ["rpi-zero-2w-*"]', 'devices = ["rpi-zero-2w-*", "rpi4-4gb-*"]'), "regional"))
+    assert regional.shard_layout[0].devices == () and depth(regional.shard_layout) == 2
     err = refused(tmp_path, base.replace("parent =", "parnet ="))
     assert "unknown key 'parnet'" in err.message and "did you mean 'parent'?" in (err.hint or "")
 

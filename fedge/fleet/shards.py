@@ -19,8 +19,9 @@ Example (a root broker, two sites, and a third shard relayed through site-a)::
     parent = "site-a"                    # its relay sends partials to site-a's broker (default: the root)
 
 Every device of the fleet is in exactly one shard (a device in no shard is refused: the root broker of
-a sharded fleet has no device accounts), a parent names another shard, and the parent chains end at
-the root (no cycle). Everything is checked when the fleet config loads (:func:`resolve_shards`), each
+a sharded fleet has no device accounts), a shard without devices of its own is the parent of another (a
+regional level of relays), a parent names another shard, and the parent chains end at the root (no
+cycle). Everything is checked when the fleet config loads (:func:`resolve_shards`), each
 refusal naming the key and the fix. ``fedge broker config --shards N`` is the shorthand for N shards of
 contiguous devices in fleet order on ports ``--port + 1 ... --port + N`` (:func:`even_shards`).
 """
@@ -151,10 +152,11 @@ def resolve_shards(sections: tuple[ShardSection, ...], devices: list[str], *, so
                               hint="each shard needs a broker of its own (another port or host); to put these "
                                    "devices together, list them in one shard")
         brokers[(host, port)] = k
-        if not s.devices:
-            raise ConfigError(f"{where} has no devices",
+        if not s.devices and not any(o.parent == names[k] for o in sections):
+            raise ConfigError(f"{where} has no devices and no child shards",
                               hint='add devices = ["ID", "PREFIX-*", ...]: the device ids (or patterns) whose '
-                                   "bundles name this shard's broker")
+                                   "bundles name this shard's broker (a shard without devices must be the "
+                                   "parent of another)")
         mine: list[str] = []
         for pattern in s.devices:
             hits = fnmatch.filter(devices, pattern) if any(c in pattern for c in "*?[") else (
