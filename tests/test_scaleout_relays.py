@@ -20,21 +20,24 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gate_helpers import FLEET, device, honest_update
-from scaleout_helpers import FAST, engine_config, root_engine, start_devices, stop_devices, strategy
+from scaleout_helpers import FAST, StatsDevice, engine_config, root_engine, start_devices, stop_devices, strategy
 
 from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.common.signing import Signer
 from fedge.coordinator.aggregator import PartialAggregator
+from fedge.coordinator.engine import RoundEngine
+from fedge.coordinator.report import RoundReport
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.client import BrokerSettings, MqttClient
+from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.relay import Relay
 from fedge.mqtt.topics import FleetTopics
 
@@ -169,6 +172,29 @@ def test_a_relay_killed_mid_round_loses_no_accepted_update(brokers: list[Mosquit
     np.testing.assert_array_max_ulp(got["protos"], want["protos"], maxulp=1)
 
 
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.05)
+
+
+def run_during(fault: Callable[[], None], engine: RoundEngine, transport: MqttCoordinatorTransport,
+               devs: list[StatsDevice], relays: Callable[[], list[Relay]]) -> list[RoundReport]:
+    """The engine's run while ``fault`` runs in a thread (a restart mid-round); then the devices, the relays
+    (``relays()``, asked afterwards: a restarted one included) and the transport are stopped."""
+    t = threading.Thread(target=fault, daemon=True)
+    t.start()
+    try:
+        reports = engine.run()
+        t.join(5)
+    finally:
+        stop_devices(devs)
+        for r in relays():
+            r.stop()
+        transport.close()
+    return reports
+
+
 def relay(shard: MosquittoProcess, parent: MosquittoProcess, name: str, hold_s: float = 5.0, **kw: object) -> Relay:
     return Relay(shard.settings(), parent.settings(), FLEET, PartialAggregator(strategy(), engine_config(), name),
                  settings=FAST, hold_s=hold_s, **kw).start()  # type: ignore[arg-type]
@@ -228,22 +254,11 @@ def test_a_restarted_relay_gets_the_updates_again_and_the_signed_descriptor_stay
     restarted: list[Relay] = []
 
     def restart() -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not held <= first.aggregator.answered:
-            time.sleep(0.05)
+        wait_for(lambda: held <= first.aggregator.answered)
         first.stop()
         restarted.append(relay(s1, root, "r1", hold_s=60.0, state_dir=tmp_path / "r1"))
 
-    t = threading.Thread(target=restart, daemon=True)
-    t.start()
-    try:
-        reports = engine.run()
-        t.join(5)
-    finally:
-        stop_devices(devs)
-        for r in [first, other, *restarted]:
-            r.stop()
-        transport.close()
+    reports = run_during(restart, engine, transport, devs, lambda: [first, other, *restarted])
     assert restarted and first.partials_sent == 0 and held <= first.aggregator.answered
     # d0-d4 sent their round-1 update twice (asked by the restarted relay), d5 once (after the request)
     sent = {d.info.device_id: d.transport.stats.messages_out for d in devs}
@@ -273,28 +288,17 @@ def test_a_shard_broker_restarted_mid_round_loses_no_accepted_update(brokers: li
     shards = [s1, s2]
     devs = start_devices(lambda d: shards[shard_of(d)].settings(**RECONNECT), range(N), delay={"d5": {1: 4.0}})
     held = {f"d{i}" for i in range(5)}
-    restarted: list[float] = []
+    sent_before: list[int] = []
 
     def restart() -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not held <= relays[0].aggregator.answered:
-            time.sleep(0.05)
-        assert relays[0].partials_sent == 0  # mid-round: nothing of shard 1 has left the relay yet
+        wait_for(lambda: held <= relays[0].aggregator.answered)
+        sent_before.append(relays[0].partials_sent)
         s1.terminate() if how == "SIGTERM" else s1.kill()
         s1.start()
-        restarted.append(time.monotonic())
 
-    t = threading.Thread(target=restart, daemon=True)
-    t.start()
-    try:
-        reports = engine.run()
-        t.join(5)
-    finally:
-        stop_devices(devs)
-        for r in relays:
-            r.stop()
-        transport.close()
-    assert restarted and relays[0].down.connects >= 2  # the relay really lost its shard's broker
+    reports = run_during(restart, engine, transport, devs, lambda: relays)
+    assert sent_before == [0]  # restarted mid-round: nothing of shard 1 had left the relay yet
+    assert relays[0].down.connects >= 2  # the relay really lost its shard's broker
     for rep in reports:  # no lost update, none counted twice; refused copies are only resent duplicates
         assert sorted(rep.accepted) == ALL and rep.missing == [], rep
         assert set(rep.rejected) <= {"duplicate"}, rep.rejected
