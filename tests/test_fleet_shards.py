@@ -259,3 +259,27 @@ def test_flash_puts_the_shard_address_in_the_payload_and_refuses_a_stale_bundle(
     with pytest.raises(ConfigError, match=r"names broker 'mqtt://127.0.0.1:2001', but \[\[shards\]\] puts "
                                           r"rpi-zero-2w-2 on shard 'c' at 127.0.0.1:2003"):
         prepare("rpi-zero-2w-2", path, out)
+
+
+def test_fedge_relay_finds_its_shard_in_the_fleet_config(tmp_path: Path) -> None:
+    import argparse
+
+    from fedge.coordinator.cli import shard_url
+    from fedge.mqtt.client import parse_broker_url
+
+    cfg = load_fleet(fleet(tmp_path, TREE.format(pa=2001, pb=2002, pc=2003)))
+
+    def url(name: str, broker: str, shard: str | None = None) -> str:
+        return shard_url(argparse.Namespace(shard=shard), cfg, name, parse_broker_url(broker))
+
+    assert url("relay-c", "mqtt://127.0.0.1:2001") == "mqtt://127.0.0.1:2003"  # under shard a
+    assert url("relay-b", "mqtt://127.0.0.1:2000") == "mqtt://127.0.0.1:2002"  # under the root
+    assert url("relay-b", "mqtts://127.0.0.1:2000") == "mqtts://127.0.0.1:2002"  # HOST:PORT takes the TLS
+    assert url("relay-b", "mqtt://127.0.0.1:2000", shard="mqtt://h:9") == "mqtt://h:9"  # --shard wins
+    with pytest.raises(ConfigError, match=r"'c' reports to shard 'a' at 127.0.0.1:2001, but --broker is "
+                                          r"mqtt://127.0.0.1:2000") as err:
+        url("relay-c", "mqtt://127.0.0.1:2000")
+    assert "pass --broker mqtt://127.0.0.1:2001" in (err.value.hint or "")
+    with pytest.raises(ConfigError, match="relay 'relay-x' needs --shard") as err:
+        url("relay-x", "mqtt://127.0.0.1:2000")
+    assert "--name relay-NAME" in (err.value.hint or "")

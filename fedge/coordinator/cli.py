@@ -140,7 +140,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                                     "docs/scale.md.")
     _add_aggregator_arguments(rl)
     add_broker_arguments(rl, required=True)
-    rl.add_argument("--shard", required=True, metavar="URL", help="the shard's broker (same credentials)")
+    rl.add_argument("--shard", metavar="URL",
+                    help="the shard's broker (same credentials; default: the broker of this relay's shard in the "
+                         "fleet config's [[shards]], the shard NAME of --name relay-NAME)")
     rl.add_argument("--state-dir", metavar="DIR",
                     help="where the relay notes the devices it forwarded this round (a restarted relay does not "
                          "count them twice) and keeps each round's per-device entries (rounds.jsonl)")
@@ -169,7 +171,7 @@ def _add_aggregator_arguments(p: argparse.ArgumentParser) -> None:
                         "each partial then adds one float32 rounding")
 
 
-def _aggregator(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def _aggregator(args: argparse.Namespace, cfg: Any = None) -> tuple[Any, Any, Any]:
     """(the aggregator, the broker settings, the transport settings) of a worker or relay command."""
     import dataclasses
 
@@ -178,7 +180,7 @@ def _aggregator(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.settings import TransportSettings
 
-    cfg = load_fleet_for(args)
+    cfg = cfg or load_fleet_for(args)
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
     name = args.name or args.username
@@ -249,13 +251,39 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def shard_url(args: argparse.Namespace, cfg: Any, name: str, parent: Any) -> str:
+    """``--shard``, or the broker of relay ``name``'s shard in ``[[shards]]``; a parent shard there must be
+    the broker ``--broker`` names."""
+    from fedge.errors import ConfigError
+
+    layout = {s.relay: s for s in cfg.shard_layout}
+    mine = layout.get(name)
+    if mine is not None and mine.parent is not None:
+        up = next(s for s in cfg.shard_layout if s.name == mine.parent)
+        if (up.host, up.port) != (parent.host, parent.port):
+            raise ConfigError(f"{cfg.source}: [[shards]] {mine.name!r} reports to shard {up.name!r} at "
+                              f"{up.host}:{up.port}, but --broker is {parent.url}",
+                              hint=f"pass --broker mqtt://{up.host}:{up.port} (mqtts:// with TLS), or change "
+                                   f"{mine.name!r}'s parent")
+    if args.shard:
+        return str(args.shard)
+    if mine is None:
+        raise ConfigError(f"relay {name!r} needs --shard: {cfg.source} has no [[shards]] entry whose relay is {name}",
+                          hint="pass --shard mqtt://HOST:PORT, or --name relay-NAME for the shard NAME of "
+                               "[[shards]]" if cfg.shard_layout else "pass --shard mqtt://HOST:PORT")
+    scheme = mine.scheme or ("mqtts" if parent.tls else "mqtt")
+    return f"{scheme}://{mine.host}:{mine.port}"
+
+
 def _relay(args: argparse.Namespace) -> int:
     from fedge.coordinator.service import install_stop_signals
     from fedge.mqtt.client import parse_broker_url
     from fedge.mqtt.relay import Relay
 
-    agg, parent, wire = _aggregator(args)
-    child = parse_broker_url(args.shard, username=parent.username, password=parent.password,
+    cfg = load_fleet_for(args)
+    agg, parent, wire = _aggregator(args, cfg)
+    child = parse_broker_url(shard_url(args, cfg, agg.name, parent), username=parent.username,
+                             password=parent.password,
                              tls=True if parent.tls else None, ca_file=parent.ca_file, cert_file=parent.cert_file,
                              key_file=parent.key_file)
     relay = Relay(child, parent, agg.config.fleet, agg, settings=wire, state_dir=args.state_dir,
