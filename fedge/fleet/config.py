@@ -308,6 +308,8 @@ class FleetConfig:
     @functools.cached_property
     def shard_layout(self) -> list[Shard]:
         """``[[shards]]`` checked against the fleet's devices (empty: no shards); checked at load."""
+        if not self.shards:
+            return []
         return resolve_shards(self.shards, [i for i, _ in device_ids(self)], source=self.source)
 
     @property
