@@ -21,7 +21,7 @@ from fedge.broker.config import BrokerOptions
 from fedge.broker.shards import write_sharded_config
 from fedge.errors import ConfigError
 from fedge.fleet.config import device_ids, load_fleet
-from fedge.fleet.shards import depth, even_shards, subtree
+from fedge.fleet.shards import depth, even_shards, reporters, subtree
 
 HEAD = """
 [run]
@@ -84,6 +84,10 @@ def test_a_tree_loads_in_fleet_order_with_its_parents(tmp_path: Path) -> None:
     assert subtree(cfg.shard_layout, "a") == ["rpi4-4gb-1", "rpi4-4gb-2", "rpi-zero-2w-1", "rpi-zero-2w-2"]
     assert depth(cfg.shard_layout) == 2
     assert load_fleet(fleet(tmp_path, "")).shard_layout == []
+    # what each parent lets its relays report (PartialMerger.allowed: the coordinator's, relay-a's)
+    assert reporters(cfg.shard_layout) == {"relay-a": frozenset(subtree(cfg.shard_layout, "a")),
+                                           "relay-b": frozenset({"x86-gateway-1", "x86-gateway-2"})}
+    assert reporters(cfg.shard_layout, "a") == {"relay-c": frozenset({"rpi-zero-2w-1", "rpi-zero-2w-2"})}
 
 
 def test_overlapping_devices_are_refused_naming_the_device_and_both_shards(tmp_path: Path) -> None:

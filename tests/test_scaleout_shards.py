@@ -16,6 +16,7 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedge.broker.config import BrokerOptions
@@ -278,3 +279,128 @@ def test_a_shards_tree_from_the_fleet_config_keeps_every_credential_in_its_shard
         for br in brokers:
             br.stop()
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+E2E_FLEET = """
+[run]
+method = "fedproto"
+rounds = 2
+dataset = "digits"
+fleet = "e2e"
+seed = 3
+
+[partition]
+kind = "dirichlet"
+alpha = 0.5
+fraction = 0.2
+
+[train]
+lr = 0.05
+local_epochs = 1
+
+[[devices]]
+profile = "rpi4-2gb"
+count = 4
+arch = "tier-xs"
+
+[[shards]]
+name = "a"
+broker = "127.0.0.1:{pa}"
+devices = ["rpi4-2gb-1", "rpi4-2gb-2"]
+
+[[shards]]
+name = "b"
+broker = "127.0.0.1:{pb}"
+devices = ["rpi4-2gb-3", "rpi4-2gb-4"]
+parent = "a"
+"""
+
+
+@pytest.mark.slow
+def test_a_fleet_sharded_by_its_config_runs_through_the_commands_and_equals_the_flat_run(mosquitto_bin: str) -> None:
+    """The whole path of ``[[shards]]``: ``fedge broker config`` writes the tree (root <- a <- b), three
+    Mosquittos run the written configs, ``fedge relay --name relay-a`` / ``relay-b`` find their shard in the
+    fleet config, four FedProto devices connect with their bundles' shard address and password, and ``fedge
+    coordinator run`` on the root (which lets relay-a report a's and b's devices only) counts every device in
+    every round through relay-a's compact partials: the uninterrupted in-process run's global state."""
+    import json
+    import subprocess
+    import sys
+
+    from fedge.common.rounds import PROTOTYPES_ARTIFACT
+    from fedge.common.tensorcodec import decode
+    from fedge.coordinator.engine import EngineConfig, RoundEngine
+    from fedge.mqtt.client import parse_broker_url
+    from fedge.sim.inprocess import run_inprocess
+    from fedge.sim.over_mqtt import start_fleet
+    from fedge.sim.simulate import build_fleet
+
+    base = _ports(2)
+    work = Path(tempfile.mkdtemp(prefix="fedge-shards-e2e-"))
+    os.chmod(work, 0o755)
+    path = work / "fleet.toml"
+    path.write_text(E2E_FLEET.format(pa=base + 1, pb=base + 2))
+    cfg = load_fleet(path)
+    devices, strat = build_fleet(cfg)
+    coord, _, _ = run_inprocess(cfg, devices)
+    reference = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method))
+    reference.run()
+    out = work / "broker"
+    files = write_sharded_config(cfg.run.fleet, [i for i, _ in device_ids(cfg)], out,
+                                 BrokerOptions(port=base, bind="127.0.0.1", hostname="127.0.0.1"),
+                                 shards=cfg.shard_layout, fleet_config=path)
+    brokers = [MosquittoProcess(f.config.read_text(), port=port, workdir=f.out)
+               for f, port in zip([files.root, *files.shards], [base, base + 1, base + 2], strict=True)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs: list[subprocess.Popen[bytes]] = []
+    stop = None
+    try:
+        for br in brokers:
+            br.start()
+        for name, parent in (("relay-a", base), ("relay-b", base + 1)):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fedge", "relay", "--config", str(path), "--name", name, "--username", name,
+                 "--password-file", str(out / "relays" / name / "password"), "--broker",
+                 f"mqtt://127.0.0.1:{parent}", "--state-dir", str(work / name)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env))
+
+        def bundle(dev: str) -> BrokerSettings:
+            b = tomllib.loads((out / "bundles" / dev / "bundle.toml").read_text())
+            return parse_broker_url(b["broker"], username=b["username"],
+                                    password=(out / "bundles" / dev / "password").read_text().strip())
+
+        devices, _ = build_fleet(cfg)
+        _, _, stop = start_fleet(cfg, devices, bundle, coordinator=False)
+        state = work / "state"
+        run = subprocess.run(
+            [sys.executable, "-m", "fedge", "coordinator", "run", "--config", str(path), "--broker",
+             f"mqtt://127.0.0.1:{base}", "--username", "fedge-coordinator", "--password-file",
+             str(out / "coordinator" / "password"), "--state-dir", str(state), "--wait-for-fleet", "60",
+             "--round-timeout", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=300)
+        assert run.returncode == 0, run.stdout.decode()[-3000:]
+    finally:
+        if stop is not None:
+            stop()
+        for p in procs:
+            p.terminate()
+        logs = [p.communicate(timeout=30)[0].decode() for p in procs]
+        for br in brokers:
+            br.stop()
+    try:
+        assert all("relay-" in log and "shard mqtt://127.0.0.1:" in log for log in logs), logs
+        reports = [json.loads(line) for line in (state / "reports.jsonl").read_text().splitlines()]
+        ids = sorted(i for i, _ in device_ids(cfg))
+        assert [r["round"] for r in reports] == [1, 2, 3]
+        for r in reports:  # every device once per round, through relay-a (relay-b's inside its partials)
+            assert sorted(r["accepted"]) == ids and r["missing"] == [] and r["partials"] == {"relay-a": 4}, r
+            assert r["aggregated"]["relay-a"]["devices"] == 4 and r["bytes_up"] == {}
+        # relay-a kept each device's entry locally (compact partials leave it there)
+        kept = [json.loads(line) for line in (work / "relay-a" / "rounds.jsonl").read_text().splitlines()]
+        assert kept and {"rpi4-2gb-1", "rpi4-2gb-2"} <= set(kept[0]["devices"])
+        flat = decode((state / "globals.safetensors").read_bytes()).tensors
+        got = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith(PROTOTYPES_ARTIFACT + "/")}
+        want = reference.globals[PROTOTYPES_ARTIFACT]
+        np.testing.assert_array_equal(got["counts"], want["counts"])
+        np.testing.assert_allclose(got["protos"], want["protos"], rtol=1e-5, atol=1e-6)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -282,6 +282,11 @@ def _relay(args: argparse.Namespace) -> int:
 
     cfg = load_fleet_for(args)
     agg, parent, wire = _aggregator(args, cfg)
+    mine = next((s for s in cfg.shard_layout if s.relay == agg.name), None)
+    if mine is not None:  # [[shards]]: its child relays report their own subtrees only
+        from fedge.fleet.shards import reporters
+
+        agg.merger.allowed = reporters(cfg.shard_layout, mine.name)
     child = parse_broker_url(shard_url(args, cfg, agg.name, parent), username=parent.username,
                              password=parent.password,
                              tls=True if parent.tls else None, ca_file=parent.ca_file, cert_file=parent.cert_file,
@@ -467,6 +472,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         transport.start()
         service = CoordinatorService(strat, transport, engine_cfg, args.state_dir, observers=[monitor])
+        if cfg.shard_layout and not args.workers:  # [[shards]]: each relay reports its own subtree only
+            from fedge.fleet.shards import reporters
+
+            service.engine.partials.allowed = reporters(cfg.shard_layout)
         monitor.run_id = service.engine.run_id
         if service.resumed_from:  # the rounds before the restart, for the dashboard
             for rep in read_reports(Path(args.state_dir) / REPORTS_FILE):

@@ -224,6 +224,13 @@ def subtree(shards: list[Shard], name: str) -> list[str]:
     return out
 
 
+def reporters(shards: list[Shard], parent: str | None = None) -> dict[str, frozenset[str]]:
+    """Relay account -> the devices it may report, for the relays whose parent is ``parent`` (None: the
+    root): what a parent's ``PartialMerger.allowed`` holds, so a relay that lists another shard's device is
+    refused (``partial-foreign``) and an account that is no relay of it too (``partial-unauthorized``)."""
+    return {s.relay: frozenset(subtree(shards, s.name)) for s in shards if s.parent == parent}
+
+
 def depth(shards: list[Shard]) -> int:
     """Levels of relays below the root (0: no shards; 1: every shard under the root)."""
     by_name = {s.name: s for s in shards}
