@@ -71,7 +71,8 @@ def split_devices(devices: list[str], shards: int) -> list[list[str]]:
 
 
 def root_acl_extra(fleet: str, relays: dict[str, list[str]], workers: list[str]) -> str:
-    """The root ACL's lines for relay and worker accounts (appended to the coordinator's)."""
+    """A parent broker's ACL lines for its relays (relay -> the devices it reports: its shard's and its child
+    shards') and the root's for worker accounts, appended to what ``write_broker_config`` wrote."""
     t = FleetTopics(fleet)
     lines: list[str] = []
     for relay, devices in relays.items():
