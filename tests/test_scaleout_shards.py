@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from observe_helpers import FLEET_TOML as SMALL_FLEET
 
 from fedge.broker.config import BrokerOptions
 from fedge.broker.shards import split_devices, write_sharded_config
@@ -281,28 +282,8 @@ def test_a_shards_tree_from_the_fleet_config_keeps_every_credential_in_its_shard
         shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-E2E_FLEET = """
-[run]
-method = "fedproto"
-rounds = 2
-dataset = "digits"
-fleet = "e2e"
-seed = 3
-
-[partition]
-kind = "dirichlet"
-alpha = 0.5
-fraction = 0.2
-
-[train]
-lr = 0.05
-local_epochs = 1
-
-[[devices]]
-profile = "rpi4-2gb"
-count = 4
-arch = "tier-xs"
-
+# observe_helpers' small FedProto fleet with four rpi4-2gb instead of two, over two shards (b under a)
+E2E_SHARDS = """
 [[shards]]
 name = "a"
 broker = "127.0.0.1:{pa}"
@@ -311,7 +292,7 @@ devices = ["rpi4-2gb-1", "rpi4-2gb-2"]
 [[shards]]
 name = "b"
 broker = "127.0.0.1:{pb}"
-devices = ["rpi4-2gb-3", "rpi4-2gb-4"]
+devices = ["rpi4-2gb-3", "rpi4-2gb-4", "x86-gateway-*"]
 parent = "a"
 """
 
@@ -320,7 +301,7 @@ parent = "a"
 def test_a_fleet_sharded_by_its_config_runs_through_the_commands_and_equals_the_flat_run(mosquitto_bin: str) -> None:
     """The whole path of ``[[shards]]``: ``fedge broker config`` writes the tree (root <- a <- b), three
     Mosquittos run the written configs, ``fedge relay --name relay-a`` / ``relay-b`` find their shard in the
-    fleet config, four FedProto devices connect with their bundles' shard address and password, and ``fedge
+    fleet config, five FedProto devices connect with their bundles' shard address and password, and ``fedge
     coordinator run`` on the root (which lets relay-a report a's and b's devices only) counts every device in
     every round through relay-a's compact partials: the uninterrupted in-process run's global state."""
     import json
@@ -339,7 +320,8 @@ def test_a_fleet_sharded_by_its_config_runs_through_the_commands_and_equals_the_
     work = Path(tempfile.mkdtemp(prefix="fedge-shards-e2e-"))
     os.chmod(work, 0o755)
     path = work / "fleet.toml"
-    path.write_text(E2E_FLEET.format(pa=base + 1, pb=base + 2))
+    path.write_text(SMALL_FLEET.format(rounds=2, fleet="e2e").replace("count = 2", "count = 4")
+                    + E2E_SHARDS.format(pa=base + 1, pb=base + 2))
     cfg = load_fleet(path)
     devices, strat = build_fleet(cfg)
     coord, _, _ = run_inprocess(cfg, devices)
@@ -392,8 +374,8 @@ def test_a_fleet_sharded_by_its_config_runs_through_the_commands_and_equals_the_
         ids = sorted(i for i, _ in device_ids(cfg))
         assert [r["round"] for r in reports] == [1, 2, 3]
         for r in reports:  # every device once per round, through relay-a (relay-b's inside its partials)
-            assert sorted(r["accepted"]) == ids and r["missing"] == [] and r["partials"] == {"relay-a": 4}, r
-            assert r["aggregated"]["relay-a"]["devices"] == 4 and r["bytes_up"] == {}
+            assert sorted(r["accepted"]) == ids and r["missing"] == [] and r["partials"] == {"relay-a": 5}, r
+            assert r["aggregated"]["relay-a"]["devices"] == 5 and r["bytes_up"] == {}
         # relay-a kept each device's entry locally (compact partials leave it there)
         kept = [json.loads(line) for line in (work / "relay-a" / "rounds.jsonl").read_text().splitlines()]
         assert kept and {"rpi4-2gb-1", "rpi4-2gb-2"} <= set(kept[0]["devices"])
