@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
         max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule(),
         # every hello is checked against its device's slot (arch, precision, samples, embedding size)
         slots=slot_checks(checked_slots(cfg), own_data=cfg.own_data), privacy=cfg.privacy_mechanism,
-        sampling=cfg.sampling)
+        sampling=cfg.sampling, asynchronous=cfg.asynchronous)
     strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
                                                          rounds=cfg.run.rounds)
 

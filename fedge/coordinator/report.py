@@ -32,3 +32,5 @@ class RoundReport:
     train_s: dict[str, float] = field(default_factory=dict)
     # [privacy]: ε spent per round and cumulative at δ after this round (fedge.common.privacy.PrivacyLedger).
     privacy: dict[str, Any] = field(default_factory=dict)
+    # asynchronous mode: device id -> its update's staleness (versions behind the version this report made)
+    staleness: dict[str, int] = field(default_factory=dict)

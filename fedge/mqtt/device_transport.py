@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
+from fedge.common.inmemory import AsyncAnswer, async_answer, descriptor_tasks, resend_async
 from fedge.common.messages import Message
 from fedge.common.tensorcodec import read_header
 from fedge.common.transport import DeviceTransport
@@ -54,6 +56,10 @@ class MqttDeviceTransport(DeviceTransport):
         # Last update: ((run, round), descriptor id it answered, message) — sent again when the
         # coordinator re-announces the same round (it restarted or the broker lost it).
         self._last_update: tuple[tuple[str, int], str | None, bytes] | None = None
+        # Asynchronous mode: the current descriptor's info, and what the last update answered: it is sent again
+        # when a new coordinator process still lists that task (fedge.common.inmemory.resend_async).
+        self._round_info: dict[str, Any] = {}
+        self._last_task: AsyncAnswer | None = None
         self.refusal: bytes | None = None  # the coordinator's latest `refused` message for this device
         self.changes = 0  # descriptor changes received
         self._changes_read = 0  # ... as of the last current_round() call
@@ -127,6 +133,7 @@ class MqttDeviceTransport(DeviceTransport):
             run = str(msg.info.get("run", ""))
             want = msg.info.get("globals")
             key = (run, int(msg.round))
+
         except (PayloadError, ValueError, TypeError) as exc:
             log.warning("%s: ignored a bad round descriptor: %s", self.device_id, exc)
             return
@@ -136,8 +143,12 @@ class MqttDeviceTransport(DeviceTransport):
                 return  # the same descriptor again (retained redelivery after a reconnect)
             self._round_raw, self._round_id, self._round_key = raw, msg.msg_id, key
             self._want = {str(k): int(v) for k, v in want.items()} if isinstance(want, dict) else None
+            self._round_info = msg.info
             last = self._last_update
-            if last is not None and last[0] == key and last[1] != msg.msg_id:
+            if descriptor_tasks(msg.info) is not None:
+                if last is not None and resend_async(self._last_task, msg.info):
+                    resend = last[2]
+            elif last is not None and last[0] == key and last[1] != msg.msg_id:
                 resend = last[2]
                 self._last_update = (key, msg.msg_id, last[2])
             self.changes += 1
@@ -200,13 +211,14 @@ class MqttDeviceTransport(DeviceTransport):
     def send_update(self, data: bytes) -> None:
         frames = split(data, self.settings.chunk_bytes)
         with self._cond:
-            key, rid = self._round_key, self._round_id
+            key, rid, info = self._round_key, self._round_id, self._round_info
         try:
             rnd = int(read_header(data)[1].get("round", "-1"))
         except (PayloadError, ValueError):
             rnd = -1
         if key is not None and key[1] == rnd:
             self._last_update = (key, rid, data)
+            self._last_task = async_answer(info, self.device_id)
         pubs = [self.client.publish(self.topics.update(self.device_id), f) for f in frames]
         for f in frames:
             self.stats.count_out(len(f))

@@ -62,7 +62,7 @@ class ClockedCoordinatorTransport(InMemoryCoordinatorTransport):
         info = RoundInfo.from_dict(Message.from_bytes(raw).info["round"])
         if info.phase == FINAL_PHASE:
             for a in self.agents:
-                a.timer = _Stopwatch(0.0)  # evaluation only: no virtual time
+                a.timer = Stopwatch(0.0)  # evaluation only: no virtual time
                 a.step()
             return
         online = self.clock.online()
@@ -76,7 +76,7 @@ class ClockedCoordinatorTransport(InMemoryCoordinatorTransport):
             # the device reports the virtual seconds of its training as its train_s, not the simulating host's
             # time: the update's bytes (and so the clock) then repeat exactly for a seed
             c = self.clock.devices[dev]
-            a.timer = _Stopwatch(c.compute_s(c.work, info.round))
+            a.timer = Stopwatch(c.compute_s(c.work, info.round))
             a.step()
             if len(a.traffic) > handled and a.traffic[-1].round == info.round:
                 t = a.traffic[-1]
@@ -93,7 +93,7 @@ class ClockedCoordinatorTransport(InMemoryCoordinatorTransport):
                 log.info("round %d: %s's update is lost in virtual time (%s)", info.round, d, timed.devices[d].lost)
 
 
-class _Stopwatch:
+class Stopwatch:
     """A timer that reads 0 and then ``elapsed`` (and so on): what an agent's ``train_s`` measures in virtual time."""
 
     def __init__(self, elapsed: float) -> None:

@@ -69,7 +69,7 @@ def run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
 def run_timed(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
               transport: str | TransportRunner = "inprocess",
               on_round: Callable[[RoundReport], None] | None = None,
-              ) -> tuple[list[DeviceAgent], list[RoundReport], FleetClock]:
+              ) -> tuple[list[DeviceAgent], list[RoundReport], FleetClock | None]:
     """:func:`run_rounds`, and the run in virtual time (``[clock]``; over MQTT or a runner of one's own timed
     afterwards from the reports)."""
     if callable(transport):
@@ -86,11 +86,14 @@ def run_timed(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
         quorum = 0 if cfg.clock.availability == "always" else 1
         engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=slots,
                                                           privacy=cfg.privacy_mechanism, sampling=cfg.sampling,
+                                                          asynchronous=cfg.asynchronous,
                                                           min_devices=quorum))
         reports = engine.run(on_round=on_round)
         clock = getattr(coord, "clock", None)
-        if not isinstance(clock, FleetClock):  # a transport on the real clock: time its rounds afterwards
-            clock = replay_clock(fleet_clock(cfg, checked), reports)
+        if not isinstance(clock, FleetClock):
+            if cfg.asynchronous is not None:  # versions on the real clock have no synchronous replay
+                return agents, reports, None
+            clock = replay_clock(fleet_clock(cfg, checked), reports)  # the real clock: time its rounds afterwards
         return agents, reports, clock
     finally:
         cleanup()

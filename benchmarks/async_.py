@@ -1,0 +1,191 @@
+"""Asynchronous against synchronous FedAvg on one heterogeneous fleet, in virtual time (issue 27's targets).
+
+A fleet of ``--devices`` devices spread over five built-in profiles (Pi Zero 2 W, Pi 4, Jetson Nano, Pi 5,
+x86 gateway; one model, tier-xs, so FedAvg within its one group), Fashion-MNIST partitioned Dirichlet(0.5), runs
+in process on the virtual clock (``fedge simulate``'s engine and the speed model) twice per seed: synchronous
+rounds, and ``[coordinator] mode = "async"`` with the same number of device updates (``rounds × devices ÷ K``
+versions). After every round or version the global model is scored on a fixed slice of the test set at that
+moment of virtual time. Reported side by side: the virtual time each mode needs to reach 95 % of synchronous
+FedAvg's final accuracy and the ratio, and the accuracy of each at the synchronous run's end time. ``--churn``
+adds a run with devices online 70 % of the time (seeded on/off availability) against the same run without.
+
+    python -m benchmarks.async_ [--devices 30] [--rounds 10] [--buffer 10] [--seeds 0 1] [--churn]
+
+Writes benchmarks/results/async/<cell>.json per run (resumable; ``--force`` recomputes) and
+benchmarks/results/async-summary.json, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import RESULTS, text_table
+
+PROFILES = ("rpi-zero-2w", "rpi4-4gb", "jetson-nano", "rpi5-8gb", "x86-gateway")
+OUT = RESULTS / "async"
+TARGET = 0.95  # of the synchronous run's final accuracy
+
+
+def fleet_config(args: argparse.Namespace, seed: int, mode: str, churn: bool) -> dict[str, Any]:
+    """The fleet of one run: ``mode`` "sync" or "async", ``churn``: devices online 70 % of the time."""
+    per, extra = divmod(args.devices, len(PROFILES))
+    groups = [{"profile": p, "count": per + (i < extra), "arch": "tier-xs"} for i, p in enumerate(PROFILES)]
+    updates = args.rounds * args.devices
+    cfg: dict[str, Any] = {
+        "run": {"method": "fedavg", "dataset": "fmnist", "seed": seed, "eval_every": 10**6,
+                "rounds": args.rounds if mode == "sync" else updates // args.buffer, "name": f"async-{mode}"},
+        "partition": {"kind": "dirichlet", "alpha": 0.5, "fraction": args.fraction},
+        "train": {"lr": 0.05, "batch_size": 16, "local_epochs": 1},
+        "devices": [g for g in groups if g["count"]],
+    }
+    if churn:
+        # 70 % online on average: on spells of 7 and off spells of 3 typical round times of a mid device
+        cfg["clock"] = {"availability": "onoff", "online_mean_s": 7 * args.spell_s, "offline_mean_s": 3 * args.spell_s}
+    if mode == "async":
+        cfg["coordinator"] = {"mode": "async", "buffer_size": args.buffer, "max_staleness": args.max_staleness,
+                              "staleness_weight": args.weight}
+    return cfg
+
+
+def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool) -> dict[str, Any]:
+    """One run: the global model's accuracy after each round / version, at its virtual time."""
+    import torch
+
+    from fedge.common.messages import Message
+    from fedge.common.rounds import group_artifact
+    from fedge.edge.data.datasets import load_dataset
+    from fedge.edge.methods.base import load_arrays
+    from fedge.edge.training import accuracy
+    from fedge.fleet.config import parse_fleet
+    from fedge.sim.inprocess import run_inprocess
+    from fedge.sim.simulate import build_fleet, run_timed
+
+    torch.set_num_threads(1)
+    cfg = parse_fleet(fleet_config(args, seed, mode, churn), source="benchmarks/async_.py")
+    t0 = time.perf_counter()
+    fleet, strat = build_fleet(cfg)
+    test = load_dataset("fmnist", train=False)
+    eval_x, eval_y = test.x[: args.eval_images], test.y[: args.eval_images]
+    small = test.subset(np.arange(min(200, len(test))))  # the devices' own final evaluation: a token slice
+    for d in fleet:
+        d.method.ctx.global_test = small
+    holder: dict[str, Any] = {}
+
+    def runner(c: Any, devices: Any) -> Any:
+        coord, agents, cleanup = run_inprocess(c, devices)
+        holder["coord"] = coord
+        return coord, agents, cleanup
+
+    model = fleet[0].method.ctx.model
+    artifact = group_artifact("tier-xs")
+    curve: list[tuple[float, float]] = [(0.0, accuracy(model, eval_x, eval_y))]
+
+    def on_round(rep: Any) -> None:
+        if rep.phase == "final":
+            return
+        bus = holder["coord"].bus
+        load_arrays(model, Message.from_bytes(bus.globals[artifact]).tensors)
+        curve.append((holder["coord"].clock.now, accuracy(model, eval_x, eval_y)))
+
+    _, reports, clock = run_timed(cfg, fleet, strat, transport=runner, on_round=on_round)
+    assert clock is not None
+    training = [r for r in reports if r.phase != "final"]
+    stale = [s for r in training for s in r.staleness.values()]
+    return {
+        "seed": seed, "mode": mode, "churn": churn, "devices": args.devices, "rounds": cfg.run.rounds,
+        "buffer": args.buffer if mode == "async" else args.devices, "fraction": args.fraction,
+        "updates": sum(len(r.accepted) for r in training),
+        "rejected": sum(sum(r.rejected.values()) for r in training),
+        "mean_staleness": float(np.mean(stale)) if stale else 0.0,
+        "curve": curve, "final_acc": curve[-1][1], "virtual_s": clock.now, "wall_s": time.perf_counter() - t0,
+    }
+
+
+def cell(args: argparse.Namespace, seed: int, mode: str, churn: bool = False) -> dict[str, Any]:
+    """A run, from its JSON when it was saved with the same settings (``--force``: always run)."""
+    name = (f"{mode}{'-churn' if churn else ''}-n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}"
+            f"-f{args.fraction}-s{seed}.json")
+    path = OUT / name
+    if path.is_file() and not args.force:
+        return json.loads(path.read_text())
+    res = run_cell(args, seed, mode, churn)
+    OUT.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    print(f"  {name}: final {100 * res['final_acc']:.1f} %, {res['virtual_s']:.0f} virtual s, {res['wall_s']:.0f} s",
+          flush=True)
+    return res
+
+
+def time_to(curve: list[list[float]], level: float) -> float | None:
+    """The first virtual time the curve reaches ``level`` (None: never)."""
+    return next((t for t, a in curve if a >= level), None)
+
+
+def acc_at(curve: list[list[float]], t: float) -> float:
+    """The accuracy of the last evaluation at or before virtual time ``t``."""
+    return [a for s, a in curve if s <= t + 1e-9][-1]
+
+
+def compare(sync: dict[str, Any], asyn: dict[str, Any]) -> dict[str, Any]:
+    """The targets for one seed: time to 95 % of sync's final accuracy, and accuracy at sync's end time."""
+    level = TARGET * sync["final_acc"]
+    ts, ta = time_to(sync["curve"], level), time_to(asyn["curve"], level)
+    end = sync["virtual_s"]
+    return {"seed": sync["seed"], "level": level, "t_sync": ts, "t_async": ta,
+            "speedup": ts / ta if ts and ta else None,
+            "acc_sync_at_end": sync["final_acc"], "acc_async_at_sync_end": acc_at(asyn["curve"], end),
+            "sync_virtual_s": end, "async_virtual_s": asyn["virtual_s"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.async_", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--devices", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=10, help="synchronous rounds (async: the same device updates)")
+    ap.add_argument("--buffer", type=int, default=10, help="K: updates per version")
+    ap.add_argument("--max-staleness", type=int, default=20)
+    ap.add_argument("--weight", default="polynomial", help="staleness_weight")
+    ap.add_argument("--fraction", type=float, default=0.1, help="share of Fashion-MNIST's training set used")
+    ap.add_argument("--eval-images", type=int, default=2000, help="test images the global model is scored on")
+    ap.add_argument("--spell-s", type=float, default=1.0, help="--churn: a typical device round, virtual seconds")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--churn", action="store_true", help="also async with devices online 70 %% of the time")
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args(argv)
+
+    rows, cmp_all, churn_all = [], [], []
+    for seed in args.seeds:
+        sync, asyn = cell(args, seed, "sync"), cell(args, seed, "async")
+        c = compare(sync, asyn)
+        cmp_all.append(c)
+        rows.append([str(seed), f"{100 * c['level']:.1f}", _s(c["t_sync"]), _s(c["t_async"]),
+                     f"{c['speedup']:.2f}x" if c["speedup"] else "-", f"{100 * c['acc_sync_at_end']:.1f}",
+                     f"{100 * c['acc_async_at_sync_end']:.1f}", f"{asyn['mean_staleness']:.2f}", str(asyn["rejected"])])
+        if args.churn:
+            churned = cell(args, seed, "async", churn=True)
+            churn_all.append({"seed": seed, "final_no_churn": asyn["final_acc"], "final_churn": churned["final_acc"],
+                              "loss_points": 100 * (asyn["final_acc"] - churned["final_acc"])})
+    print(f"\nFedAvg, {args.devices} devices over {', '.join(PROFILES)} (tier-xs), Fashion-MNIST Dirichlet(0.5), "
+          f"sync {args.rounds} rounds vs async K = {args.buffer} ({args.weight}), equal device updates")
+    print(text_table(["seed", "95 % level", "sync t (s)", "async t (s)", "sync/async", "sync acc @end",
+                      "async acc @sync end", "async mean staleness", "async refused"], rows))
+    if churn_all:
+        print("\nasync with churn (70 % online) against no churn, final accuracy")
+        print(text_table(["seed", "no churn", "churn", "loss (points)"],
+                         [[str(c["seed"]), f"{100 * c['final_no_churn']:.1f}", f"{100 * c['final_churn']:.1f}",
+                           f"{c['loss_points']:+.1f}"] for c in churn_all]))
+    summary = {"args": {k: v for k, v in vars(args).items() if k != "force"}, "compare": cmp_all, "churn": churn_all}
+    (RESULTS / "async-summary.json").write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+def _s(t: float | None) -> str:
+    return "never" if t is None else f"{t:.1f}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

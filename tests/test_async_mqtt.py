@@ -1,0 +1,133 @@
+"""Asynchronous mode over a real Mosquitto: a coordinator killed with SIGKILL in the middle of a version's buffer
+resumes that version and loses no update it had accepted (issue 27, items 2 and 4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from fedge.common.messages import Message
+from fedge.fleet.config import load_fleet
+from fedge.mqtt.broker import MosquittoProcess
+from fedge.mqtt.client import MqttClient
+from fedge.mqtt.settings import TransportSettings
+from fedge.mqtt.topics import FleetTopics
+from fedge.sim.over_mqtt import start_fleet
+from fedge.sim.simulate import build_fleet
+
+FLEET_TOML = """
+[run]
+method = "fedproto"
+rounds = 5
+dataset = "digits"
+fleet = "async-kill"
+seed = 5
+
+[partition]
+kind = "dirichlet"
+alpha = 0.5
+fraction = 0.2
+
+[train]
+lr = 0.05
+local_epochs = 1
+
+[coordinator]
+mode = "async"
+buffer_size = 3
+max_staleness = 5
+
+[[devices]]
+profile = "rpi4-2gb"
+count = 4
+arch = "tier-xs"
+"""
+
+FAST = {"reconnect_min_s": 0.2, "reconnect_max_s": 1.0}
+WIRE = TransportSettings(global_timeout_s=20)
+# Seconds each device sleeps before training: arrivals spread, so a buffer of three fills one update at a time.
+DELAYS = (0.3, 1.0, 1.8, 2.6)
+
+
+def test_a_coordinator_killed_mid_buffer_resumes_its_version_and_loses_no_accepted_update(
+        tmp_path: Path, mosquitto: MosquittoProcess) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET_TOML)
+    cfg = load_fleet(path)
+    state = tmp_path / "state"
+    buffer = state / "buffer"
+    devices, _ = build_fleet(cfg)
+    _, agents, stop = start_fleet(cfg, devices, mosquitto.settings(**FAST), WIRE, coordinator=False)
+    for agent, delay in zip(agents, DELAYS, strict=True):
+        train = agent.method.train_round
+
+        def slow(info: Any, train: Any = train, delay: float = delay) -> Any:
+            time.sleep(delay)
+            return train(info)
+
+        agent.method.train_round = slow  # type: ignore[method-assign]
+    announced: list[tuple[int, str, dict[str, int]]] = []
+    cond = threading.Condition()
+
+    def on_round(m: Any) -> None:
+        if m.payload:
+            msg = Message.from_bytes(m.payload)
+            with cond:
+                announced.append((msg.round, msg.msg_id, msg.info["round"].get("assigned") or {}))
+                cond.notify_all()
+
+    spy = MqttClient(mosquitto.settings(), "spy", on_message=on_round).start(5)
+    spy.subscribe(FleetTopics(cfg.run.fleet).round)
+    cmd = [sys.executable, "-m", "fedge", "coordinator", "run", "--config", str(path), "--broker", mosquitto.url,
+           "--state-dir", str(state), "--min-devices", "4", "--round-timeout", "0", "--deadline-slack", "0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        # Wait until version 2 or later holds one or two accepted updates (of three), after a checkpoint: kill.
+        held: list[Path] = []
+        end = time.monotonic() + 120
+        while time.monotonic() < end and proc.poll() is None:
+            if (state / "state.json").is_file():
+                done = json.loads((state / "state.json").read_text())["completed"]
+                held = sorted(buffer.glob(f"{done + 1}-*.update")) if buffer.is_dir() else []
+                if done >= 1 and 1 <= len(held) < 3:
+                    break
+            time.sleep(0.02)
+        assert held, (proc.poll(), proc.stdout.read().decode() if proc.poll() is not None and proc.stdout else "")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        saved = json.loads((state / "state.json").read_text())
+        version = saved["completed"] + 1
+        held = sorted(buffer.glob(f"{version}-*.update"))  # what it had accepted when it died
+        kept = [Message.from_bytes(p.read_bytes()) for p in held]
+        assert 1 <= len(kept) < 3, [p.name for p in held]
+        before = len(announced)
+        last = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=240)
+        out = last.stdout.decode()
+        assert last.returncode == 0, out
+        assert f"resuming fedproto on fleet async-kill after round {version - 1}" in out, out
+    finally:
+        stop()
+        spy.stop()
+    # the restarted process announced the version it died in first, with the tasks it had handed out
+    assert announced[before][0] == version, announced[before:]
+    reports = [json.loads(line) for line in (state / "reports.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in reports] == [1, 2, 3, 4, 5, 6]  # five versions and the final evaluation
+    assert all(len(r["accepted"]) == 3 for r in reports[:5]), [r["accepted"] for r in reports]
+    resumed = reports[version - 1]
+    # every update accepted before the kill counts in the version it was accepted into, once, with its staleness
+    for msg in kept:
+        assert msg.sender in resumed["accepted"], (msg.sender, resumed)
+        assert resumed["staleness"][msg.sender] == version - msg.round
+    assert len(set(resumed["accepted"])) == 3
+    # refusals are only the copies a device sent again, or work from before a version the fleet moved past
+    for r in reports:
+        assert set(r["rejected"]) <= {"replay", "unassigned", "stale"}, (r["round"], r["rejected"])
+    assert not list(buffer.glob("*.update"))  # cleared once each version was saved
