@@ -72,7 +72,7 @@ def test_fleet_config_carries_the_async_settings() -> None:
     assert default is not None and default.buffer_size == 4  # FedBuff's 10, at most the fleet
 
 
-@pytest.mark.parametrize("method", ["fedavg", "fedproto"])
+@pytest.mark.parametrize("method", ["fedavg", "lgfedavg", "fedproto"])
 def test_a_full_buffer_of_fresh_updates_is_a_synchronous_round(method: str) -> None:
     """K = concurrency = N with constant weights: every version is the synchronous round, to the bit."""
     archs = ["tier-xs", "tier-xs", "tier-s"]
@@ -169,26 +169,30 @@ arch = "tier-xs"
 """
 
 
-def _run(tmp_path: Path, name: str, **fmt: object) -> dict:
+def _run(tmp_path: Path, name: str, **fmt: object) -> tuple[dict, list[Any]]:
     path = tmp_path / f"{name}.toml"
     path.write_text(TWO.format(**{"method": "fedavg", "rounds": 5, "clock": "", **fmt}))
-    return build_results(simulate(load_fleet(path)))
+    res = simulate(load_fleet(path))
+    return build_results(res), res.reports
 
 
 def test_a_seeded_async_run_in_process_repeats_exactly_in_virtual_time(tmp_path: Path) -> None:
     churn = 'availability = "onoff"\nonline_mean_s = 0.05\noffline_mean_s = 0.02\njitter = 0.3'
-    one, two = _run(tmp_path, "a", clock=churn), _run(tmp_path, "b", clock=churn)
+    (one, reports), (two, again) = _run(tmp_path, "a", clock=churn), _run(tmp_path, "b", clock=churn)
+    assert [(r.accepted, r.staleness, r.rejected) for r in reports] == [(r.accepted, r.staleness, r.rejected)
+                                                                         for r in again]
     for doc in (one, two):  # the host's seconds differ run to run; everything in virtual time repeats
         for r in doc["rounds_log"]:
             del r["seconds"]
     assert one["rounds_log"] == two["rounds_log"] and one["devices"] == two["devices"]
     assert one["clock"] == two["clock"] and one["time_to_accuracy"] == two["time_to_accuracy"]
     training = [r for r in one["rounds_log"] if r["phase"] != "final"]
-    assert len(training) == 5 and all(len(r["accepted"]) == 2 for r in training)
+    assert len(training) == 5 and all(r["accepted"] == 2 for r in training)
     ends = [r["virtual_end_s"] for r in training]
     assert ends == sorted(ends) and ends[0] > 0  # versions follow each other in virtual time
     # the x86 gateway is the fastest: it lands in more versions than the Zero
-    counts = Counter(d for r in training for d in r["accepted"])
+    assert one["clock"]["lost"]  # the churn did cost updates (a device offline before it finished)
+    counts = Counter(d for r in reports[:-1] for d in r.accepted)
     assert counts["x86-gateway-1"] > counts.get("rpi-zero-2w-1", 0)
 
 
@@ -207,3 +211,31 @@ def _write(tmp_path: Path, **fmt: object) -> Path:
     path.write_text(TWO.format(**{"method": "fedavg", "rounds": 5, "clock": "", **fmt}))
     return path
 
+
+
+def test_an_update_from_another_phase_is_stale_and_its_device_gets_a_new_task() -> None:
+    """GeFL's and GeFL-F's stages go by version: work trained in the previous stage cannot be aggregated."""
+    from fedge.common.rounds import DeviceInfo
+    from fedge.coordinator.config import EngineConfig
+    from fedge.coordinator.gate import UpdateGate
+    from fedge.coordinator.strategies.local import LocalStrategy
+
+    class TwoPhases(LocalStrategy):
+        def phase(self, rnd: int) -> str:
+            return "warmup" if rnd <= 2 else "head"
+
+    gate = UpdateGate(TwoPhases(num_classes=10, rounds=5),
+                      EngineConfig(method="local", asynchronous=AsyncSettings(buffer_size=1, fleet_size=2)))
+    dev = DeviceInfo("d0", "tier-xs", "test")
+    gate.register([Inbound(Message("hello", "d0", 0, "default", info={"device": dev.to_dict()}).to_bytes())])
+    gate.assigned.update({"d0": 2})
+    gate.begin_round(3, final=False)
+    update = Message("update", "d0", 2, "default", info={"metrics": {}, "bytes_down": 0, "num_samples": 0})
+    assert not gate.admit(Inbound(update.to_bytes()), lambda _: None)
+    assert gate.drain().by_device == {"d0": Counter({"stale": 1})} and gate.assigned == {}
+    # within one phase, one version old: admitted with its staleness
+    gate.assigned.update({"d0": 3})
+    gate.begin_round(4, final=False)
+    seen: list[int] = []
+    fresh = Message("update", "d0", 3, "default", info={"metrics": {}, "bytes_down": 0, "num_samples": 0})
+    assert gate.admit(Inbound(fresh.to_bytes()), lambda up: seen.append(up.staleness)) and seen == [1]

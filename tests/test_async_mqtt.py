@@ -116,9 +116,11 @@ def test_a_coordinator_killed_mid_buffer_resumes_its_version_and_loses_no_accept
     finally:
         stop()
         spy.stop()
+    reports = [json.loads(line) for line in (state / "reports.jsonl").read_text().splitlines()]
+    print(f"killed in version {version} holding {[(m.sender, m.round) for m in kept]}; refused per version:",
+          [r["rejected"] for r in reports], "staleness:", [r["staleness"] for r in reports])
     # the restarted process announced the version it died in first, with the tasks it had handed out
     assert announced[before][0] == version, announced[before:]
-    reports = [json.loads(line) for line in (state / "reports.jsonl").read_text().splitlines()]
     assert [r["round"] for r in reports] == [1, 2, 3, 4, 5, 6]  # five versions and the final evaluation
     assert all(len(r["accepted"]) == 3 for r in reports[:5]), [r["accepted"] for r in reports]
     resumed = reports[version - 1]

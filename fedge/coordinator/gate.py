@@ -301,10 +301,10 @@ class UpdateGate:
             raise Rejected("future", f"{msg.sender} sent round {msg.round} during round {rnd}")
         if self._sampled is not None and msg.sender not in self._sampled:
             raise Rejected("unsampled", f"{msg.sender} was not sampled for round {rnd}: it owes no update")
-        if msg.msg_id in self._recent_ids or msg.msg_id in self._previous_ids or msg.msg_id in self._async_ids:
-            raise Rejected("replay", f"{msg.sender} reused message id {msg.msg_id}")
         if msg.sender in self._seen and self.config.asynchronous is None:
             raise Rejected("duplicate", f"{msg.sender} already sent its update for round {rnd}")
+        if msg.msg_id in self._recent_ids or msg.msg_id in self._previous_ids or msg.msg_id in self._async_ids:
+            raise Rejected("replay", f"{msg.sender} reused message id {msg.msg_id}")
         device = self.devices[msg.sender]
         spec = {} if self._final else self.strategy.expected_update(device, rnd)
         if spec is None:
