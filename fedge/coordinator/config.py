@@ -14,6 +14,7 @@ from fedge.coordinator.aggregate import Aggregation
 from fedge.errors import ConfigError
 
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
+COORDINATOR_ID = "coordinator"  # the sender of every message the coordinator publishes
 
 
 # Hello fields a device's slot fixes (benchmark data: the fleet config partitions it, so all are known).

@@ -28,16 +28,15 @@ from fedge.common.messages import Message
 from fedge.common.privacy import PrivacyLedger
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport
-from fedge.coordinator.config import DEFAULT_MAX_UPDATE_BYTES, EngineConfig
+from fedge.coordinator.config import COORDINATOR_ID, DEFAULT_MAX_UPDATE_BYTES, EngineConfig
 from fedge.coordinator.gate import Admitted, UpdateGate
-from fedge.coordinator.report import RoundReport
+from fedge.coordinator.report import RoundReport, record_accepted
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
+from fedge.coordinator.versions import run_version
 from fedge.errors import TransportError
 
 log = logging.getLogger(__name__)
-
-COORDINATOR_ID = "coordinator"
 
 __all__ = ["COORDINATOR_ID", "DEFAULT_MAX_UPDATE_BYTES", "REPORTS_FILE", "EngineConfig", "RoundEngine",
            "RoundReport", "StateMismatchError"]
@@ -57,17 +56,17 @@ class RoundEngine:
         self.globals: dict[str, Arrays] = {}
         self.reports: list[RoundReport] = []
         self.completed = 0
-        self.run_id = uuid.uuid4().hex  # lets devices tell a new run from a resumed one
+        self.run_id: str = uuid.uuid4().hex  # lets devices tell a new run from a resumed one
         # this process (asynchronous mode's descriptors carry it: a device resends an update whose task a new
         # process still lists, fedge.common.inmemory.resend_async)
-        self.session = uuid.uuid4().hex
+        self.session: str = uuid.uuid4().hex
         self.global_rounds: dict[str, int] = {}  # artifact -> round that produced the published version
         self.latency: dict[str, dict[str, float]] = {}  # phase -> device -> seconds announce→update
         self._resumed_round = 0  # the round a restarted coordinator runs again (0: not resumed)
         # asynchronous mode: device -> the version at which it was asked to train, until its update is accepted
         self.tasks: dict[str, int] = {}
         self.gate.assigned = self.tasks
-        self.store = EngineStore(state_dir) if state_dir else None
+        self.store: EngineStore | None = EngineStore(state_dir) if state_dir else None
         if self.store is not None and self.store.exists():
             self._resume(self.store.load(method=config.method, fleet=config.fleet))
 
@@ -167,7 +166,7 @@ class RoundEngine:
     def run_round(self, rnd: int) -> RoundReport:
         """Announce round ``rnd``, aggregate what arrives, publish the new global state."""
         if self.config.asynchronous is not None and rnd <= self.strategy.total_rounds():
-            return self.run_version(rnd)
+            return run_version(self, rnd)
         t0 = time.perf_counter()
         self.await_quorum()
         online = self.online_devices()
@@ -191,14 +190,7 @@ class RoundEngine:
         def accept(up: Admitted) -> None:
             if not info.is_final:
                 self.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
-            sender = up.msg.sender
-            report.accepted.append(sender)
-            report.bytes_up[sender] = up.size
-            report.bytes_down[sender] = up.bytes_down
-            report.metrics[sender] = up.metrics
-            report.info[sender] = {k: v for k, v in up.info.items() if k != "train_s"}
-            if "train_s" in up.info:
-                report.train_s[sender] = float(up.info["train_s"])
+            record_accepted(report, up)
 
         for item in self.transport.collect(rnd, pending, info.deadline):
             if not self.gate.admit(item, accept, self.transport.hellos):
@@ -226,104 +218,6 @@ class RoundEngine:
         self.reports.append(report)
         self.completed = rnd
         self._checkpoint(report)
-        self._trim_reports()
-        return report
-
-    # -- asynchronous mode: one version ------------------------------------------------------
-    def _assign(self, rnd: int, online: set[str]) -> list[str]:
-        """Ask idle online devices to train from version ``rnd`` until ``concurrency`` online devices have a task."""
-        a = self.config.asynchronous
-        assert a is not None
-        busy = sum(1 for d in self.tasks if d in online)
-        idle = sorted(online - set(self.tasks))
-        started = a.choose(rnd, idle, max(0, a.workers - busy))
-        for d in started:
-            self.tasks[d] = rnd
-        return started
-
-    def run_version(self, rnd: int) -> RoundReport:
-        """Asynchronous mode: collect ``buffer_size`` accepted updates, then publish version ``rnd``'s artifacts."""
-        a = self.config.asynchronous
-        assert a is not None
-        t0 = time.perf_counter()
-        phase = self.strategy.phase(rnd)
-        report = RoundReport(round=rnd, phase=phase)
-        self.strategy.begin_round(rnd)
-        self.gate.begin_round(rnd, final=False)
-        restoring = True
-
-        def accept(up: Admitted) -> None:
-            sender = up.msg.sender
-            if self.store is not None and not restoring:  # persisted before it counts (docs/async.md)
-                self.store.buffer_add(rnd, len(report.accepted), up.raw)
-            self.strategy.update_weight = a.weight(up.staleness)
-            self.strategy.update_version = up.msg.round
-            self.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
-            report.accepted.append(sender)
-            report.staleness[sender] = up.staleness
-            report.bytes_up[sender] = up.size
-            report.bytes_down[sender] = up.bytes_down
-            report.metrics[sender] = up.metrics
-            report.info[sender] = {k: v for k, v in up.info.items() if k != "train_s"}
-            if "train_s" in up.info:
-                report.train_s[sender] = float(up.info["train_s"])
-            self.tasks.pop(sender, None)
-
-        if self.store is not None:  # a restarted coordinator: what it had accepted into this version
-            saved, tasks = self.store.buffer_load(rnd)
-            if tasks is not None:
-                self.tasks.clear()
-                self.tasks.update(tasks)
-            for raw in saved:
-                self.gate.restore(raw, accept)
-            if saved:
-                log.info("version %d: %d accepted updates restored from %s", rnd, len(saved), self.store.dir)
-        restoring = False
-        announced = False
-        while len(report.accepted) < a.buffer_size:
-            self.await_quorum()
-            online = self.online_devices()
-            started = self._assign(rnd, online)
-            if started or not announced:
-                info = RoundInfo(round=rnd, phase=phase, method=self.config.method,
-                                 config=self.strategy.round_config(rnd), assigned=dict(self.tasks))
-                if self.store is not None:
-                    self.store.save_tasks(rnd, self.tasks)
-                announce = Message("round", COORDINATOR_ID, rnd, self.config.fleet,
-                                   info={"round": info.to_dict(), "run": self.run_id, "session": self.session,
-                                         "globals": dict(self.global_rounds)})
-                self.transport.announce_round(announce.to_bytes())
-                announced = True
-            pending = {d for d in self.tasks if d in online}
-            if not pending:
-                self.transport.wait_for_devices(1.0)
-                continue
-            timeout = self.config.round_timeout_s
-            deadline = time.time() + timeout if timeout else 0.0
-            before = len(report.accepted)
-            for item in self.transport.collect(rnd, pending, deadline):
-                if self.gate.admit(item, accept, self.transport.hellos):
-                    pending.discard(report.accepted[-1])
-                    if len(report.accepted) >= a.buffer_size:
-                        break
-            if len(report.accepted) == before and deadline and time.time() >= deadline:
-                # nobody delivered within round_timeout_s: those tasks go to other devices
-                log.warning("version %d: no update within %.0f s from %s; their tasks are withdrawn", rnd, timeout,
-                            ", ".join(sorted(pending)))
-                report.missing += sorted(pending)
-                for d in pending:
-                    self.tasks.pop(d, None)
-        rejections = self.gate.drain()
-        report.rejected = dict(rejections.by_reason)
-        report.rejected_by_device = {d: dict(c) for d, c in sorted(rejections.by_device.items())}
-        self.gate.end_round(report.missing)
-        self._publish(self.strategy.finish_round(rnd), rnd)
-        report.seconds = time.perf_counter() - t0
-        self.reports.append(report)
-        self.completed = rnd
-        self._checkpoint(report)
-        if self.store is not None:
-            self.store.buffer_clear()
         self._trim_reports()
         return report
 

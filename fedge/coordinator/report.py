@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedge.coordinator.gate import Admitted
 
 
 @dataclass
@@ -34,3 +37,15 @@ class RoundReport:
     privacy: dict[str, Any] = field(default_factory=dict)
     # asynchronous mode: device id -> its update's staleness (versions behind the version this report made)
     staleness: dict[str, int] = field(default_factory=dict)
+
+
+def record_accepted(report: RoundReport, up: Admitted) -> None:
+    """An accepted update in its round's report: sender, bytes, metrics, info and its own train_s."""
+    sender = up.msg.sender
+    report.accepted.append(sender)
+    report.bytes_up[sender] = up.size
+    report.bytes_down[sender] = up.bytes_down
+    report.metrics[sender] = up.metrics
+    report.info[sender] = {k: v for k, v in up.info.items() if k != "train_s"}
+    if "train_s" in up.info:
+        report.train_s[sender] = float(up.info["train_s"])

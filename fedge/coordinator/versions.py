@@ -1,0 +1,140 @@
+"""Asynchronous mode's version loop (docs/async.md): the part of the round engine that makes one global version.
+
+Run by :class:`fedge.coordinator.engine.RoundEngine` on its own state for every training round when
+``EngineConfig.asynchronous`` is set: tasks for idle online devices (``round.assigned``), updates admitted from
+the last ``max_staleness`` versions and folded in with their staleness weight after they are persisted, a new
+version every ``buffer_size`` accepted updates. The engine's quorum, gate, strategy, transport and checkpoints
+are the synchronous rounds' own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+from fedge.common.messages import Message
+from fedge.common.rounds import RoundInfo
+from fedge.common.transport import CoordinatorTransport
+from fedge.coordinator.config import COORDINATOR_ID, EngineConfig
+from fedge.coordinator.gate import Admitted, UpdateGate
+from fedge.coordinator.report import RoundReport, record_accepted
+from fedge.coordinator.store import EngineStore
+from fedge.coordinator.strategy import Arrays, Strategy
+
+log = logging.getLogger(__name__)
+
+
+class RoundEngine(Protocol):
+    """What the version loop uses of :class:`fedge.coordinator.engine.RoundEngine` (which imports this module)."""
+
+    config: EngineConfig
+    strategy: Strategy
+    gate: UpdateGate
+    transport: CoordinatorTransport
+    store: EngineStore | None
+    tasks: dict[str, int]
+    run_id: str
+    session: str
+    global_rounds: dict[str, int]
+    reports: list[RoundReport]
+    completed: int
+
+    def await_quorum(self) -> None: ...
+    def online_devices(self) -> set[str]: ...
+    def _publish(self, artifacts: dict[str, Arrays], rnd: int) -> None: ...
+    def _checkpoint(self, report: RoundReport) -> None: ...
+    def _trim_reports(self) -> None: ...
+
+
+def assign(engine: RoundEngine, rnd: int, online: set[str]) -> list[str]:
+    """Ask idle online devices to train from version ``rnd`` until ``concurrency`` online devices have a task."""
+    a = engine.config.asynchronous
+    assert a is not None
+    busy = sum(1 for d in engine.tasks if d in online)
+    idle = sorted(online - set(engine.tasks))
+    started = a.choose(rnd, idle, max(0, a.workers - busy))
+    for d in started:
+        engine.tasks[d] = rnd
+    return started
+
+
+def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
+    """Asynchronous mode: collect ``buffer_size`` accepted updates, then publish version ``rnd``'s artifacts."""
+    a = engine.config.asynchronous
+    assert a is not None
+    t0 = time.perf_counter()
+    phase = engine.strategy.phase(rnd)
+    report = RoundReport(round=rnd, phase=phase)
+    engine.strategy.begin_round(rnd)
+    engine.gate.begin_round(rnd, final=False)
+    restoring = True
+
+    def accept(up: Admitted) -> None:
+        sender = up.msg.sender
+        if engine.store is not None and not restoring:  # persisted before it counts (docs/async.md)
+            engine.store.buffer_add(rnd, len(report.accepted), up.raw)
+        engine.strategy.update_weight = a.weight(up.staleness)
+        engine.strategy.update_version = up.msg.round
+        engine.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
+        record_accepted(report, up)
+        report.staleness[sender] = up.staleness
+        engine.tasks.pop(sender, None)
+
+    if engine.store is not None:  # a restarted coordinator: what it had accepted into this version
+        saved, tasks = engine.store.buffer_load(rnd)
+        if tasks is not None:
+            engine.tasks.clear()
+            engine.tasks.update(tasks)
+        for raw in saved:
+            engine.gate.restore(raw, accept)
+        if saved:
+            log.info("version %d: %d accepted updates restored from %s", rnd, len(saved), engine.store.dir)
+    restoring = False
+    announced = False
+    while len(report.accepted) < a.buffer_size:
+        engine.await_quorum()
+        online = engine.online_devices()
+        started = assign(engine, rnd, online)
+        if started or not announced:
+            info = RoundInfo(round=rnd, phase=phase, method=engine.config.method,
+                             config=engine.strategy.round_config(rnd), assigned=dict(engine.tasks))
+            if engine.store is not None:
+                engine.store.save_tasks(rnd, engine.tasks)
+            announce = Message("round", COORDINATOR_ID, rnd, engine.config.fleet,
+                               info={"round": info.to_dict(), "run": engine.run_id, "session": engine.session,
+                                     "globals": dict(engine.global_rounds)})
+            engine.transport.announce_round(announce.to_bytes())
+            announced = True
+        pending = {d for d in engine.tasks if d in online}
+        if not pending:
+            engine.transport.wait_for_devices(1.0)
+            continue
+        timeout = engine.config.round_timeout_s
+        deadline = time.time() + timeout if timeout else 0.0
+        before = len(report.accepted)
+        for item in engine.transport.collect(rnd, pending, deadline):
+            if engine.gate.admit(item, accept, engine.transport.hellos):
+                pending.discard(report.accepted[-1])
+                if len(report.accepted) >= a.buffer_size:
+                    break
+        if len(report.accepted) == before and deadline and time.time() >= deadline:
+            # nobody delivered within round_timeout_s: those tasks go to other devices
+            log.warning("version %d: no update within %.0f s from %s; their tasks are withdrawn", rnd, timeout,
+                        ", ".join(sorted(pending)))
+            report.missing += sorted(pending)
+            for d in pending:
+                engine.tasks.pop(d, None)
+    rejections = engine.gate.drain()
+    report.rejected = dict(rejections.by_reason)
+    report.rejected_by_device = {d: dict(c) for d, c in sorted(rejections.by_device.items())}
+    engine.gate.end_round(report.missing)
+    engine._publish(engine.strategy.finish_round(rnd), rnd)
+    report.seconds = time.perf_counter() - t0
+    engine.reports.append(report)
+    engine.completed = rnd
+    engine._checkpoint(report)
+    if engine.store is not None:
+        engine.store.buffer_clear()
+    engine._trim_reports()
+    return report
