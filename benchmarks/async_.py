@@ -13,7 +13,7 @@ accuracy of each at the synchronous run's end time. ``--churn`` adds an asynchro
     python -m benchmarks.async_ [--devices 30] [--rounds 10] [--buffer 10] [--seeds 0 1] [--churn]
 
 Writes benchmarks/results/async/<cell>.json per run (resumable; ``--force`` recomputes) and
-benchmarks/results/async-summary.json, and prints a table.
+benchmarks/results/async-summary-<settings>.json, and prints a table.
 """
 
 from __future__ import annotations
@@ -134,6 +134,24 @@ def cell(args: argparse.Namespace, seed: int, mode: str, churn: bool = False, un
     return res
 
 
+def spread(args: argparse.Namespace, seed: int) -> dict[str, float]:
+    """Each profile's time for one round of its work on the virtual clock (no jitter): download and upload of
+    its fp32 model, and its training; from the clock's model alone, nothing trained."""
+    from fedge.fleet.clock import fleet_clock
+    from fedge.fleet.config import parse_fleet
+    from fedge.fleet.slots import checked_slots
+
+    cfg = parse_fleet(fleet_config(args, seed, "sync", False), source="benchmarks/async_.py")
+    slots = checked_slots(cfg)
+    clock = fleet_clock(cfg, slots)
+    out: dict[str, list[float]] = {}
+    for slot in slots:
+        c = clock.devices[slot.device_id]
+        size = 4 * slot.spec.num_params()
+        out.setdefault(slot.profile, []).append(c.timing(1, bytes_down=size, bytes_up=size, work=c.work).total_s)
+    return {p: float(np.mean(v)) for p, v in out.items()}
+
+
 def time_to(curve: list[list[float]], level: float) -> float | None:
     """The first virtual time the curve reaches ``level`` (None: never)."""
     return next((t for t, a in curve if a >= level), None)
@@ -170,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
 
+    times = spread(args, args.seeds[0])
+    print("one round of work per profile, virtual s:", ", ".join(f"{p} {t:.2f}" for p, t in times.items()),
+          f"(slowest / fastest {max(times.values()) / min(times.values()):.1f}x)")
     rows, cmp_all, churn_all = [], [], []
     for seed in args.seeds:
         sync = cell(args, seed, "sync")
@@ -194,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         print(text_table(["seed", "no churn", "churn", "loss (points)"],
                          [[str(c["seed"]), f"{100 * c['final_no_churn']:.1f}", f"{100 * c['final_churn']:.1f}",
                            f"{c['loss_points']:+.1f}"] for c in churn_all]))
-    summary = {"args": {k: v for k, v in vars(args).items() if k != "force"}, "compare": cmp_all, "churn": churn_all}
-    (RESULTS / "async-summary.json").write_text(json.dumps(summary, indent=1))
+    summary = {"args": {k: v for k, v in vars(args).items() if k != "force"}, "round_s_by_profile": times,
+               "compare": cmp_all, "churn": churn_all}
+    name = f"async-summary-n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}-f{args.fraction}.json"
+    (RESULTS / name).write_text(json.dumps(summary, indent=1))
     return 0
 
 
