@@ -112,16 +112,19 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
             continue
         timeout = engine.config.round_timeout_s
         deadline = time.time() + timeout if timeout else 0.0
-        before = len(report.accepted)
+        before, received = len(report.accepted), 0
         for item in engine.transport.collect(rnd, pending, deadline):
+            received += 1
             if engine.gate.admit(item, accept, engine.transport.hellos):
                 pending.discard(report.accepted[-1])
                 if len(report.accepted) >= a.buffer_size:
                     break
-        if len(report.accepted) == before and deadline and time.time() >= deadline:
-            # nobody delivered within round_timeout_s: those tasks go to other devices
-            log.warning("version %d: no update within %.0f s from %s; their tasks are withdrawn", rnd, timeout,
-                        ", ".join(sorted(pending)))
+        timed_out = bool(deadline) and time.time() >= deadline and len(report.accepted) == before
+        if timed_out or (not received and not started):
+            # nobody delivered within round_timeout_s, or the transport has nothing more to wait for from them
+            # (in-process: their devices answered with updates the gate refused): the tasks go to other devices
+            log.warning("version %d: no update from %s %s; their tasks are withdrawn", rnd, ", ".join(sorted(pending)),
+                        f"within {timeout:.0f} s" if timed_out else "and nothing left to wait for")
             report.missing += sorted(pending)
             for d in pending:
                 engine.tasks.pop(d, None)
