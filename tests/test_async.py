@@ -239,3 +239,21 @@ def test_an_update_from_another_phase_is_stale_and_its_device_gets_a_new_task() 
     seen: list[int] = []
     fresh = Message("update", "d0", 3, "default", info={"metrics": {}, "bytes_down": 0, "num_samples": 0})
     assert gate.admit(Inbound(fresh.to_bytes()), lambda up: seen.append(up.staleness)) and seen == [1]
+
+
+def test_a_device_resends_only_to_a_new_coordinator_session_still_listing_its_task() -> None:
+    """Within one coordinator process a listed task is an update on its way; a new process (a restart) that still
+    lists it never accepted it, so the device sends its cached copy again."""
+    from fedge.common.inmemory import async_answer, resend_async
+
+    def descriptor(session: str, tasks: dict[str, int], run: str = "r1") -> dict[str, Any]:
+        return {"run": run, "session": session, "round": {"round": 3, "assigned": tasks}}
+
+    answered = async_answer(descriptor("s1", {"d0": 2, "d1": 3}), "d0")
+    assert answered == ("r1", "s1", "d0", 2)
+    assert not resend_async(answered, descriptor("s1", {"d0": 2}))  # same process: on its way
+    assert resend_async(answered, descriptor("s2", {"d0": 2}))  # a restart still lists the task
+    assert not resend_async(answered, descriptor("s2", {"d1": 3}))  # accepted before the restart
+    assert not resend_async(answered, descriptor("s2", {"d0": 5}))  # a new task: the old one is done
+    assert not resend_async(answered, descriptor("s2", {"d0": 2}, run="r2"))  # another run
+    assert async_answer(descriptor("s1", {"d1": 3}), "d0") is None  # no task of its own: nothing to resend
