@@ -1,4 +1,4 @@
-"""Asynchronous against synchronous FedAvg on one heterogeneous fleet, in virtual time (issue 27's targets).
+"""Asynchronous against synchronous FedAvg (or FedProto) on one heterogeneous fleet, in virtual time (issue 27).
 
 A fleet of ``--devices`` devices spread over five built-in profiles (Pi Zero 2 W, Pi 4, Jetson Nano, Pi 5,
 x86 gateway; one model, tier-xs, so FedAvg within its one group), Fashion-MNIST partitioned Dirichlet(0.5), runs
@@ -8,7 +8,9 @@ make many more updates in that time than the synchronous rounds hold). After eve
 global model is scored on a fixed slice of the test set at that moment of virtual time. Reported side by side:
 the virtual time each mode needs to reach 95 % of synchronous FedAvg's final accuracy and the ratio, and the
 accuracy of each at the synchronous run's end time. ``--churn`` adds an asynchronous run with devices online
-70 % of the time (seeded on/off availability) against the same run without.
+70 % of the time (seeded on/off availability) against the same run without. ``--method fedproto``: FedProto has no
+global model, so the curve is the fleet's mean of each device's latest own evaluation (its model with the global
+prototypes, on the same test images, taken when it starts a round or task: of the version it trains from).
 
     python -m benchmarks.async_ [--devices 30] [--rounds 10] [--buffer 10] [--seeds 0 1] [--churn]
 
@@ -43,7 +45,8 @@ def fleet_config(args: argparse.Namespace, seed: int, mode: str, churn: bool) ->
     groups = [{"profile": p, "count": per + (i < extra), "arch": "tier-xs"} for i, p in enumerate(PROFILES)]
     versions = 100 * args.rounds * args.devices // args.buffer  # an upper bound: the run stops at --until
     cfg: dict[str, Any] = {
-        "run": {"method": "fedavg", "dataset": "fmnist", "seed": seed, "eval_every": 10**6,
+        "run": {"method": args.method, "dataset": "fmnist", "seed": seed,
+                "eval_every": 1 if args.method == "fedproto" else 10**6,
                 "rounds": args.rounds if mode == "sync" else versions, "name": f"async-{mode}"},
         "partition": {"kind": "dirichlet", "alpha": 0.5, "fraction": args.fraction},
         "train": {"lr": 0.05, "batch_size": 16, "local_epochs": 1},
@@ -78,7 +81,9 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until:
     fleet, strat = build_fleet(cfg)
     test = load_dataset("fmnist", train=False)
     eval_x, eval_y = test.x[: args.eval_images], test.y[: args.eval_images]
-    small = test.subset(np.arange(min(200, len(test))))  # the devices' own final evaluation: a token slice
+    # the devices' own evaluations: a token slice for FedAvg (the global model is scored below), for FedProto (no
+    # global model: each device's own model with the global prototypes) the same images the curve reports
+    small = test.subset(np.arange(min(200 if args.method == "fedavg" else args.eval_images, len(test))))
     for d in fleet:
         d.method.ctx.global_test = small
     holder: dict[str, Any] = {}
@@ -90,15 +95,19 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until:
 
     model = fleet[0].method.ctx.model
     artifact = group_artifact("tier-xs")
-    curve: list[tuple[float, float]] = [(0.0, accuracy(model, eval_x, eval_y))]
+    curve: list[tuple[float, float]] = [(0.0, accuracy(model, eval_x, eval_y) if args.method == "fedavg" else 0.0)]
+    latest: dict[str, float] = {}  # FedProto: each device's latest evaluation
 
     def on_round(rep: Any) -> None:
         if rep.phase == "final":
             return
-        bus = holder["coord"].bus
-        load_arrays(model, Message.from_bytes(bus.globals[artifact]).tensors)
         now = holder["coord"].clock.now
-        curve.append((now, accuracy(model, eval_x, eval_y)))
+        if args.method == "fedavg":
+            load_arrays(model, Message.from_bytes(holder["coord"].bus.globals[artifact]).tensors)
+            curve.append((now, accuracy(model, eval_x, eval_y)))
+        else:  # each device evaluates when it starts a task (the version it trains from): the fleet's mean
+            latest.update({d: m["acc_global"] for d, m in rep.metrics.items() if "acc_global" in m})
+            curve.append((now, float(np.mean(list(latest.values())))))
         reports.append(rep)
         if mode == "async" and now >= until:
             raise _Enough
@@ -121,7 +130,8 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until:
 
 def cell(args: argparse.Namespace, seed: int, mode: str, churn: bool = False, until: float = 0.0) -> dict[str, Any]:
     """A run, from its JSON when it was saved with the same settings (``--force``: always run)."""
-    name = (f"{mode}{'-churn' if churn else ''}-n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}"
+    method = "" if args.method == "fedavg" else f"{args.method}-"
+    name = (f"{method}{mode}{'-churn' if churn else ''}-n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}"
             f"-f{args.fraction}-s{seed}.json")
     path = OUT / name
     if path.is_file() and not args.force:
@@ -176,6 +186,7 @@ def compare(sync: dict[str, Any], asyn: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.async_", description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, default=30)
+    ap.add_argument("--method", choices=("fedavg", "fedproto"), default="fedavg")
     ap.add_argument("--rounds", type=int, default=10, help="synchronous rounds (async: the same device updates)")
     ap.add_argument("--buffer", type=int, default=10, help="K: updates per version")
     ap.add_argument("--max-staleness", type=int, default=20)
@@ -206,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             plain, churn = acc_at(asyn["curve"], end), acc_at(churned["curve"], end)
             churn_all.append({"seed": seed, "at_virtual_s": end, "final_no_churn": plain, "final_churn": churn,
                               "loss_points": 100 * (plain - churn)})
-    print(f"\nFedAvg, {args.devices} devices over {', '.join(PROFILES)} (tier-xs), Fashion-MNIST Dirichlet(0.5), "
+    print(f"\n{args.method}, {args.devices} devices over {', '.join(PROFILES)} (tier-xs), Fashion-MNIST "
+          "Dirichlet(0.5), "
           f"sync {args.rounds} rounds vs async K = {args.buffer} ({args.weight}) for as long in virtual time")
     print(text_table(["seed", "95 % level", "sync t (s)", "async t (s)", "sync/async", "sync acc @end",
                       "async acc @sync end", "async mean staleness", "async refused"], rows))
@@ -217,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                            f"{c['loss_points']:+.1f}"] for c in churn_all]))
     summary = {"args": {k: v for k, v in vars(args).items() if k != "force"}, "round_s_by_profile": times,
                "compare": cmp_all, "churn": churn_all}
-    name = f"async-summary-n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}-f{args.fraction}.json"
+    method = "" if args.method == "fedavg" else f"{args.method}-"
+    name = f"async-summary-{method}n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}-f{args.fraction}.json"
     (RESULTS / name).write_text(json.dumps(summary, indent=1))
     return 0
 
