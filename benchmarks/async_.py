@@ -172,6 +172,12 @@ def acc_at(curve: list[list[float]], t: float) -> float:
     return [a for s, a in curve if s <= t + 1e-9][-1]
 
 
+def mean_late(curve: list[list[float]], end: float) -> float:
+    """The mean accuracy of every evaluation from ``end / 2`` to ``end``: a run's level, not one draw of its swings."""
+    late = [a for t, a in curve if end / 2 <= t <= end + 1e-9]
+    return float(np.mean(late))
+
+
 def compare(sync: dict[str, Any], asyn: dict[str, Any]) -> dict[str, Any]:
     """The targets for one seed: time to 95 % of sync's final accuracy, and accuracy at sync's end time."""
     level = TARGET * sync["final_acc"]
@@ -215,8 +221,10 @@ def main(argv: list[str] | None = None) -> int:
             churned = cell(args, seed, "async", churn=True, until=sync["virtual_s"])
             end = sync["virtual_s"]  # both at the synchronous run's end time
             plain, churn = acc_at(asyn["curve"], end), acc_at(churned["curve"], end)
+            late_plain, late_churn = mean_late(asyn["curve"], end), mean_late(churned["curve"], end)
             churn_all.append({"seed": seed, "at_virtual_s": end, "final_no_churn": plain, "final_churn": churn,
-                              "loss_points": 100 * (plain - churn)})
+                              "loss_points": 100 * (plain - churn), "late_mean_no_churn": late_plain,
+                              "late_mean_churn": late_churn, "late_loss_points": 100 * (late_plain - late_churn)})
     print(f"\n{args.method}, {args.devices} devices over {', '.join(PROFILES)} (tier-xs), Fashion-MNIST "
           "Dirichlet(0.5), "
           f"sync {args.rounds} rounds vs async K = {args.buffer} ({args.weight}) for as long in virtual time")
@@ -224,13 +232,16 @@ def main(argv: list[str] | None = None) -> int:
                       "async acc @sync end", "async mean staleness", "async refused"], rows))
     if churn_all:
         print("\nasync with churn (70 % online) against no churn, accuracy at the synchronous run's end time")
-        print(text_table(["seed", "no churn", "churn", "loss (points)"],
+        print(text_table(["seed", "no churn", "churn", "loss (points)", "2nd-half mean: no churn", "churn", "loss"],
                          [[str(c["seed"]), f"{100 * c['final_no_churn']:.1f}", f"{100 * c['final_churn']:.1f}",
-                           f"{c['loss_points']:+.1f}"] for c in churn_all]))
+                           f"{c['loss_points']:+.1f}", f"{100 * c['late_mean_no_churn']:.1f}",
+                           f"{100 * c['late_mean_churn']:.1f}", f"{c['late_loss_points']:+.1f}"] for c in churn_all]))
     summary = {"args": {k: v for k, v in vars(args).items() if k != "force"}, "round_s_by_profile": times,
                "compare": cmp_all, "churn": churn_all}
     method = "" if args.method == "fedavg" else f"{args.method}-"
-    name = f"async-summary-{method}n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}-f{args.fraction}.json"
+    seeds = "-".join(str(x) for x in args.seeds)
+    name = (f"async-summary-{method}n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}-f{args.fraction}"
+            f"{'-churn' if args.churn else ''}-s{seeds}.json")
     (RESULTS / name).write_text(json.dumps(summary, indent=1))
     return 0
 
