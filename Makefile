@@ -8,6 +8,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # torch/torchvision pinned to the releases on this kind of machine (see README, "Installing").
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
+# Ray (fedge[ray], in fedge[all]) pinned to the release the Ray backend was tested with (docs/simulation.md).
+RAY    ?= ray==2.60.0
 STAMP  := $(VENV)/.installed
 
 .PHONY: demo check test lint typecheck pytest pytest-quick install clean bench-baselines
@@ -17,7 +19,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet $(TORCH) $(RAY)
 	$(BIN)/pip install --quiet -e '.[all,dev]'
 	touch $(STAMP)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Callable, Sequence
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +102,25 @@ def write_docs_section(name: str, body: str, path: Path = DOCS_RESULTS) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def run_sampled(cmd: Sequence[str], sample: Callable[[int], None], *, every: float,
+                env: Mapping[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` (its stdout captured as text) while a thread calls ``sample(pid)`` every ``every`` seconds,
+    e.g. to follow the child's memory or the machine's load while it runs."""
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.is_set():
+            sample(proc.pid)
+            done.wait(every)
+
+    sampler = threading.Thread(target=loop, daemon=True)
+    sampler.start()
+    try:
+        out, _ = proc.communicate()
+    finally:
+        done.set()
+        sampler.join()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)

@@ -221,7 +221,9 @@ def sizes() -> dict[str, int]:
 # -- fedge: real coordinator process + protocol devices --------------------------------------------
 
 def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = "mean",
-              clip: float = 0.0) -> dict[str, Any]:
+              clip: float = 0.0, observe: Path | None = None) -> dict[str, Any]:
+    """One fedge run; ``observe``: the coordinator also serves its dashboard and /metrics (FleetMonitor,
+    FleetMetrics, the web server on a free loopback port, whose URL it writes to that file)."""
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = f"scale{n}-{workdir.name}"
     t = FleetTopics(fleet)
@@ -256,7 +258,7 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = 
         out = workdir / f"fedge-{n}.json"
         cmd = [sys.executable, "-m", MODULE, "_coordinator", "--port", str(port), "--n", str(n),
                "--rounds", str(rounds), "--fleet", fleet, "--state-dir", str(workdir / f"state-{n}"), "--out", str(out),
-               "--aggregation", aggregation, "--clip", str(clip)]
+               "--aggregation", aggregation, "--clip", str(clip)] + (["--observe", str(observe)] if observe else [])
         subprocess.run(cmd, check=True, timeout=1800)
         return json.loads(out.read_text())
     finally:
@@ -271,13 +273,17 @@ def coordinator_main(args: argparse.Namespace) -> None:
     from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 
     rss_start = _rss_kb()
-    transport = MqttCoordinatorTransport(BrokerSettings(port=args.port), args.fleet).start()
+    # --workers-mode: aggregation workers read the updates (benchmarks.scaleout); this process merges partials
+    transport = MqttCoordinatorTransport(BrokerSettings(port=args.port), args.fleet,
+                                         updates=not getattr(args, "workers_mode", False)).start()
     strat = FedProtoStrategy(num_classes=CLASSES, rounds=args.rounds)
     # keep_reports=1 as in a long-running coordinator (fedge coordinator run keeps 8): the history is on disk.
     agg = Aggregation(args.aggregation, clip=args.clip)
     engine = RoundEngine(strat, transport, EngineConfig(fleet=args.fleet, method="fedproto", min_devices=args.n,
                                                        quorum_timeout_s=600, keep_reports=1, aggregation=agg),
                          state_dir=args.state_dir)
+    if args.observe:
+        _serve(engine, transport, args)
     engine.await_quorum()  # registration is not part of a round
     cpu0, rss0, t0 = _cpu(), _rss_kb(), time.perf_counter()
     cpu_rounds: list[float] = []
@@ -318,6 +324,24 @@ def coordinator_main(args: argparse.Namespace) -> None:
         "rejected": rejected,
     }
     Path(args.out).write_text(json.dumps(result))
+
+
+def _serve(engine: Any, transport: Any, args: argparse.Namespace) -> None:
+    """What ``fedge coordinator run --http`` adds to the coordinator: the monitor, /metrics and the page."""
+    from fedge.common.rounds import DeviceInfo
+    from fedge.coordinator.dashboard import monitor_routes
+    from fedge.coordinator.metrics import FleetMetrics
+    from fedge.coordinator.monitor import FleetMonitor
+    from fedge.coordinator.web import DashboardServer, Endpoint
+
+    ids = [f"dev-{i:04d}" for i in range(args.n)]
+    monitor = FleetMonitor(fleet=args.fleet, method="fedproto", total_rounds=args.rounds, transport=transport,
+                           fleet_devices={d: DeviceInfo(d, "", "") for d in ids}, run_id=engine.run_id)
+    metrics = FleetMetrics(monitor)
+    engine.observers += [monitor, metrics.observer]
+    monitor.start()
+    server = DashboardServer(monitor_routes(monitor, metrics.render), Endpoint("127.0.0.1", 0)).start()
+    Path(args.observe).write_text(server.url)
 
 
 def aggregate_state_bytes(n: int, rule: str, clip: float) -> int:
@@ -436,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--out", required=True)
     co.add_argument("--fleet", required=True)
     co.add_argument("--state-dir", required=True)
+    co.add_argument("--observe", metavar="URLFILE", help="serve the dashboard and /metrics; write the URL here")
+    co.add_argument("--workers-mode", action="store_true", help="merge workers' partials, read no updates")
     for q in (p, co):
         q.add_argument("--aggregation", choices=("mean", "trimmed", "median"), default="mean",
                        help="the coordinator's aggregation rule (default mean)")

@@ -6,7 +6,9 @@ the final global model on the 10k test set. Both sides start from the same weigh
 of the group, ``fedge.common.initseeds``), train with fedge's own loop (``train_epochs``) on the same
 shards (``fedge.fleet.slots``), and differ in everything else: fedge runs its simulator (every update
 encoded as a real message, aggregated by its engine), Flower 1.42 its Ray simulation (message API
-``FedAvg``, 2 single-thread actors, the model evaluated by the ServerApp).
+``FedAvg``, 2 single-thread actors, the model evaluated by the ServerApp). On request a third side,
+``fedge-process``, runs fedge's simulator with its devices in 2 worker processes of one torch thread
+each (``[simulation] backend = "process"``, issue 30).
 
 Flower runs in an environment of its own, ``.venv-flower`` (created on first use: ``--setup``), so
 its pins (Ray, typer, protobuf) never touch fedge's. Each side runs in a child process; its peak
@@ -14,6 +16,7 @@ memory is the largest sum of PSS over that process and its descendants (Ray's wo
 sampled every 0.2 s.
 
     python -m benchmarks.flower_fedavg                 # both, seeds 0 1; results/flower_fedavg/*.json
+    python -m benchmarks.flower_fedavg --sides fedge fedge-process flower   # and fedge with 2 workers
     python -m benchmarks.flower_fedavg --report-only   # the table from the saved cells
 """
 
@@ -24,12 +27,20 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, RESULTS, cached_cell, markdown_table, mean_std, text_table, write_docs_section
+from benchmarks.common import (
+    REPO,
+    RESULTS,
+    cached_cell,
+    markdown_table,
+    mean_std,
+    run_sampled,
+    text_table,
+    write_docs_section,
+)
 
 FLOWER_ENV = REPO / ".venv-flower"
 FLOWER_PINS = ["flwr[simulation]==1.42.0", "ray==2.55.1", "typer>=0.13,<0.21"]
@@ -37,10 +48,13 @@ TORCH_PINS = ["torch==2.14.1", "torchvision==0.29.1"]  # the Makefile's
 OUT = RESULTS / "flower_fedavg"
 ARCH = "tier-m"
 CLIENTS = 10
+SIDES = ("fedge", "fedge-process", "flower")
+PROCESS_WORKERS = 2
 
 
-def job(seed: int, rounds: int) -> dict[str, Any]:
-    """The fleet config of the job (a dict for ``parse_fleet``)."""
+def job(seed: int, rounds: int, *, process: bool = False) -> dict[str, Any]:
+    """The fleet config of the job (a dict for ``parse_fleet``); ``process``: the devices in worker processes."""
+    sim = {"backend": "process", "workers": PROCESS_WORKERS, "threads": 1} if process else {}
     return {
         "run": {"name": "flower-fedavg", "method": "fedavg", "rounds": rounds, "dataset": "fmnist", "seed": seed,
                 # Evaluate once, after the last round, as the Flower side does (its ServerApp evaluates the
@@ -49,18 +63,19 @@ def job(seed: int, rounds: int) -> dict[str, Any]:
         "partition": {"kind": "iid", "fraction": 0.1, "local_test_fraction": 0.0},
         "train": {"lr": 0.01, "batch_size": 64, "local_epochs": 5},
         "devices": [{"profile": "x86-gateway", "count": CLIENTS, "arch": ARCH, "id_prefix": "client"}],
+        **({"simulation": sim} if sim else {}),
     }
 
 
 # -- the two workers (each in its own process) -------------------------------------------------------
 
-def fedge_worker(seed: int, rounds: int) -> dict[str, Any]:
+def fedge_worker(seed: int, rounds: int, *, process: bool = False) -> dict[str, Any]:
     from fedge.fleet.config import parse_fleet
     from fedge.sim.report import build_results
     from fedge.sim.simulate import simulate
 
     t0 = time.perf_counter()
-    res = build_results(simulate(parse_fleet(job(seed, rounds))))
+    res = build_results(simulate(parse_fleet(job(seed, rounds, process=process))))
     return {"acc": res["summary"]["mean_final_acc_global"], "wall_s": time.perf_counter() - t0,
             "seconds_per_round": res["seconds_per_round"]}
 
@@ -172,25 +187,18 @@ def run_child(python: Path, side: str, seed: int, rounds: int) -> dict[str, Any]
     cmd = [str(python), "-m", "benchmarks.flower_fedavg", "--worker", side, "--seed", str(seed),
            "--rounds", str(rounds)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_DEDUP_LOGS": "0"}  # fedge and benchmarks from this tree
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
     peak = 0
     loads: list[float] = []  # the machine's 1-minute load average while this side ran
-    done = threading.Event()
 
-    def sample() -> None:
+    def sample(pid: int) -> None:
         nonlocal peak
-        while not done.is_set():
-            peak = max(peak, _tree_pss_kib(proc.pid))
-            loads.append(os.getloadavg()[0])
-            done.wait(0.2)
+        peak = max(peak, _tree_pss_kib(pid))
+        loads.append(os.getloadavg()[0])
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out, _ = proc.communicate()
-    done.set()
-    sampler.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"{side} seed {seed} failed (exit {proc.returncode}); its output:\n{out[-3000:]}")
+    done = run_sampled(cmd, sample, every=0.2, env=env)
+    out = done.stdout
+    if done.returncode != 0:
+        raise SystemExit(f"{side} seed {seed} failed (exit {done.returncode}); its output:\n{out[-3000:]}")
     line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
     return {**json.loads(line[len("RESULT "):]), "peak_pss_mib": peak / 1024, "side": side, "seed": seed,
             "rounds": rounds, "mean_load": sum(loads) / max(1, len(loads)), "cores": os.cpu_count()}
@@ -213,7 +221,7 @@ def setup_flower() -> Path:
 
 def render(cells: dict[str, list[dict[str, Any]]]) -> str:
     rows = []
-    for side in ("fedge", "flower"):
+    for side in SIDES:
         cs = cells.get(side, [])
         if not cs:
             continue
@@ -227,21 +235,32 @@ def render(cells: dict[str, list[dict[str, Any]]]) -> str:
     header = ["", "final acc (%) per seed", "mean (%)", "s/round", "wall (s)", "peak PSS (MiB)", "load", "seeds"]
     table = markdown_table(header, rows)
     print(text_table(header, rows))
-    if len(rows) == 2:
-        gap = float(rows[0][2]) - float(rows[1][2])
-        ratio_t = float(rows[0][3]) / float(rows[1][3])
-        ratio_m = float(rows[0][5]) / float(rows[1][5])
-        # Seconds compare only on an otherwise idle machine: a side that ran beside other jobs is slower
-        # by an amount that has nothing to do with it.
-        quiet = all(c.get("mean_load", float("inf")) <= 2.5 for cs in cells.values() for c in cs)
-        n = min(len(cs) for cs in cells.values())
+    by_side = {r[0]: r for r in rows}
+    flower = by_side.get("flower")
+    # Seconds compare only on an otherwise idle machine: a side that ran beside other jobs is slower
+    # by an amount that has nothing to do with it.
+    quiet = all(c.get("mean_load", float("inf")) <= 2.5 for cs in cells.values() for c in cs)
+    caveat = ("." if quiet else " — not a speed comparison: some cells ran beside other jobs (column *load*, the "
+              "1-minute load average of this 2-core machine while the side ran; unknown: -).")
+    if flower is not None and "fedge" in by_side:
+        fedge = by_side["fedge"]
+        gap = float(fedge[2]) - float(flower[2])
+        ratio_t = float(fedge[3]) / float(flower[3])
+        ratio_m = float(fedge[5]) / float(flower[5])
+        n = min(len(cells[s]) for s in ("fedge", "flower"))
         verdict = ("met" if abs(gap) <= 0.5 else "missed") if n >= 2 else (
             f"open: {n} seed of 2 so far, {'within' if abs(gap) <= 0.5 else 'outside'}")
         table += (f"\n\nfedge − Flower: {gap:+.2f} points (target: within 0.5 on 2 seeds, "
                   f"{verdict}); peak memory ×{ratio_m:.2f} of Flower's; seconds "
-                  f"per round ×{ratio_t:.2f} of Flower's"
-                  + ("." if quiet else " — not a speed comparison: some cells ran beside other jobs (column "
-                     "*load*, the 1-minute load average of this 2-core machine while the side ran; unknown: -)."))
+                  f"per round ×{ratio_t:.2f} of Flower's" + caveat)
+    if flower is not None and "fedge-process" in by_side:
+        proc = by_side["fedge-process"]
+        ratios = [float(proc[i]) / float(flower[i]) for i in (4, 3, 5)]  # wall, per round, memory
+        marks = ["met" if r <= t else "missed" for r, t in zip(ratios, (0.7, 1.0, 1.0), strict=True)]
+        table += (f"\n\nfedge-process ({PROCESS_WORKERS} workers) against Flower (issue 30): whole run "
+                  f"×{ratios[0]:.2f} (target ≤ 0.7: {marks[0]}), seconds per round ×{ratios[1]:.2f} (≤ 1: "
+                  f"{marks[1]}), peak memory ×{ratios[2]:.2f} (≤ 1: {marks[2]}); accuracy "
+                  f"{float(proc[2]) - float(flower[2]):+.2f} points" + caveat)
     return table
 
 
@@ -249,19 +268,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--sides", nargs="+", choices=["fedge", "flower"], default=["fedge", "flower"])
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=["fedge", "flower"],
+                    help="fedge-process: fedge with its devices in 2 worker processes (issue 30), on request")
     ap.add_argument("--force", action="store_true", help="recompute saved cells")
     ap.add_argument("--report-only", action="store_true", help="tabulate the saved cells; compute nothing")
     ap.add_argument("--setup", action="store_true", help="only create .venv-flower")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/results.md")
-    ap.add_argument("--worker", choices=["fedge", "flower"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         import logging
 
         logging.basicConfig(level=logging.WARNING)
-        res = (fedge_worker if args.worker == "fedge" else flower_worker)(args.seed, args.rounds)
+        res = (flower_worker(args.seed, args.rounds) if args.worker == "flower" else
+               fedge_worker(args.seed, args.rounds, process=args.worker == "fedge-process"))
         print("RESULT " + json.dumps(res), flush=True)
         return 0
     if args.setup:
@@ -275,7 +296,7 @@ def main() -> int:
                 if path.is_file():
                     cells.setdefault(side, []).append(json.loads(path.read_text()))
                 continue
-            python = Path(sys.executable) if side == "fedge" else setup_flower()
+            python = setup_flower() if side == "flower" else Path(sys.executable)
 
             def compute(py: Path = python, sd: str = side, s: int = seed) -> dict[str, Any]:
                 print(f"[{time.strftime('%H:%M:%S')}] {sd} seed {s} ...", flush=True)
@@ -284,6 +305,8 @@ def main() -> int:
             cells.setdefault(side, []).append(cached_cell(path, compute, force=args.force))
     table = render(cells)
     if not args.no_docs and cells:
+        process_note = (f"; `fedge-process`: its devices in {PROCESS_WORKERS} worker processes of one thread"
+                        if "fedge-process" in cells else "")
         write_docs_section("flower-fedavg", f"""
 ## FedAvg against Flower
 
@@ -291,7 +314,7 @@ The same FedAvg job on both (issue 25): {CLIENTS} clients of `{ARCH}`, Fashion-M
 each), SGD lr 0.01, batch 64, 5 local epochs, {args.rounds} rounds, full participation; the final global
 model's accuracy on the 10k test set. Both start from the same weights (fedge's start of the group) and
 train with fedge's loop on the same shards; fedge runs its simulator (one process, torch's default
-threads), Flower 1.42 its Ray simulation (2 single-thread actors, the message-API `FedAvg`, Flower in
+threads{process_note}), Flower 1.42 its Ray simulation (2 single-thread actors, the message-API `FedAvg`, Flower in
 its own environment `.venv-flower`). Peak memory: the largest sum of PSS over each side's process tree.
 
 {table}

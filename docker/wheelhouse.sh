@@ -3,9 +3,11 @@
 #
 #   docker/wheelhouse.sh [--arch amd64|arm64] [--out DIR] [--extra EXTRA]
 #
-# EXTRA (default sim): the fedge extra the images install. An emulated device trains on the fleet's
-# benchmark data set (digits comes from scikit-learn), which is fedge[sim]'s, not fedge[device]'s.
-# DIR/deps/  every dependency wheel for CPython 3.11 on ARCH (reused when DIR/deps/.complete exists)
+# EXTRA (default sim,observe): the fedge extras the images install. An emulated device trains on the fleet's
+# benchmark data set (digits comes from scikit-learn), which is fedge[sim]'s, not fedge[device]'s; the
+# coordinator serves /metrics with fedge[observe]'s prometheus_client.
+# DIR/deps/  every dependency wheel for CPython 3.11 on ARCH (reused while DIR/deps/.complete names the same
+#            torch, extra and fedge requirements)
 # DIR/fedge/ the fedge wheel of this checkout (rebuilt every time: it is small)
 #
 # torch: the CPU build. amd64 takes torch 2.13.0+cpu (PyTorch's CPU wheel, 190 MB, no CUDA libraries:
@@ -15,13 +17,13 @@ set -eu
 here=$(cd "$(dirname "$0")/.." && pwd)
 arch=amd64
 out=""
-extra=sim
+extra=sim,observe
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) arch=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --extra) extra=$2; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "wheelhouse.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -37,7 +39,15 @@ rm -f "$out"/fedge/*.whl
 $pip wheel --quiet --no-deps --no-build-isolation -w "$out/fedge" "$here" >/dev/null
 wheel=$(ls "$out"/fedge/fedge-*.whl)
 spec=$wheel${extra:+[$extra]}
-if [ ! -f "$out/deps/.complete" ] || [ "$(cat "$out/deps/.complete")" != "$torch $extra" ]; then
+# The dependencies are fetched again when fedge's own requirements change (a new core dependency), not only
+# when torch or the extra does: the marker records a digest of the wheel's Requires-Dist lines.
+requires=$(python3 -c 'import hashlib, sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+lines = [l for l in z.read(meta).decode().splitlines() if l.startswith("Requires-Dist:")]
+print(hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12])' "$wheel")
+marker="$torch $extra requires:$requires"
+if [ ! -f "$out/deps/.complete" ] || [ "$(cat "$out/deps/.complete")" != "$marker" ]; then
   rm -f "$out/deps/.complete"
   # CPython 3.11 wheels for the image's platform; glibc 2.36 (bookworm) takes manylinux up to 2_36.
   plats=""
@@ -55,6 +65,6 @@ if [ ! -f "$out/deps/.complete" ] || [ "$(cat "$out/deps/.complete")" != "$torch
     # CPU build that needs none of them (pip inside the image evaluates the markers for aarch64).
     rm -f "$out"/deps/nvidia_*.whl "$out"/deps/triton-*.whl "$out"/deps/cuda_*.whl
   fi
-  echo "$torch $extra" > "$out/deps/.complete"
+  echo "$marker" > "$out/deps/.complete"
 fi
 echo "wheelhouse $out: $(ls "$out/deps" | grep -c '\.whl$') dependency wheels ($(du -sh "$out/deps" | cut -f1)), $(basename "$wheel")"

@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "fedge.edge.cli",
     "fedge.export.cli",
     "fedge.broker.cli",
+    "fedge.deploy.cli",
     "fedge.flash.cli",
     "fedge.emulate.cli",
     "fedge.audit.cli",

@@ -18,6 +18,9 @@ fixture                       marker      what the test needs
 ``sshd``                      ``sshd``    OpenSSH's server on loopback (as root)
 ============================  ==========  =============================================================
 
+``browser`` (a headless Chromium) gives no marker: the tests using it also need a broker or Docker. Missing,
+it fails in ``make test`` and skips in the quick loop, saying what to install, as ``fashion_mnist`` does.
+
 ``slow`` (more than ~20 s on the shared 2-core machine) is the one marker written on tests by hand.
 
 **Two loops.** ``make test`` (CI, through ``.ci/run``) runs everything: a missing Mosquitto is a failure,
@@ -193,6 +196,32 @@ def fashion_mnist(request: pytest.FixtureRequest) -> Path:
     if not FMNIST_DIR.is_dir():
         _missing(request, "apt-get install dataset-fashion-mnist")
     return FMNIST_DIR
+
+
+@pytest.fixture
+def browser(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A headless Chromium with a fresh profile, driven by selenium through Debian's ``chromedriver`` (packages
+    ``chromium chromium-driver``; ``.ci/run`` installs them, nothing is downloaded); quit after the test."""
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if binary is None or driver is None:
+        _missing(request, "chromium and chromium-driver are not installed: apt-get install chromium chromium-driver")
+    import tempfile
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    with tempfile.TemporaryDirectory(prefix="fedge-chromium-") as profile:
+        for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+                    f"--user-data-dir={profile}", "--window-size=1400,1800"):
+            opts.add_argument(arg)
+        chrome = webdriver.Chrome(service=Service(executable_path=driver), options=opts)
+        try:
+            yield chrome
+        finally:
+            chrome.quit()
 
 
 @pytest.fixture

@@ -154,6 +154,16 @@ def test_prepare_flashes_every_device_with_fedge_flash(tmp_path: Path) -> None:
     assert re.fullmatch(r"10\.2[0-4]\d\.\d{1,3}\.0/24", subnet), subnet
     assert subnet == fleet_subnet(project_name(tmp_path / "emu"))
     assert fleet_subnet("fedge-emu-aaaaaa") != fleet_subnet("fedge-emu-bbbbbb")
+    # The dashboard: published on the host's loopback only, with a fresh 0600 token the coordinator must use
+    # (it binds all of its container's addresses).
+    coord = doc["services"]["coordinator"]
+    assert emu.http_port is not None and coord["ports"] == [f"127.0.0.1:{emu.http_port}:8321"]
+    assert coord["command"][-4:] == ["--http", "0.0.0.0:8321", "--http-token-file", "/fedge/http/token"]
+    assert "./http:/fedge/http:ro" in coord["volumes"]
+    token = tmp_path / "emu" / "http" / "token"
+    assert token.stat().st_mode & 0o077 == 0 and len(token.read_text().strip()) >= 32
+    assert token.read_text().strip() not in (tmp_path / "emu" / "compose.yaml").read_text()
+    assert type(emu).load(tmp_path / "emu").dashboard == f"http://127.0.0.1:{emu.http_port}/"
     exe = shutil.which("docker-compose")
     if exe is not None:
         proc = subprocess.run([exe, "-f", str(tmp_path / "emu" / "compose.yaml"), "config"], capture_output=True,

@@ -487,8 +487,8 @@ def test_wheelhouse_command_targets_the_profiles_cpu_and_python(tmp_path: Path) 
     assert platforms and all(p.endswith("_aarch64") for p in platforms)
     assert "--only-binary=:all:" in cmd and cmd[cmd.index("--python-version") + 1] == "3.13"
     assert cmd[cmd.index("--abi") + 1] == "cp313"
-    assert {r.split(">")[0] for r in cmd[-6:]} == {"numpy", "safetensors", "paho-mqtt", "torch", "onnxruntime",
-                                                   "pillow"}
+    assert {r.split(">")[0] for r in cmd[-7:]} == {"numpy", "safetensors", "paho-mqtt", "cryptography", "torch",
+                                                   "onnxruntime", "pillow"}
     with pytest.raises(ConfigError, match=r"MAJOR\.MINOR"):
         download_command("aarch64", "311", tmp_path, [])
 

@@ -100,15 +100,15 @@ def test_a_missing_extra_is_named(exported: Path, tmp_path: Path, blocked: list[
 def test_extras_in_pyproject_hold_what_the_helper_names() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     core = {r.split(">")[0].split("<")[0] for r in project["dependencies"]}
-    assert core == {"numpy", "safetensors", "paho-mqtt"}
+    assert core == {"numpy", "safetensors", "paho-mqtt", "cryptography"}
     assert not any(r.startswith("torch") and "<" in r for rs in project["optional-dependencies"].values() for r in rs)
     for module, (dist, extra) in EXTRA_OF.items():
         reqs = {r.split(">")[0].split("<")[0].split("=")[0] for r in device_requirements(extra)}
         assert dist in reqs, (module, extra)
     device = {r.split(">")[0] for r in device_requirements("device")}
-    assert device == {"numpy", "safetensors", "paho-mqtt", "onnxruntime", "pillow", "torch"}
+    assert device == {"numpy", "safetensors", "paho-mqtt", "cryptography", "onnxruntime", "pillow", "torch"}
     runtime = {r.split(">")[0] for r in device_requirements("runtime")}
-    assert runtime == {"numpy", "safetensors", "paho-mqtt", "onnxruntime", "pillow"}
+    assert runtime == {"numpy", "safetensors", "paho-mqtt", "cryptography", "onnxruntime", "pillow"}
 
 
 def test_flash_runs_on_the_core_install(tmp_path: Path) -> None:

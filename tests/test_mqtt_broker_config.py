@@ -5,22 +5,22 @@ from __future__ import annotations
 
 import os
 import pwd
-import shutil
 import stat
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from broker_helpers import configured_mosquitto
 
 from fedge.broker.config import BrokerOptions, write_broker_config
 from fedge.broker.passwords import hash_password, verify_password
 from fedge.cli import main
 from fedge.edge.service import Bundle
 from fedge.errors import TransportError
-from fedge.mqtt.broker import MosquittoProcess, free_port
+from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.client import BrokerSettings, MqttClient, Received, Will
 from fedge.mqtt.topics import FleetTopics
 
@@ -38,24 +38,11 @@ def test_password_hashes_match_mosquitto_passwd(tmp_path: Path, mosquitto_passwd
     assert verify_password("s3cret", pw.read_text().strip().split(":", 1)[1])
 
 
-def _broker(*, tls: bool, **opts: object) -> Iterator[tuple[MosquittoProcess, Path]]:
+def _broker(*, tls: bool, **opts: Any) -> Iterator[tuple[MosquittoProcess, Path]]:
     """Mosquitto started exactly as `mosquitto -c` would be by this user (root in CI): with the generated
-    config and no --run-as, so as root it drops to its `mosquitto` account. pytest's tmp_path sits below a
-    0700 directory that account cannot enter, hence a directory of our own that it can."""
-    port = free_port()
-    work = Path(tempfile.mkdtemp(prefix="fedge-broker-test-"))
-    os.chmod(work, 0o755)
-    out = work / "broker"
-    files = write_broker_config(FLEET, DEVICES, out, BrokerOptions(port=port, bind="127.0.0.1", hostname="localhost",
-                                                                   tls=tls, **opts))  # type: ignore[arg-type]
-    assert files.warnings == []
-    broker = MosquittoProcess(files.config.read_text(), port=port, workdir=work)
-    broker.start()
-    try:
-        yield broker, out
-    finally:
-        broker.close()
-        shutil.rmtree(work, ignore_errors=True)
+    config and no --run-as, so as root it drops to its `mosquitto` account."""
+    with configured_mosquitto(FLEET, DEVICES, tls=tls, **opts) as running:
+        yield running
 
 
 @pytest.fixture
@@ -265,7 +252,7 @@ def test_cli_keeps_passwords_unless_rotating(tmp_path: Path) -> None:
     acl = (out / "acl").read_text()
     assert ("user rpi4-2gb-1\ntopic write fedge/lab/devices/rpi4-2gb-1/status\n"
             "topic write fedge/lab/devices/rpi4-2gb-1/hello\ntopic write fedge/lab/devices/rpi4-2gb-1/update\n"
-            "topic read fedge/lab/rounds/#") in acl
+            "topic write fedge/lab/devices/rpi4-2gb-1/health\ntopic read fedge/lab/rounds/#") in acl
     assert (out / "bundles/rpi4-2gb-1/password").stat().st_mode & 0o077 == 0
     assert "allow_anonymous false" in (out / "mosquitto.conf").read_text()
     assert main(["broker", "config", "--fleet", str(fleet), "--out", str(out)]) == 0

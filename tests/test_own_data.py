@@ -16,6 +16,7 @@ import pytest
 from own_data_helpers import DIGIT_CLASSES, own_data_fleet, write_digit_pngs
 from PIL import Image
 
+from fedge.common.health import FIELDS as HEALTH_FIELDS
 from fedge.common.messages import Message
 from fedge.common.preprocess import NORMALIZATION
 from fedge.common.rounds import DeviceInfo, RoundInfo
@@ -282,7 +283,12 @@ def test_a_data_device_sends_only_the_methods_artifacts(tmp_path: Path, mosquitt
         parsed = topics.parse_device(topic)
         assert parsed is not None and parsed.device_id == "rpi4-2gb-1", topic
         by_kind.setdefault(parsed.kind, []).append(payload)
-    assert set(by_kind) == {"status", "hello", "update"}
+    assert set(by_kind) == {"status", "hello", "update", "health"}
+    # heartbeats: no tensors, only the health record's fields (system figures, versions, rounds)
+    for raw_health in by_kind["health"]:
+        beat = Message.from_bytes(raw_health)
+        assert beat.kind == "health" and beat.tensors == {} and set(beat.info) == {"health"}
+        assert set(beat.info["health"]) == set(HEALTH_FIELDS)
     assert set(by_kind["status"]) <= {b"online", b"offline"}
     hello = Message.from_bytes(by_kind["hello"][0])
     assert hello.tensors == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from fedge.broker.config import BrokerOptions
 
@@ -25,8 +26,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     c.add_argument("--bind", default=d.bind, help=f"listener address (default {d.bind})")
     c.add_argument("--hostname", default=d.hostname,
                    help="name or IP devices reach the broker at: the URL in bundles and the TLS certificate name")
-    c.add_argument("--tls", action="store_true", help="TLS listener with a generated CA (via openssl)")
+    c.add_argument("--tls", action="store_true", help="TLS listener with a generated CA")
+    c.add_argument("--mtls", action="store_true",
+                   help="mutual TLS: one client certificate per device, the coordinator and the deploy account (CN = "
+                        "account name; Mosquitto's require_certificate and use_identity_as_username) instead of "
+                        "passwords, a CRL for `fedge broker revoke`; implies --tls and --sign")
+    c.add_argument("--sign", action="store_true",
+                   help="the fleet's Ed25519 signing key (coordinator/signing.key) and its public key in every bundle: "
+                        "devices then accept only round descriptors and global state the coordinator signed")
+    c.add_argument("--cert-days", type=int, default=d.client_days,
+                   help=f"validity of client certificates in days (default {d.client_days})")
     c.add_argument("--coordinator-user", default=d.coordinator_user, help="the coordinator's account name")
+    c.add_argument("--deploy-user", default=d.deploy_user, help="the account `fedge deploy` publishes models with")
     c.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="the fleet's largest message: sizes the broker's per-client queues (default: derived "
                         "from the fleet's largest model, x2 for generative methods, plus headroom)")
@@ -37,8 +48,51 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     c.add_argument("--run-as", metavar="USER",
                    help="account mosquitto drops to when started as root (default: mosquitto); run as root, "
                         "this command hands passwd, acl, the server key and data/ to it")
-    c.add_argument("--rotate", action="store_true", help="issue new passwords for every account")
+    c.add_argument("--rotate", action="store_true", help="issue new passwords (or certificates) for every account")
+    c.add_argument("--shards", type=int, default=0, metavar="N",
+                   help="split the devices over N shard brokers (ports --port+1 ... --port+N) with one relay "
+                        "account each (fedge relay); the root broker (--port) serves the coordinator and the relays; "
+                        "every device's bundle names its shard (docs/scale.md)")
+    c.add_argument("--workers", type=int, default=0, metavar="K",
+                   help="K aggregation worker accounts on the root broker (fedge coordinator worker)")
     c.set_defaults(func=_config)
+
+    for name, helptext in (("revoke", "revoke one device: its certificate into the CRL (or its password removed)"),
+                           ("rotate", "a new certificate (the old one revoked) or password for one device")):
+        a = bsub.add_parser(name, help=helptext,
+                            description=helptext[0].upper() + helptext[1:] + ". Then reload or restart Mosquitto as "
+                                        "the command says, and (rotate) flash the device again.")
+        a.add_argument("device", metavar="DEVICE", help="the device id")
+        a.add_argument("--out", required=True, metavar="DIR", help="the broker directory `fedge broker config` wrote")
+        if name == "rotate":
+            a.add_argument("--cert-days", type=int, default=d.client_days,
+                           help=f"validity of the new certificate in days (default {d.client_days})")
+        a.set_defaults(func=_identity, action=name)
+
+
+def _identity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fedge.broker import identity
+
+    out = Path(args.out)
+    change = (identity.revoke(out, args.device) if args.action == "revoke"
+              else identity.rotate(out, args.device, days=args.cert_days))
+    if change.mode == "mtls":
+        for c in change.revoked:
+            print(f"revoked certificate {c.serial} of {c.cn} (valid until {c.not_after[:10]}): listed in "
+                  f"{out / 'tls' / 'crl.pem'}")
+        if change.issued is not None:
+            print(f"issued certificate {change.issued.serial} for {change.device}, valid until "
+                  f"{change.issued.not_after[:10]}: {out / 'bundles' / change.device}/device.crt")
+    elif args.action == "revoke":
+        print(f"removed {change.device}'s account from {out / 'passwd'}")
+    else:
+        print(f"new password for {change.device} in {out / 'bundles' / change.device}/password")
+    print(f"now {change.reload}")
+    if args.action == "rotate":
+        print(f"then flash the device again: fedge flash {change.device} --broker-dir {out} ...")
+    return 0
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -47,14 +101,19 @@ def _config(args: argparse.Namespace) -> int:
 
     cfg = load_fleet(args.fleet)
     ids = [i for i, _ in device_ids(cfg)]
-    opts = BrokerOptions(port=args.port or (8883 if args.tls else 1883), bind=args.bind, hostname=args.hostname,
-                         tls=args.tls, coordinator_user=args.coordinator_user,
+    opts = BrokerOptions(port=args.port or (8883 if args.tls or args.mtls else 1883), bind=args.bind,
+                         hostname=args.hostname,
+                         tls=args.tls or args.mtls, mtls=args.mtls, sign=args.sign, client_days=args.cert_days,
+                         coordinator_user=args.coordinator_user, deploy_user=args.deploy_user,
                          max_message_bytes=args.max_message_bytes, chunk_bytes=args.chunk_bytes,
                          bundles=not args.no_bundles,
                          run_as=args.run_as, rotate=args.rotate)
+    if args.shards or args.workers:
+        return _sharded(args, cfg.run.fleet, ids, opts)
     files = write_broker_config(cfg.run.fleet, ids, args.out, opts, fleet_config=args.fleet)
-    print(f"wrote {files.config}, {files.passwd.name}, {files.acl.name} for fleet {cfg.run.fleet}: "
-          f"{len(ids)} device accounts + {opts.coordinator_user}")
+    secrets = "client certificates" if opts.mtls else files.passwd.name
+    print(f"wrote {files.config}, {secrets}, {files.acl.name} for fleet {cfg.run.fleet}: "
+          f"{len(ids)} device accounts + {opts.coordinator_user} + {opts.deploy_user}")
     if files.limits is not None:
         lim = files.limits
         print(f"limits: packets up to {lim.max_packet_size} B; per client at most {lim.max_queued_messages} "
@@ -65,10 +124,51 @@ def _config(args: argparse.Namespace) -> int:
         print(f"device bundles in {files.out / 'bundles'}/ID (fedge edge run --bundle DIR)")
     if files.ca is not None:
         print(f"TLS: CA {files.ca}; the coordinator connects with --tls --ca {files.out / 'coordinator' / 'ca.crt'}")
+    if files.signing_key is not None:
+        print(f"signing: the fleet key {files.signing_key} (keep it secret; its public half is fleet.pub in every "
+              "bundle)")
     print(f"start the broker: mosquitto -c {files.config}")
     coord = files.out / "coordinator"
-    tls = f" --tls --ca {coord / 'ca.crt'}" if opts.tls else ""
+    tls = f" --tls --ca {coord / 'ca.crt'}" if opts.uses_tls else ""
+    creds = (f" --cert {coord / 'client.crt'} --key {coord / 'client.key'}" if opts.mtls
+             else f" --username {opts.coordinator_user} --password-file {coord / 'password'}")
+    sign = f" --signing-key {files.signing_key}" if files.signing_key is not None else ""
     print(f"coordinator: fedge coordinator run --config {args.fleet} --broker "
-          f"{'mqtts' if opts.tls else 'mqtt'}://{opts.hostname}:{opts.port} --username {opts.coordinator_user} "
-          f"--password-file {coord / 'password'}{tls} --state-dir DIR")
+          f"{'mqtts' if opts.uses_tls else 'mqtt'}://{opts.hostname}:{opts.port}{creds}{tls}{sign} --state-dir DIR")
+    return 0
+
+
+def _sharded(args: argparse.Namespace, fleet: str, ids: list[str], opts: BrokerOptions) -> int:
+    from fedge.broker.shards import write_sharded_config
+
+    files = write_sharded_config(fleet, ids, args.out, opts, shards=max(args.shards, 1), workers=args.workers,
+                                 fleet_config=args.fleet)
+    out = files.root.out
+    scheme = "mqtts" if opts.uses_tls else "mqtt"
+    root_url = f"{scheme}://{opts.hostname}:{opts.port}"
+
+    def ca(d: Path) -> str:
+        return f" --ca {d / 'ca.crt'}" if opts.uses_tls else ""
+
+    print(f"root broker: mosquitto -c {files.root.config} (coordinator, {len(files.relays)} relay and "
+          f"{len(files.workers)} worker accounts)")
+    for k, (shard, members) in enumerate(zip(files.shards, files.members, strict=True)):
+        relay = files.relays[k]
+        print(f"shard {k + 1}: mosquitto -c {shard.config} ({len(members)} devices: {members[0]} ... {members[-1]})")
+        print(f"  relay: fedge relay --config {args.fleet} --name {relay} --username {relay} --password-file "
+              f"{out / 'relays' / relay / 'password'}{ca(out / 'relays' / relay)} --broker {root_url} "
+              f"--shard {scheme}://{opts.hostname}:{opts.port + k + 1}")
+    for w in files.workers:
+        print(f"worker: fedge coordinator worker --config {args.fleet} --username {w} --password-file "
+              f"{out / 'workers' / w / 'password'}{ca(out / 'workers' / w)} --broker {root_url}")
+    coord = out / "coordinator"
+    sign = ""
+    if files.root.signing_key is not None:
+        sign = f" --signing-key {files.root.signing_key}"
+        print(f"signing: the fleet key {files.root.signing_key} (keep it secret); relays forward the signed state "
+              "unchanged, every bundle holds fleet.pub")
+    print(f"coordinator: fedge coordinator run --config {args.fleet} --broker {root_url} --username "
+          f"{opts.coordinator_user} --password-file {coord / 'password'}{ca(coord)}{sign}"
+          f"{' --workers' if files.workers else ''} --state-dir DIR")
+    print(f"device bundles (each naming its shard) in {out / 'bundles'}/ID")
     return 0

@@ -1,29 +1,36 @@
-"""Write a Mosquitto configuration for a fleet: accounts, hashed passwords, ACL, limits, TLS, bundles.
+"""Write a Mosquitto configuration for a fleet: accounts, hashed passwords or certificates, ACL, limits, TLS,
+bundles, the fleet's signing key.
 
 Layout of the output directory::
 
     mosquitto.conf            the broker config (run: mosquitto -c DIR/mosquitto.conf)
-    passwd                    user:$7$... lines, one per device plus the coordinator
-    acl                       who may read and write which topic
-    coordinator/password      the coordinator's password (mode 0600); coordinator/ca.crt with TLS
-    bundles/ID/               per device: bundle.toml, password (0600), fleet.toml, ca.crt with TLS
-    tls/                      with --tls, what the broker reads: ca.crt, server.crt, server.key (0600)
-    ca/ca.key                 with --tls, the CA's private key (0600): the broker never reads it;
-                              keep it offline once the server certificate is issued
+    passwd                    user:$7$... lines, one per device plus the coordinator and deploy accounts
+                              (not with --mtls: certificates replace passwords)
+    acl                       who may read and write which topic (user = account = certificate CN)
+    coordinator/              password (0600), or with --mtls client.crt + client.key (0600); ca.crt with TLS;
+                              with --sign or --mtls: signing.key (the fleet's Ed25519 key, 0600) and fleet.pub
+    deploy/                   the same for `fedge deploy`'s account (fleet-deploy), and fleet.pub
+    bundles/ID/               per device: bundle.toml, fleet.toml, password (0600) or device.crt + device.key
+                              (0600), ca.crt with TLS, fleet.pub when the fleet signs
+    tls/                      with --tls/--mtls, what the broker reads: ca.crt, server.crt, server.key (0600),
+                              crl.pem (--mtls: the revoked client certificates)
+    ca/ca.key, ca/index.json  with TLS, the CA's private key (0600; the broker never reads it) and, with
+                              --mtls, every client certificate issued (for revoke / rotate)
     data/                     Mosquitto persistence (retained state and the coordinator's session
                               survive a broker restart)
 
 Identity: ``use_username_as_clientid`` makes every client's id its user name, so
-device A's password can neither connect as device B (kicking B off, firing its
-last-will) nor as the coordinator (wiping its persistent session).
+device A's password (or certificate) can neither connect as device B (kicking B off,
+firing its last-will) nor as the coordinator (wiping its persistent session). With
+``--mtls`` the user name is the CN of the client's certificate (``use_identity_as_username``).
 
 Ownership: Mosquitto started as root reads the password file, the ACL and the
 server key only after dropping to its ``user`` (default ``mosquitto``). Written
 as root, those files and ``data/`` are handed to that account; written as
 another user, Mosquitto must run as that user (see :func:`ownership_warnings`).
 
-Running it again keeps existing passwords and the CA (devices keep working);
-``rotate=True`` issues new passwords.
+Running it again keeps existing passwords, certificates, the CA and the signing key
+(devices keep working); ``rotate=True`` issues new passwords or certificates.
 """
 
 from __future__ import annotations
@@ -32,14 +39,15 @@ import logging
 import os
 import pwd
 import shutil
-import subprocess
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedge.broker.identity import CLIENT_STEM, CRL_NAME, DEVICE_STEM, ensure_client_cert, write_crl
 from fedge.broker.limits import QueueLimits, largest_model_bytes, queue_limits
 from fedge.broker.passwords import PBKDF2_ITERATIONS, hash_password, new_password
+from fedge.broker.pki import CLIENT_DAYS, INDEX_NAME, CertificateAuthority, CertIndex, cert_pem, key_pem, write_secret
+from fedge.common.atomicfile import write_atomic
+from fedge.common.signing import generate_key, load_private_key, public_pem
 from fedge.errors import ConfigError
 from fedge.mqtt.chunking import DEFAULT_CHUNK_BYTES
 from fedge.mqtt.topics import DEVICE_KINDS, FleetTopics, check_name
@@ -60,7 +68,14 @@ class BrokerOptions:
     bind: str = "0.0.0.0"
     hostname: str = "localhost"  # the name devices use to reach the broker (URL in bundles, TLS name)
     tls: bool = False
+    # Mutual TLS: a client certificate per account (CN = account name) instead of passwords; implies tls
+    # and sign.
+    mtls: bool = False
+    # The fleet's Ed25519 signing key (coordinator/signing.key) and its public key in every bundle.
+    sign: bool = False
     coordinator_user: str = "fedge-coordinator"
+    deploy_user: str = "fedge-deploy"  # the account `fedge deploy` publishes model updates with
+    client_days: int = CLIENT_DAYS  # validity of client certificates
     # The fleet's largest message (bytes); None: derived from the fleet config (limits.py).
     max_message_bytes: int | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # must match the coordinator's and devices' --chunk-bytes
@@ -77,6 +92,20 @@ class BrokerOptions:
         if self.chunk_bytes < 1024:
             raise ConfigError(f"--chunk-bytes {self.chunk_bytes} is too small (minimum 1024)")
         check_name(self.coordinator_user, "coordinator user name")
+        check_name(self.deploy_user, "deploy user name")
+        if self.deploy_user == self.coordinator_user:
+            raise ConfigError("--deploy-user must differ from --coordinator-user: both connect at once, and a "
+                              "client id is its user name")
+        if self.client_days < 1:
+            raise ConfigError(f"--cert-days {self.client_days} must be at least 1")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or self.mtls
+
+    @property
+    def signs(self) -> bool:
+        return self.sign or self.mtls
 
 
 @dataclass
@@ -90,16 +119,19 @@ class BrokerFiles:
     users: list[str] = field(default_factory=list)
     bundles: list[Path] = field(default_factory=list)
     ca: Path | None = None
+    signing_key: Path | None = None  # the coordinator's Ed25519 key (with --sign or --mtls)
     limits: QueueLimits | None = None
     warnings: list[str] = field(default_factory=list)  # what may stop `mosquitto -c` from working
 
 
-def acl_text(fleet: str, devices: list[str], coordinator: str) -> str:
-    """The ACL: each device writes exactly its own status, hello and update topics and reads rounds
-    and globals; the coordinator reads every device topic and may clear (write) their retained copies.
+def acl_text(fleet: str, devices: list[str], coordinator: str, deploy: str | None = None) -> str:
+    """The ACL: each device writes exactly its own status, hello, update, health and OTA status topics and reads
+    rounds, globals, model packages and its own deployment order; the coordinator reads every device topic
+    and may clear (write) their retained copies; the deploy account writes ``ota/#`` and reads the devices'
+    OTA statuses. Under mutual TLS the user name is the certificate's CN.
 
     Mosquitto's ACL cannot refuse the retain flag per topic, so a device could keep a retained
-    message on each topic it may write: three exact topics (no ``#``) bound that to three messages
+    message on each topic it may write: four exact topics (no ``#``) bound that to four messages
     of at most ``max_packet_size`` per device, and the coordinator deletes a retained update or a
     malformed retained status as soon as it sees one (:mod:`fedge.mqtt.coordinator_transport`).
     """
@@ -112,11 +144,19 @@ def acl_text(fleet: str, devices: list[str], coordinator: str) -> str:
         f"topic readwrite {t.base}/rounds/#",
         f"topic readwrite {t.base}/global/#",
         f"topic readwrite {t.base}/refused/+",
+        # partial aggregates of aggregation workers and relays (docs/scale.md), and the relays' statuses
+        f"topic readwrite {t.partial_filter}",
+        f"topic read {t.base}/relays/+/status",
     ]
+    if deploy is not None:
+        lines += ["", f"user {deploy}", f"topic readwrite {t.base}/ota/#", f"topic read {t.ota_status_filter()}"]
     for dev in devices:
         lines += ["", f"user {dev}"]
         lines += [f"topic write {t.device(dev, kind)}" for kind in DEVICE_KINDS]  # type: ignore[arg-type]
         lines += [f"topic read {t.base}/rounds/#", f"topic read {t.base}/global/#", f"topic read {t.refused(dev)}"]
+        if deploy is not None:
+            lines += [f"topic write {t.ota_status(dev)}", f"topic read {t.ota_order(dev)}",
+                      f"topic read {t.base}/ota/models/#"]
     return "\n".join(lines) + "\n"
 
 
@@ -128,7 +168,7 @@ def mosquitto_conf(out: Path, opts: BrokerOptions, *, tls_dir: Path | None, limi
         "# Start: mosquitto -c " + str(out / "mosquitto.conf"),
         "per_listener_settings false",
         "allow_anonymous false",
-        f"password_file {out / 'passwd'}",
+        *([] if opts.mtls else [f"password_file {out / 'passwd'}"]),
         f"acl_file {out / 'acl'}",
         "",
         f"listener {opts.port} {opts.bind}",
@@ -143,6 +183,15 @@ def mosquitto_conf(out: Path, opts: BrokerOptions, *, tls_dir: Path | None, limi
             f"certfile {tls_dir / 'server.crt'}",
             f"keyfile {tls_dir / 'server.key'}",
             "tls_version tlsv1.2",
+        ]
+    if tls_dir is not None and opts.mtls:
+        lines += [
+            "# Mutual TLS: a client must present a certificate of the fleet CA; its CN is its user name (the",
+            "# ACL's `user`), no password is read. Revoked certificates are listed in crlfile, which Mosquitto",
+            "# re-reads on SIGHUP (for new connections; an open connection stays until it drops: restart to cut it).",
+            "require_certificate true",
+            "use_identity_as_username true",
+            f"crlfile {tls_dir / CRL_NAME}",
         ]
     lines += [
         "",
@@ -179,19 +228,7 @@ def mosquitto_conf(out: Path, opts: BrokerOptions, *, tls_dir: Path | None, limi
 def _write(path: Path, text: str, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
     """Write atomically; the file is created with ``mode`` (never the umask's) and ``owner`` before
     any byte is in it, then renamed over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        os.fchmod(fd, mode)  # the umask may have cleared bits of ``mode``
-        if owner is not None:
-            os.fchown(fd, *owner)
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_atomic(path, text.encode(), mode, owner)
 
 
 def broker_account(run_as: str | None) -> tuple[int, int] | None:
@@ -243,16 +280,13 @@ def _password(path: Path, rotate: bool) -> str:
 
 
 def make_tls(tls_dir: Path, hostname: str, fleet: str, *, ca_dir: Path | None = None,
-             owner: tuple[int, int] | None = None) -> Path:
-    """A CA and a server certificate for ``hostname`` (also valid for localhost/127.0.0.1), via openssl.
+             owner: tuple[int, int] | None = None) -> CertificateAuthority:
+    """The fleet CA and a server certificate for ``hostname`` (also valid for localhost/127.0.0.1).
 
     The CA key goes to ``ca_dir`` (default: ``tls_dir/../ca``), apart from what the broker reads; an
     existing CA is reused so that devices which already trust it keep working (a CA key left in
     ``tls_dir`` by an older fedge is moved there). ``owner``: the broker's account, given the server key.
     """
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        raise ConfigError("--tls needs the openssl command", hint="apt-get install openssl")
     tls_dir.mkdir(parents=True, exist_ok=True)
     ca_dir = ca_dir or tls_dir.parent / "ca"
     ca_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -260,45 +294,12 @@ def make_tls(tls_dir: Path, hostname: str, fleet: str, *, ca_dir: Path | None = 
     ca_key, ca_crt = ca_dir / "ca.key", tls_dir / "ca.crt"
     if (tls_dir / "ca.key").is_file() and not ca_key.exists():
         os.replace(tls_dir / "ca.key", ca_key)
-    key, crt = tls_dir / "server.key", tls_dir / "server.crt"
-    old_umask = os.umask(0o077)  # openssl writes keys with the umask's mode: never readable by others
-
-    def run(*args: str) -> None:
-        proc = subprocess.run([openssl, *args], capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise ConfigError(f"openssl {args[0]} failed: {proc.stderr.strip()[-500:]}")
-
-    try:
-        _issue(run, ca_key, ca_crt, key, crt, hostname, fleet)
-    finally:
-        os.umask(old_umask)
-    (tls_dir / "ca.srl").unlink(missing_ok=True)
-    (ca_dir / "ca.srl").unlink(missing_ok=True)
-    os.chmod(ca_key, 0o600)
-    os.chmod(key, 0o600)
-    for public in (ca_crt, crt):
-        os.chmod(public, 0o644)
-    if owner is not None:
-        os.chown(key, *owner)
-    return ca_crt
-
-
-def _issue(run: Callable[..., None], ca_key: Path, ca_crt: Path, key: Path, crt: Path, hostname: str,
-           fleet: str) -> None:
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    if not (ca_key.is_file() and ca_crt.is_file()):
-        run("req", "-x509", *ec, "-keyout", str(ca_key), "-out", str(ca_crt), "-days", "3650",
-            "-subj", f"/CN=fedge CA {fleet}", "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    sans = [f"DNS:{hostname}" if not hostname.replace(".", "").isdigit() else f"IP:{hostname}",
-            "DNS:localhost", "IP:127.0.0.1"]
-    with tempfile.TemporaryDirectory() as tmp:
-        csr, ext = Path(tmp) / "server.csr", Path(tmp) / "ext.cnf"
-        ext.write_text(f"subjectAltName={','.join(dict.fromkeys(sans))}\nbasicConstraints=CA:FALSE\n"
-                       "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n")
-        run("req", *ec, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={hostname}")
-        run("x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key), "-CAcreateserial",
-            "-out", str(crt), "-days", "825", "-extfile", str(ext))
+    ca = CertificateAuthority.load_or_create(ca_key, ca_crt, fleet)
+    key, crt = ca.issue_server(hostname)
+    write_secret(tls_dir / "server.key", key_pem(key), 0o600, owner=owner)
+    write_secret(tls_dir / "server.crt", cert_pem(crt), 0o644)
+    os.chmod(ca_crt, 0o644)
+    return ca
 
 
 def _largest_message(opts: BrokerOptions, fleet_config: str | Path | None) -> int:
@@ -315,58 +316,106 @@ def _largest_message(opts: BrokerOptions, fleet_config: str | Path | None) -> in
 
 
 def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: BrokerOptions | None = None, *,
-                        fleet_config: str | Path | None = None) -> BrokerFiles:
-    """Write everything for ``fleet`` with ``devices`` to ``out`` (see the module docstring)."""
+                        fleet_config: str | Path | None = None, queue_devices: int | None = None,
+                        fleet_pub: Path | None = None) -> BrokerFiles:
+    """Write everything for ``fleet`` with ``devices`` to ``out`` (see the module docstring).
+
+    ``queue_devices``: how many devices' messages the queues must hold, when not ``len(devices)`` (a
+    sharded fleet's root broker has no device account but carries every device's hello and status).
+    ``fleet_pub``: when the fleet signs, the public key to put in the bundles instead of a signing key of
+    this directory's own (a shard's broker: the root coordinator signs)."""
     opts = opts or BrokerOptions()
     account = broker_account(opts.run_as)
     check_name(fleet, "fleet name")
     for d in devices:
         check_name(d, "device id")
-    if opts.coordinator_user in devices:
-        raise ConfigError(f"a device is named {opts.coordinator_user!r}, like the coordinator account",
-                          hint="choose another --coordinator-user")
+    for special in (opts.coordinator_user, opts.deploy_user):
+        if special in devices:
+            raise ConfigError(f"a device is named {special!r}, like the coordinator or deploy account",
+                              hint="choose another --coordinator-user / --deploy-user")
     outp = Path(out).resolve()
     outp.mkdir(parents=True, exist_ok=True)
     (outp / "data").mkdir(exist_ok=True)
     if account is not None:
         os.chown(outp / "data", *account)  # mosquitto writes its database as this account
-    limits = queue_limits(len(devices), _largest_message(opts, fleet_config), opts.chunk_bytes)
-    tls_dir = outp / "tls" if opts.tls else None
+    limits = queue_limits(queue_devices or len(devices), _largest_message(opts, fleet_config), opts.chunk_bytes)
+    tls_dir = outp / "tls" if opts.uses_tls else None
     ca = make_tls(tls_dir, opts.hostname, fleet, owner=account) if tls_dir is not None else None
 
-    users = [opts.coordinator_user, *devices]
-    secrets_dir = {opts.coordinator_user: outp / "coordinator"}
+    users = [opts.coordinator_user, opts.deploy_user, *devices]
+    secrets_dir = {opts.coordinator_user: outp / "coordinator", opts.deploy_user: outp / "deploy"}
     secrets_dir.update({d: outp / "bundles" / d for d in devices})
-    lines = []
-    for user in users:
-        pw = _password(secrets_dir[user] / "password", opts.rotate)
-        lines.append(f"{user}:{hash_password(pw, iterations=opts.iterations)}")
-    files = BrokerFiles(outp, outp / "mosquitto.conf", outp / "passwd", outp / "acl", users=users, ca=ca,
-                        limits=limits)
-    # passwd/acl: readable by the broker's account only (Mosquitto reads them after dropping root).
-    _write(files.passwd, "\n".join(lines) + "\n", 0o600, owner=account)
-    _write(files.acl, acl_text(fleet, devices, opts.coordinator_user), 0o600, owner=account)
+    files = BrokerFiles(outp, outp / "mosquitto.conf", outp / "passwd", outp / "acl", users=users,
+                        ca=None if tls_dir is None else tls_dir / "ca.crt", limits=limits)
+    if opts.mtls:
+        assert ca is not None and tls_dir is not None
+        index = CertIndex(outp / "ca" / INDEX_NAME)
+        for user in users:
+            stem = CLIENT_STEM if user in (opts.coordinator_user, opts.deploy_user) else DEVICE_STEM
+            ensure_client_cert(ca, index, secrets_dir[user], stem, user, rotate=opts.rotate, days=opts.client_days)
+        index.save()
+        write_crl(ca, index, tls_dir)
+        files.passwd.unlink(missing_ok=True)  # no passwords under mutual TLS: nothing to leak
+    else:
+        lines = []
+        for user in users:
+            pw = _password(secrets_dir[user] / "password", opts.rotate)
+            lines.append(f"{user}:{hash_password(pw, iterations=opts.iterations)}")
+        # passwd/acl: readable by the broker's account only (Mosquitto reads them after dropping root).
+        _write(files.passwd, "\n".join(lines) + "\n", 0o600, owner=account)
+    _write(files.acl, acl_text(fleet, devices, opts.coordinator_user, opts.deploy_user), 0o600, owner=account)
     _write(files.config, mosquitto_conf(outp, opts, tls_dir=tls_dir, limits=limits))
     files.warnings = ownership_warnings(outp, account, opts.run_as)
     for w in files.warnings:
         log.warning("%s", w)
-    if ca is not None:
-        shutil.copyfile(ca, outp / "coordinator" / "ca.crt")
+    if files.ca is not None:
+        for user in (opts.coordinator_user, opts.deploy_user):
+            secrets_dir[user].mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(files.ca, secrets_dir[user] / "ca.crt")
+    if opts.signs and fleet_pub is None:
+        files.signing_key, fleet_pub = _signing_key(outp / "coordinator")
+    if opts.signs:
+        assert fleet_pub is not None
+        for user in users[1:]:  # the deploy account and every device: what they verify signatures with
+            secrets_dir[user].mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(fleet_pub, secrets_dir[user] / "fleet.pub")
 
-    scheme = "mqtts" if opts.tls else "mqtt"
+    scheme = "mqtts" if opts.uses_tls else "mqtt"
     if opts.bundles and fleet_config is None:
         log.info("no fleet config given: passwords are in bundles/ID/password, but no bundle.toml is written")
     if opts.bundles and fleet_config is not None:
         for dev in devices:
             bdir = outp / "bundles" / dev
             lines = [f'device_id = "{dev}"', 'fleet_config = "fleet.toml"',
-                     f'broker = "{scheme}://{opts.hostname}:{opts.port}"', f'username = "{dev}"',
-                     'password_file = "password"']
+                     f'broker = "{scheme}://{opts.hostname}:{opts.port}"']
+            if opts.mtls:
+                lines += [f'cert_file = "{DEVICE_STEM}.crt"', f'key_file = "{DEVICE_STEM}.key"']
+                (bdir / "password").unlink(missing_ok=True)
+            else:
+                lines += [f'username = "{dev}"', 'password_file = "password"']
             shutil.copyfile(fleet_config, bdir / "fleet.toml")
-            if ca is not None:
-                shutil.copyfile(ca, bdir / "ca.crt")
+            if files.ca is not None:
+                shutil.copyfile(files.ca, bdir / "ca.crt")
                 lines.append('ca_file = "ca.crt"')
+            if fleet_pub is not None:
+                lines.append('fleet_key = "fleet.pub"')
             _write(bdir / "bundle.toml", "\n".join(lines) + "\n")
             files.bundles.append(bdir)
     log.info("wrote a Mosquitto config for fleet %s (%d devices) to %s", fleet, len(devices), outp)
     return files
+
+
+def _signing_key(coord: Path) -> tuple[Path, Path]:
+    """The fleet's Ed25519 key (kept if it exists: devices already trust its public key) and ``fleet.pub``."""
+    key, pub = coord / "signing.key", coord / "fleet.pub"
+    if key.is_file():
+        _write_bytes(pub, public_pem(load_private_key(key).public_key()))
+    else:
+        generate_key(key, pub)
+        log.info("created the fleet's signing key %s", key)
+    return key, pub
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    write_secret(path, data, 0o644)
+

@@ -26,6 +26,8 @@ EXTRA_OF: dict[str, tuple[str, str]] = {
     "amqtt": ("amqtt", "sim"),
     "yaml": ("pyyaml", "flash"),
     "dp_accounting": ("dp-accounting", "privacy"),
+    "ray": ("ray", "ray"),
+    "prometheus_client": ("prometheus-client", "observe"),
 }
 
 

@@ -10,7 +10,7 @@ self-contained byte string. Envelope keys (all strings):
 ``round``       round number (decimal)
 ``msg_id``      sender-unique id; the pair (sender, msg_id) is never reused
 ``sender``      device id, or ``coordinator``
-``kind``        ``update`` | ``global`` | ``round`` | ``hello`` | ``refused``
+``kind``        ``update`` | ``global`` | ``round`` | ``hello`` | ``refused`` | ``health`` | ``partial``
 ``info``        JSON object with method-specific scalars (sample counts, phase, ...)
 ==============  =============================================================
 """
@@ -30,8 +30,8 @@ from fedge.common.tensorcodec import Payload, TensorSpec, check_size, encode, lo
 from fedge.errors import PayloadError
 
 PROTOCOL_VERSION = "1"
-Kind = Literal["update", "global", "round", "hello", "refused"]
-KINDS: tuple[str, ...] = ("update", "global", "round", "hello", "refused")
+Kind = Literal["update", "global", "round", "hello", "refused", "health", "partial"]
+KINDS: tuple[str, ...] = ("update", "global", "round", "hello", "refused", "health", "partial")
 # Limits on the envelope's ``info`` JSON: methods put scalars there, a hello one level more.
 MAX_INFO_BYTES = 64 * 1024
 MAX_INFO_DEPTH = 8
@@ -70,22 +70,24 @@ class Message:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, max_bytes: int | None = None,
-                   expect: Callable[[Message], TensorSpec | None] | None = None) -> Message:
+                   expect: Callable[[Message], TensorSpec | None] | None = None,
+                   max_info_bytes: int = MAX_INFO_BYTES) -> Message:
         """Decode and validate the envelope; raises :class:`PayloadError` naming the bad field.
 
         ``expect`` sees the envelope (a message without tensors yet) before any tensor is
         read: it may refuse it by raising, or return the exact tensors it must hold (see
         :func:`fedge.common.tensorcodec.load_tensors`); None reads whatever is declared.
+        ``max_info_bytes``: the bound on the envelope's ``info`` (a ``partial`` lists many devices).
         """
         check_size(data, max_bytes)
         header, meta = read_header(data)
-        msg = cls._envelope(meta)
+        msg = cls._envelope(meta, max_info_bytes)
         spec = expect(msg) if expect is not None else None
         msg.tensors = load_tensors(data, header, spec, msg.sender)
         return msg
 
     @classmethod
-    def _envelope(cls, meta: dict[str, str]) -> Message:
+    def _envelope(cls, meta: dict[str, str], max_info_bytes: int = MAX_INFO_BYTES) -> Message:
         missing = [k for k in ("fedge.v", "round", "msg_id", "sender", "kind") if k not in meta]
         if missing:
             raise PayloadError(f"message envelope lacks {', '.join(missing)}")
@@ -102,7 +104,7 @@ class Message:
         text = meta["round"]
         if not (text.isascii() and text.lstrip("-").isdigit() and len(text) <= 12):
             raise PayloadError(f"envelope round {text[:16]!r} is not an integer")
-        info = boundedjson.loads(meta.get("info", "{}"), max_bytes=MAX_INFO_BYTES, max_depth=MAX_INFO_DEPTH,
+        info = boundedjson.loads(meta.get("info", "{}"), max_bytes=max_info_bytes, max_depth=MAX_INFO_DEPTH,
                                  what="envelope info")
         if not isinstance(info, dict):
             raise PayloadError("envelope info must be a JSON object")

@@ -25,12 +25,16 @@ class Inbound:
     rejects an update whose envelope sender differs from its origin.
     ``reject`` = (reason, message) marks a payload the transport itself refused
     (a bad chunk checksum, an oversize transfer ...); the engine only counts it.
+    ``kind`` is ``update`` (a device's update) or ``partial`` (an aggregation worker's or a
+    relay's partial aggregate, ``origin`` then being that aggregator's account; see
+    :mod:`fedge.coordinator.partial`).
     """
 
     data: bytes
     origin: str | None = None
     received: float = 0.0  # unix seconds; 0 = unknown
     reject: tuple[str, str] | None = None
+    kind: str = "update"
 
 
 class CoordinatorTransport(ABC):
@@ -62,6 +66,21 @@ class CoordinatorTransport(ABC):
     def offline(self) -> set[str]:
         """Ids of devices known to be offline (e.g. by their last-will); default: none known."""
         return set()
+
+    def health(self) -> list[Inbound]:
+        """Health messages (heartbeats) received since the last call; default: none (in-process)."""
+        return []
+
+    def statuses(self) -> dict[str, tuple[bool, float]]:
+        """Each device's latest status as received: id -> (online, unix seconds); default: none known.
+
+        Unlike :meth:`offline` this is what the devices (or their last-wills) said, believed or not:
+        what an operator is shown."""
+        return {}
+
+    def last_seen(self) -> dict[str, float]:
+        """Unix seconds of the last message of any kind from each device; default: none known."""
+        return {}
 
     def refuse(self, device_id: str, data: bytes | None) -> None:  # noqa: B027 - optional hook
         """Tell ``device_id`` why its hello was refused (a ``refused`` message), or clear that with None."""
@@ -95,6 +114,9 @@ class DeviceTransport(ABC):
     @abstractmethod
     def send_update(self, data: bytes) -> None:
         """Upload this device's update for the current round."""
+
+    def send_health(self, data: bytes) -> None:  # noqa: B027 - optional hook
+        """Publish a health message (a heartbeat; may be lost: the next one replaces it). Default: dropped."""
 
     def wait_for_round(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` until a new round descriptor may be available.

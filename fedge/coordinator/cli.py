@@ -80,38 +80,124 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
     w.add_argument("--max-update-bytes", type=int, help="refuse larger updates (default 64 MiB; each update is "
                                                         "also bounded by what its device owes)")
+    r.add_argument("--signing-key", metavar="FILE",
+                   help="the fleet's Ed25519 key (`fedge broker config --sign` or --mtls: coordinator/signing.key): "
+                        "every round descriptor, global state and refusal is signed with it (default: "
+                        "STATE_DIR/signing.key when it exists; without a key nothing is signed)")
+    o = r.add_argument_group("watching the fleet")
+    o.add_argument("--http", metavar="HOST:PORT",
+                   help="serve the dashboard and /metrics (read-only; off by default; HOST defaults to 127.0.0.1, "
+                        "any other address needs a token)")
+    o.add_argument("--http-token-file", metavar="FILE",
+                   help="the token every request must carry (Authorization: Bearer, or a browser's basic-auth "
+                        "password); default $FEDGE_HTTP_TOKEN")
+    o.add_argument("--tensorboard", metavar="DIR",
+                   help="write TensorBoard event files of the per-round scalars (accuracy per fleet, profile and "
+                        "device, round and aggregation time, updates, traffic) into DIR")
+    o.add_argument("--wait-log", type=float, default=30.0, metavar="S",
+                   help="while a round, the quorum or the fleet's hellos are incomplete, log every S seconds which "
+                        "devices it waits for and why (default 30; 0: never)")
     r.add_argument("--rounds", type=int, help="override [run] rounds")
     r.add_argument("--any-device", action="store_true",
                    help="accept hellos from devices not listed in the fleet config")
+    r.add_argument("--workers", action="store_true",
+                   help="aggregation workers read the updates (fedge coordinator worker, an MQTT 5 shared "
+                        "subscription): this coordinator merges their partials and does not read updates itself")
     r.set_defaults(func=_run)
 
+    dash = sub.add_parser("dashboard", help="the dashboard of a run directory (live while its coordinator runs)",
+                       description="Serve the dashboard of a coordinator's state directory (reports.jsonl, "
+                                   "state.json), or of an emulation directory (its coordinator/), on loopback: the "
+                                   "fleet table, rounds, accuracy and traffic per device and per profile, read "
+                                   "from the files (a run still going is followed as reports.jsonl grows). Live "
+                                   "device health is on `fedge coordinator run --http`'s page.")
+    dash.add_argument("run_dir", metavar="RUN_DIR", help="a --state-dir, or an emulation directory")
+    dash.add_argument("--config", metavar="FLEET.toml", help="the fleet config (profiles of devices that never said "
+                                                         "hello; default: RUN_DIR/fleet.toml if there is one)")
+    dash.add_argument("--http", default=f"127.0.0.1:{DEFAULT_HTTP_PORT}", metavar="HOST:PORT",
+                   help=f"where to serve (default 127.0.0.1:{DEFAULT_HTTP_PORT}; any other address needs a token)")
+    dash.add_argument("--http-token-file", metavar="FILE", help="the token every request must carry")
+    dash.add_argument("--once", metavar="PAGE.html", help="write the page to this file and exit (no server)")
+    dash.set_defaults(func=_dashboard)
 
-def _wait_for_fleet(transport: Any, ids: list[str], timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for every device's hello; the quorum decides when fewer say hello."""
-    from fedge.errors import TransportError
+    wk = csub.add_parser("worker", help="aggregate a share of the updates (MQTT 5 shared subscription)",
+                        description="An aggregation worker: reads its share of the fleet's updates through the "
+                                    "shared subscription $share/GROUP/fedge/FLEET/devices/+/update, checks each "
+                                    "with the coordinator's update gate, accumulates them and sends partial "
+                                    "aggregates to the coordinator (started with --workers). See docs/scale.md.")
+    _add_aggregator_arguments(wk)
+    add_broker_arguments(wk, required=True)
+    wk.add_argument("--group", default="fedge-workers", help="shared subscription group (default fedge-workers)")
+    wk.add_argument("--flush", type=float, default=0.05, metavar="S",
+                   help="send what accumulated every S seconds (default 0.05)")
+    wk.set_defaults(func=_worker)
 
-    try:
-        transport.wait_for_hellos(ids, timeout_s)
-    except TransportError as exc:
-        log.warning("%s: starting with the devices online once the quorum is", exc.message)
+    rl = sub.add_parser("relay", help="relay one broker shard to its parent broker (hierarchical aggregation)",
+                        description="A relay: connected to its shard's broker (--shard) and to its parent's "
+                                    "(--broker) under one account; forwards the global state and round "
+                                    "descriptors down, the devices' hellos and statuses up, and one partial "
+                                    "aggregate of the shard's updates per round instead of the updates. See "
+                                    "docs/scale.md.")
+    _add_aggregator_arguments(rl)
+    add_broker_arguments(rl, required=True)
+    rl.add_argument("--shard", required=True, metavar="URL", help="the shard's broker (same credentials)")
+    rl.add_argument("--state-dir", metavar="DIR",
+                    help="where the relay notes the devices it forwarded this round (a restarted relay does not "
+                         "count them twice)")
+    rl.add_argument("--margin", type=float, default=1.0, metavar="S",
+                    help="send the partial S seconds before the round's deadline at the latest (default 1)")
+    rl.add_argument("--hold", type=float, default=1.0, metavar="S",
+                    help="send what accumulated once nothing new came for S seconds (default 1)")
+    rl.set_defaults(func=_relay)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _add_aggregator_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, metavar="FLEET.toml", help="the fleet config (the coordinator's)")
+    p.add_argument("--name", metavar="ACCOUNT",
+                   help="this aggregator's account: its partials go to fedge/FLEET/partials/ACCOUNT (default: "
+                        "--username)")
+    p.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
+    p.add_argument("--rounds", type=int, help="override [run] rounds (as the coordinator does)")
+
+
+def _aggregator(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(the aggregator, the broker settings, the transport settings) of a worker or relay command."""
     import dataclasses
 
-    from fedge.coordinator.config import EngineConfig, slot_checks
-    from fedge.coordinator.service import KEEP_REPORTS, CoordinatorService
-    from fedge.fleet.config import device_ids, load_fleet
-    from fedge.fleet.registry import method_entry
-    from fedge.fleet.slots import checked_slots, fleet_classes
-    from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
+    from fedge.coordinator.aggregator import PartialAggregator
+    from fedge.errors import ConfigError
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.settings import TransportSettings
 
-    cfg = load_fleet(args.config)
+    cfg = load_fleet_for(args)
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
+    name = args.name or args.username
+    if not name:
+        raise ConfigError("an aggregator needs an account name", hint="pass --name (or --username)")
+    engine_cfg, strat = _engine_parts(args, cfg, any_device=False)
+    return (PartialAggregator(strat, engine_cfg, name), broker_settings(args),
+            TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes))
+
+
+def load_fleet_for(args: argparse.Namespace) -> Any:
+    from fedge.fleet.config import load_fleet
+
+    return load_fleet(args.config)
+
+
+def _engine_parts(args: argparse.Namespace, cfg: Any, *, any_device: bool) -> tuple[Any, Any]:
+    """The EngineConfig and the strategy a fleet config (and the command's flags) describe."""
+    from fedge.coordinator.config import EngineConfig, slot_checks
+    from fedge.coordinator.service import KEEP_REPORTS
+    from fedge.fleet.config import device_ids
+    from fedge.fleet.registry import method_entry
+    from fedge.fleet.slots import checked_slots, fleet_classes
+
     ids = [i for i, _ in device_ids(cfg)]
+    for dest in _FLAG_KEYS:
+        if not hasattr(args, dest):
+            setattr(args, dest, None)
     section = coordinator_settings(args, cfg.coordinator, cfg.source)
     d = SCHEDULING_DEFAULTS
 
@@ -121,7 +207,7 @@ def _run(args: argparse.Namespace) -> int:
 
     engine_cfg = EngineConfig(
         fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
-        allowed_devices=None if args.any_device else frozenset(ids), max_update_bytes=int(pick("max_update_bytes")),
+        allowed_devices=None if any_device else frozenset(ids), max_update_bytes=int(pick("max_update_bytes")),
         min_devices=int(pick("min_devices")), quorum_fraction=pick("quorum"), quorum_timeout_s=pick("quorum_timeout_s"),
         deadline_slack=pick("deadline_slack"), round_timeout_s=pick("round_timeout_s"), min_round_s=pick("min_round_s"),
         max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule(),
@@ -130,6 +216,195 @@ def _run(args: argparse.Namespace) -> int:
         sampling=cfg.sampling, asynchronous=cfg.asynchronous)
     strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
                                                          rounds=cfg.run.rounds)
+    return engine_cfg, strat
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from fedge.coordinator.service import install_stop_signals
+    from fedge.mqtt.worker import AggregationWorker
+
+    agg, broker, wire = _aggregator(args)
+    worker = AggregationWorker(broker, agg.config.fleet, agg, group=args.group, flush_s=args.flush, settings=wire)
+    restore = install_stop_signals()
+    try:
+        worker.start()
+        print(f"worker {agg.name} of fleet {agg.config.fleet!r}: reading {worker.subscription} on {broker.url}, "
+              f"partials to {worker.topics.partial(agg.name)}", file=sys.stderr, flush=True)
+        worker.run_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        restore()
+        worker.stop()
+    return 0
+
+
+def _relay(args: argparse.Namespace) -> int:
+    from fedge.coordinator.service import install_stop_signals
+    from fedge.mqtt.client import parse_broker_url
+    from fedge.mqtt.relay import Relay
+
+    agg, parent, wire = _aggregator(args)
+    child = parse_broker_url(args.shard, username=parent.username, password=parent.password,
+                             tls=True if parent.tls else None, ca_file=parent.ca_file, cert_file=parent.cert_file,
+                             key_file=parent.key_file)
+    relay = Relay(child, parent, agg.config.fleet, agg, settings=wire, state_dir=args.state_dir,
+                  margin_s=args.margin, hold_s=args.hold)
+    restore = install_stop_signals()
+    try:
+        relay.start()
+        print(f"relay {agg.name} of fleet {agg.config.fleet!r}: shard {child.url} -> parent {parent.url}",
+              file=sys.stderr, flush=True)
+        relay.run_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        restore()
+        relay.stop()
+    return 0
+
+
+
+DEFAULT_HTTP_PORT = 8321
+
+
+def _state_dir_of(run_dir: str) -> Any:
+    """The state directory in ``run_dir``: itself, or an emulation's ``coordinator/``."""
+    from pathlib import Path
+
+    from fedge.coordinator.store import REPORTS_FILE, STATE_FILE
+    from fedge.errors import ConfigError
+
+    base = Path(run_dir)
+    for candidate in (base, base / "coordinator"):
+        if (candidate / REPORTS_FILE).is_file() or (candidate / STATE_FILE).is_file():
+            return candidate
+    raise ConfigError(f"{run_dir} holds no coordinator state (no {REPORTS_FILE} or {STATE_FILE}, here or in "
+                      "its coordinator/)", hint="pass the --state-dir of `fedge coordinator run`, or the --out of "
+                                                "`fedge emulate up`")
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fedge.coordinator.dashboard import page, routes_for
+    from fedge.coordinator.monitor import FileView
+    from fedge.coordinator.web import DashboardServer, check_bind, load_token, parse_endpoint
+
+    state_dir = _state_dir_of(args.run_dir)
+    config = args.config
+    if config is None and (Path(args.run_dir) / "fleet.toml").is_file():
+        config = str(Path(args.run_dir) / "fleet.toml")
+    fleet_devices = _fleet_devices(config) if config else {}
+    files = FileView(state_dir, fleet_devices)
+    if args.once:
+        Path(args.once).write_text(page(files.view(), title=str(state_dir), every_row=True))
+        print(f"wrote {args.once}")
+        return 0
+    endpoint = parse_endpoint(args.http)
+    token = load_token(args.http_token_file)
+    check_bind(endpoint, token)
+    render = None
+    try:
+        from fedge.coordinator.metrics import FleetMetrics
+    except ModuleNotFoundError as exc:
+        if exc.name != "prometheus_client":
+            raise
+    else:
+        def render() -> bytes:
+            return FleetMetrics(files.monitor()).render()
+    server = DashboardServer(routes_for(files.view, render, title=str(state_dir)), endpoint, token).start()
+    print(f"dashboard of {state_dir} on {server.url}/ (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    try:
+        import threading
+
+        threading.Event().wait()
+    finally:
+        server.stop()
+    return 0
+
+
+def _fleet_devices(config: str) -> dict[str, Any]:
+    """Device id -> DeviceInfo (profile, arch) of every device of a fleet config, from its slots."""
+    from fedge.fleet.config import load_fleet
+    from fedge.fleet.slots import checked_slots
+
+    return {s.device_id: s.info() for s in checked_slots(load_fleet(config))}
+
+
+def _check_watch_flags(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """(the --http endpoint or None, the token): refused before anything connects when they are wrong."""
+    from fedge.coordinator.web import check_bind, load_token, parse_endpoint
+    from fedge.errors import ConfigError
+
+    if args.wait_log < 0:
+        raise ConfigError(f"--wait-log must be >= 0 seconds, got {args.wait_log:g}")
+    if args.http is None:
+        if args.http_token_file:
+            raise ConfigError("--http-token-file without --http", hint="add --http HOST:PORT")
+        return None, None
+    endpoint = parse_endpoint(args.http)
+    token = load_token(args.http_token_file)
+    check_bind(endpoint, token)
+    return endpoint, token
+
+
+def start_web(monitor: Any, endpoint: Any, token: str | None) -> tuple[Any, list[Any]]:
+    """The dashboard and /metrics server for ``monitor``: (server, the observers the engine must tell)."""
+    from fedge.coordinator.dashboard import monitor_routes
+    from fedge.coordinator.web import DashboardServer
+
+    observers: list[Any] = []
+    render = None
+    try:
+        from fedge.coordinator.metrics import FleetMetrics
+    except ModuleNotFoundError as exc:
+        if exc.name != "prometheus_client":
+            raise
+        log.warning("/metrics is off: prometheus_client is not installed (pip install 'fedge[observe]')")
+    else:
+        metrics = FleetMetrics(monitor)
+        observers.append(metrics.observer)
+        render = metrics.render
+    return DashboardServer(monitor_routes(monitor, render), endpoint, token).start(), observers
+
+
+def _signer(args: argparse.Namespace) -> Any:
+    """The fleet's signer from --signing-key, else STATE_DIR/signing.key if present, else None (unsigned)."""
+    from pathlib import Path
+
+    from fedge.common.signing import Signer
+
+    path = args.signing_key or (Path(args.state_dir) / "signing.key")
+    if args.signing_key is None and not Path(path).is_file():
+        return None
+    signer = Signer.from_file(path)
+    print(f"signing round descriptors and global state with key {signer.key_id} ({path})", file=sys.stderr)
+    return signer
+
+
+def _run(args: argparse.Namespace) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from fedge.coordinator.monitor import FleetMonitor, fleet_infos
+    from fedge.coordinator.service import CoordinatorService
+    from fedge.coordinator.store import REPORTS_FILE, read_reports
+    from fedge.fleet.config import device_ids, load_fleet
+    from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
+    from fedge.mqtt.flags import broker_settings
+    from fedge.mqtt.settings import TransportSettings
+
+    endpoint, token = _check_watch_flags(args)
+    cfg = load_fleet(args.config)
+    if args.rounds is not None:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
+    ids = [i for i, _ in device_ids(cfg)]
+    engine_cfg, strat = _engine_parts(args, cfg, any_device=args.any_device)
+    if args.workers:
+        from fedge.coordinator.partial import check_splittable
+
+        check_splittable(strat)
 
     embedded: Any = None
     if args.broker is None:
@@ -145,10 +420,31 @@ def _run(args: argparse.Namespace) -> int:
     else:
         settings = broker_settings(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes)
-    transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire)
+    transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire, signer=_signer(args),
+                                         updates=not args.workers)
+    monitor = FleetMonitor(fleet=cfg.run.fleet, method=cfg.run.method, total_rounds=strat.total_rounds(),
+                           transport=transport, fleet_devices=fleet_infos(engine_cfg.slots, ids),
+                           wait_log_s=args.wait_log)
+    web: Any = None
     try:
         transport.start()
-        service = CoordinatorService(strat, transport, engine_cfg, args.state_dir)
+        service = CoordinatorService(strat, transport, engine_cfg, args.state_dir, observers=[monitor])
+        monitor.run_id = service.engine.run_id
+        if service.resumed_from:  # the rounds before the restart, for the dashboard
+            for rep in read_reports(Path(args.state_dir) / REPORTS_FILE):
+                monitor.add_report(rep)
+        monitor.start()
+        if args.tensorboard:
+            from fedge.coordinator.tensorboard import TensorBoardWriter
+
+            board = TensorBoardWriter(args.tensorboard)
+            board.profiles({d: i.profile for d, i in fleet_infos(engine_cfg.slots, ids).items()})
+            service.engine.observers.append(board)
+        if endpoint is not None:
+            web, more = start_web(monitor, endpoint, token)
+            service.engine.observers.extend(more)  # before the first round: they see every round
+            print(f"dashboard on {web.url}/, metrics on {web.url}/metrics{' (token required)' if token else ''}",
+                  file=sys.stderr)
         from fedge.mqtt.topics import FleetTopics
 
         topics = FleetTopics(cfg.run.fleet)
@@ -159,7 +455,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"resuming {cfg.run.method} on fleet {cfg.run.fleet} after round {service.resumed_from} "
                   f"(state in {args.state_dir})", file=sys.stderr)
         if args.wait_for_fleet > 0 and not service.resumed_from:
-            _wait_for_fleet(transport, ids, args.wait_for_fleet)
+            service.engine.await_fleet(ids, args.wait_for_fleet)
         total = strat.total_rounds() + 1
 
         def on_round(rep: Any) -> None:
@@ -178,6 +474,9 @@ def _run(args: argparse.Namespace) -> int:
 
         service.run(on_round=on_round)
     finally:
+        if web is not None:
+            web.stop()
+        monitor.stop()
         transport.close()
         if embedded is not None:
             embedded.stop()

@@ -21,7 +21,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from fedge.common.messages import Message
@@ -30,6 +30,8 @@ from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.config import COORDINATOR_ID, DEFAULT_MAX_UPDATE_BYTES, EngineConfig
 from fedge.coordinator.gate import Admitted, UpdateGate
+from fedge.coordinator.merge import PartialMerger, merged_into
+from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.report import RoundReport, record_accepted
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
@@ -46,13 +48,19 @@ class RoundEngine:
     """Drives a :class:`Strategy` over a :class:`CoordinatorTransport`."""
 
     def __init__(self, strategy: Strategy, transport: CoordinatorTransport, config: EngineConfig,
-                 *, state_dir: str | os.PathLike[str] | None = None) -> None:
+                 *, state_dir: str | os.PathLike[str] | None = None,
+                 observers: Sequence[EngineObserver] = ()) -> None:
         self.strategy = strategy
         self.transport = transport
         self.config = config
+        self.observers = list(observers)  # told what happens (fedge.coordinator.observer); never waited for
         strategy.aggregation = config.aggregation
         strategy.asynchronous = config.asynchronous
-        self.gate = UpdateGate(strategy, config, refuse=self._refuse)
+        self.gate = UpdateGate(strategy, config, refuse=self._refuse,
+                               observe=lambda *a: self._notify("refused", *a),
+                               registered=lambda dev: self._notify("registered", dev))
+        # partial aggregates from aggregation workers and relays (fedge.coordinator.merge)
+        self.partials = PartialMerger(strategy, self.gate, fleet=config.fleet, max_bytes=config.max_update_bytes)
         self.globals: dict[str, Arrays] = {}
         self.reports: list[RoundReport] = []
         self.completed = 0
@@ -74,6 +82,14 @@ class RoundEngine:
     def devices(self) -> dict[str, DeviceInfo]:
         """Registered devices by id."""
         return self.gate.devices
+
+    def _notify(self, event: str, *args: Any) -> None:
+        """Tell every observer; one that fails is logged and ignored (watching must not stop the fleet)."""
+        for obs in self.observers:
+            try:
+                getattr(obs, event)(*args)
+            except Exception:
+                log.exception("observer %s failed on %s", type(obs).__name__, event)
 
     # -- registration ---------------------------------------------------------------------
     def _refuse(self, device_id: str, reason: str, message: str) -> None:
@@ -99,6 +115,25 @@ class RoundEngine:
         c = self.config
         return max(c.min_devices, math.ceil(c.quorum_fraction * c.expected_devices))
 
+    def await_fleet(self, device_ids: Collection[str], timeout_s: float) -> list[str]:
+        """Register hellos until each of ``device_ids`` is registered or was refused, at most ``timeout_s``;
+        returns the ids that are neither (the log names them)."""
+        want = set(device_ids)
+        end = time.monotonic() + timeout_s
+        self._notify("fleet_wait", sorted(want), time.time() + timeout_s)
+        while True:
+            self.register_pending()
+            # a device whose latest hello was refused has answered: waiting longer will not register it
+            missing = want - set(self.devices) - self.gate.refused
+            remaining = end - time.monotonic()
+            if not missing or remaining <= 0:
+                break
+            self.transport.wait_for_devices(min(1.0, remaining))
+        if missing:
+            log.warning("no hello from %d device(s) after %.0f s: %s; starting with the devices online once the "
+                        "quorum is", len(missing), timeout_s, ", ".join(sorted(missing)[:10]))
+        return sorted(missing)
+
     def await_quorum(self) -> None:
         """Register hellos until the quorum is online; :class:`TransportError` after ``quorum_timeout_s``."""
         need = self.quorum()
@@ -109,6 +144,8 @@ class RoundEngine:
             online = len(self.online_devices())
             if online >= need:
                 return
+            if not announced:
+                self._notify("quorum_wait", need, time.time() + self.config.quorum_timeout_s)
             remaining = end - time.monotonic()
             if remaining <= 0:
                 raise TransportError(
@@ -185,7 +222,9 @@ class RoundEngine:
         if not info.is_final:
             self.strategy.begin_round(rnd)
         self.gate.begin_round(rnd, final=info.is_final, sampled=sampled)
+        self.partials.begin_round(rnd, final=info.is_final)
         pending = set(expected)  # live: the transport stops once it is empty
+        self._notify("round_started", info, frozenset(expected), pending)
 
         def accept(up: Admitted) -> None:
             if not info.is_final:
@@ -193,6 +232,11 @@ class RoundEngine:
             record_accepted(report, up)
 
         for item in self.transport.collect(rnd, pending, info.deadline):
+            if item.kind == "partial":  # a worker's or a relay's share of the round
+                self.register_pending()  # the hellos of the devices it lists may have just arrived
+                pending.difference_update(
+                    self.partials.admit(item, set(report.accepted), merged_into(report, item.origin)))
+                continue
             if not self.gate.admit(item, accept, self.transport.hellos):
                 continue
             sender = report.accepted[-1]
@@ -210,8 +254,12 @@ class RoundEngine:
             log.warning("round %d: no update from %s", rnd, ", ".join(missing))
         report.missing = missing
         self.gate.end_round(missing)
+        aggregation_s = 0.0
         if not info.is_final:
-            self._publish(self.strategy.finish_round(rnd), rnd)
+            t_agg = time.perf_counter()
+            artifacts = self.strategy.finish_round(rnd)
+            aggregation_s = time.perf_counter() - t_agg
+            self._publish(artifacts, rnd)
             if self.config.privacy is not None:
                 report.privacy = PrivacyLedger(self.config.privacy).entry(rnd)
         report.seconds = time.perf_counter() - t0
@@ -219,6 +267,7 @@ class RoundEngine:
         self.completed = rnd
         self._checkpoint(report)
         self._trim_reports()
+        self._notify("round_finished", report, aggregation_s)
         return report
 
     def _trim_reports(self) -> None:
@@ -256,6 +305,7 @@ class RoundEngine:
         # Over MQTT this clears the retained descriptor, so no device answers this run's final
         # round once the run is over (the base hook has nothing to clear).
         self.transport.end_run()
+        self._notify("run_finished")
         return self.reports
 
     def _privacy_allows(self, rnd: int) -> bool:

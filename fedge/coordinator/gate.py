@@ -80,11 +80,15 @@ class UpdateGate:
     """Registration and admission of device messages (see the module docstring)."""
 
     def __init__(self, strategy: Strategy, config: EngineConfig,
-                 refuse: Callable[[str, str, str], None] | None = None) -> None:
+                 refuse: Callable[[str, str, str], None] | None = None,
+                 observe: Callable[[str, str, str, str], None] | None = None,
+                 registered: Callable[[DeviceInfo], None] | None = None) -> None:
         self.strategy = strategy
         self.config = config
         # (device id, reason, message) for a refused hello; (device id, "", "") when one is accepted
         self._refuse = refuse
+        self._observe = observe  # (device id, "hello" | "update", reason key, message) of every refusal
+        self._registered = registered  # each device a valid hello registered
         self._refused: set[str] = set()
         self.hellos_accepted = 0  # valid hellos registered (or re-registered) since start
         self.devices: dict[str, DeviceInfo] = {}
@@ -103,6 +107,11 @@ class UpdateGate:
         self.assigned: dict[str, int] = {}
         self._async_ids: dict[str, int] = {}  # message ids accepted -> version, kept for max_staleness versions
 
+    @property
+    def refused(self) -> set[str]:
+        """Devices whose latest hello was refused (a copy)."""
+        return set(self._refused)
+
     # -- counting -------------------------------------------------------------------------
     def reject(self, device: str | None, exc: BaseException, what: str) -> None:
         """Count and log one refused message (``what``: "hello", "update")."""
@@ -115,6 +124,8 @@ class UpdateGate:
         # reason "error" is not a check of ours: keep the traceback for whoever debugs it
         log.warning("round %d: refused %s %s from %s (%s): %s", self._round, article, what, device, key, message,
                     exc_info=exc if reason == "error" else None)
+        if self._observe is not None:
+            self._observe(device, what, key, message)
 
     def drain(self) -> Rejections:
         """The refusals counted so far; counting starts again from zero."""
@@ -144,6 +155,8 @@ class UpdateGate:
             if dev.device_id not in self.devices:
                 new.append(dev.device_id)
             self.devices[dev.device_id] = dev
+            if self._registered is not None:
+                self._registered(dev)
         return new
 
     def _check_hello(self, msg: Message, item: Inbound) -> DeviceInfo:
@@ -181,6 +194,10 @@ class UpdateGate:
         """Start admitting updates for round ``rnd`` (only from ``sampled`` devices, when given)."""
         self._round, self._final, self._seen = rnd, final, set()
         self._sampled = None if sampled is None else set(sampled)
+
+    def sampled(self, device_id: str) -> bool:
+        """Whether ``device_id`` owes an update this round (every device, unless the round samples)."""
+        return self._sampled is None or device_id in self._sampled
 
     def end_round(self, missing: Iterable[str]) -> None:
         """Round over: ``missing`` devices' updates for it will be refused as ``late``."""

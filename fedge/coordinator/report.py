@@ -35,6 +35,9 @@ class RoundReport:
     train_s: dict[str, float] = field(default_factory=dict)
     # [privacy]: ε spent per round and cumulative at δ after this round (fedge.common.privacy.PrivacyLedger).
     privacy: dict[str, Any] = field(default_factory=dict)
+    # aggregator account (worker or relay) -> devices counted through its partials in this round; a
+    # shard whose relay sent nothing is absent here and its devices are in ``missing``.
+    partials: dict[str, int] = field(default_factory=dict)
     # asynchronous mode: device id -> its update's staleness (versions behind the version this report made)
     staleness: dict[str, int] = field(default_factory=dict)
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
+from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,9 @@ class CoordinatorService:
     """
 
     def __init__(self, strategy: Strategy, transport: CoordinatorTransport, config: EngineConfig,
-                 state_dir: str | Path) -> None:
+                 state_dir: str | Path, *, observers: Sequence[EngineObserver] = ()) -> None:
         self.transport = transport
-        self.engine = RoundEngine(strategy, transport, config, state_dir=state_dir)
+        self.engine = RoundEngine(strategy, transport, config, state_dir=state_dir, observers=observers)
         self.state_dir = Path(state_dir)
 
     @property
@@ -47,7 +48,7 @@ class CoordinatorService:
 
     def run(self, on_round: Callable[[RoundReport], None] | None = None) -> list[RoundReport]:
         """Run to the end of the final round; returns every round's report (also those before a restart)."""
-        restore = _install_stop_signals()
+        restore = install_stop_signals()
         try:
             return self.engine.run(on_round=on_round)
         finally:
@@ -59,7 +60,8 @@ class Stopped(KeyboardInterrupt):
     """Raised in the main thread by SIGTERM, so ``finally`` blocks close connections cleanly."""
 
 
-def _install_stop_signals() -> Callable[[], None]:
+def install_stop_signals() -> Callable[[], None]:
+    """SIGTERM raises :class:`Stopped` in the main thread (a no-op elsewhere); returns the restorer."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 

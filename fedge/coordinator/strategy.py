@@ -38,6 +38,11 @@ class Strategy(ABC):
     asynchronous: AsyncSettings | None = None
     update_weight: float = 1.0
     update_version: int = 0
+    # The attributes that hold the round's accumulators (WeightedMean, RobustMean, GroupedMean,
+    # ClassMean; set by begin_round) when they are the strategy's *only* per-round state: then a
+    # round can be aggregated in parts (aggregation workers, relays) and merged exactly
+    # (fedge.coordinator.partial). None: this method's coordinator half cannot be split.
+    partial_fields: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, settings: MethodSettings | None = None, *, num_classes: int, rounds: int) -> None:
         self.settings = self.settings_type.given(settings, type(self).__name__)

@@ -3,24 +3,30 @@
 Run by :class:`fedge.coordinator.engine.RoundEngine` on its own state for every training round when
 ``EngineConfig.asynchronous`` is set: tasks for idle online devices (``round.assigned``), updates admitted from
 the last ``max_staleness`` versions and folded in with their staleness weight after they are persisted, a new
-version every ``buffer_size`` accepted updates. The engine's quorum, gate, strategy, transport and checkpoints
-are the synchronous rounds' own.
+version every ``buffer_size`` accepted updates. The engine's quorum, gate, strategy, transport, checkpoints and
+observers are the synchronous rounds' own: an observer hears ``round_started`` at each announcement of a version
+(its ``RoundInfo.assigned`` lists the devices training, ``pending`` is the engine's live task table) and
+``round_finished`` once the version is published. Partial aggregates (aggregation workers, relays) have no place
+in a version: the fleet config refuses them with async mode, and one that arrives anyway is refused and counted
+as ``partial-async``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from fedge.common.messages import Message
 from fedge.common.rounds import RoundInfo
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.config import COORDINATOR_ID, EngineConfig
 from fedge.coordinator.gate import Admitted, UpdateGate
+from fedge.coordinator.merge import PartialMerger
 from fedge.coordinator.report import RoundReport, record_accepted
 from fedge.coordinator.store import EngineStore
 from fedge.coordinator.strategy import Arrays, Strategy
+from fedge.coordinator.validation import Rejected
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +37,7 @@ class RoundEngine(Protocol):
     config: EngineConfig
     strategy: Strategy
     gate: UpdateGate
+    partials: PartialMerger
     transport: CoordinatorTransport
     store: EngineStore | None
     tasks: dict[str, int]
@@ -45,6 +52,7 @@ class RoundEngine(Protocol):
     def _publish(self, artifacts: dict[str, Arrays], rnd: int) -> None: ...
     def _checkpoint(self, report: RoundReport) -> None: ...
     def _trim_reports(self) -> None: ...
+    def _notify(self, event: str, *args: Any) -> None: ...
 
 
 def assign(engine: RoundEngine, rnd: int, online: set[str]) -> list[str]:
@@ -106,6 +114,8 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
                                      "globals": dict(engine.global_rounds)})
             engine.transport.announce_round(announce.to_bytes())
             announced = True
+            # the devices training (the version is built from whichever K of them deliver first)
+            engine._notify("round_started", info, frozenset(engine.tasks), engine.tasks)
         pending = {d for d in engine.tasks if d in online}
         if not pending:
             engine.transport.wait_for_devices(1.0)
@@ -115,6 +125,11 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
         before, received = len(report.accepted), 0
         for item in engine.transport.collect(rnd, pending, deadline):
             received += 1
+            if item.kind == "partial":
+                engine.partials.refuse(item.origin, Rejected(
+                    "async", "a partial aggregate during an asynchronous version: workers and relays aggregate "
+                             "synchronous rounds only (docs/async.md)"))
+                continue
             if engine.gate.admit(item, accept, engine.transport.hellos):
                 pending.discard(report.accepted[-1])
                 if len(report.accepted) >= a.buffer_size:
@@ -132,7 +147,10 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
     report.rejected = dict(rejections.by_reason)
     report.rejected_by_device = {d: dict(c) for d, c in sorted(rejections.by_device.items())}
     engine.gate.end_round(report.missing)
-    engine._publish(engine.strategy.finish_round(rnd), rnd)
+    t_agg = time.perf_counter()
+    artifacts = engine.strategy.finish_round(rnd)
+    aggregation_s = time.perf_counter() - t_agg
+    engine._publish(artifacts, rnd)
     report.seconds = time.perf_counter() - t0
     engine.reports.append(report)
     engine.completed = rnd
@@ -140,4 +158,5 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
     if engine.store is not None:
         engine.store.buffer_clear()
     engine._trim_reports()
+    engine._notify("round_finished", report, aggregation_s)
     return report

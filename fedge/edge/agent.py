@@ -44,6 +44,7 @@ class DeviceAgent:
         self.fleet = fleet
         self.eval_every = max(1, eval_every)
         self.last_round = 0
+        self.model_round = 0  # round of the newest global state applied (its "model version"; 0: none yet)
         self.traffic: list[Traffic] = []
         self.trained_runs: set[str] = set()  # run ids (of round descriptors) this agent trained a round in
         self._ignored_run = ""
@@ -106,6 +107,15 @@ class DeviceAgent:
             self.trained_runs.add(run)
         return True
 
+    def evaluates(self, info: RoundInfo) -> bool:
+        """Whether the device evaluates at the start of ``info``'s round: the model after round r = info.round - 1.
+
+        Every ``eval_every``-th round's model and the final one; the initial model (r = 0) only when
+        every round is evaluated (``eval_every = 1``), so ``eval_every = rounds`` costs one evaluation.
+        """
+        done = info.round - 1
+        return info.is_final or (done % self.eval_every == 0 and (done > 0 or self.eval_every == 1))
+
     def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:
         started = self.timer()  # info.train_s: this round's work on the device's own clock
         down = descriptor_bytes
@@ -115,12 +125,14 @@ class DeviceAgent:
             if data is None:
                 continue  # nothing aggregated yet (first round)
             down += len(data)
-            artifacts[name] = Message.from_bytes(data).tensors
+            msg = Message.from_bytes(data)
+            artifacts[name] = msg.tensors
+            self.model_round = max(self.model_round, msg.round)
         if self.method.ctx.privacy is not None:
             artifacts = project_global(artifacts, self.method.ctx.privacy)
         self.method.apply_global(info, artifacts)
         metrics = {}
-        if info.is_final or (info.round - 1) % self.eval_every == 0:
+        if self.evaluates(info):
             metrics = self.method.evaluate()
         if info.is_final:
             arrays: dict[str, Any] = {}

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from fedge.errors import ConfigError, FedgeError, ProfileError
@@ -43,10 +44,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument("--device-id", help="this device's id in the fleet config (e.g. rpi4-2gb-1)")
     r.add_argument("--profile", help="expected profile of the device (checked against the fleet config)")
     add_broker_arguments(r)
+    r.add_argument("--fleet-key", metavar="FILE",
+                   help="the fleet's Ed25519 public key (a bundle's fleet.pub, read from the bundle by default): "
+                        "round descriptors and global state must then be signed with the fleet key")
+    r.add_argument("--state-dir", metavar="DIR",
+                   help="where the device keeps what must survive a restart: the newest signed message seen per "
+                        "topic (replay protection) and, with OTA updates, its model store")
+    r.add_argument("--model-store", metavar="DIR",
+                   help="accept over-the-air model updates (`fedge deploy`) into this store: signed by the fleet key, "
+                        "checked on the device's local split and with a smoke test, switched in atomically, rolled "
+                        "back by themselves (needs the fleet key)")
+    r.add_argument("--model", metavar="DIR", help="with --model-store: the flashed model an empty store starts from")
     r.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk uploads above this size")
     r.add_argument("--global-timeout", type=float, default=120.0, metavar="S",
                    help="how long to wait for a round's global state (default 120)")
     r.add_argument("--keep-running", action="store_true", help="stay connected after the final round")
+    r.add_argument("--heartbeat", type=float, default=10.0, metavar="S",
+                   help="publish a health record (memory, CPU, temperature, throttling, disk, last round and "
+                        "error) every S seconds (default 10; 0: never)")
     r.set_defaults(func=_run)
 
 
@@ -88,6 +103,30 @@ def _device(cfg_path: str, device_id: str, profile: str | None,
     return cfg, dev, own
 
 
+def _ota(args: argparse.Namespace, cfg: Any, dev: Any, transport: Any, verifier: Any) -> Any:
+    """The device's over-the-air updates (``--model-store``) on the transport's connection, or None."""
+    if not args.model_store:
+        return None
+    if verifier is None:
+        raise ConfigError("--model-store accepts only models signed by the fleet: it needs the fleet key",
+                          hint="give --fleet-key FILE (a bundle's fleet.pub), or a bundle written with --sign/--mtls")
+    from fedge.mqtt.ota import OtaDevice
+    from fedge.runtime.ota import ModelUpdater
+    from fedge.runtime.store import ModelStore
+
+    store = ModelStore(args.model_store)
+    if args.model:
+        store.seed(args.model)
+    test = dev.method.ctx.local_test  # the device's own validation split
+    updater = ModelUpdater(store, (test.x, test.y) if test is not None and len(test.y) else None)
+    print(f"{dev.info.device_id}: model store {args.model_store}, version {store.current} in use; accepting "
+          "updates signed by the fleet key", file=sys.stderr)
+    return OtaDevice(transport.client, cfg.run.fleet, dev.info.device_id, verifier, store.incoming,
+                     apply=lambda data, order: updater.apply(data, version=order.version, fleet=order.fleet,
+                                                             threshold=order.threshold),
+                     status=store.status, precheck=store.check_new)
+
+
 def _run(args: argparse.Namespace) -> int:
     from fedge.edge.agent import DeviceAgent
     from fedge.edge.service import Bundle, EdgeOptions, EdgeService
@@ -105,14 +144,25 @@ def _run(args: argparse.Namespace) -> int:
         cfg, dev, own = _device(b.fleet_config, b.device_id, args.profile, args.data, args.status_file)
         settings = parse_broker_url(args.broker or b.broker, username=args.username or b.username,
                                     password=args.password or b.password(), ca_file=args.ca or b.ca_file,
-                                    tls=True if args.tls else None)
+                                    tls=True if args.tls else None, cert_file=args.cert or b.cert_file,
+                                    key_file=args.key or b.key_file)
     else:
         if not (args.config and args.device_id and args.broker):
             raise ConfigError("fedge edge run needs --bundle DIR, or --config FLEET.toml --device-id ID --broker URL")
         cfg, dev, own = _device(args.config, args.device_id, args.profile, args.data, args.status_file)
         settings = broker_settings(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, global_timeout_s=args.global_timeout)
-    transport = MqttDeviceTransport(settings, cfg.run.fleet, dev.info.device_id, wire)
+    fleet_key = args.fleet_key or (b.fleet_key if args.bundle else None)
+    verifier = None
+    if fleet_key is not None:
+        from fedge.common.signing import Verifier
+
+        state = None
+        if args.state_dir:
+            Path(args.state_dir).mkdir(parents=True, exist_ok=True)
+            state = Path(args.state_dir) / "signed-seen.json"
+        verifier = Verifier.from_file(fleet_key, state=state)
+    transport = MqttDeviceTransport(settings, cfg.run.fleet, dev.info.device_id, wire, verifier=verifier)
     agent: DeviceAgent
     if own is not None:
         from fedge.edge.own_data import OwnDataAgent
@@ -125,7 +175,12 @@ def _run(args: argparse.Namespace) -> int:
               f"local test images{skipped}", file=sys.stderr)
     else:
         agent = DeviceAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every)
-    service = EdgeService(agent, transport, EdgeOptions(exit_after_final=not args.keep_running))
+    ota = _ota(args, cfg, dev, transport, verifier)
+    if args.heartbeat < 0:
+        raise ConfigError(f"--heartbeat must be >= 0 seconds, got {args.heartbeat:g}")
+    private = (args.data, str(Path(args.data).resolve())) if args.data else ()
+    service = EdgeService(agent, transport, EdgeOptions(exit_after_final=not args.keep_running,
+                                                        heartbeat_s=args.heartbeat, private_paths=private))
     stopped = []
 
     def on_term(*_: object) -> None:  # systemd's stop: leave cleanly (offline status, disconnect)
@@ -135,6 +190,8 @@ def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_term)
     # Connect in the background: a device that boots before its broker keeps retrying with back-off.
     transport.start(wait=False)
+    if ota is not None:
+        ota.start()
     print(f"{dev.info.device_id}: {dev.info.profile}, {dev.info.arch}, {dev.info.num_samples} samples, "
           f"{cfg.run.method} on fleet {cfg.run.fleet} via {settings.url}", file=sys.stderr)
     try:
@@ -143,6 +200,8 @@ def _run(args: argparse.Namespace) -> int:
         service.stop()
         return 130
     finally:
+        if ota is not None:
+            ota.stop()
         transport.close()
     print(f"{dev.info.device_id}: {rounds} rounds handled, {service.failures} retried", file=sys.stderr)
     return 0 if service.finished or stopped or args.keep_running else 1

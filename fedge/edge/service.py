@@ -19,6 +19,7 @@ from fedge.common.messages import Message
 from fedge.common.rounds import RoundInfo
 from fedge.common.transport import DeviceTransport
 from fedge.edge.agent import DeviceAgent
+from fedge.edge.health import DEFAULT_HEARTBEAT_S, HealthSampler, Heartbeat
 from fedge.errors import ConfigError, FedgeError, PayloadError
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,10 @@ class EdgeOptions:
     poll_s: float = 1.0  # longest wait between checks of the round descriptor
     retry_min_s: float = 1.0  # back-off after a failed round: doubles up to retry_max_s
     retry_max_s: float = 30.0
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S  # health record every this many seconds (0: none)
+    # Paths that must not leave the device in a health record's last error (a device's own data folder):
+    # each is replaced by "<data>".
+    private_paths: tuple[str, ...] = ()
 
 
 class EdgeService:
@@ -45,6 +50,19 @@ class EdgeService:
         self.rounds_handled = 0
         self.failures = 0
         self.finished = False
+        self.last_error: str | None = None  # the last failure, for the health record
+        info = agent.device
+        self.heartbeat = Heartbeat(info.device_id, agent.fleet, HealthSampler(info.arch), transport.send_health,
+                                   self._health_state, self.options.heartbeat_s)
+
+    def _health_state(self) -> tuple[int, int, str | None]:
+        """(last round, model round, last error) for the heartbeat: a refusal by the coordinator first."""
+        refusal = getattr(self.transport, "refusal_text", None)
+        error = refusal or self.last_error
+        for path in sorted(self.options.private_paths, key=len, reverse=True):  # the longest first: a path's
+            if error and path:                                                 # parent would leave its tail
+                error = error.replace(path, "<data>")
+        return self.agent.last_round, self.agent.model_round, error
 
     def stop(self) -> None:
         """Ask :meth:`run` to return at its next wait."""
@@ -61,9 +79,16 @@ class EdgeService:
 
     def run(self) -> int:
         """The device loop; returns the number of rounds handled."""
+        self.agent.hello()
+        self.heartbeat.start()
+        try:
+            return self._loop()
+        finally:
+            self.heartbeat.stop()
+
+    def _loop(self) -> int:
         opts = self.options
         device = self.agent.device.device_id
-        self.agent.hello()
         run_id = getattr(self.transport, "run_id", None)
         backoff = opts.retry_min_s
         while not self._stop.is_set():
@@ -77,12 +102,14 @@ class EdgeService:
                 handled = self.agent.step()
             except FedgeError as exc:
                 self.failures += 1
+                self.last_error = f"round failed: {exc.message}"
                 log.warning("%s: round failed, retrying in %.0f s: %s", device, backoff, exc.message)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, opts.retry_max_s)
                 continue
-            except Exception:
+            except Exception as exc:
                 self.failures += 1
+                self.last_error = f"round failed: {type(exc).__name__}: {exc}"
                 log.exception("%s: round failed with an unexpected error, retrying in %.0f s", device, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, opts.retry_max_s)
@@ -116,6 +143,12 @@ class Bundle:
         username = "rpi4-2gb-1"
         password_file = "password"      # mode 0600
         ca_file = "ca.crt"              # only with mqtts://
+        # with `fedge broker config --mtls` instead of username and password_file:
+        cert_file = "device.crt"        # CN = the device id
+        key_file = "device.key"         # mode 0600
+        # with --sign or --mtls: the fleet's Ed25519 public key; the device then accepts only signed
+        # round descriptors, global state and model updates
+        fleet_key = "fleet.pub"
     """
 
     device_id: str
@@ -124,6 +157,9 @@ class Bundle:
     username: str | None = None
     password_file: str | None = None
     ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    fleet_key: str | None = None
     source: str = ""
 
     @classmethod
@@ -142,11 +178,13 @@ class Bundle:
             return None if p is None else str(p if Path(p).is_absolute() else (base / p).resolve())
 
         bundle = Bundle(b.device_id, str(resolve(b.fleet_config)), b.broker, b.username, resolve(b.password_file),
-                        resolve(b.ca_file), str(path))
+                        resolve(b.ca_file), resolve(b.cert_file), resolve(b.key_file), resolve(b.fleet_key), str(path))
         for what, p in (("fleet_config", bundle.fleet_config), ("password_file", bundle.password_file),
-                        ("ca_file", bundle.ca_file)):
+                        ("ca_file", bundle.ca_file), ("cert_file", bundle.cert_file), ("key_file", bundle.key_file),
+                        ("fleet_key", bundle.fleet_key)):
             if p is not None and not Path(p).is_file():
-                raise ConfigError(f"{path}: {what} {p} does not exist")
+                raise ConfigError(f"{path}: {what} {p} does not exist",
+                                  hint="flash the device again (a revoked device needs `fedge broker rotate` first)")
         return bundle
 
     def password(self) -> str | None:

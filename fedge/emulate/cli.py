@@ -58,7 +58,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     f = esub.add_parser("fault", help="kill, pause or partition a device; restart broker or coordinator",
                         description="kill DEVICE (SIGKILL; --for S starts it again: a reboot), pause DEVICE "
                                     "(freeze), partition DEVICE (disconnect from the fleet network), resume DEVICE "
-                                    "(undo pause/partition), restart broker|coordinator.")
+                                    "(undo pause/partition; start a killed device again), restart broker|coordinator. "
+                                    "A fault the device's state rules out (killing an exited device) says so.")
     f.add_argument("action", choices=("kill", "pause", "partition", "resume", "restart"))
     f.add_argument("target", help="device id, or broker/coordinator for restart")
     f.add_argument("--for", dest="duration", type=float, metavar="S", help="undo the fault after S seconds")
@@ -89,6 +90,9 @@ def _up(args: argparse.Namespace) -> int:
         return 0
     start(emu, client)
     print(f"started project {emu.project}: fedge emulate status --dir {args.out}")
+    if emu.dashboard:
+        print(f"dashboard and /metrics on {emu.dashboard} (loopback; the browser asks for a password: the token in "
+              f"{emu.out / 'http' / 'token'}, any user name)")
     if args.wait:
         code = wait_exited(emu, client, "coordinator", args.timeout)
         print(format_status(status(emu, client), emu, client))

@@ -19,6 +19,8 @@ from fedge.errors import ConfigError
 
 BROKER = "broker"
 COORDINATOR = "coordinator"
+HTTP_PORT = 8321  # the coordinator's dashboard inside its container
+HTTP_TOKEN = "token"  # its file in DIR/http/
 NETWORK = "fleet"
 ROLE_LABEL = "io.fedge.role"
 PROFILE_LABEL = "io.fedge.profile"
@@ -44,6 +46,8 @@ class CoordinatorArgs:
     quorum_timeout_s: float = 600.0
     wait_for_fleet_s: float = 120.0
     """Round 1 waits this long for every device's hello (the emulator starts the coordinator once all are online)."""
+    http_port: int | None = None
+    """The host's loopback port of the coordinator's dashboard and /metrics (None: not served)."""
 
 
 def fleet_subnet(project: str) -> str:
@@ -112,6 +116,14 @@ def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: C
             "labels": {ROLE_LABEL: "coordinator"},
         },
     }
+    if coord.http_port is not None:
+        # Inside its container the coordinator must bind all of its addresses to be reachable through the
+        # published port, so it needs the token (fedge.coordinator.web refuses otherwise); the host side is
+        # published on loopback only.
+        services[COORDINATOR]["command"] += ["--http", f"0.0.0.0:{HTTP_PORT}", "--http-token-file",
+                                             f"/fedge/http/{HTTP_TOKEN}"]
+        services[COORDINATOR]["volumes"].append("./http:/fedge/http:ro")
+        services[COORDINATOR]["ports"] = [f"127.0.0.1:{coord.http_port}:{HTTP_PORT}"]
     for lim in limits:
         svc: dict[str, Any] = {
             "image": images.device,

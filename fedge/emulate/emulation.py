@@ -51,10 +51,17 @@ class Emulation:
     plans: dict[str, dict[str, Any]]
     limits: dict[str, dict[str, Any]]
     messages: dict[str, str] = field(default_factory=dict)
+    http_port: int | None = None  # the coordinator's dashboard on the host's loopback (token in http/token)
+
+    @property
+    def dashboard(self) -> str | None:
+        """The dashboard's URL on this host (None: an emulation written before it was served)."""
+        return None if self.http_port is None else f"http://127.0.0.1:{self.http_port}/"
 
     def save(self) -> None:
         doc = {"project": self.project, "arch": self.arch, "fleet": self.fleet, "images": self.images.__dict__,
-               "plans": self.plans, "limits": self.limits, "oom_messages": self.messages}
+               "plans": self.plans, "limits": self.limits, "oom_messages": self.messages,
+               "http_port": self.http_port}
         (self.out / STATE).write_text(json.dumps(doc, indent=1) + "\n")
 
     @classmethod
@@ -66,7 +73,7 @@ class Emulation:
                                  hint="pass the --dir that `fedge emulate up --out` wrote")
         d = json.loads(f.read_text())
         return cls(p, d["project"], d["arch"], d["fleet"], Images(**d["images"]), d["plans"], d["limits"],
-                   d.get("oom_messages", {}))
+                   d.get("oom_messages", {}), d.get("http_port"))
 
     @property
     def devices(self) -> list[str]:

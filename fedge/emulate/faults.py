@@ -16,7 +16,7 @@ from typing import Any
 from fedge.emulate.compose import BROKER, COORDINATOR, NETWORK
 from fedge.emulate.discovery import docker_sdk
 from fedge.emulate.emulation import Emulation
-from fedge.errors import ConfigError
+from fedge.errors import ConfigError, EmulationError
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +32,56 @@ def fault(emu: Emulation, client: Any, action: str, target: str, *, duration: fl
 
     kill: SIGKILL the container (with ``duration``: start it again, a device that reboots);
     pause: freeze its processes (cgroup freezer); partition: disconnect it from the fleet network;
-    resume: undo pause/partition now; restart: restart the broker or the coordinator.
+    resume: undo pause/partition now, or start a killed device again; restart: restart the broker or
+    the coordinator. A fault that makes no sense in the container's state (killing an exited device,
+    pausing a paused one) is an :class:`EmulationError` in words, and so is whatever else the engine
+    refuses: an operator command never answers with a traceback.
     """
+    try:
+        return _fault(emu, client, action, target, duration)
+    except docker_sdk().errors.APIError as exc:
+        # The state checks below come first; this is for a race with the container (it exited meanwhile)
+        # or an engine that refuses for its own reasons: its explanation, not its traceback.
+        words = getattr(exc, "explanation", None) or str(exc)
+        raise EmulationError(f"the Docker engine refused to {action} {target}: {words}",
+                             hint=f"see its state: fedge emulate status --dir {emu.out}") from exc
+
+
+def container_state(c: Any) -> tuple[str, str]:
+    """(the engine's status word — running, paused, exited, created, restarting, dead —, the state in words)."""
+    c.reload()
+    st = c.attrs["State"]
+    status = str(st.get("Status") or ("running" if st.get("Running") else "exited"))
+    if status == "exited":
+        code = st.get("ExitCode")
+        how = ("killed: out of memory" if st.get("OOMKilled") else "killed with SIGKILL" if code == 137
+               else "stopped" if code in (0, 143) else f"exit code {code}")
+        return status, f"it exited ({how}) at {str(st.get('FinishedAt', '?'))[:19].replace('T', ' ')} UTC"
+    return status, {"paused": "it is paused", "created": "it was never started",
+                    "restarting": "it is restarting", "dead": "the engine failed to remove it"}.get(status, status)
+
+
+def _fault(emu: Emulation, client: Any, action: str, target: str, duration: float | None) -> str:
     if action == "restart":
         if target not in (BROKER, COORDINATOR):
             raise ConfigError(f"fault restart takes broker or coordinator, not {target!r}",
                               hint="to reboot a device: fedge emulate fault kill DEVICE --for S")
         emu.container(client, target).restart(timeout=5)
         return f"restarted {target}"
+    if action not in ("kill", "pause", "partition", "resume"):
+        raise ConfigError(f"unknown fault {action!r}", hint="kill, pause, partition, resume or restart")
     if target not in emu.devices:
         raise ConfigError(f"{target!r} is not a device of this emulation", hint=f"devices: {', '.join(emu.devices)}")
     c = emu.container(client, target)
+    status, words = container_state(c)
+    again = f"fedge emulate fault resume {target} --dir {emu.out}"
+    if action == "resume":
+        return _resume(emu, client, c, target, status)
+    if status not in ("running", "paused"):
+        raise EmulationError(f"{target} is not running, so there is nothing to {action}: {words}",
+                             hint=f"start it again with `{again}`" if status == "exited" else None)
+    if action == "pause" and status == "paused":
+        raise EmulationError(f"{target} is already paused", hint=f"undo it with `{again}`")
     net = client.networks.get(f"{emu.project}_{NETWORK}")
     if action == "kill":
         c.kill()
@@ -52,29 +91,41 @@ def fault(emu: Emulation, client: Any, action: str, target: str, *, duration: fl
         _pause(client, c)
         done = f"paused {target}"
         undo = c.unpause
-    elif action == "partition":
-        c.reload()
+    else:  # partition
         address = c.attrs["NetworkSettings"]["Networks"].get(net.name, {}).get("IPAddress") or None
+        if net.name not in c.attrs["NetworkSettings"]["Networks"]:
+            raise EmulationError(f"{target} is already cut off the fleet network", hint=f"undo it with `{again}`")
         net.disconnect(c)
         _partitions(emu, target, address)  # for `fault resume` in another process
         done = f"cut {target} off the fleet network"
 
         def undo() -> None:
             _reconnect(net, c, target, _partitions(emu, target))
-    elif action == "resume":
-        c.reload()
-        if c.attrs["State"].get("Paused"):
-            c.unpause()
-        if net.name not in c.attrs["NetworkSettings"]["Networks"]:
-            _reconnect(net, c, target, _partitions(emu, target))
-        return f"resumed {target}"
-    else:
-        raise ConfigError(f"unknown fault {action!r}", hint="kill, pause, partition, resume or restart")
     if duration is not None:
         time.sleep(duration)
         undo()
         done += f" for {duration:g} s, then undid it"
     return done
+
+
+def _resume(emu: Emulation, client: Any, c: Any, target: str, status: str) -> str:
+    """Undo whatever holds the device: start it if it exited (a killed device boots again), unfreeze it,
+    reconnect it to the fleet network; in words, what was done (or that nothing held it)."""
+    if status == "exited":
+        c.start()
+        return f"started {target} again"
+    done = []
+    if status == "paused":
+        c.unpause()
+        done.append("unpaused")
+    net = client.networks.get(f"{emu.project}_{NETWORK}")
+    c.reload()
+    if net.name not in c.attrs["NetworkSettings"]["Networks"]:
+        _reconnect(net, c, target, _partitions(emu, target))
+        done.append("reconnected to the fleet network")
+    if not done:
+        return f"{target} is running and connected: nothing to resume"
+    return f"resumed {target}: {' and '.join(done)}"
 
 
 def _partitions(emu: Emulation, device: str, address: str | None = None) -> str | None:

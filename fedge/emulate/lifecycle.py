@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fedge.emulate.compose import (
     BROKER,
     COORDINATOR,
+    HTTP_TOKEN,
     NETWORK,
     CoordinatorArgs,
     Images,
@@ -30,6 +32,7 @@ from fedge.emulate.emulation import Emulation, project_name
 from fedge.emulate.limits import DevicePlan, device_plans, limits_for, oom_message
 from fedge.emulate.status import logs, status
 from fedge.errors import EmulationError, TransportError
+from fedge.mqtt.broker import free_port
 
 if TYPE_CHECKING:
     from fedge.broker.config import BrokerOptions
@@ -97,8 +100,16 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     # A new run: the previous run's coordinator state and retained broker messages would resume it.
     shutil.rmtree(outp / "coordinator", ignore_errors=True)
     (outp / "coordinator").mkdir()
+    # The dashboard: a fresh token (0600) the coordinator reads and the operator types into the browser.
+    http_dir = outp / "http"
+    http_dir.mkdir(exist_ok=True)
+    token_file = http_dir / HTTP_TOKEN
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    http_port = free_port()
     coord = CoordinatorArgs(devices=len(ids), min_devices=len(ids) if min_devices is None else min_devices,
-                            deadline_slack=deadline_slack)
+                            deadline_slack=deadline_slack, http_port=http_port)
     # No `platform:` key: an image made by `docker import` on a 20.10 engine is labelled with the host's
     # architecture whatever its binaries are, and binfmt_misc runs them regardless.
     doc = compose_dict(outp, images, limits, coord, device_args=device_args, subnet=subnet)
@@ -109,7 +120,7 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     emu = Emulation(outp, project_name(outp), arch, cfg.run.fleet, images,
                     plans={p.device_id: _plan_dict(p) for p in plans},
                     limits={lim.device_id: lim.to_dict() for lim in limits},
-                    messages={p.device_id: oom_message(p) for p in plans})
+                    messages={p.device_id: oom_message(p) for p in plans}, http_port=http_port)
     emu.save()
     return emu
 

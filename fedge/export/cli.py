@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help=f"calibration samples for int8-static (default {DEFAULT_CALIBRATION_SAMPLES})")
     ex.add_argument("--test-samples", type=int, help="verify on the first N test images only (default: all)")
     ex.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    ex.add_argument("--signing-key", metavar="FILE",
+                    help="sign every manifest with the fleet's Ed25519 key (coordinator/signing.key of `fedge broker "
+                         "config --sign`); `fedge infer --fleet-key` then verifies it")
     ex.set_defaults(func=_export)
 
     inf = sub.add_parser(
@@ -46,7 +50,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Run an exported model directory on PNG/JPEG images, .npy arrays of raw pixels, or every "
                     "image in a directory (numpy and ONNX Runtime only). Checksums are verified first.",
     )
-    inf.add_argument("--model", required=True, metavar="DIR", help="a directory written by `fedge export`")
+    which = inf.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="DIR", help="a directory written by `fedge export`")
+    which.add_argument("--store", metavar="DIR",
+                       help="a device's model store (`fedge edge run --model-store`): the version in use; a new "
+                            "version that keeps crashing before it classified anything is rolled back by itself")
     inf.add_argument("inputs", nargs="*", metavar="INPUT",
                      help="image files, .npy arrays, or directories (each image and .npy array directly in them)")
     inf.add_argument("--preprocessed", action="store_true",
@@ -60,6 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           "fedge's order, see docs/export.md)")
     inf.add_argument("--check", action="store_true",
                      help="verify the export and report the execution provider that runs it; no inputs needed")
+    inf.add_argument("--fleet-key", metavar="FILE", default=os.environ.get("FEDGE_FLEET_KEY"),
+                     help="the fleet's public key (a bundle's fleet.pub; default: $FEDGE_FLEET_KEY): the manifest must "
+                          "carry the fleet's signature, or nothing runs")
     inf.add_argument("-v", "--verbose", action="store_true",
                      help="report the model, its quantization and the execution provider that ran it (on stderr)")
     inf.set_defaults(func=_infer)
@@ -83,10 +94,13 @@ def _summary(out: str, m: Manifest) -> list[str]:
 def _export(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from fedge.common.signing import Signer
     from fedge.export.exporter import ExportOptions
     from fedge.export.fleet import export_checkpoint, export_run
     from fedge.runtime.inputs import read_npy
+    from fedge.runtime.signature import sign_manifest
 
+    signer = Signer.from_file(args.signing_key) if args.signing_key else None  # a bad key fails before exporting
     opt = ExportOptions(calibration_samples=args.calib_samples)
     if args.run:
         if args.profile or args.arch or args.calibration:
@@ -94,6 +108,8 @@ def _export(args: argparse.Namespace) -> int:
         manifests = export_run(args.run, args.out, data_dir=args.data_dir, dataset=args.dataset, quant=args.quant,
                                test_samples=args.test_samples, options=opt, overwrite=args.force)
         for dev, m in manifests.items():
+            if signer is not None:
+                sign_manifest(Path(args.out) / dev, signer)
             print("\n".join(_summary(str(Path(args.out) / dev), m)))
         print(f"exported {len(manifests)} devices into {args.out} (index.json lists them)")
         return 0
@@ -101,6 +117,9 @@ def _export(args: argparse.Namespace) -> int:
     m = export_checkpoint(args.checkpoint, args.out, profile=args.profile, dataset=args.dataset,
                           data_dir=args.data_dir, calibration=calibration, quant=args.quant, arch=args.arch,
                           test_samples=args.test_samples, options=opt, overwrite=args.force)
+    if signer is not None:
+        sign_manifest(args.out, signer)
+        print(f"signed {Path(args.out) / 'manifest.json'} with key {signer.key_id}")
     print("\n".join(_summary(args.out, m)))
     return 0
 
@@ -142,7 +161,20 @@ def _infer(args: argparse.Namespace) -> int:
         raise _usage(f"--out {args.out}: write a .csv or a .json file")
     if not args.inputs and not args.check:
         raise _usage("no inputs given", hint="pass image files, .npy arrays or directories, or --check")
-    model = EdgeModel.load(args.model, providers=args.provider)
+    verifier = None
+    if args.fleet_key:
+        from fedge.common.signing import Verifier
+
+        verifier = Verifier.from_file(args.fleet_key)
+    store = None
+    if args.store:
+        from fedge.runtime.store import ModelStore
+
+        store = ModelStore(args.store)
+        args.model = str(store.open_current())  # counts a start of a version on trial (rolls back a crashing one)
+    model = EdgeModel.load(args.model, providers=args.provider, verifier=verifier)
+    if store is not None and args.check:
+        store.confirm()
     if args.check or args.verbose:
         print("\n".join(_model_report(model)), file=sys.stderr if not args.check else sys.stdout)
     if not args.inputs:
@@ -157,6 +189,8 @@ def _infer(args: argparse.Namespace) -> int:
             chunk = files[start : start + INFER_CHUNK]
             batch = load_inputs(chunk, model.norm, preprocessed=args.preprocessed)
             probs = model.predict(batch.x, preprocessed=True).probs
+            if store is not None and start == 0:
+                store.confirm()  # it ran inference: the version's trial is over
             order = probs.argsort(axis=1)[:, ::-1][:, :k]
             rows += [
                 {"input": name, "top": [{"class": model.classes[j], "index": int(j),

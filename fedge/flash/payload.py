@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 PAYLOAD_DIR = "fedge"
 PAYLOAD_FORMAT = "fedge-flash/1"
 MANIFEST_NAME = "manifest.json"
-SECRET_NAMES = ("password",)
+SECRET_NAMES = ("password", "device.key")
 # The wheelhouse's Python when the profile does not say (Raspberry Pi OS bookworm ships 3.11).
 DEFAULT_PYTHON = "3.11"
 
@@ -141,6 +141,28 @@ def check_bundle(broker_dir: Path, device_id: str, fleet_config: Path) -> Path:
     return bdir
 
 
+def check_certificate(broker_dir: Path, bdir: Path, device_id: str, bundle: dict[str, Any]) -> None:
+    """A mutual-TLS bundle's certificate: present, issued by the fleet CA for this device, not expired, not
+    revoked (``ca/index.json``); flashing a card the broker would refuse is an error naming the fix."""
+    from fedge.broker.identity import cert_problem
+    from fedge.broker.pki import INDEX_NAME, CertIndex, load_cert
+
+    rotate = f"fedge broker rotate {device_id} --out {broker_dir}"
+    crt, key = bdir / str(bundle.get("cert_file")), bdir / str(bundle.get("key_file", "device.key"))
+    if not crt.is_file() or not key.is_file():
+        raise ConfigError(f"{bdir} has no certificate and key for {device_id} ({crt.name}, {key.name}): was it "
+                          "revoked?", hint=f"issue a new one: {rotate}")
+    ca = bdir / str(bundle.get("ca_file", "ca.crt"))
+    if not ca.is_file():
+        raise ConfigError(f"{ca} is missing", hint=f"rewrite the bundle: fedge broker config --mtls --out {broker_dir}")
+    index_path = broker_dir / "ca" / INDEX_NAME
+    problem = cert_problem(load_cert(crt), load_cert(ca), device_id,
+                           CertIndex(index_path) if index_path.is_file() else None)
+    if problem is not None:
+        raise ConfigError(f"{crt}: the certificate of {device_id} cannot connect: {problem}",
+                          hint=f"issue a new one: {rotate}")
+
+
 def _manifest_for(export_dir: Path, device_id: str) -> Path:
     """The model directory of ``device_id`` in ``export_dir`` (an `fedge export` run or a single model)."""
     if (export_dir / device_id / MANIFEST_NAME).is_file():
@@ -236,6 +258,8 @@ def prepare(device_id: str, fleet_config: str | os.PathLike[str], broker_dir: st
     bundle = read_toml(bdir / "bundle.toml")
     if bundle.get("device_id") != device_id:
         raise ConfigError(f"{bdir}/bundle.toml is for device {bundle.get('device_id')!r}, not {device_id!r}")
+    if bundle.get("cert_file") is not None:
+        check_certificate(Path(broker_dir), bdir, device_id, bundle)
     dp = DevicePlan(device_id, cfg.run.fleet, fleet_path, profile.name, profile.hardware.arch,
                     python or DEFAULT_PYTHON, cfg.own_data, str(bundle.get("broker", "")), arch)
     files = dp.files

@@ -178,6 +178,53 @@ class ClockSection:
         if not (0 <= self.deadline_s < float("inf")):
             raise ConfigError(f"[clock] deadline_s = {self.deadline_s:g}: must be >= 0 seconds",
                               hint="virtual seconds a round waits for its participants; 0: no deadline")
+BACKENDS = ("sequential", "process", "ray")
+
+
+@dataclass(frozen=True)
+class SimulationSection:
+    """Where ``fedge simulate`` runs the devices' local work (issue 30; docs/simulation.md, "Backends").
+
+    ``sequential``: every device in this process, one after another. ``process``: ``workers`` worker
+    processes on this machine. ``ray``: ``workers`` Ray actors, each reserving ``num_cpus`` CPUs and
+    ``num_gpus`` GPUs (a fraction shares one GPU), on a local Ray or the cluster at ``address``. Each
+    worker holds its devices for the whole run and trains them one at a time, so a device's resources
+    are its worker's. ``threads``: torch intra-op threads per worker (default 1 for process workers,
+    ``num_cpus`` for Ray actors, torch's own choice for sequential runs).
+    """
+
+    backend: str = "sequential"
+    workers: int | None = None
+    threads: int | None = None
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend = {self.backend!r} is not a simulation backend",
+                              hint=f"set backend to one of {', '.join(repr(b) for b in BACKENDS)}")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"workers = {self.workers}: a simulation needs at least one worker",
+                              hint="set workers = 2 (one per core), or leave it out for one per available CPU")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads = {self.threads}: each worker needs at least one torch thread",
+                              hint="set threads = 1 (bit-identical to any other backend at 1 thread)")
+        if self.num_cpus <= 0:
+            raise ConfigError(f"num_cpus = {self.num_cpus} must be > 0", hint="set num_cpus = 1 (one core per worker)")
+        if self.num_gpus < 0:
+            raise ConfigError(f"num_gpus = {self.num_gpus} must be >= 0",
+                              hint="set num_gpus = 0 (CPU only) or a share such as 0.5")
+        ray_only = [k for k, v, default in (("num_cpus", self.num_cpus, 1.0), ("num_gpus", self.num_gpus, 0.0),
+                                            ("address", self.address, None)) if v != default]
+        if ray_only and self.backend != "ray":
+            raise ConfigError(f"{ray_only[0]} applies to the ray backend, not backend = {self.backend!r}",
+                              hint=f'set backend = "ray", or remove {ray_only[0]}')
+
+    @property
+    def parallel(self) -> bool:
+        """Whether devices train outside the driver process."""
+        return self.backend != "sequential"
 
 
 # The model zoo's networks take 1x32x32 inputs (fedge.common.archs.ArchSpec's defaults).
@@ -231,6 +278,7 @@ class FleetConfig:
     data: DataSection = field(default_factory=DataSection)
     privacy: PrivacySettings = field(default_factory=PrivacySettings)  # fedge.common.privacy (issue 18)
     clock: ClockSection = field(default_factory=ClockSection)  # fedge simulate's virtual clock (issue 27)
+    simulation: SimulationSection = field(default_factory=SimulationSection)  # fedge simulate only (issue 30)
     source: str = "<memory>"
     # The [method] table parsed once, by the run's method (both halves read it): unknown keys, wrong
     # types and out-of-range values fail here, at load time.

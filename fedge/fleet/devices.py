@@ -19,11 +19,12 @@ from fedge.common.rounds import DeviceInfo
 from fedge.edge.data.datasets import Dataset, load_dataset
 from fedge.edge.data.partition import DeviceSplit
 from fedge.edge.methods import DeviceContext, DeviceMethod
+from fedge.edge.methods.base import GlobalEval
 from fedge.edge.models.zoo import build_seeded
 from fedge.edge.training import TrainConfig
 from fedge.fleet.config import FleetConfig, device_ids
 from fedge.fleet.registry import method_entry
-from fedge.fleet.slots import check_feature_dims, device_slot, fleet_data_dir, fleet_splits
+from fedge.fleet.slots import DeviceSlot, check_feature_dims, device_slot, fleet_data_dir, fleet_splits
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +54,31 @@ def load_fleet_data(cfg: FleetConfig) -> FleetData:
 
 
 def build_devices(cfg: FleetConfig, data: FleetData) -> list[SimDevice]:
-    """Build every device's model and method half from its profile's plan."""
-    devices = [build_device(cfg, data, idx) for idx in range(cfg.num_devices)]
+    """Build every device's model and method half from its profile's plan.
+
+    The devices share one :class:`GlobalEval`, so a model several of them hold (FedAvg's group) is
+    evaluated on the global test set once.
+    """
+    shared = GlobalEval(data.test)
+    devices = [build_device(cfg, data, idx, global_eval=shared) for idx in range(cfg.num_devices)]
     _check_feature_dims(cfg, devices)
     return devices
 
 
-def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
+def build_device(cfg: FleetConfig, data: FleetData, idx: int, *, global_eval: GlobalEval | None = None) -> SimDevice:
     """Build device number ``idx`` (fleet order) alone, as a real device does from the fleet config."""
-    entry = method_entry(cfg.run.method)
     split = data.splits[idx]
     slot = device_slot(cfg, idx, data.train.y, split)
+    return device_from_slot(cfg, slot, data.train.subset(split.train), data.train.subset(split.test), data.test,
+                            global_eval=global_eval)
+
+
+def device_from_slot(cfg: FleetConfig, slot: DeviceSlot, train: Dataset, local_test: Dataset,
+                     global_test: Dataset | None, *, global_eval: GlobalEval | None = None) -> SimDevice:
+    """The device of ``slot`` on its data share (``train``, ``local_test``) — all a worker process needs
+    to build the same device the driver would (``fedge simulate --backend process``)."""
+    entry = method_entry(cfg.run.method)
+    idx = slot.index
     p = slot.plan
     # Every part the method averages starts where the other devices' start (fedge.common.initseeds).
     seeds = init_seeds(cfg.method_config.shared_start(), run_seed=cfg.run.seed, index=idx, arch=slot.spec.name)
@@ -78,16 +93,17 @@ def build_device(cfg: FleetConfig, data: FleetData, idx: int) -> SimDevice:
     ctx = DeviceContext(
         device_id=slot.device_id,
         model=model,
-        train=data.train.subset(split.train),
-        local_test=data.train.subset(split.test),
+        train=train,
+        local_test=local_test,
         train_cfg=tc,
         upload_precision=slot.upload_precision,
         seed=device_seed(cfg.run.seed, idx),
         method_config=cfg.method_config,
-        global_test=data.test,
+        global_test=global_test,
         profile=slot.profile,
         plan=p.to_dict(),
         privacy=cfg.privacy_mechanism,
+        global_eval=global_eval,
     )
     return SimDevice(slot.info(), entry.build_device(ctx), p.to_dict())
 

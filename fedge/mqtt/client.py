@@ -26,6 +26,7 @@ import queue
 import random
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +59,9 @@ class BrokerSettings:
     password: str | None = None
     tls: bool = False
     ca_file: str | None = None
+    # Mutual TLS: this client's certificate and key (PEM); the broker takes its CN as the user name.
+    cert_file: str | None = None
+    key_file: str | None = None
     keepalive_s: int = 15
     reconnect_min_s: float = 1.0
     reconnect_max_s: float = 30.0
@@ -69,6 +73,15 @@ class BrokerSettings:
             raise ConfigError("a CA file was given without TLS", hint="add --tls or use an mqtts:// URL")
         if self.reconnect_min_s <= 0 or self.reconnect_max_s < self.reconnect_min_s:
             raise ConfigError("reconnect back-off must satisfy 0 < min <= max")
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ConfigError("a client certificate needs its key and a key its certificate",
+                              hint="give both --cert and --key (a bundle's device.crt and device.key)")
+        if self.cert_file is not None:
+            if not self.tls:
+                raise ConfigError("a client certificate was given without TLS", hint="use an mqtts:// URL or --tls")
+            from fedge.mqtt.certfiles import check_client_files
+
+            check_client_files(self.cert_file, str(self.key_file))
 
     @property
     def url(self) -> str:
@@ -101,7 +114,7 @@ def parse_broker_url(url: str, **overrides: Any) -> BrokerSettings:
         "tls": tls,
     }
     fields.update({k: v for k, v in overrides.items() if v is not None})
-    if fields.get("ca_file"):
+    if fields.get("ca_file") or fields.get("cert_file"):
         fields["tls"] = True
     return BrokerSettings(**fields)
 
@@ -143,12 +156,16 @@ MessageHandler = Callable[[Received], None]
 ConnectHandler = Callable[[bool], None]  # argument: session_present
 
 
-def new_paho_client(client_id: str, clean_session: bool) -> paho.Client:
-    """A paho client speaking MQTT 3.1.1, with the 2.x callback API where paho has one."""
+def new_paho_client(client_id: str, clean_session: bool, *, mqtt5: bool = False) -> paho.Client:
+    """A paho client speaking MQTT 3.1.1 (or MQTT 5 with ``mqtt5``: shared subscriptions), with the 2.x
+    callback API where paho has one. MQTT 5 has no clean-session flag: :meth:`MqttClient.start` passes
+    ``clean_start`` when it connects."""
+    protocol = paho.MQTTv5 if mqtt5 else paho.MQTTv311
+    session = None if mqtt5 else clean_session
     if PAHO_V2:
-        return paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean_session,
-                           protocol=paho.MQTTv311)
-    return paho.Client(client_id=client_id, clean_session=clean_session, protocol=paho.MQTTv311)
+        return paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=session,
+                           protocol=protocol)
+    return paho.Client(client_id=client_id, clean_session=session, protocol=protocol)
 
 
 def no_delay(client: paho.Client, userdata: Any, sock: Any) -> None:
@@ -177,29 +194,35 @@ class MqttClient:
     def __init__(self, settings: BrokerSettings, client_id: str, *, clean_session: bool = True,
                  will: Will | None = None, on_message: MessageHandler | None = None,
                  on_connect: ConnectHandler | None = None, on_disconnect: Callable[[], None] | None = None,
-                 max_inflight: int = 100) -> None:
+                 max_inflight: int = 100, mqtt5: bool = False) -> None:
         self.settings = settings
         self.client_id = client_id
+        self.mqtt5 = mqtt5
+        self._clean = clean_session
         self._on_message = on_message
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
         self._subs: dict[str, int] = {}
         self._subs_lock = threading.Lock()
+        self._routes: list[tuple[str, MessageHandler]] = []  # (topic prefix, handler): see route()
         self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._connected = threading.Event()
         self._stopping = threading.Event()
         self._refused: str | None = None
+        self.last_error: str | None = None  # the latest failed connection attempt (TLS alerts, refused sockets)
         self._dispatcher: threading.Thread | None = None
         # PUBACK bookkeeping (paho's thread sets, publishers wait); see Publication.
         self._acks_lock = threading.Lock()
         self._pending: dict[int, threading.Event] = {}
         self._early_acks: set[int] = set()  # acknowledged before publish() registered the mid
         self.connects = 0  # successful connections so far (1 + reconnects)
-        c = self._client = new_paho_client(client_id, clean_session)
+        c = self._client = new_paho_client(client_id, clean_session, mqtt5=mqtt5)
         if settings.username is not None:
             c.username_pw_set(settings.username, settings.password)
         if settings.tls:
             ctx = ssl.create_default_context(cafile=settings.ca_file)
+            if settings.cert_file is not None:
+                ctx.load_cert_chain(settings.cert_file, settings.key_file)
             c.tls_set_context(ctx)
         if will is not None:
             c.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
@@ -214,6 +237,8 @@ class MqttClient:
         c.on_message = self._paho_message
         c.on_publish = self._paho_publish
         c.on_socket_open = no_delay
+        c.on_connect_fail = self._paho_connect_fail
+        c.on_log = self._paho_log
 
     # -- paho callbacks: run on paho's thread, never block -----------------------------------
     def _paho_connect(self, client: paho.Client, userdata: Any, flags: Any, rc: Any, *args: Any) -> None:
@@ -233,6 +258,18 @@ class MqttClient:
             bool(getattr(flags, "session_present", False))
         self._connected.set()
         self._events.put(("connect", present))
+
+    def _paho_connect_fail(self, client: paho.Client, userdata: Any) -> None:
+        # Called inside paho's `except OSError` around the connection attempt: the exception is the reason
+        # (a TLS alert such as "certificate revoked", a refused socket).
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+
+    def _paho_log(self, client: paho.Client, userdata: Any, level: int, buf: str) -> None:
+        # A TLS 1.3 server refuses a client certificate after the handshake: paho sees it as a failed read.
+        if level == paho.MQTT_LOG_ERR and "socket" in buf:
+            self.last_error = buf
 
     def _paho_disconnect(self, client: paho.Client, userdata: Any, *args: Any) -> None:
         self._connected.clear()
@@ -256,8 +293,10 @@ class MqttClient:
             if kind == "stop":
                 return
             try:
-                if kind == "message" and self._on_message is not None:
-                    self._on_message(arg)
+                if kind == "message":
+                    handler = next((h for prefix, h in self._routes if arg.topic.startswith(prefix)), self._on_message)
+                    if handler is not None:
+                        handler(arg)
                 elif kind == "connect":
                     self.connects += 1
                     log.info("%s connected to %s%s", self.client_id, self.settings.url,
@@ -285,7 +324,12 @@ class MqttClient:
         self._dispatcher = threading.Thread(target=self._dispatch, name=f"mqtt-{self.client_id}", daemon=True)
         self._dispatcher.start()
         try:
-            self._client.connect_async(self.settings.host, self.settings.port, keepalive=self.settings.keepalive_s)
+            if self.mqtt5:
+                self._client.connect_async(self.settings.host, self.settings.port, keepalive=self.settings.keepalive_s,
+                                           clean_start=self._clean)
+            else:
+                self._client.connect_async(self.settings.host, self.settings.port,
+                                           keepalive=self.settings.keepalive_s)
         except (OSError, ValueError) as exc:
             raise TransportError(f"cannot connect to {self.settings.url}: {exc}") from exc
         self._client.loop_start()
@@ -305,9 +349,15 @@ class MqttClient:
                 raise TransportError(f"broker {self.settings.url} refused {self.client_id}: {self._refused}",
                                      hint="check --username/--password and the broker's password file and ACL")
             if time.monotonic() > end:
-                raise TransportError(f"no connection to {self.settings.url} after {timeout_s:.0f} s",
-                                     hint="is the broker running and reachable? (fedge coordinator run starts "
-                                          "an embedded one when --broker is not given)")
+                why = f" (last error: {self.last_error})" if self.last_error else ""
+                hint = ("is the broker running and reachable? (fedge coordinator run starts an embedded one when "
+                        "--broker is not given)")
+                if self.last_error and any(w in self.last_error.lower() for w in ("certificate", "ssl", "tls")):
+                    hint = ("the TLS handshake failed: a revoked, expired or foreign client certificate, or a CA "
+                            "that did not sign the broker's; check --cert/--key/--ca (fedge broker rotate issues "
+                            "a new certificate)")
+                raise TransportError(f"no connection to {self.settings.url} after {timeout_s:.0f} s{why}",
+                                     hint=hint)
 
     def subscribe(self, topic_filter: str, qos: int = 1) -> None:
         """Subscribe now (if connected) and again after every reconnect."""
@@ -317,6 +367,19 @@ class MqttClient:
             self._subs[topic_filter] = qos
         if self.connected:
             self._client.subscribe(topic_filter, qos)
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        """Stop receiving ``topic_filter`` (now, and after reconnects)."""
+        with self._subs_lock:
+            if self._subs.pop(topic_filter, None) is None:
+                return
+        if self.connected:
+            self._client.unsubscribe(topic_filter)
+
+    def route(self, prefix: str, handler: MessageHandler) -> None:
+        """Hand messages whose topic starts with ``prefix`` to ``handler`` instead of the client's ``on_message``
+        (on the dispatcher thread): a second protocol — the OTA updates — shares the device's one connection."""
+        self._routes.append((prefix, handler))
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> Publication:
         """Queue a publish (never blocks). Connected or not: paho keeps a QoS 1 message until the broker

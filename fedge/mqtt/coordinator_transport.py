@@ -9,18 +9,21 @@ reconnection (:mod:`.retained`; see ``docs/protocol.md``, "Recovery").
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
 import time
 from collections.abc import Collection, Iterator
 
+from fedge.common.health import MAX_HEALTH_BYTES
+from fedge.common.signing import Signer
 from fedge.common.transport import CoordinatorTransport, Inbound
 from fedge.errors import TransportError
 from fedge.mqtt.chunking import ChunkError, Reassembler, frame_kind
 from fedge.mqtt.client import BrokerSettings, MqttClient, Received
 from fedge.mqtt.retained import RetainedState
-from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportStats
+from fedge.mqtt.settings import MAX_HELLO_BYTES, MAX_QUEUED_HEALTH, TransportSettings, TransportStats
 from fedge.mqtt.status_book import StatusBook
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics, check_name
 
@@ -43,13 +46,25 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     """
 
     def __init__(self, broker: BrokerSettings, fleet: str, settings: TransportSettings | None = None, *,
-                 client_id: str | None = None) -> None:
+                 client_id: str | None = None, signer: Signer | None = None, updates: bool = True) -> None:
         self.topics = FleetTopics(fleet)
+        # With a signer, every round descriptor, global state and refusal is published as a signed frame
+        # (fedge.common.signing; docs/protocol.md section 11): a chunked global state through its manifest, which
+        # carries the whole message's sha256. The retained book keeps the unsigned round descriptor (it
+        # re-announces it under a fresh id) and the signed global state (republished as is).
+        self.signer = signer
         self.settings = settings or TransportSettings()
         self.stats = TransportStats()
         self._updates: queue.Queue[Inbound] = queue.Queue()
         self._hellos: list[Inbound] = []
         self._hello_from: set[str] = set()  # every device a hello ever came from
+        # Heartbeats for the monitor (fedge.coordinator.monitor), bounded: the oldest go first.
+        self._health: collections.deque[Inbound] = collections.deque(maxlen=MAX_QUEUED_HEALTH)
+        self.health_dropped = 0  # heartbeats dropped unread (queue full) or oversize
+        # For people, not for decisions: each device's latest status as received (believed or not) and the
+        # last time anything came from it, in unix seconds. Plain dict stores: atomic under the GIL.
+        self._statuses: dict[str, tuple[bool, float]] = {}
+        self._last_seen: dict[str, float] = {}
         self._book = StatusBook(self.settings.offline_confirm_s, self.settings.status_grace_s)  # under _cond
         self._cond = threading.Condition()
         self._reasm = Reassembler(self.settings.max_message_bytes)
@@ -60,7 +75,13 @@ class MqttCoordinatorTransport(CoordinatorTransport):
                                  on_disconnect=self._on_disconnect)
         self.client.subscribe(self.topics.device_filter("status"))
         self.client.subscribe(self.topics.device_filter("hello"))
-        self.client.subscribe(self.topics.device_filter("update"))
+        # Partial aggregates of aggregation workers and relays (fedge.coordinator.merge) ...
+        self.client.subscribe(self.topics.partial_filter)
+        # ... and the devices' updates, unless aggregation workers read them (a shared subscription).
+        self.updates = updates
+        if updates:
+            self.client.subscribe(self.topics.device_filter("update"))
+        self.client.subscribe(self.topics.device_filter("health"))
 
     def start(self) -> MqttCoordinatorTransport:
         self.client.start(self.settings.connect_timeout_s)
@@ -71,17 +92,40 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         """One line for people starting devices: the broker, the fleet and its topics."""
         t = self.topics
         return (f"fleet {t.fleet!r} on {self.client.settings.url}: devices publish to {t.base}/devices/ID/"
-                f"{{status,hello,update}} and read {t.round} and {t.base}/global/#")
+                f"{{status,hello,update,health}} and read {t.round} and {t.base}/global/#")
 
     # -- inbound (dispatcher thread) -----------------------------------------------------
     def _on_message(self, m: Received) -> None:
         t = self.topics.parse_device(m.topic)
         if t is None:
+            account = self.topics.parse_partial(m.topic)
+            if account is not None and m.payload:
+                self._on_partial(account, m)
             return
         self.stats.messages_in += 1
         self.stats.bytes_in += len(m.payload)
+        # A retained copy says nothing about when the device was last there, and an `offline` is usually
+        # its last-will, which the broker sends for it after it is gone.
+        if m.payload and not m.retain and m.payload != STATUS_OFFLINE:
+            self._last_seen[t.device_id] = m.received
+        if t.kind == "health":
+            if not m.payload:
+                return
+            if m.retain:
+                self._clear_stray(m, "health record")
+                return
+            if len(m.payload) > MAX_HEALTH_BYTES:
+                self.health_dropped += 1
+                self._health.append(Inbound(b"", t.device_id, m.received,
+                                            reject=("oversize", f"a {len(m.payload)}-byte health message")))
+                return
+            if len(self._health) == self._health.maxlen:
+                self.health_dropped += 1
+            self._health.append(Inbound(m.payload, t.device_id, m.received))
+            return
         if t.kind == "status":
             if m.payload in (STATUS_ONLINE, STATUS_OFFLINE):
+                self._statuses[t.device_id] = (m.payload == STATUS_ONLINE, m.received)
                 with self._cond:
                     self._book.record(t.device_id, m.payload == STATUS_ONLINE)
                     self._cond.notify_all()
@@ -120,6 +164,26 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         if whole is not None:
             self._updates.put(Inbound(whole, t.device_id, m.received))
 
+    def _on_partial(self, account: str, m: Received) -> None:
+        """A worker's or relay's partial aggregate (chunked when large), for the engine's merger."""
+        self.stats.messages_in += 1
+        self.stats.bytes_in += len(m.payload)
+        if m.retain:
+            self._clear_stray(m, "partial")
+            self._updates.put(Inbound(b"", account, m.received, reject=("retained", "a retained partial (deleted)"),
+                                      kind="partial"))
+            return
+        if frame_kind(m.payload) == "message":
+            self._updates.put(Inbound(m.payload, account, m.received, kind="partial"))
+            return
+        try:
+            whole = self._reasm.add(f"partials/{account}", m.payload)
+        except ChunkError as exc:
+            self._updates.put(Inbound(b"", account, m.received, reject=(exc.reason, exc.message), kind="partial"))
+            return
+        if whole is not None:
+            self._updates.put(Inbound(whole, account, m.received, kind="partial"))
+
     def _clear_stray(self, m: Received, what: str) -> None:
         """Delete a retained message the protocol does not allow (the ACL cannot forbid the retain flag)."""
         log.warning("deleting a stray retained %s (%d bytes) on %s", what, len(m.payload), m.topic)
@@ -145,15 +209,20 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         for topic, payload in again.globals:
             self.client.publish(topic, payload, retain=True)
         if again.round is not None:
-            self.client.publish(self.topics.round, again.round, retain=True)
+            self.client.publish(self.topics.round, self._seal(self.topics.round, again.round), retain=True)
             log.info("re-announced round %d after reconnecting", again.round_number)
+
+    def _seal(self, topic: str, data: bytes) -> bytes:
+        """``data`` signed for ``topic`` when this coordinator signs, else as it is."""
+        return data if self.signer is None else self.signer.seal(topic, data)
 
     # -- CoordinatorTransport -----------------------------------------------------------
     def announce_round(self, data: bytes) -> None:
         with self._lock:
             self._retained.set_round(data)
-        pub = self.client.publish(self.topics.round, data, retain=True)
-        self.stats.count_out(len(data))
+        signed = self._seal(self.topics.round, data)
+        pub = self.client.publish(self.topics.round, signed, retain=True)
+        self.stats.count_out(len(signed))
         self.client.require_published([pub], self.settings.publish_timeout_s, "announcing the round")
 
     def end_run(self) -> None:
@@ -167,7 +236,8 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     def publish_global(self, artifact: str, data: bytes) -> None:
         check_name(artifact, "artifact name")
         with self._lock:  # remembered before publishing: a reconnect meanwhile republishes it
-            update = self._retained.set_global(artifact, data)
+            # signed: the payload of the artifact's own topic (the message, or the manifest of its chunks)
+            update = self._retained.set_global(artifact, data, self._seal if self.signer is not None else None)
         pubs = [self.client.publish(t, p, retain=True) for t, p in update.publish]
         # A zero-length retained message deletes: the part topics a previous (longer) version used.
         pubs += [self.client.publish(t, b"", retain=True) for t in update.clear]
@@ -183,7 +253,8 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     def refuse(self, device_id: str, data: bytes | None) -> None:
         """Tell a device why it was refused (a retained ``refused`` message on its own topic), or clear that
         (``None``) once it is accepted. Not awaited: the device reads it whenever it is connected."""
-        self.client.publish(self.topics.refused(device_id), data or b"", retain=True)
+        topic = self.topics.refused(device_id)
+        self.client.publish(topic, self._seal(topic, data) if data else b"", retain=True)
 
     def offline(self) -> set[str]:
         """Devices whose latest status is a believable ``offline`` (:class:`~fedge.mqtt.status_book.StatusBook`).
@@ -200,6 +271,21 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         """Devices whose latest status is ``online``."""
         with self._cond:
             return self._book.online()
+
+    def health(self) -> list[Inbound]:
+        """Heartbeats received since the last call (at most :data:`MAX_QUEUED_HEALTH`; older ones dropped)."""
+        out = []
+        while True:
+            try:
+                out.append(self._health.popleft())
+            except IndexError:
+                return out
+
+    def statuses(self) -> dict[str, tuple[bool, float]]:
+        return dict(self._statuses)
+
+    def last_seen(self) -> dict[str, float]:
+        return dict(self._last_seen)
 
     def wait_for_devices(self, timeout_s: float) -> None:
         with self._cond:

@@ -14,8 +14,10 @@ import threading
 import time
 from typing import Any
 
+from fedge.common import boundedjson
 from fedge.common.inmemory import AsyncAnswer, async_answer, descriptor_tasks, resend_async
 from fedge.common.messages import Message
+from fedge.common.signing import SignatureError, Verifier
 from fedge.common.tensorcodec import read_header
 from fedge.common.transport import DeviceTransport
 from fedge.errors import PayloadError, TransportError
@@ -25,6 +27,8 @@ from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportSta
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics, check_name
 
 log = logging.getLogger(__name__)
+
+MAX_RESEND_BYTES = 1024  # a relay's resend request: {"descriptor": msg id, "id": request id}
 
 
 class MqttDeviceTransport(DeviceTransport):
@@ -36,8 +40,13 @@ class MqttDeviceTransport(DeviceTransport):
     """
 
     def __init__(self, broker: BrokerSettings, fleet: str, device_id: str,
-                 settings: TransportSettings | None = None, *, client_id: str | None = None) -> None:
+                 settings: TransportSettings | None = None, *, client_id: str | None = None,
+                 verifier: Verifier | None = None) -> None:
         self.topics = FleetTopics(fleet)
+        # With a verifier (the fleet key from the bundle), round descriptors, global state and refusals are
+        # accepted only signed by the fleet key, for the topic they came on, and not older than the newest
+        # accepted there; the rest is refused, counted in stats.rejected and logged.
+        self.verifier = verifier
         self.device_id = check_name(device_id, "device id")
         self.settings = settings or TransportSettings()
         self.stats = TransportStats()
@@ -60,7 +69,12 @@ class MqttDeviceTransport(DeviceTransport):
         # when a new coordinator process still lists that task (fedge.common.inmemory.resend_async).
         self._round_info: dict[str, Any] = {}
         self._last_task: AsyncAnswer | None = None
+        # Relay resend requests (_on_resend): the id of the latest one received, and of the latest one that no
+        # longer concerns the cached update (received before it was sent, or acted on already).
+        self._resend_latest: str | None = None
+        self._resend_seen: str | None = None
         self.refusal: bytes | None = None  # the coordinator's latest `refused` message for this device
+        self.refusal_text: str | None = None  # ... in words ("slot: ..."), for the device's health record
         self.changes = 0  # descriptor changes received
         self._changes_read = 0  # ... as of the last current_round() call
         self.client = MqttClient(broker, client_id or f"fedge-{fleet}-{device_id}", clean_session=True,
@@ -69,6 +83,7 @@ class MqttDeviceTransport(DeviceTransport):
                                  on_disconnect=self._on_disconnect)
         self.client.subscribe(self.topics.round)
         self.client.subscribe(self.topics.refused(device_id))
+        self.client.subscribe(self.topics.resend)
 
     def start(self, wait: bool = True) -> MqttDeviceTransport:
         """Connect (in the background; with ``wait``, until the first connection or a clear error)."""
@@ -87,21 +102,46 @@ class MqttDeviceTransport(DeviceTransport):
         with self._hello_lock:
             self._announced = False
 
+    def _opened(self, topic: str, data: bytes) -> bytes | None:
+        """The message inside a signed frame when this device verifies (None: refused, counted, logged)."""
+        if self.verifier is None or not data:
+            return data
+        try:
+            return self.verifier.open(topic, data)
+        except SignatureError as exc:
+            self.stats.rejected[exc.reason] = self.stats.rejected.get(exc.reason, 0) + 1
+            log.warning("%s: refused a message on %s: %s", self.device_id, topic, exc.message)
+            return None
+
     def _on_message(self, m: Received) -> None:
         self.stats.messages_in += 1
         self.stats.bytes_in += len(m.payload)
         if m.topic == self.topics.round:
-            self._on_round(m.payload)
+            raw = self._opened(m.topic, m.payload)
+            if raw is not None:
+                self._on_round(raw)
+            return
+        if m.topic == self.topics.resend:
+            self._on_resend(m.payload)
             return
         if m.topic == self.topics.refused(self.device_id):
-            self._on_refused(m.payload)
+            raw = self._opened(m.topic, m.payload)
+            if raw is not None:
+                self._on_refused(raw)
             return
         g = self.topics.parse_global(m.topic)
         if g is None:
             return
         asm = self._assemblers.setdefault(g.artifact, RetainedAssembler(self.settings.max_message_bytes))
         try:
-            whole = asm.on_root(m.payload) if g.part is None else asm.on_part(m.payload)
+            if g.part is None:
+                # Verified here: the whole message, or the manifest whose sha256 the reassembled parts must match.
+                root = self._opened(m.topic, m.payload) if m.payload else None
+                if root is None:
+                    return
+                whole = asm.on_root(root)
+            else:
+                whole = asm.on_part(m.payload)
             if whole is None:
                 return
             _, meta = read_header(whole)
@@ -116,14 +156,17 @@ class MqttDeviceTransport(DeviceTransport):
     def _on_refused(self, raw: bytes) -> None:
         self.refusal = raw or None
         if not raw:
+            self.refusal_text = None
             return
         try:
             msg = Message.from_bytes(raw, max_bytes=MAX_HELLO_BYTES)
             reason, text = msg.info.get("reason", "?"), msg.info.get("message", "")
         except (PayloadError, AttributeError) as exc:
             log.warning("%s: the coordinator refused this device (unreadable reason: %s)", self.device_id, exc)
+            self.refusal_text = "refused by the coordinator (unreadable reason)"
             return
         log.error("%s: the coordinator refused this device: %s: %s", self.device_id, reason, text)
+        self.refusal_text = f"refused by the coordinator: {reason}: {text}"
 
     def _on_round(self, raw: bytes) -> None:
         if not raw:
@@ -133,7 +176,6 @@ class MqttDeviceTransport(DeviceTransport):
             run = str(msg.info.get("run", ""))
             want = msg.info.get("globals")
             key = (run, int(msg.round))
-
         except (PayloadError, ValueError, TypeError) as exc:
             log.warning("%s: ignored a bad round descriptor: %s", self.device_id, exc)
             return
@@ -155,9 +197,42 @@ class MqttDeviceTransport(DeviceTransport):
             self._cond.notify_all()
         if resend is not None:
             log.info("%s: round %d was re-announced; sending the cached update again", self.device_id, key[1])
-            # Split again: a fresh transfer id, since the coordinator ignores repeats of a finished transfer.
-            for frame in split(resend, self.settings.chunk_bytes):
-                self.client.publish(self.topics.update(self.device_id), frame)
+            self._send_again(resend)
+
+    def _on_resend(self, raw: bytes) -> None:
+        """A relay asks for the cached update again (it restarted, or its shard's broker did). A relay forwards
+        the coordinator's round descriptor byte for byte — it holds no fleet key, so it could not re-announce a
+        signed round under a new id — and asks with this instead (docs/protocol.md sections 8 and 13). It is
+        not signed and needs not be: it only makes this device repeat, once per request id, the update it
+        already sent for the descriptor the request names; a copy counted before is refused as a duplicate.
+        It is retained, so a device that was away when the relay asked gets it on reconnecting; one the device
+        had received before sending its update (again on every reconnection) is not for that update."""
+        if not raw:
+            return
+        try:
+            req = boundedjson.loads(raw, max_bytes=MAX_RESEND_BYTES, max_depth=1, what="resend request")
+            descriptor, req_id = req["descriptor"], req["id"]
+            if not isinstance(descriptor, str) or not isinstance(req_id, str):
+                raise TypeError("descriptor and id must be strings")
+        except (PayloadError, KeyError, TypeError) as exc:
+            log.warning("%s: ignored a bad resend request: %s", self.device_id, exc)
+            return
+        with self._cond:
+            self._resend_latest = req_id
+            last = self._last_update
+            if req_id == self._resend_seen or last is None or last[1] != descriptor:
+                return
+            self._resend_seen = req_id
+            data = last[2]
+        log.info("%s: the relay asked again for round %d's update; sending the cached update", self.device_id,
+                 last[0][1])
+        self._send_again(data)
+
+    def _send_again(self, data: bytes) -> None:
+        # Split again: a fresh transfer id, since the coordinator ignores repeats of a finished transfer.
+        for frame in split(data, self.settings.chunk_bytes):
+            self.client.publish(self.topics.update(self.device_id), frame)
+            self.stats.count_out(len(frame))
 
     # -- DeviceTransport ---------------------------------------------------------------
     def send_hello(self, data: bytes) -> None:
@@ -219,6 +294,7 @@ class MqttDeviceTransport(DeviceTransport):
         if key is not None and key[1] == rnd:
             self._last_update = (key, rid, data)
             self._last_task = async_answer(info, self.device_id)
+            self._resend_seen = self._resend_latest  # requests received so far do not concern this update
         pubs = [self.client.publish(self.topics.update(self.device_id), f) for f in frames]
         for f in frames:
             self.stats.count_out(len(f))
@@ -228,6 +304,12 @@ class MqttDeviceTransport(DeviceTransport):
         if not self.client.wait_published(pubs, self.settings.publish_timeout_s):
             log.warning("%s: update not acknowledged within %.0f s; it stays queued and is resent after the "
                         "reconnect", self.device_id, self.settings.publish_timeout_s)
+
+    def send_health(self, data: bytes) -> None:
+        """Publish a heartbeat at QoS 0, not retained: one lost or sent while disconnected is dropped, not
+        queued (a burst of stale heartbeats after a reconnection would say nothing the next one does not)."""
+        self.client.publish(self.topics.health(self.device_id), data, qos=0)
+        self.stats.count_out(len(data))
 
     def close(self) -> None:
         """Disconnect cleanly, marking this device offline (the last-will is for crashes)."""

@@ -15,7 +15,7 @@ from fedge.mqtt.client import BrokerSettings, parse_broker_url
 
 
 def add_broker_arguments(p: argparse.ArgumentParser, *, required: bool = False) -> None:
-    """``--broker/--username/--password/--password-file/--tls/--ca`` (every MQTT command)."""
+    """``--broker/--username/--password/--password-file/--tls/--ca/--cert/--key`` (every MQTT command)."""
     g = p.add_argument_group("broker")
     g.add_argument("--broker", metavar="URL", required=required,
                    help="mqtt://HOST:PORT or mqtts://HOST:PORT" + ("" if required else
@@ -26,6 +26,8 @@ def add_broker_arguments(p: argparse.ArgumentParser, *, required: bool = False) 
     g.add_argument("--password-file", metavar="FILE", help="read the MQTT password from FILE")
     g.add_argument("--tls", action="store_true", help="connect with TLS")
     g.add_argument("--ca", metavar="FILE", help="CA certificate that signed the broker's certificate (implies --tls)")
+    g.add_argument("--cert", metavar="FILE", help="client certificate for mutual TLS (implies --tls; with --key)")
+    g.add_argument("--key", metavar="FILE", help="the client certificate's private key (mode 0600)")
 
 
 def broker_settings(args: argparse.Namespace, url: str | None = None) -> BrokerSettings:
@@ -38,5 +40,7 @@ def broker_settings(args: argparse.Namespace, url: str | None = None) -> BrokerS
         password = path.read_text().strip()
     if password is None:
         password = os.environ.get("FEDGE_MQTT_PASSWORD")
+    cert = getattr(args, "cert", None)
     return parse_broker_url(url or args.broker, username=args.username, password=password,
-                            tls=True if (args.tls or args.ca) else None, ca_file=args.ca)
+                            tls=True if (args.tls or args.ca or cert) else None, ca_file=args.ca,
+                            cert_file=cert, key_file=getattr(args, "key", None))

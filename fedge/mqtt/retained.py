@@ -11,6 +11,7 @@ transport holds its own around every call).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fedge.common.messages import Message
@@ -54,17 +55,21 @@ class RetainedState:
         """The round descriptor just announced (None: deleted at the end of a run)."""
         self.round = data
 
-    def set_global(self, artifact: str, data: bytes) -> GlobalUpdate:
+    def set_global(self, artifact: str, data: bytes,
+                   seal: Callable[[str, bytes], bytes] | None = None) -> GlobalUpdate:
         """Remember ``artifact``'s new global state (republished after every reconnection from now on) and
         say what publishing it takes: the whole message, or its parts first and the chunk manifest last
         (a device that sees the new manifest finds every part); and the part topics a previous, longer
-        version used, to be cleared."""
+        version used, to be cleared. ``seal(topic, payload)`` signs what goes on the artifact's own topic —
+        the whole message, or the manifest, which carries the whole message's sha256 (protocol section 11)."""
         root = self.topics.global_(artifact)
+        seal = seal or (lambda topic, payload: payload)
         if len(data) <= self.chunk_bytes:
-            items = [(root, data)]
+            items = [(root, seal(root, data))]
         else:
             manifest, frames = chunk_frames(data, self.chunk_bytes)
-            items = [(self.topics.global_part(artifact, i), f) for i, f in enumerate(frames)] + [(root, manifest)]
+            items = [(self.topics.global_part(artifact, i), f) for i, f in enumerate(frames)]
+            items.append((root, seal(root, manifest)))
         new_parts = len(items) - 1
         self._published[artifact] = items
         clear = [self.topics.global_part(artifact, i) for i in range(new_parts, self._parts.get(artifact, 0))]

@@ -8,6 +8,9 @@ from fedge.mqtt.chunking import DEFAULT_CHUNK_BYTES
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_HELLO_BYTES = 1 << 20
+# Health messages waiting for the coordinator's monitor; beyond it the oldest are dropped (and counted):
+# a heartbeat is replaced by the next one, and a flood must not grow the coordinator's memory.
+MAX_QUEUED_HEALTH = 10_000
 
 
 @dataclass(frozen=True)

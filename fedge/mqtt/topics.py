@@ -5,12 +5,20 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/devices/{id}/status        retained  "online" | "offline" (last-will: "offline")
     fedge/{fleet}/devices/{id}/hello         retained  hello message (profile, plan, architecture)
     fedge/{fleet}/devices/{id}/update        -         update message, or its chunk frames
+    fedge/{fleet}/devices/{id}/health        -         health message (heartbeat, QoS 0)
     fedge/{fleet}/rounds/current             retained  round descriptor message
+    fedge/{fleet}/rounds/resend              retained  a relay's request to send the cached update again (JSON)
     fedge/{fleet}/global/{artifact}          retained  global state message, or a chunk manifest
     fedge/{fleet}/global/{artifact}/part/{i} retained  chunk frame i of a chunked global state
     fedge/{fleet}/refused/{id}               retained  why the coordinator refused device {id} (empty: accepted)
+    fedge/{fleet}/ota/models/{version}       retained  a signed model package (or its chunk manifest)
+    fedge/{fleet}/ota/models/{version}/part/{i} retained chunk frame i of a chunked model package
+    fedge/{fleet}/ota/devices/{id}           retained  the signed deployment order for device {id}
+    fedge/{fleet}/devices/{id}/ota           retained  the device's model version and update state (JSON)
+    fedge/{fleet}/partials/{account}         -         a partial aggregate from an aggregation worker or relay
+    fedge/{fleet}/relays/{account}/status    retained  a relay's "online" | "offline" (last-will) on its parent
 
-A device writes only its own ``devices/{its id}/{status,hello,update}`` and reads
+A device writes only its own ``devices/{its id}/{status,hello,update,health}`` and reads
 ``rounds/#``, ``global/#`` and its own ``refused/{its id}``; the coordinator reads
 ``devices/#`` and writes the rest. The broker
 ACL written by ``fedge broker config`` enforces exactly this split, which is why
@@ -30,10 +38,15 @@ ROOT = "fedge"
 # Ids, fleet and artifact names become topic levels: no '/', '+', '#', no spaces, no '$'.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
-DeviceTopicKind = Literal["status", "hello", "update"]
-DEVICE_KINDS: tuple[str, ...] = ("status", "hello", "update")
+DeviceTopicKind = Literal["status", "hello", "update", "health"]
+DEVICE_KINDS: tuple[str, ...] = ("status", "hello", "update", "health")
 STATUS_ONLINE = b"online"
 STATUS_OFFLINE = b"offline"
+
+
+def shared(group: str, topic_filter: str) -> str:
+    """An MQTT 5 shared subscription: the broker hands each matching message to one member of ``group``."""
+    return f"$share/{check_name(group, 'shared subscription group')}/{topic_filter}"
 
 
 def check_name(value: str, what: str) -> str:
@@ -92,6 +105,9 @@ class FleetTopics:
     def update(self, device_id: str) -> str:
         return self.device(device_id, "update")
 
+    def health(self, device_id: str) -> str:
+        return self.device(device_id, "health")
+
     def device_filter(self, kind: DeviceTopicKind) -> str:
         """Subscription filter for one kind of message from every device."""
         return f"{self.base}/devices/+/{kind}"
@@ -101,6 +117,12 @@ class FleetTopics:
     def round(self) -> str:
         """The retained round descriptor."""
         return f"{self.base}/rounds/current"
+
+    @property
+    def resend(self) -> str:
+        """A relay's retained request that devices send their cached update again (docs/protocol.md section 13):
+        the relay forwards the coordinator's (signed) descriptor unchanged, so it cannot re-issue it."""
+        return f"{self.base}/rounds/resend"
 
     def global_(self, artifact: str) -> str:
         """The retained global state ``artifact`` (whole message or chunk manifest)."""
@@ -118,6 +140,46 @@ class FleetTopics:
         """One subscription that covers the artifact and all its parts (``#`` matches the parent too)."""
         return f"{self.global_(artifact)}/#"
 
+    # -- over-the-air model updates (fedge deploy) ----------------------------------------
+    def ota_model(self, version: int) -> str:
+        """The retained model package of ``version`` (whole, or its chunk manifest)."""
+        return f"{self.base}/ota/models/{int(version)}"
+
+    def ota_model_part(self, version: int, index: int) -> str:
+        """Retained chunk ``index`` of the model package of ``version``."""
+        return f"{self.ota_model(version)}/part/{int(index)}"
+
+    def ota_order(self, device_id: str) -> str:
+        """``fedge/{fleet}/ota/devices/{id}``: the retained, signed deployment order for one device."""
+        return f"{self.base}/ota/devices/{check_name(device_id, 'device id')}"
+
+    def ota_status(self, device_id: str) -> str:
+        """``fedge/{fleet}/devices/{id}/ota``: the device's retained update status (JSON)."""
+        return f"{self.base}/devices/{check_name(device_id, 'device id')}/ota"
+
+    def ota_status_filter(self) -> str:
+        return f"{self.base}/devices/+/ota"
+
+    # -- aggregators (workers, relays) -----------------------------------------------------
+    def partial(self, account: str) -> str:
+        """``fedge/{fleet}/partials/{account}``: where an aggregation worker or relay sends its partials."""
+        return f"{self.base}/partials/{check_name(account, 'aggregator account')}"
+
+    @property
+    def partial_filter(self) -> str:
+        return f"{self.base}/partials/+"
+
+    def relay_status(self, account: str) -> str:
+        """``fedge/{fleet}/relays/{account}/status``: a relay's status on its parent broker (last-will)."""
+        return f"{self.base}/relays/{check_name(account, 'relay account')}/status"
+
+    def parse_partial(self, topic: str) -> str | None:
+        """The account of a partial's topic of this fleet, else None."""
+        parts = topic.split("/")
+        if len(parts) != 4 or parts[0] != ROOT or parts[1] != self.fleet or parts[2] != "partials":
+            return None
+        return parts[3] if _NAME.match(parts[3]) else None
+
     # -- parsing --------------------------------------------------------------------------
     def parse_device(self, topic: str) -> DeviceTopic | None:
         """``DeviceTopic`` for a device topic of this fleet, else None."""
@@ -127,6 +189,13 @@ class FleetTopics:
         if parts[4] not in DEVICE_KINDS or not _NAME.match(parts[3]):
             return None
         return DeviceTopic(parts[3], parts[4])  # type: ignore[arg-type]
+
+    def parse_ota_status(self, topic: str) -> str | None:
+        """The device id of an OTA status topic (``devices/{id}/ota``) of this fleet, else None."""
+        parts = topic.split("/")
+        if len(parts) != 5 or parts[0] != ROOT or parts[1] != self.fleet or parts[2] != "devices" or parts[4] != "ota":
+            return None
+        return parts[3] if _NAME.match(parts[3]) else None
 
     def parse_global(self, topic: str) -> GlobalTopic | None:
         """``GlobalTopic`` for a global-state topic of this fleet, else None."""

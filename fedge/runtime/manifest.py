@@ -177,6 +177,13 @@ def write_manifest(model_dir: str | os.PathLike[str], manifest: Manifest) -> Pat
 
 def read_manifest(model_dir: str | os.PathLike[str]) -> Manifest:
     """Read and validate ``model_dir/manifest.json`` (files are not checked: see :func:`verify_files`)."""
+    data = read_manifest_json(model_dir)
+    return Manifest.from_dict(data, source=str(Path(model_dir) / MANIFEST_NAME))
+
+
+def read_manifest_json(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """``model_dir/manifest.json`` as a JSON object, not validated further; an :class:`ExportError` naming the
+    file when it is missing or not a JSON object."""
     root = Path(model_dir)
     path = root / MANIFEST_NAME
     if not root.is_dir():
@@ -189,7 +196,7 @@ def read_manifest(model_dir: str | os.PathLike[str]) -> Manifest:
         raise ExportError(f"{path} is not valid JSON: {exc}", hint="re-export or re-copy the model directory") from exc
     if not isinstance(data, dict):
         raise ExportError(f"{path} must hold a JSON object")
-    return Manifest.from_dict(data, source=str(path))
+    return data
 
 
 def verify_files(model_dir: str | os.PathLike[str], manifest: Manifest) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from fedge.common.preprocess import Normalization
+from fedge.common.signing import Verifier
 from fedge.errors import ExportError, PayloadError
 from fedge.runtime import providers as eps
 from fedge.runtime.inputs import check_model_input, largest_normalized, prepare
@@ -149,12 +150,18 @@ class EdgeModel:
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike[str], *, verify: bool = True, threads: int = 1,
-             providers: Sequence[str] | None = None) -> EdgeModel:
+             providers: Sequence[str] | None = None, verifier: Verifier | None = None) -> EdgeModel:
         """Open an export; ``verify`` checks every file's size and sha256 against the manifest.
 
         ``providers`` names ONNX Runtime execution providers to use (default: every
         available one of :data:`fedge.runtime.providers.PREFERRED`, in that order).
+        ``verifier`` (the fleet key): the manifest must carry the fleet's signature
+        (:mod:`fedge.runtime.signature`), checked before anything else is read.
         """
+        if verifier is not None:
+            from fedge.runtime.signature import verify_manifest
+
+            verify_manifest(model_dir, verifier)
         manifest = read_manifest(model_dir)
         if verify:
             verify_files(model_dir, manifest)

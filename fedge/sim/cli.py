@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedge.fleet.config import FleetConfig, load_fleet
+from fedge.errors import ConfigError
+from fedge.fleet.config import BACKENDS, FleetConfig, load_fleet
 from fedge.sim.transports import TRANSPORTS
 
 if TYPE_CHECKING:
@@ -24,6 +25,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--method", help="override [run] method")
     p.add_argument("--seed", type=int, help="override [run] seed")
     p.add_argument("--data-dir", help="override [run] data_dir")
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="override [simulation] backend: where the devices train — here one after another "
+                        "(sequential), in worker processes (process) or Ray actors (ray)")
+    p.add_argument("--workers", type=int, help="override [simulation] workers (default: one per available CPU)")
+    p.add_argument("--address", help="override [simulation] address: join the Ray cluster at HOST:PORT ('auto': "
+                                      "the one `ray start` runs on this machine); implies --backend ray")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--samples", action="store_true",
                    help="also write an image grid and a checkpoint per generator (samples/, checkpoints/generators/)")
@@ -54,6 +61,16 @@ def _override(args: argparse.Namespace) -> FleetConfig:
     }
     if changes:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, **changes))
+    sim: dict[str, Any] = {k: v for k, v in (("backend", getattr(args, "backend", None)),
+                                             ("workers", getattr(args, "workers", None)),
+                                             ("address", getattr(args, "address", None))) if v is not None}
+    if "address" in sim:
+        sim.setdefault("backend", "ray")
+    if sim:
+        try:  # the section validates itself: a bad --workers is the same error as a bad key
+            cfg = dataclasses.replace(cfg, simulation=dataclasses.replace(cfg.simulation, **sim))
+        except ConfigError as exc:
+            raise ConfigError(f"{cfg.source}: [simulation] (command line) {exc.message}", hint=exc.hint) from exc
     return cfg
 
 

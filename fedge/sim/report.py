@@ -13,8 +13,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fedge.common.rounds import DeviceInfo
 from fedge.common.units import format_bytes
 from fedge.coordinator.engine import RoundReport
+from fedge.fleet.config import device_ids
 from fedge.sim.simulate import SimResult
 
 
@@ -83,8 +85,15 @@ def build_results(res: SimResult) -> dict[str, Any]:
     rounds = res.cfg.run.rounds
     clock_doc, spans = _virtual(res)
     devices: list[dict[str, Any]] = []
-    for d in res.devices:
-        dev_id = d.info.device_id
+    # (registry record, plan, local test samples, how it was lost): every device of the fleet, those
+    # lost with a worker of a parallel run included (with what they reported before).
+    entries: list[tuple[DeviceInfo, dict[str, Any], int, str | None]] = [
+        (d.info, d.plan, len(d.method.ctx.local_test), None) for d in res.devices]
+    entries += [(x.info, x.plan, x.num_local_test, x.reason) for x in res.lost]
+    order = {dev_id: i for i, (dev_id, _) in enumerate(device_ids(res.cfg))}
+    entries.sort(key=lambda e: order.get(e[0].device_id, len(order)))
+    for info, plan, num_local_test, lost in entries:
+        dev_id = info.device_id
         acc_g: list[float | None] = [None] * (len(reports))
         acc_l: list[float | None] = [None] * (len(reports))
         up = [0] * len(reports)
@@ -98,13 +107,14 @@ def build_results(res: SimResult) -> dict[str, Any]:
         seen = [a for a in acc_g if a is not None]
         devices.append({**personal_and_guard(reports, dev_id),
             "id": dev_id,
-            "profile": d.info.profile,
-            "arch": d.info.arch,
-            "params": d.info.extra.get("params"),
-            "num_train": d.info.num_samples,
-            "num_local_test": len(d.method.ctx.local_test),
-            "upload_precision": d.info.upload_precision,
-            "plan": d.plan,
+            "profile": info.profile,
+            "arch": info.arch,
+            "params": info.extra.get("params"),
+            "num_train": info.num_samples,
+            "num_local_test": num_local_test,
+            "upload_precision": info.upload_precision,
+            "plan": plan,
+            **({"lost": lost} if lost else {}),
             "acc_global": acc_g,
             "acc_local": acc_l,
             "final_acc_global": acc_g[-1] if acc_g else None,
@@ -160,6 +170,8 @@ def build_results(res: SimResult) -> dict[str, Any]:
         ],
         "privacy": _privacy(res),
         "clock": clock_doc,
+        # where the devices trained (backend, workers, each worker's peak RSS, lost devices; issue 30)
+        "simulation": res.extra.get("simulation"),
         "devices": devices,
     }
     if clock_doc is not None:
@@ -331,6 +343,15 @@ def format_table(results: dict[str, Any]) -> str:
                      f"{ck['availability']}, jitter {ck['jitter']:g}"
                      + (f", deadline {ck['deadline_s']:g} s" if ck["deadline_s"] else "")
                      + (f"; {lost} update(s) lost to the clock" if lost else "") + ")")
+    sim = results.get("simulation") or {}
+    if sim.get("backend", "sequential") != "sequential":
+        workers = sim.get("workers", [])
+        peaks = ", ".join(format_bytes(w["peak_rss_bytes"]) for w in workers if "peak_rss_bytes" in w)
+        overhead_ms = 1000 * (sim.get("mean_round_overhead_s") or 0)
+        lines.append(f"{sim['backend']} backend: {len(workers)} workers (peak RSS {peaks or '-'}), start-up "
+                     f"{sim.get('start_s', 0):.1f} s, driver overhead {overhead_ms:.0f} ms per round")
+        for dev, why in sorted(sim.get("lost", {}).items()):
+            lines.append(f"lost {dev}: {why}")
     p = results.get("privacy")
     if p:
         eps = "∞" if p["epsilon"] is None else f"{p['epsilon']:.3g}"

@@ -15,17 +15,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.config import slot_checks
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
-from fedge.coordinator.strategy import Strategy
+from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.models.checkpoint import save_checkpoint
+from fedge.errors import ConfigError
 from fedge.fleet.clock import FleetClock, fleet_clock
 from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice, build_devices, load_fleet_data
 from fedge.fleet.registry import method_entry
-from fedge.fleet.slots import checked_slots
+from fedge.fleet.slots import DeviceSlot, check_feature_dims, checked_slots, device_slots
 from fedge.sim.clocked import check_transport, replay_clock
+from fedge.sim.parallel import LostDevice, sequential_run
 from fedge.sim.transports import transport_runner
 
 if TYPE_CHECKING:
@@ -42,9 +45,11 @@ class SimResult:
     agents: list[DeviceAgent]
     reports: list[RoundReport]
     seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # "simulation": the backend's facts (results.json)
+    lost: list[LostDevice] = field(default_factory=list)  # devices whose worker died (parallel backends)
+    globals: dict[str, Arrays] = field(default_factory=dict)  # the last global state the coordinator published
     clock: FleetClock | None = None
-    """The run in virtual time (``[clock]``; over MQTT replayed from the reports)."""
+    """The run in virtual time (``[clock]``; over MQTT or from worker processes replayed from the reports)."""
 
 
 def build_fleet(cfg: FleetConfig) -> tuple[list[SimDevice], Strategy]:
@@ -62,8 +67,8 @@ def run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
     caller may prepare first (e.g. a benchmark that withholds part of each device's data). ``transport``
     is a name of :data:`~fedge.sim.transports.TRANSPORTS` or a runner of one's own (e.g. an in-process bus
     on which a device stops answering, to replay an emulated fault)."""
-    agents, reports, _ = run_timed(cfg, devices, strat, transport=transport, on_round=on_round)
-    return agents, reports
+    agents, engine, _ = _run_rounds(cfg, devices, strat, transport=transport, on_round=on_round)
+    return agents, engine.reports
 
 
 def run_timed(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
@@ -72,6 +77,13 @@ def run_timed(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
               ) -> tuple[list[DeviceAgent], list[RoundReport], FleetClock | None]:
     """:func:`run_rounds`, and the run in virtual time (``[clock]``; over MQTT or a runner of one's own timed
     afterwards from the reports)."""
+    agents, engine, clock = _run_rounds(cfg, devices, strat, transport=transport, on_round=on_round)
+    return agents, engine.reports, clock
+
+
+def _run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, transport: str | TransportRunner,
+                on_round: Callable[[RoundReport], None] | None
+                ) -> tuple[list[DeviceAgent], RoundEngine, FleetClock | None]:
     if callable(transport):
         connect = transport
     else:
@@ -79,37 +91,113 @@ def run_timed(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
         connect = transport_runner(transport)
     coord, agents, cleanup = connect(cfg, devices)
     try:
-        # the devices' hellos are checked against the fleet config's slots, as `fedge coordinator run` does
-        checked = checked_slots(cfg)
-        slots = slot_checks(checked, own_data=cfg.own_data)
-        # with availability, a round waits until one device is online (the clock moves to its return)
-        quorum = 0 if cfg.clock.availability == "always" else 1
-        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=slots,
-                                                          privacy=cfg.privacy_mechanism, sampling=cfg.sampling,
-                                                          asynchronous=cfg.asynchronous,
-                                                          min_devices=quorum))
-        reports = engine.run(on_round=on_round)
-        clock = getattr(coord, "clock", None)
-        if not isinstance(clock, FleetClock):
-            if cfg.asynchronous is not None:  # versions on the real clock have no synchronous replay
-                return agents, reports, None
-            clock = replay_clock(fleet_clock(cfg, checked), reports)  # the real clock: time its rounds afterwards
-        return agents, reports, clock
+        slots = checked_slots(cfg)
+        engine = _engine(cfg, strat, coord, slots)
+        engine.run(on_round=on_round)
+        return agents, engine, _clock_of(cfg, coord, slots, engine.reports)
     finally:
         cleanup()
 
 
+def _clock_of(cfg: FleetConfig, coord: CoordinatorTransport, slots: list[DeviceSlot],
+              reports: list[RoundReport]) -> FleetClock | None:
+    """The in-process transport's own clock, or (a transport on the real clock, worker processes) the rounds
+    timed afterwards from the reports; None for asynchronous versions on the real clock (over MQTT), which
+    have no synchronous replay."""
+    clock = getattr(coord, "clock", None)
+    if isinstance(clock, FleetClock):
+        return clock
+    if cfg.asynchronous is not None:
+        return None
+    return replay_clock(fleet_clock(cfg, slots), reports)
+
+
+def _engine(cfg: FleetConfig, strat: Strategy, coord: CoordinatorTransport, slots: list[DeviceSlot]) -> RoundEngine:
+    """The round engine of a simulation; the devices' hellos are checked against the fleet config's
+    slots, as ``fedge coordinator run`` does."""
+    checks = slot_checks(slots, own_data=cfg.own_data)
+    # with availability, a round waits until one device is online (the clock moves to its return)
+    quorum = 0 if cfg.clock.availability == "always" else 1
+    return RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=checks,
+                                                  privacy=cfg.privacy_mechanism, sampling=cfg.sampling,
+                                                  asynchronous=cfg.asynchronous, min_devices=quorum))
+
+
 def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | Path | None = None,
              on_round: Callable[[RoundReport], None] | None = None) -> SimResult:
-    """Run ``cfg`` end to end; with ``out_dir``, save each device's final model there."""
+    """Run ``cfg`` end to end; with ``out_dir``, save each device's final model there.
+
+    ``cfg.simulation`` says where the devices train: here, one after another (``sequential``), or in
+    worker processes or Ray actors (:mod:`fedge.sim.parallel`), with the same results.
+    """
     transport_runner(transport)  # an unknown name fails before any work
+    sim = cfg.simulation
+    if sim.parallel and transport != "inprocess":
+        raise ConfigError(
+            f"[simulation] backend = {sim.backend!r} trains devices in workers over the in-process transport; "
+            f"--transport {transport} already runs every device concurrently, each in its own thread with its own "
+            "broker connection, which is the point of simulating over it",
+            hint='use backend = "sequential" with --transport mqtt, or --transport inprocess with the '
+                 f'{sim.backend} backend (real devices in separate processes: `fedge edge run`, docs/mqtt.md)')
     check_transport(cfg.clock.availability, transport)
+    if sim.parallel and (cfg.clock.availability != "always" or cfg.clock.deadline_s):
+        key = (f"availability = {cfg.clock.availability!r}" if cfg.clock.availability != "always"
+               else f"deadline_s = {cfg.clock.deadline_s:g}")
+        raise ConfigError(
+            f"[clock] {key} is simulated by the sequential in-process run only (it decides, device by device, "
+            f"who is online and whose update arrives in time); backend = {sim.backend!r} trains in workers",
+            hint='use backend = "sequential" with it, or drop it for the parallel backend')
+    if sim.backend == "ray":
+        from fedge.sim.raypool import import_ray
+
+        import_ray()  # without the extra, say so before any data is loaded
     t0 = time.perf_counter()
-    devices, strat = build_fleet(cfg)
-    agents, reports, clock = run_timed(cfg, devices, strat, transport=transport, on_round=on_round)
+    if sim.threads is not None and not sim.parallel:
+        torch_threads(sim.threads)
+    lost: list[LostDevice] = []
+    if sim.parallel:
+        devices, agents, reports, final_globals, extra, lost, clock = _run_parallel(cfg, on_round)
+    else:
+        devices, strat = build_fleet(cfg)
+        agents, engine, clock = _run_rounds(cfg, devices, strat, transport=transport, on_round=on_round)
+        reports, final_globals = engine.reports, engine.globals
+        extra = {"simulation": sequential_run(devices)}
     if out_dir is not None:
         ckpt_dir = Path(out_dir) / "checkpoints"
         for d in devices:
             save_checkpoint(d.method.ctx.model, ckpt_dir / f"{d.info.device_id}.safetensors",
                             extra={"fedge.profile": d.info.profile, "fedge.dataset": cfg.run.dataset})
-    return SimResult(cfg, devices, agents, reports, time.perf_counter() - t0, clock=clock)
+    return SimResult(cfg, devices, agents, reports, time.perf_counter() - t0, extra, lost, final_globals, clock)
+
+
+def torch_threads(n: int) -> None:
+    """torch intra-op threads of this process (``[simulation] threads`` of a sequential run)."""
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def _run_parallel(cfg: FleetConfig, on_round: Callable[[RoundReport], None] | None
+                  ) -> tuple[list[SimDevice], list[DeviceAgent], list[RoundReport], dict[str, Arrays],
+                             dict[str, Any], list[LostDevice], FleetClock | None]:
+    """The rounds with the devices in worker processes or Ray actors (:mod:`fedge.sim.parallel`)."""
+    from fedge.sim.parallel import ParallelFleet, make_pool
+
+    pool, workers = make_pool(cfg.simulation, cfg.num_devices)
+    try:
+        pool.spawn(workers)  # the workers start and import torch while this process loads the data
+        data = load_fleet_data(cfg)
+        slots = device_slots(cfg, data.train.y)
+        entry = method_entry(cfg.run.method)
+        check_feature_dims(cfg, (s.feature_dim for s in slots), shares_features=entry.shares_features)
+        strat = entry.build_strategy(cfg.method_config, num_classes=data.train.num_classes, rounds=cfg.run.rounds)
+        fleet = ParallelFleet(cfg, data, slots, pool, workers)
+        del data  # the fleet drops the training images once the workers hold their shares
+        coord = fleet.start()
+        engine = _engine(cfg, strat, coord, slots)
+        engine.run(on_round=on_round)
+        devices, agents, lost = fleet.finish()
+    finally:
+        pool.close()
+    return (devices, agents, engine.reports, engine.globals, {"simulation": fleet.run.to_dict()}, lost,
+            _clock_of(cfg, coord, slots, engine.reports))

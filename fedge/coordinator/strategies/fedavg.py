@@ -25,6 +25,7 @@ class FedAvgStrategy(Strategy):
     """Sample-weighted average of full weights within each architecture group."""
 
     settings_type: ClassVar[type[MethodSettings]] = FedAvgSettings
+    partial_fields: ClassVar[tuple[str, ...] | None] = ("groups",)
 
     def begin_round(self, rnd: int) -> None:
         self.groups = GroupedMean(self.aggregation)
@@ -43,6 +44,7 @@ class LGFedAvgStrategy(FedAvgStrategy):
     """The extractor averaged over all devices; everything else within the group."""
 
     settings_type: ClassVar[type[MethodSettings]] = LGFedAvgSettings
+    partial_fields: ClassVar[tuple[str, ...] | None] = ("groups", "extractor")
     # True: the group artifacts carry the group's own average of the stem as well (FedAvg within the
     # group), so a device can compare it with the fleet's; GeFL's guard sets it (docs/methods.md).
     group_extractor: bool = False

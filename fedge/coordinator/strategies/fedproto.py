@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from fedge.common.method_settings import FedProtoSettings
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo, class_stats_spec
@@ -16,6 +16,7 @@ class FedProtoStrategy(Strategy):
     every device's latest prototypes, :mod:`~fedge.coordinator.strategies.running`)."""
 
     settings_type = FedProtoSettings
+    partial_fields: ClassVar[tuple[str, ...] | None] = ("protos",)
 
     def __init__(self, settings: FedProtoSettings | None = None, *, num_classes: int, rounds: int) -> None:
         super().__init__(settings, num_classes=num_classes, rounds=rounds)

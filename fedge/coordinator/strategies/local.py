@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from fedge.common.method_settings import LocalSettings
 from fedge.common.rounds import DeviceInfo
@@ -13,6 +13,7 @@ class LocalStrategy(Strategy):
     """No aggregation: devices upload nothing but metrics."""
 
     settings_type = LocalSettings
+    partial_fields: ClassVar[tuple[str, ...] | None] = ()  # nothing to aggregate: any split merges
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
         pass

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -19,6 +22,55 @@ from fedge.edge.models.zoo import FedgeNet
 from fedge.edge.training import TrainConfig, accuracy
 
 Arrays = dict[str, np.ndarray]
+
+log = logging.getLogger(__name__)
+
+
+class GlobalEval:
+    """Accuracies on one global test set, shared by every device of one process (issue 30).
+
+    Within an architecture group FedAvg gives every device the same model, and each used to pass
+    over the whole global test set with it: N identical passes. A device asks here instead, keyed
+    by what decides the answer — how it predicts (``kind``, plus e.g. the prototypes it predicts
+    with) and a digest of the model's whole state — so each distinct model is evaluated once per
+    process. The cached figure is the one the first device computed, with the same code on the
+    same data: the results are those of N separate passes, bit for bit.
+
+    Thread-safe (the MQTT simulation runs a thread per device); two threads missing the same key
+    at once both compute it, which costs time, never a different figure.
+    """
+
+    def __init__(self, test: Dataset, *, max_entries: int = 1024) -> None:
+        self.test = test
+        self.max_entries = max_entries
+        self.passes = 0  # evaluations actually run
+        self.hits = 0  # evaluations answered from the cache
+        self._acc: OrderedDict[bytes, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def accuracy(self, model: torch.nn.Module, compute: Callable[[], float], *, kind: str = "model",
+                 extra: bytes = b"") -> float:
+        """``compute()`` (an accuracy of ``model`` on :attr:`test`), or the figure of an identical earlier call."""
+        h = hashlib.blake2b(digest_size=20)
+        spec = getattr(model, "spec", None)
+        # BatchNorm's batch counters differ between devices that trained different numbers of batches, yet
+        # an evaluation never reads them (eval mode uses the running statistics): they are not part of the key.
+        for part in (kind.encode(), repr(spec).encode(), state_digest(model, counters=False), extra):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+        key = h.digest()
+        with self._lock:
+            if key in self._acc:
+                self.hits += 1
+                self._acc.move_to_end(key)
+                return self._acc[key]
+        value = compute()
+        with self._lock:
+            self.passes += 1
+            self._acc[key] = value
+            while len(self._acc) > self.max_entries:
+                self._acc.popitem(last=False)
+        return value
 
 
 @dataclass
@@ -37,6 +89,7 @@ class DeviceContext:
     profile: str = "custom"
     plan: dict[str, Any] = field(default_factory=dict)
     privacy: Mechanism | None = None  # [privacy]: the agent clips and noises the statistics before upload
+    global_eval: GlobalEval | None = None  # accuracies on global_test shared with the other devices of this process
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
@@ -98,9 +151,18 @@ class DeviceMethod(ABC):
         if len(ctx.local_test.y):
             out["acc_local"] = accuracy(ctx.model, ctx.local_test.x, ctx.local_test.y)
         if ctx.global_test is not None and len(ctx.global_test.y):
-            out["acc_global"] = accuracy(ctx.model, ctx.global_test.x, ctx.global_test.y)
+            test = ctx.global_test
+            out["acc_global"] = self.global_accuracy(lambda: accuracy(ctx.model, test.x, test.y))
         self._eval_cache = (digest, dict(out))
         return out
+
+    def global_accuracy(self, compute: Callable[[], float], *, kind: str = "model", extra: bytes = b"") -> float:
+        """An accuracy of this device's model on ``ctx.global_test``: through the process's shared
+        :class:`GlobalEval` when there is one for that test set, else ``compute()`` itself."""
+        shared = self.ctx.global_eval
+        if shared is None or shared.test is not self.ctx.global_test:
+            return compute()
+        return shared.accuracy(self.ctx.model, compute, kind=kind, extra=extra)
 
 
 # -- state-dict <-> arrays ------------------------------------------------------------------
@@ -124,10 +186,13 @@ def model_arrays(model: torch.nn.Module, prefixes: Iterable[str] | None = None,
     }
 
 
-def state_digest(model: torch.nn.Module) -> bytes:
-    """A digest of every state-dict entry (weights and BN statistics): equal iff the model is unchanged."""
+def state_digest(model: torch.nn.Module, *, counters: bool = True) -> bytes:
+    """A digest of every state-dict entry (weights and BN statistics): equal iff the model is unchanged.
+    ``counters=False`` leaves BatchNorm's batch counters out (what a prediction depends on)."""
     h = hashlib.blake2b(digest_size=16)
     for k, v in model.state_dict().items():
+        if not counters and is_buffer_counter(k):
+            continue
         h.update(k.encode())
         h.update(v.detach().cpu().contiguous().numpy().tobytes())
     return h.digest()

@@ -65,7 +65,12 @@ class FedProtoDevice(PersonalMixin, DeviceMethod):
         ctx = self.ctx
         out = {"acc_local": self._proto_accuracy(ctx.local_test.x, ctx.local_test.y)}
         if ctx.global_test is not None:
-            out["acc_global"] = self._proto_accuracy(ctx.global_test.x, ctx.global_test.y)
+            test, protos, mask = ctx.global_test, self.global_protos, self.proto_mask
+            assert mask is not None
+            # nearest-prototype predictions depend on the model and the prototypes it measures against
+            key = protos.numpy().tobytes() + mask.numpy().tobytes()
+            out["acc_global"] = self.global_accuracy(lambda: self._proto_accuracy(test.x, test.y),
+                                                     kind="nearest-prototype", extra=key)
         return out
 
     @torch.no_grad()

@@ -184,7 +184,9 @@ class PersonalMixin:
                "personal": float(choice.personal),
                "val_gain_personal": 100.0 * (choice.val_personal - choice.val_generic)}
         if ctx.global_test is not None:
-            out["acc_global"] = _accuracy(generic, ctx.global_test.x, ctx.global_test.y)
+            test = ctx.global_test
+            # the federated model's figure: the same for every device holding this model (FedAvg's group)
+            out["acc_global"] = dm.global_accuracy(lambda: _accuracy(generic, test.x, test.y), kind="features-head")
             out["acc_global_personal"] = (_accuracy(mine, ctx.global_test.x, ctx.global_test.y) if choice.personal
                                           else out["acc_global"])
         out = {k: v for k, v in out.items() if not np.isnan(v)}

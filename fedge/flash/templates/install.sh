@@ -98,6 +98,12 @@ own "$STATE" "$STATE/data"
 install -d -m 0755 "$OPT/bin"
 DATA_ARGS=
 [ "$OWN_DATA" = 1 ] && DATA_ARGS=" --data \"$STATE/data\" --status-file \"$STATE/status.json\""
+# A fleet that signs (fleet.pub in the bundle): replay protection across restarts, and over-the-air model
+# updates into $STATE/models (fedge deploy), starting from the flashed model.
+if [ -f "$ETC/bundle/fleet.pub" ]; then
+  DATA_ARGS="$DATA_ARGS --state-dir \"$STATE\" --model-store \"$STATE/models\""
+  [ -d "$OPT/model" ] && DATA_ARGS="$DATA_ARGS --model \"$OPT/model\""
+fi
 cat > "$OPT/bin/fedge-edge.new" <<LAUNCHER
 #!/bin/sh
 # fedge edge agent of @DEVICE_ID@, written by install.sh (fedge flash). Extra arguments are passed on.

@@ -1,0 +1,220 @@
+"""Admitting a partial aggregate: the checks a ``partial`` message passes before it is merged.
+
+A partial comes from an aggregation worker or a relay (see :mod:`fedge.coordinator.partial`). Its
+sender is the account whose topic it arrived on (``fedge/{fleet}/partials/{account}``, which the broker
+ACL lets only that account write). Like a device's update it is untrusted input, inside the same
+error boundary: any failure refuses *that partial* — counted as ``partial-{reason}`` under its sender,
+logged — and the coordinator carries on. The checks, in order:
+
+* the envelope: kind ``partial``, this fleet, sender = the topic's account (``spoofed``), an account
+  allowed to speak for the devices it lists (``foreign``), this round (``stale`` / ``future``), a
+  message id not merged before (``duplicate``);
+* the devices it lists: registered here (``unregistered``), none already counted in this round
+  (``overlap``: a device's update may be counted once; the whole partial is refused, since a sum
+  cannot be taken apart), each with an update report that passes the same checks a device's own
+  update info does (``info``);
+* the tensors: exactly what this coordinator's strategy would produce for those devices
+  (:func:`~fedge.coordinator.partial.check_partial`: names, shapes, dtypes, finite, weights within
+  the devices' samples), none in the final round.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fedge.common.messages import Message
+from fedge.common.rounds import DeviceInfo
+from fedge.common.transport import Inbound
+from fedge.coordinator.gate import UNKNOWN_SENDER, UpdateGate, reason_of
+from fedge.coordinator.partial import (
+    MAX_PARTIAL_DEVICES,
+    MAX_PARTIAL_INFO_BYTES,
+    check_partial,
+    check_splittable,
+    merge_partial,
+    template,
+    weight_budget,
+)
+from fedge.coordinator.report import RoundReport
+from fedge.coordinator.strategy import Strategy
+from fedge.coordinator.validation import Rejected, parse_update_info
+
+log = logging.getLogger(__name__)
+
+MAX_COUNT = 1 << 30  # a refusal count a partial may report for one (device, reason)
+
+
+@dataclass(frozen=True)
+class MergedDevice:
+    """One device's update as a partial reports it (already checked)."""
+
+    device: DeviceInfo
+    bytes_up: int
+    metrics: dict[str, float]
+    bytes_down: int
+    info: dict[str, Any]
+    raw_info: dict[str, Any]  # the update's info as the device sent it (forwarded by a relay)
+
+
+DeviceSink = Callable[[MergedDevice], None]
+
+
+def partial_info(descriptor: str, devices: Mapping[str, tuple[int, dict[str, Any]]],
+                 rejected_by_device: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
+    """The envelope info of a partial: the descriptor it answers, each device's (bytes up, update info)
+    and the refusals its sender counted (hellos excepted: every node registers hellos itself)."""
+    return {
+        "descriptor": descriptor,
+        "devices": {d: {"up": up, "info": info} for d, (up, info) in devices.items()},
+        "rejected_by_device": {d: {r: n for r, n in c.items() if not r.startswith("hello-")}
+                               for d, c in rejected_by_device.items()
+                               if any(not r.startswith("hello-") for r in c)},
+    }
+
+
+def merged_into(report: RoundReport, sender: str | None) -> DeviceSink:
+    """A sink that records each merged device in ``report`` as the engine records a device's own update."""
+
+    def sink(e: MergedDevice) -> None:
+        d = e.device.device_id
+        report.accepted.append(d)
+        report.bytes_up[d] = e.bytes_up
+        report.bytes_down[d] = e.bytes_down
+        report.metrics[d] = e.metrics
+        report.info[d] = e.info
+        key = sender or UNKNOWN_SENDER
+        report.partials[key] = report.partials.get(key, 0) + 1
+
+    return sink
+
+
+class PartialMerger:
+    """Checks partials and merges them into ``strategy``'s accumulators; refusals count in ``gate``."""
+
+    def __init__(self, strategy: Strategy, gate: UpdateGate, *, fleet: str, max_bytes: int,
+                 allowed: Mapping[str, Collection[str]] | None = None) -> None:
+        self.strategy = strategy
+        self.gate = gate
+        self.fleet = fleet
+        self.max_bytes = max_bytes
+        # account -> the devices it may report (None: any account the broker lets publish a partial,
+        # for any registered device)
+        self.allowed = allowed
+        self._round = 0
+        self._final = False
+        self._seen_ids: set[str] = set()
+        self.merged = 0  # partials merged since start
+
+    def begin_round(self, rnd: int, *, final: bool) -> None:
+        self._round, self._final, self._seen_ids = rnd, final, set()
+
+    def admit(self, item: Inbound, counted: Collection[str], sink: DeviceSink) -> list[str]:
+        """Check and merge one partial; the ids of the devices it added (none if refused, counted).
+
+        ``counted``: the devices already counted in this round (a partial listing one is refused);
+        ``sink`` receives each device's report entry once the partial is merged.
+        """
+        sender = item.origin
+        try:
+            if item.reject is not None:
+                raise Rejected(*item.reject)
+            msg = Message.from_bytes(item.data, max_bytes=self.max_bytes, max_info_bytes=MAX_PARTIAL_INFO_BYTES)
+            sender = sender or msg.sender
+            entries = self._check(msg, item, counted)
+            if not self._final:
+                check_splittable(self.strategy)
+                devices = [e.device for e in entries]
+                check_partial(msg.tensors, template(self.strategy, self._round, devices), len(devices),
+                              weight_budget(devices))
+            elif msg.tensors:
+                raise Rejected("schema", f"{msg.sender}'s partial for the final round carries tensors")
+            self._count_refusals(msg.info.get("rejected_by_device", {}))
+        except Exception as exc:  # the error boundary: a partial never stops the coordinator
+            self.refuse(sender, exc)
+            return []
+        if not self._final:
+            merge_partial(self.strategy, msg.tensors)
+        self._seen_ids.add(msg.msg_id)
+        # the gate's per-round duplicate guard: a later update of one of these devices is a duplicate
+        self.gate._seen.update(e.device.device_id for e in entries)
+        self.merged += 1
+        for e in entries:
+            sink(e)
+        log.debug("round %d: merged %s's partial of %d devices", self._round, msg.sender, len(entries))
+        return [e.device.device_id for e in entries]
+
+    def refuse(self, sender: str | None, exc: BaseException) -> None:
+        """Count and log one refused partial under ``sender`` (reason ``partial-`` + the error's reason)."""
+        reason = f"partial-{reason_of(exc)}"
+        who = (sender or UNKNOWN_SENDER)[:64]
+        self.gate.rejections.add(who, reason)
+        message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+        log.warning("round %d: refused a partial from %s (%s): %s", self._round, who, reason, message,
+                    exc_info=exc if reason == "partial-error" else None)
+
+    def _check(self, msg: Message, item: Inbound, counted: Collection[str]) -> list[MergedDevice]:
+        if item.origin is not None and msg.sender != item.origin:
+            raise Rejected("spoofed", f"a partial on {item.origin}'s topic claims to come from {msg.sender!r}")
+        if msg.kind != "partial":
+            raise Rejected("kind", f"expected a partial, got a {msg.kind} from {msg.sender}")
+        if msg.fleet != self.fleet:
+            raise Rejected("fleet", f"{msg.sender} sent a partial for fleet {msg.fleet!r}")
+        if msg.round < self._round:
+            raise Rejected("stale", f"{msg.sender} sent a partial of round {msg.round} during round {self._round}")
+        if msg.round > self._round:
+            raise Rejected("future", f"{msg.sender} sent a partial of round {msg.round} during round {self._round}")
+        if msg.msg_id in self._seen_ids:
+            raise Rejected("duplicate", f"{msg.sender}'s partial {msg.msg_id[:8]} was merged already")
+        raw = msg.info.get("devices")
+        if not isinstance(raw, dict) or len(raw) > MAX_PARTIAL_DEVICES:
+            raise Rejected("malformed", f"{msg.sender}'s partial must list at most {MAX_PARTIAL_DEVICES} devices "
+                                        "as an object")
+        may = None if self.allowed is None else self.allowed.get(msg.sender)
+        if self.allowed is not None and may is None:
+            raise Rejected("unauthorized", f"{msg.sender!r} is not an aggregator of this fleet")
+        entries = []
+        overlap = []
+        for dev_id, entry in raw.items():
+            if may is not None and dev_id not in may:
+                raise Rejected("foreign", f"{msg.sender} reports {dev_id[:64]!r}, a device outside its shard")
+            device = self.gate.devices.get(dev_id)
+            if device is None:
+                raise Rejected("unregistered", f"{msg.sender} reports {dev_id[:64]!r}, which has not said hello here")
+            if not self.gate.sampled(dev_id):
+                raise Rejected("unsampled", f"{msg.sender} reports {dev_id[:64]!r}, which was not sampled for round "
+                                            f"{self._round}")
+            if dev_id in counted:
+                overlap.append(dev_id)
+                continue
+            if not isinstance(entry, dict) or not isinstance(entry.get("info"), dict):
+                raise Rejected("malformed", f"{msg.sender}'s entry for {dev_id} is not {{up, info}}")
+            up = entry.get("up")
+            if not isinstance(up, int) or isinstance(up, bool) or not 0 <= up <= self.max_bytes:
+                raise Rejected("malformed", f"{msg.sender}'s entry for {dev_id}: up must be a byte count")
+            metrics, down, rest = parse_update_info(entry["info"], device)
+            entries.append(MergedDevice(device, up, metrics, down, rest, entry["info"]))
+        if overlap:
+            raise Rejected("overlap", f"{msg.sender}'s partial counts {len(overlap)} device(s) already counted in "
+                                      f"round {self._round} ({', '.join(sorted(overlap)[:5])}); a sum cannot be "
+                                      f"taken apart, so its {len(raw)} devices are refused")
+        return entries
+
+    def _count_refusals(self, raw: object) -> None:
+        """The refusals the sender counted, added to this node's (they appear in the round report)."""
+        if not isinstance(raw, dict):
+            raise Rejected("malformed", "rejected_by_device must be an object")
+        checked: list[tuple[str, str, int]] = []
+        for dev, reasons in raw.items():
+            if not isinstance(reasons, dict):
+                raise Rejected("malformed", "rejected_by_device entries must be objects")
+            for reason, n in reasons.items():
+                if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_COUNT or len(reason) > 64:
+                    raise Rejected("malformed", f"rejected_by_device[{dev[:40]!r}][{reason[:40]!r}] is not a count")
+                checked.append((dev[:64], reason, n))
+        for dev, reason, n in checked:
+            self.gate.rejections.by_reason[reason] += n
+            self.gate.rejections.by_device.setdefault(dev, Counter())[reason] += n

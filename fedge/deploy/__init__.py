@@ -1,0 +1,1 @@
+"""``fedge deploy``: signed, staged over-the-air model updates to a fleet's devices."""

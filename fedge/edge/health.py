@@ -1,0 +1,250 @@
+"""The device's heartbeat: a small health record, read from Linux's /proc and /sys, published every few seconds.
+
+Nothing here needs a package beyond the standard library (a Raspberry Pi Zero runs it beside its
+training): memory from ``/proc/self/status`` and ``/proc/meminfo`` (and the cgroup's limit, so a
+container reports what it may use, not the host's RAM), CPU from the process's own times, the
+temperature from the hottest CPU thermal zone, the clock from cpufreq, the Pi firmware's throttle
+flags from ``get_throttled`` where the kernel exposes it, free disk with ``statvfs``. Whatever the
+machine cannot tell is sent as null. The schema and its limits are :mod:`fedge.common.health`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedge import __version__
+from fedge.common.health import FIELDS, MAX_NAME, MAX_TEXT
+from fedge.common.messages import Message
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_S = 10.0
+PROC = Path("/proc")
+SYS = Path("/sys")
+# Where the Raspberry Pi firmware driver exposes vcgencmd's get_throttled (kernels since 5.x).
+PI_THROTTLED = SYS / "devices/platform/soc/soc:firmware/get_throttled"
+# Thermal zones whose type names the CPU (Pi: cpu-thermal; x86: x86_pkg_temp, coretemp; others: soc, cpu0 ...).
+CPU_ZONE_WORDS = ("cpu", "x86_pkg", "soc", "core", "package")
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _kib_fields(path: Path, names: tuple[str, ...]) -> dict[str, int]:
+    """``Name:  123 kB`` lines of a /proc file, in bytes."""
+    out: dict[str, int] = {}
+    text = _read(path) or ""
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in names:
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                out[key] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    return out
+
+
+def _cgroup_memory() -> tuple[int | None, int | None]:
+    """(limit, usage) of this process's memory cgroup in bytes; None where there is none or no limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        raw = _read(SYS / "fs/cgroup" / limit_file)
+        if raw is None:
+            continue
+        usage = _read(SYS / "fs/cgroup" / usage_file)
+        limit = int(raw) if raw.isdigit() and int(raw) < 1 << 60 else None  # "max", or v1's "no limit" 2^63
+        return limit, int(usage) if usage and usage.isdigit() else None
+    return None, None
+
+
+def memory() -> dict[str, int | None]:
+    """The agent's RSS, and the RAM it may use and has left (the cgroup's limit where lower than the machine's)."""
+    rss = _kib_fields(PROC / "self/status", ("VmRSS",)).get("VmRSS")
+    info = _kib_fields(PROC / "meminfo", ("MemTotal", "MemAvailable"))
+    total, avail = info.get("MemTotal"), info.get("MemAvailable")
+    limit, usage = _cgroup_memory()
+    if limit is not None and (total is None or limit < total):
+        total = limit
+        if usage is not None:
+            avail = max(0, min(avail if avail is not None else limit, limit - usage))
+    return {"rss_bytes": rss, "mem_total_bytes": total, "mem_available_bytes": avail}
+
+
+def cpu_temperature() -> float | None:
+    """The hottest CPU thermal zone in °C (any zone if none is named for the CPU); None without one."""
+    temps: list[tuple[bool, float]] = []
+    for zone in sorted((SYS / "class/thermal").glob("thermal_zone*")):
+        raw = _read(zone / "temp")
+        if raw is None or not raw.lstrip("-").isdigit():
+            continue
+        kind = (_read(zone / "type") or "").lower()
+        temps.append((any(w in kind for w in CPU_ZONE_WORDS), int(raw) / 1000.0))
+    cpu = [t for is_cpu, t in temps if is_cpu] or [t for _, t in temps]
+    return max(cpu) if cpu else None
+
+
+def cpu_clock() -> tuple[float | None, float | None]:
+    """(current, maximum) clock of CPU 0 in MHz from cpufreq; None where the kernel has no cpufreq."""
+    base = SYS / "devices/system/cpu/cpu0/cpufreq"
+
+    def mhz(name: str) -> float | None:
+        raw = _read(base / name)
+        return int(raw) / 1000.0 if raw and raw.isdigit() else None
+
+    return mhz("scaling_cur_freq"), mhz("cpuinfo_max_freq")
+
+
+def pi_throttled() -> int | None:
+    """The Raspberry Pi firmware's throttle flags (vcgencmd get_throttled), where the kernel exposes them."""
+    raw = _read(PI_THROTTLED)
+    if raw is None:
+        return None
+    try:  # the driver prints the flags in hex ("50005"), vcgencmd as "throttled=0x50005"
+        return int(raw.removeprefix("throttled=").removeprefix("0x"), 16)
+    except ValueError:
+        return None
+
+
+def uptime() -> float | None:
+    raw = _read(PROC / "uptime")
+    try:
+        return float(raw.split()[0]) if raw else None
+    except (ValueError, IndexError):
+        return None
+
+
+def disk_free(path: str | os.PathLike[str] = "/") -> int | None:
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+class HealthSampler:
+    """Builds one health record per call; CPU % is the agent's share since the previous call."""
+
+    def __init__(self, model: str, *, disk_path: str | os.PathLike[str] = "/",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.model = model[:MAX_NAME]
+        self.disk_path = disk_path
+        self.clock = clock
+        self.started = clock()
+        self.seq = 0
+        self._cpu = (clock(), _cpu_seconds())
+
+    def sample(self, *, last_round: int, model_round: int, last_error: str | None) -> dict[str, Any]:
+        """The record (a dict of :data:`fedge.common.health.FIELDS`), every value within its bounds."""
+        now, cpu = self.clock(), _cpu_seconds()
+        then, cpu_then = self._cpu
+        self._cpu = (now, cpu)
+        self.seq += 1
+        cur, top = cpu_clock()
+        rec: dict[str, Any] = {
+            "seq": self.seq,
+            "sent": time.time(),
+            "uptime_s": uptime(),
+            "agent_uptime_s": max(0.0, now - self.started),
+            **memory(),
+            "cpu_percent": 100.0 * (cpu - cpu_then) / (now - then) if now > then else None,
+            "cpu_count": os.cpu_count(),
+            "cpu_temp_c": cpu_temperature(),
+            "cpu_mhz": cur,
+            "cpu_max_mhz": top,
+            "throttled": pi_throttled(),
+            "disk_free_bytes": disk_free(self.disk_path),
+            "fedge_version": __version__[:MAX_NAME],
+            "model": self.model,
+            "model_round": max(0, model_round),
+            "last_round": max(0, last_round),
+            "last_error": last_error[:MAX_TEXT] if last_error else None,
+        }
+        return {k: _clamp(k, v) for k, v in rec.items()}
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _clamp(name: str, value: Any) -> Any:
+    """Keep a reading within the schema's bounds (a broken sensor must not get the record refused)."""
+    kind, lo, hi, _ = FIELDS[name]
+    if value is None or kind == "text":
+        return value
+    value = min(max(value, lo), hi)
+    return int(value) if kind == "int" else float(value)
+
+
+class Heartbeat:
+    """A daemon thread that publishes the device's health every ``interval_s`` through ``send``.
+
+    ``state`` returns (last round, model round, last error) at each beat. A failure to sample or to
+    send is logged once per distinct message and never stops the agent.
+    """
+
+    def __init__(self, device_id: str, fleet: str, sampler: HealthSampler, send: Callable[[bytes], None],
+                 state: Callable[[], tuple[int, int, str | None]], interval_s: float = DEFAULT_HEARTBEAT_S) -> None:
+        self.device_id = device_id
+        self.fleet = fleet
+        self.sampler = sampler
+        self.send = send
+        self.state = state
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_failure = ""
+        self.sent = 0
+
+    def beat(self) -> None:
+        """Sample and publish one record now."""
+        last_round, model_round, error = self.state()
+        rec = self.sampler.sample(last_round=last_round, model_round=model_round, last_error=error)
+        msg = Message("health", self.device_id, last_round, self.fleet, info={"health": rec})
+        self.send(msg.to_bytes())
+        self.sent += 1
+
+    def _run(self) -> None:
+        # The first beat a moment after start: the connection is usually up by then (a heartbeat sent
+        # while disconnected is dropped, not queued).
+        if self._stop.wait(min(1.0, self.interval_s)):
+            return
+        while True:
+            try:
+                self.beat()
+            except Exception as exc:  # a heartbeat is a courtesy: it never stops the device
+                text = f"{type(exc).__name__}: {exc}"
+                if text != self._last_failure:
+                    log.warning("%s: heartbeat failed: %s", self.device_id, text)
+                    self._last_failure = text
+            if self._stop.wait(self.interval_s):
+                return
+
+    def start(self) -> Heartbeat:
+        if self.interval_s > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.device_id}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, *, last_beat: bool = True) -> None:
+        """Stop beating; with ``last_beat`` send one more record first (the device's state as it leaves: its
+        last round, and a record at all from a run shorter than one heartbeat)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            if last_beat:
+                try:
+                    self.beat()
+                except Exception as exc:  # the connection may be gone already
+                    log.debug("%s: last heartbeat not sent: %s", self.device_id, exc)

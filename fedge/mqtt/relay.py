@@ -1,0 +1,347 @@
+"""A relay between a broker shard and its parent broker: ``fedge relay``.
+
+Devices of a shard talk only to their shard's broker, with the same topics as a flat fleet. The relay
+is connected to both brokers under its own account:
+
+* **down** (parent → shard, retained, byte for byte): the round descriptor, the global state
+  (``global/#``, chunk parts included), the devices' ``refused/{id}`` and ``fedge deploy``'s model
+  packages and orders (``ota/#``) — signed frames stay signed: a
+  relay holds no fleet key and changes nothing a device verifies (it reads the descriptor inside the
+  frame without verifying it); and, whenever this relay starts or reconnects to its shard, a retained
+  **resend request** (``rounds/resend``, naming the descriptor) so that devices whose update it may have
+  lost send their cached update again (protocol §8 and §13) — where a coordinator re-announces the round
+  under a new message id, which a relay could not sign;
+* **up** (shard → parent): the devices' retained ``hello``, ``status`` and OTA status (the parent
+  registers the devices and knows who is offline, ``fedge deploy`` follows the rollout; the parent's ACL
+  lets this relay write exactly those of its shard's devices), and — instead of N updates — its
+  partial aggregate: every update passes the update gate into the strategy's accumulators
+  (:class:`~fedge.coordinator.aggregator.PartialAggregator`), a child relay's partial is merged, and
+  once every online device of the shard has answered (or the round's deadline is ``margin_s`` away, or
+  nothing new came for ``hold_s``) one ``partial`` goes to ``fedge/{fleet}/partials/{account}`` on the
+  parent.
+
+A relay of relays is the same program with a relay's shard as its child broker: trees of any depth.
+
+**Faults.** The devices this relay has forwarded in the current round are saved (``state_dir``) after
+the parent acknowledged each partial. A relay killed mid-round loses its unsent sums; restarted, it
+asks its devices to resend (the resend request), they send their cached updates again, the ones it had forwarded are
+refused as duplicates and the rest aggregated: no accepted update is lost or counted twice. A shard
+broker restart is a reconnection: the relay publishes the global state, the descriptor and a resend request
+again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from fedge.common.messages import Message, new_msg_id
+from fedge.common.rounds import FINAL_PHASE
+from fedge.common.signing import unwrap
+from fedge.common.transport import Inbound
+from fedge.coordinator.aggregator import PartialAggregator
+from fedge.errors import PayloadError
+from fedge.mqtt.chunking import ChunkError, Reassembler, frame_kind, split
+from fedge.mqtt.client import BrokerSettings, MqttClient, Received, Will
+from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportStats
+from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "relay-state.json"
+
+
+class Relay:
+    """One relay: ``child`` is its shard's broker, ``parent`` the broker above (see the module docstring)."""
+
+    def __init__(self, child: BrokerSettings, parent: BrokerSettings, fleet: str, aggregator: PartialAggregator, *,
+                 settings: TransportSettings | None = None, state_dir: str | os.PathLike[str] | None = None,
+                 margin_s: float = 1.0, hold_s: float = 1.0) -> None:
+        self.topics = t = FleetTopics(fleet)
+        self.aggregator = aggregator
+        self.name = aggregator.name
+        self.settings = settings or TransportSettings()
+        self.margin_s = margin_s
+        self.hold_s = hold_s
+        self.state_path = Path(state_dir) / STATE_FILE if state_dir is not None else None
+        self.up_stats = TransportStats()  # what this relay sent to / received from its parent
+        self.down_stats = TransportStats()
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._online: dict[str, bool] = {}
+        self._down_retained: dict[str, bytes] = {}  # topic -> payload forwarded down (republished after a
+        self._down_lock = threading.Lock()          # reconnection to the shard)
+        self._parent_round_id: str | None = None
+        self._descriptor: Message | None = None  # the parent's current descriptor (inside its signed frame)
+        # A relay that starts while its shard already holds the parent's current descriptor (retained: a previous
+        # run of this relay forwarded it) may have lost updates its devices sent: it asks them again, once.
+        self._ask_resend = True
+        self._shard_round_id: str | None = None  # msg id of the descriptor retained on the shard at (re)connection
+        self._deadline = 0.0
+        self._last_accept = 0.0
+        self._saved = self._load_state()
+        self._reasm = Reassembler(self.settings.max_message_bytes)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.partials_sent = 0
+        self.up = MqttClient(parent, self.name, clean_session=True, on_message=self._on_parent,
+                             on_connect=self._on_parent_connect,
+                             will=Will(t.relay_status(self.name), STATUS_OFFLINE))
+        # over-the-air model updates (fedge deploy, signed by the fleet key) go down unchanged too
+        for topic in (t.round, f"{t.base}/global/#", f"{t.base}/refused/+", f"{t.base}/ota/#"):
+            self.up.subscribe(topic)
+        self.down = MqttClient(child, self.name, clean_session=False, on_message=self._on_child,
+                               on_connect=self._on_child_connect)
+        for kind in ("status", "hello", "update"):
+            self.down.subscribe(t.device_filter(kind))
+        self.down.subscribe(t.partial_filter)
+        self.down.subscribe(t.ota_status_filter())
+        self.down.subscribe(t.round)  # what the shard holds (retained) when this relay connects
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> Relay:
+        self.down.start(self.settings.connect_timeout_s)
+        self.up.start(self.settings.connect_timeout_s)
+        self._thread = threading.Thread(target=self._loop, name=f"relay-{self.name}", daemon=True)
+        self._thread.start()
+        log.info("relay %s: shard %s -> parent %s", self.name, self.down.settings.url, self.up.settings.url)
+        return self
+
+    def run_forever(self) -> None:
+        while not self._stop.wait(1.0):
+            pass
+
+    def stop(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self.down.stop()
+        self.up.stop(final=(self.topics.relay_status(self.name), STATUS_OFFLINE))
+
+    # -- parent → shard (dispatcher thread of the parent connection) --------------------------
+    def _on_parent_connect(self, session_present: bool) -> None:
+        self.up.publish(self.topics.relay_status(self.name), STATUS_ONLINE, retain=True)
+
+    def _on_parent(self, m: Received) -> None:
+        self.up_stats.messages_in += 1
+        self.up_stats.bytes_in += len(m.payload)
+        if m.topic == self.topics.round:
+            self._inbox.put(("round", m.payload))
+            return
+        self._forward_down(m.topic, m.payload)  # global state, chunk parts, refusals, OTA: byte for byte
+
+    def _forward_down(self, topic: str, payload: bytes) -> None:
+        with self._down_lock:
+            if payload:
+                self._down_retained[topic] = payload
+            else:
+                self._down_retained.pop(topic, None)
+        self.down.publish(topic, payload, retain=True)
+        self.down_stats.count_out(len(payload))
+
+    def _on_child_connect(self, session_present: bool) -> None:
+        if self.down.connects <= 1:
+            return
+        # The shard's broker may have restarted and lost its retained messages (the descriptor among them):
+        # publish them again, and a resend request (devices whose update it lost send it again).
+        with self._down_lock:
+            again = list(self._down_retained.items())
+        for topic, payload in again:
+            self.down.publish(topic, payload, retain=True)
+        self._inbox.put(("reissue", None))
+
+    # -- shard → parent (dispatcher thread of the shard connection) ----------------------------
+    def _on_child(self, m: Received) -> None:
+        self.down_stats.messages_in += 1
+        self.down_stats.bytes_in += len(m.payload)
+        if m.topic == self.topics.round:
+            if m.retain and m.payload:  # retained: delivered on subscribing, not this relay's own forward
+                self._inbox.put(("shard-round", m.payload))
+            return
+        if self.topics.parse_ota_status(m.topic) is not None:  # a device's OTA status, for fedge deploy
+            if len(m.payload) <= MAX_HELLO_BYTES:
+                self._forward_up(m.topic, m.payload, retain=True)
+            return
+        account = self.topics.parse_partial(m.topic)
+        if account is not None:
+            if m.payload:
+                self._reassemble("partial", account, m)
+            return
+        t = self.topics.parse_device(m.topic)
+        if t is None:
+            return
+        if t.kind == "status":
+            if m.payload in (STATUS_ONLINE, STATUS_OFFLINE):
+                self._inbox.put(("status", (t.device_id, m.payload == STATUS_ONLINE)))
+                self._forward_up(m.topic, m.payload, retain=True)
+            return
+        if t.kind == "hello":
+            if m.payload and len(m.payload) <= MAX_HELLO_BYTES:
+                self._inbox.put(("hello", Inbound(m.payload, t.device_id, m.received)))
+                self._forward_up(m.topic, m.payload, retain=True)
+            return
+        if m.payload:
+            if m.retain:
+                self.down.publish(m.topic, b"", retain=True)  # the protocol never retains an update
+                self._inbox.put(("update", Inbound(b"", t.device_id, m.received, reject=("retained", "deleted"))))
+            else:
+                self._reassemble("update", t.device_id, m)
+
+    def _reassemble(self, kind: str, source: str, m: Received) -> None:
+        if frame_kind(m.payload) == "message":
+            self._inbox.put((kind, Inbound(m.payload, source, m.received, kind=kind)))
+            return
+        try:
+            whole = self._reasm.add(f"{kind}/{source}", m.payload)
+        except ChunkError as exc:
+            self._inbox.put((kind, Inbound(b"", source, m.received, reject=(exc.reason, exc.message), kind=kind)))
+            return
+        if whole is not None:
+            self._inbox.put((kind, Inbound(whole, source, m.received, kind=kind)))
+
+    def _forward_up(self, topic: str, payload: bytes, *, retain: bool) -> None:
+        self.up.publish(topic, payload, retain=retain)
+        self.up_stats.count_out(len(payload))
+
+    # -- the relay's own thread: the aggregator, rounds, partials -------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                kind, arg = self._inbox.get(timeout=0.05)
+            except queue.Empty:
+                kind, arg = "", None
+            try:
+                self._handle(kind, arg)
+                self._maybe_send()
+            except Exception:  # the relay keeps serving whatever one message did
+                log.exception("relay %s: handling %s failed", self.name, kind or "a tick")
+
+    def _handle(self, kind: str, arg: Any) -> None:
+        agg = self.aggregator
+        if kind == "hello":
+            agg.register([arg])
+        elif kind == "status":
+            self._online[arg[0]] = arg[1]
+        elif kind == "update":
+            if agg.admit(arg):
+                self._last_accept = time.monotonic()
+        elif kind == "partial":
+            if agg.admit_partial(arg):
+                self._last_accept = time.monotonic()
+        elif kind == "round":
+            self._on_round(arg)
+        elif kind == "shard-round":
+            try:
+                self._shard_round_id = Message.from_bytes(unwrap(arg), max_bytes=MAX_HELLO_BYTES).msg_id
+            except PayloadError as exc:
+                log.warning("relay %s: its shard holds a bad round descriptor: %s", self.name, exc)
+                return
+            self._maybe_ask_resend()
+        elif kind == "reissue" and self._descriptor is not None:
+            self._ask_resend = False
+            self._request_resend()
+
+    def _on_round(self, raw: bytes) -> None:
+        if not raw:  # the run is over: the parent withdrew its descriptor
+            self._parent_round_id = None
+            self._forward_down(self.topics.round, b"")
+            self._forward_down(self.topics.resend, b"")
+            return
+        try:  # a signed descriptor is read inside its frame, not verified: the devices verify it
+            msg = Message.from_bytes(unwrap(raw), max_bytes=MAX_HELLO_BYTES)
+            rnd = msg.info.get("round", {})
+            final = isinstance(rnd, dict) and rnd.get("phase") == FINAL_PHASE
+            deadline = float(rnd.get("deadline", 0.0)) if isinstance(rnd, dict) else 0.0
+        except (PayloadError, TypeError, ValueError) as exc:
+            log.warning("relay %s: ignored a bad round descriptor: %s", self.name, exc)
+            return
+        if msg.msg_id == self._parent_round_id:
+            return  # the same descriptor again (a reconnection to the parent)
+        self._parent_round_id = msg.msg_id
+        self._send(self.aggregator.flush())  # whatever is left of the previous round (refused there if late)
+        self._descriptor, self._deadline = msg, deadline
+        run = str(msg.info.get("run", ""))
+        if self.aggregator.begin(msg.round, final=final, descriptor=msg.msg_id,
+                                 sampled=self.aggregator.sampled_of(msg.info.get("round"))):
+            saved = self._saved
+            if saved.get("run") == run and saved.get("round") == msg.round:
+                self.aggregator.mark_answered(saved.get("forwarded", []))
+                log.info("relay %s: resuming round %d, %d devices forwarded before the restart", self.name,
+                         msg.round, len(saved.get("forwarded", [])))
+            self._saved = {"run": run, "round": msg.round, "forwarded": sorted(self.aggregator.answered)}
+        # Byte for byte: a signed descriptor keeps the coordinator's signature (its topic is the same on every
+        # broker of the tree, the fleet's ``rounds/current``), and every shard sees the same message id.
+        self._forward_down(self.topics.round, raw)
+        self._maybe_ask_resend()
+
+    def _maybe_ask_resend(self) -> None:
+        """Once after starting, if the shard already held the parent's current descriptor (whichever of the two
+        this relay learnt first): its devices may have answered a previous run of this relay."""
+        if self._ask_resend and self._descriptor is not None and self._shard_round_id == self._descriptor.msg_id:
+            self._ask_resend = False
+            self._request_resend()
+
+    def _request_resend(self) -> None:
+        """Ask the shard's devices to send their cached update of the current descriptor again (this relay
+        started, perhaps after being killed, or reconnected to its shard): retained, so a device away now
+        gets it when it returns; a device acts on each request once (protocol §13)."""
+        assert self._descriptor is not None
+        body = json.dumps({"descriptor": self._descriptor.msg_id, "id": new_msg_id()}).encode()
+        self.down.publish(self.topics.resend, body, retain=True)
+        self.down_stats.count_out(len(body))
+
+    def expected(self) -> set[str]:
+        """The shard's registered devices that are not offline and owe this round an update (sampled, when the
+        round samples), child relays' devices included."""
+        gate = self.aggregator.gate
+        return {d for d in gate.devices if self._online.get(d, True) and gate.sampled(d)}
+
+    def _maybe_send(self) -> None:
+        agg = self.aggregator
+        if agg.round == 0 or not agg.dirty:
+            return
+        now = time.monotonic()
+        complete = self.expected() <= agg.answered
+        closing = bool(self._deadline) and time.time() >= self._deadline - self.margin_s
+        idle = now - self._last_accept >= self.hold_s
+        if complete or closing or idle:
+            self._send(agg.flush())
+
+    def _send(self, data: bytes | None) -> None:
+        if data is None:
+            return
+        pubs = [self.up.publish(self.topics.partial(self.name), f) for f in split(data, self.settings.chunk_bytes)]
+        self.up_stats.count_out(len(data))
+        self.partials_sent += 1
+        if self.up.wait_published(pubs, self.settings.publish_timeout_s):
+            self._saved["forwarded"] = sorted(self.aggregator.answered)
+            self._save_state()
+        else:
+            log.warning("relay %s: the parent did not acknowledge a partial within %.0f s; it stays queued",
+                        self.name, self.settings.publish_timeout_s)
+
+    # -- state ----------------------------------------------------------------------------------
+    def _load_state(self) -> dict[str, Any]:
+        if self.state_path is None or not self.state_path.is_file():
+            return {}
+        try:
+            doc = json.loads(self.state_path.read_text())
+            return doc if isinstance(doc, dict) and isinstance(doc.get("forwarded"), list) else {}
+        except (OSError, ValueError):
+            log.warning("relay %s: %s is unreadable; starting without it", self.name, self.state_path)
+            return {}
+
+    def _save_state(self) -> None:
+        if self.state_path is None:
+            return
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._saved))
+        os.replace(tmp, self.state_path)

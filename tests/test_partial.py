@@ -1,0 +1,221 @@
+"""Partial aggregates without a broker: split a round over aggregators, merge, compare with one coordinator.
+
+Every rule of ``[coordinator] aggregation`` for FedProto (class statistics) and FedAvg over two
+architecture groups: the merged state must equal what one strategy accumulating every update gives
+(weighted means through float64 sums sent as two float32 halves; robust rules through forwarded rows).
+Then partials that are wrong in every way the merger checks are refused, counted by reason under
+their sender, and leave the aggregate untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from gate_helpers import CLASSES, FLEET, device, hello, honest_update
+
+from fedge.common.messages import Message
+from fedge.common.rounds import DeviceInfo
+from fedge.common.transport import Inbound
+from fedge.coordinator.aggregate import Aggregation
+from fedge.coordinator.aggregator import PartialAggregator
+from fedge.coordinator.config import EngineConfig
+from fedge.coordinator.gate import UpdateGate
+from fedge.coordinator.merge import PartialMerger
+from fedge.coordinator.partial import join64, split64
+from fedge.coordinator.strategies.fedavg import FedAvgStrategy, weight_spec
+from fedge.coordinator.strategies.fedproto import FedProtoStrategy
+from fedge.coordinator.strategy import Strategy
+
+RULES = [Aggregation("mean"), Aggregation("trimmed", trim=0.2), Aggregation("median"),
+         Aggregation("mean", clip=2.0), Aggregation("trimmed", trim=0.1, clip=1.5)]
+
+
+def fedavg_update(dev: DeviceInfo, rnd: int) -> bytes:
+    rng = np.random.default_rng(rnd * 1000 + int(dev.device_id[1:]))
+    arrays = {k: rng.normal(size=shape).astype(np.float32) for k, (shape, _) in weight_spec(dev.arch).items()}
+    return Message("update", dev.device_id, rnd, FLEET, tensors=arrays,
+                   info={"metrics": {"acc_global": 0.5}, "bytes_down": 10, "num_samples": dev.num_samples}).to_bytes()
+
+
+def make(method: str, agg: Aggregation) -> tuple[Strategy, EngineConfig]:
+    strat: Strategy = (FedProtoStrategy(num_classes=CLASSES, rounds=3) if method == "fedproto"
+                       else FedAvgStrategy(num_classes=CLASSES, rounds=3))
+    return strat, EngineConfig(fleet=FLEET, method=method, aggregation=agg)
+
+
+def fleet(method: str, n: int = 12) -> list[DeviceInfo]:
+    if method == "fedproto":
+        return [device(i) for i in range(n)]
+    return [device(i, arch="tier-xs" if i % 3 else "tier-s", feature_dim=0) for i in range(n)]
+
+
+def update(method: str, dev: DeviceInfo, rnd: int) -> bytes:
+    return honest_update(dev, rnd) if method == "fedproto" else fedavg_update(dev, rnd)
+
+
+def flat_result(method: str, agg: Aggregation, devs: list[DeviceInfo], rnd: int) -> dict[str, Any]:
+    strat, cfg = make(method, agg)
+    gate = UpdateGate(strat, cfg)
+    strat.aggregation = agg
+    gate.register([Inbound(hello(d), d.device_id) for d in devs])
+    strat.begin_round(rnd)
+    gate.begin_round(rnd, final=False)
+    for d in devs:
+        assert gate.admit(Inbound(update(method, d, rnd), d.device_id),
+                          lambda up: strat.accumulate(up.device, up.msg.tensors, up.msg.info))
+    return strat.finish_round(rnd)
+
+
+def root(method: str, agg: Aggregation, devs: list[DeviceInfo], rnd: int) -> tuple[Strategy, PartialMerger]:
+    strat, cfg = make(method, agg)
+    strat.aggregation = agg
+    gate = UpdateGate(strat, cfg)
+    gate.register([Inbound(hello(d), d.device_id) for d in devs])
+    strat.begin_round(rnd)
+    gate.begin_round(rnd, final=False)
+    merger = PartialMerger(strat, gate, fleet=FLEET, max_bytes=1 << 26)
+    merger.begin_round(rnd, final=False)
+    return strat, merger
+
+
+def worker(method: str, agg: Aggregation, devs: list[DeviceInfo], name: str, rnd: int) -> PartialAggregator:
+    strat, cfg = make(method, agg)
+    a = PartialAggregator(strat, cfg, name)
+    a.register([Inbound(hello(d), d.device_id) for d in devs])
+    a.begin(rnd, final=False, descriptor="d" * 32)
+    return a
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any], exact: bool) -> None:
+    assert got.keys() == want.keys()
+    for art in want:
+        assert got[art].keys() == want[art].keys()
+        for k in want[art]:
+            if exact:
+                np.testing.assert_array_equal(got[art][k], want[art][k], err_msg=f"{art}/{k}")
+            else:
+                np.testing.assert_allclose(got[art][k], want[art][k], rtol=2e-7, atol=1e-7, err_msg=f"{art}/{k}")
+
+
+def test_split64_keeps_float64_to_48_bits() -> None:
+    x = np.random.default_rng(0).normal(size=1000) * 1e6
+    assert np.max(np.abs(join64(*split64(x)) - x) / np.abs(x)) < 2.0 ** -46
+
+
+@pytest.mark.parametrize("method", ["fedproto", "fedavg"])
+@pytest.mark.parametrize("agg", RULES, ids=lambda a: f"{a.rule}-clip{a.clip}")
+def test_two_aggregators_merge_to_the_flat_aggregate(method: str, agg: Aggregation) -> None:
+    devs = fleet(method)
+    rnd = 2
+    want = flat_result(method, agg, devs, rnd)
+    strat, merger = root(method, agg, devs, rnd)
+    counted: set[str] = set()
+    # devices alternate between two workers, and each worker flushes twice within the round
+    workers = [worker(method, agg, devs, f"w{k}", rnd) for k in range(2)]
+    for half in (devs[: len(devs) // 2], devs[len(devs) // 2:]):
+        for i, d in enumerate(half):
+            assert workers[i % 2].admit(Inbound(update(method, d, rnd), d.device_id))
+        for w in workers:
+            data = w.flush()
+            assert data is not None
+            added = merger.admit(Inbound(data, w.name, kind="partial"), counted, lambda e: None)
+            assert added, merger.gate.rejections
+            counted.update(added)
+    assert counted == {d.device_id for d in devs}
+    assert not merger.gate.rejections.by_reason
+    # means: float64 sums in another grouping (float addition is not associative) → within 1-2 float32 ulp;
+    # robust rules see every row, in another order: the median is exact, trimmed means sum in another order
+    assert_same(strat.finish_round(rnd), want, exact=agg.rule == "median" and agg.clip == 0)
+
+
+def partial_of(method: str, devs: list[DeviceInfo], rnd: int = 1, **tamper: Any) -> tuple[bytes, Message]:
+    w = worker(method, Aggregation(), devs, "w0", rnd)
+    for d in devs:
+        assert w.admit(Inbound(update(method, d, rnd), d.device_id))
+    msg = Message.from_bytes(w.flush() or b"", max_info_bytes=1 << 22)
+    return msg.to_bytes(), msg
+
+
+@pytest.mark.parametrize(("reason", "edit"), [
+    ("partial-shape", lambda m: m.tensors.__setitem__("protos/sums/hi", np.zeros((CLASSES, 3), np.float32))),
+    ("partial-nonfinite", lambda m: m.tensors["protos/sums/lo"].__setitem__((0, 0), np.nan)),
+    ("partial-weight", lambda m: m.tensors.__setitem__("protos/counts", m.tensors["protos/counts"] * 1000)),
+    ("partial-negative", lambda m: m.tensors["protos/counts"].__setitem__(0, -5)),
+    ("partial-schema", lambda m: m.tensors.__setitem__("protos/extra", np.zeros(3, np.float32))),
+    ("partial-dtype", lambda m: m.tensors.__setitem__("protos/counts", m.tensors["protos/counts"].astype(np.float32))),
+    ("partial-unregistered", lambda m: m.info["devices"].__setitem__("stranger", {"up": 1, "info": {}})),
+    ("partial-info", lambda m: m.info["devices"]["d0"]["info"].__setitem__("num_samples", 7)),
+    ("partial-stale", lambda m: setattr(m, "round", 0)),
+    ("partial-kind", lambda m: setattr(m, "kind", "update")),
+    ("partial-spoofed", lambda m: setattr(m, "sender", "w1")),
+    ("partial-malformed", lambda m: m.info.__setitem__("devices", [1, 2])),
+])
+def test_a_bad_partial_is_refused_with_its_reason_and_leaves_the_aggregate_alone(reason: str, edit: Any) -> None:
+    devs = fleet("fedproto", 4)
+    strat, merger = root("fedproto", Aggregation(), devs, 1)
+    _, msg = partial_of("fedproto", devs)
+    edit(msg)
+    assert merger.admit(Inbound(msg.to_bytes(), "w0", kind="partial"), set(), lambda e: None) == []
+    assert dict(merger.gate.rejections.by_device["w0"]) == {reason: 1}
+    assert strat.finish_round(1) == {}  # nothing merged
+    # and the merger keeps serving: the honest partial is merged afterwards
+    good, _ = partial_of("fedproto", devs)
+    assert len(merger.admit(Inbound(good, "w0", kind="partial"), set(), lambda e: None)) == 4
+
+
+def test_overlap_duplicate_oversize_and_foreign_partials_are_refused() -> None:
+    devs = fleet("fedproto", 4)
+    _, merger = root("fedproto", Aggregation(), devs, 1)
+    data, _ = partial_of("fedproto", devs)
+    assert len(merger.admit(Inbound(data, "w0", kind="partial"), set(), lambda e: None)) == 4
+    assert merger.admit(Inbound(data, "w0", kind="partial"), set(), lambda e: None) == []  # the same message again
+    again, _ = partial_of("fedproto", devs[:2])
+    assert merger.admit(Inbound(again, "w0", kind="partial"), {"d0", "d1"}, lambda e: None) == []
+    merger.max_bytes = 100
+    assert merger.admit(Inbound(again, "w0", kind="partial"), set(), lambda e: None) == []
+    merger.max_bytes = 1 << 26
+    merger.allowed = {"w0": {"d0"}}
+    assert merger.admit(Inbound(again, "w0", kind="partial"), set(), lambda e: None) == []
+    merger.allowed = {"w9": {"d0"}}
+    assert merger.admit(Inbound(again, "w0", kind="partial"), set(), lambda e: None) == []
+    assert dict(merger.gate.rejections.by_device["w0"]) == {
+        "partial-duplicate": 1, "partial-overlap": 1, "partial-oversize": 1, "partial-foreign": 1,
+        "partial-unauthorized": 1}
+
+
+def test_a_method_that_cannot_be_split_says_so() -> None:
+    from fedge.common.method_settings import GeFLSettings
+    from fedge.coordinator.strategies.gefl import GeFLStrategy
+    from fedge.errors import ConfigError
+
+    strat = GeFLStrategy(GeFLSettings(), num_classes=CLASSES, rounds=300)
+    with pytest.raises(ConfigError, match="cannot aggregate in parts"):
+        PartialAggregator(strat, EngineConfig(fleet=FLEET, method="gefl"), "w0")
+
+
+def test_a_sampled_round_is_sampled_at_the_aggregators_and_at_the_parent() -> None:
+    """Client sampling (issue 27) with partials: an aggregator refuses an unsampled device's update as the
+    coordinator does, and the parent refuses a partial that reports one (``partial-unsampled``)."""
+    devs = fleet("fedproto", 4)
+    rnd = 1
+    agg = Aggregation("mean")
+    strat, cfg = make("fedproto", agg)
+    a = PartialAggregator(strat, cfg, "w0")
+    a.register([Inbound(hello(d), d.device_id) for d in devs])
+    descriptor = {"round": rnd, "phase": "train", "sampled": ["d0", "d1"]}
+    a.begin(rnd, final=False, descriptor="d" * 32, sampled=a.sampled_of(descriptor))
+    assert a.sampled_of({"round": rnd}) is None
+    assert a.admit(Inbound(update("fedproto", devs[0], rnd), "d0"))
+    assert not a.admit(Inbound(update("fedproto", devs[2], rnd), "d2"))
+    assert a.gate.rejections.by_device["d2"] == {"unsampled": 1}
+    # a worker that did not know the sample (or lies) reports d3: the parent refuses the whole partial
+    _, merger = root("fedproto", agg, devs, rnd)
+    merger.gate.begin_round(rnd, final=False, sampled=["d0", "d1"])
+    rogue = worker("fedproto", agg, devs, "w1", rnd)
+    assert rogue.admit(Inbound(update("fedproto", devs[3], rnd), "d3"))
+    data = rogue.flush()
+    assert data is not None
+    assert merger.admit(Inbound(data, "w1", kind="partial"), set(), lambda e: None) == []
+    assert merger.gate.rejections.by_device["w1"] == {"partial-unsampled": 1}

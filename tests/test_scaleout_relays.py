@@ -1,0 +1,249 @@
+"""Hierarchical aggregation over several real Mosquitto brokers: relays, shards, faults.
+
+* A fleet split over two shard brokers, each with a relay to the root broker — and the same fleet
+  as a chain (a relay of a relay: root ← shard 1 ← shard 2) — gives the same global state as the
+  flat fleet on one broker, every device counted once per round through its relay's partial.
+* A relay process killed with SIGKILL mid-round (after forwarding part of its shard) and restarted
+  loses no accepted update and counts none twice: it asks its devices to resend (a retained resend
+  request; the descriptor stays the coordinator's), the ones it had forwarded are refused as
+  duplicates, and the round completes with every device.
+* Signed state (docs/protocol.md §11) through relays: the coordinator signs, the relays forward the
+  descriptor, global state and refusals byte for byte, and every device of the 2-shard tree verifies
+  them with the fleet key and refuses nothing; a descriptor re-encoded under a fresh id (what relays
+  did before) is refused. A relay that lost the sums it had received and starts again gets the updates
+  again through its resend request, the signed descriptor untouched.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from gate_helpers import FLEET
+from scaleout_helpers import FAST, engine_config, root_engine, start_devices, stop_devices, strategy
+
+from fedge.common.messages import Message
+from fedge.common.rounds import DeviceInfo
+from fedge.common.signing import Signer
+from fedge.coordinator.aggregator import PartialAggregator
+from fedge.mqtt.broker import MosquittoProcess
+from fedge.mqtt.client import BrokerSettings, MqttClient
+from fedge.mqtt.relay import Relay
+from fedge.mqtt.topics import FleetTopics
+
+N = 12
+ALL = sorted(f"d{i}" for i in range(N))
+
+
+def shard_of(d: DeviceInfo) -> int:
+    return 0 if int(d.device_id[1:]) < N // 2 else 1
+
+
+@pytest.fixture
+def brokers(mosquitto_bin: str) -> Iterator[list[MosquittoProcess]]:
+    """Three Mosquittos on loopback: the root and two shards (distinct ports), persistence on."""
+    out = [MosquittoProcess(persistence=True).start() for _ in range(3)]
+    yield out
+    for b in out:
+        b.close()
+
+
+def flat_reference() -> dict[str, np.ndarray]:
+    """The same fleet on one broker of its own (a broker the sharded run shares would keep its retained
+    hellos and last statuses)."""
+    with MosquittoProcess() as flat:
+        engine, transport = root_engine(flat.settings(), N, client_id="flat")
+        devs = start_devices(lambda d: flat.settings(), range(N))
+        try:
+            engine.run()
+        finally:
+            stop_devices(devs)
+            transport.close()
+    return engine.globals["prototypes"]
+
+
+@pytest.mark.parametrize("topology", ["two-shards", "chain"])
+def test_a_sharded_fleet_with_relays_equals_the_flat_fleet(brokers: list[MosquittoProcess], topology: str) -> None:
+    root, s1, s2 = brokers
+    want = flat_reference()
+    # two-shards: root <- relay r1 <- s1, root <- relay r2 <- s2; chain: root <- r1 <- s1 <- r2 <- s2
+    parent2 = root if topology == "two-shards" else s1
+    relays = [Relay(s1.settings(), root.settings(), FLEET, PartialAggregator(strategy(), engine_config(), "r1"),
+                    settings=FAST, hold_s=5.0).start(),
+              Relay(s2.settings(), parent2.settings(), FLEET, PartialAggregator(strategy(), engine_config(), "r2"),
+                    settings=FAST, hold_s=5.0).start()]
+    engine, transport = root_engine(root.settings(), N, client_id=f"root-{topology}")
+    shards = [s1, s2]
+    devs = start_devices(lambda d: shards[shard_of(d)].settings(), range(N))
+    try:
+        reports = engine.run()
+    finally:
+        stop_devices(devs)
+        for r in relays:
+            r.stop()
+        transport.close()
+    got = engine.globals["prototypes"]
+    np.testing.assert_array_equal(got["counts"], want["counts"])
+    np.testing.assert_array_max_ulp(got["protos"], want["protos"], maxulp=1)
+    for rep in reports:
+        assert sorted(rep.accepted) == ALL and rep.missing == [] and rep.rejected == {}, rep
+        # the root hears only relay r1 in the chain; both relays in two shards
+        assert rep.partials == ({"r1": 6, "r2": 6} if topology == "two-shards" else {"r1": N}), rep.partials
+    # the root broker carried partials, not updates: one partial per relay per round (and per child relay's)
+    assert relays[0].partials_sent == len(reports)
+
+
+def test_a_relay_killed_mid_round_loses_no_accepted_update(brokers: list[MosquittoProcess], tmp_path: Path) -> None:
+    root, s1, s2 = brokers
+    want = flat_reference()
+    state = tmp_path / "r1"
+
+    def relay_process() -> subprocess.Popen[bytes]:
+        log = open(tmp_path / "r1.log", "ab")  # noqa: SIM115 - the child writes it until it dies
+        script = str(Path(__file__).with_name("scaleout_helpers.py"))
+        return subprocess.Popen([sys.executable, script, "r1", str(s1.port), str(root.port), str(state), "0.5"],
+                                stdout=log, stderr=log)
+
+    proc = relay_process()
+    other = Relay(s2.settings(), root.settings(), FLEET, PartialAggregator(strategy(), engine_config(), "r2"),
+                  settings=FAST, hold_s=5.0).start()
+    engine, transport = root_engine(root.settings(), N, client_id="root-kill")
+    shards = [s1, s2]
+    # d5 answers round 1 after 4 s: by then r1 has forwarded d0-d4 (after 0.5 s without news) and is killed
+    devs = start_devices(lambda d: shards[shard_of(d)].settings(), range(N), delay={"d5": {1: 4.0}})
+    killed_after: list[str] = []
+
+    def kill_once(_: BrokerSettings | None = None) -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (state / "relay-state.json").is_file():
+            time.sleep(0.05)
+        killed_after.append((state / "relay-state.json").read_text())
+        proc.kill()  # SIGKILL: no clean disconnect, its last-will fires
+        proc.wait(5)
+
+    killer = threading.Thread(target=kill_once, daemon=True)
+    killer.start()
+    restarted: list[subprocess.Popen[bytes]] = []
+    try:
+        import contextlib
+
+        def restart_later() -> None:
+            killer.join(30)
+            time.sleep(0.5)
+            restarted.append(relay_process())
+
+        t = threading.Thread(target=restart_later, daemon=True)
+        t.start()
+        reports = engine.run()
+        t.join(5)
+    finally:
+        stop_devices(devs)
+        other.stop()
+        transport.close()
+        for p in [proc, *restarted]:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait(5)
+    assert killed_after and '"round": 1' in killed_after[0] and '"d0"' in killed_after[0], killed_after
+    assert '"d5"' not in killed_after[0]  # killed mid-round: d5 had not answered yet
+    first = reports[0]
+    assert sorted(first.accepted) == ALL and first.missing == [], first
+    # d0-d4 resent their cached update to the restarted relay, which had forwarded them: refused there
+    assert first.rejected_by_device.keys() <= {f"d{i}" for i in range(5)}
+    assert all(c == {"duplicate": 1} for c in first.rejected_by_device.values()), first.rejected_by_device
+    assert all(sorted(r.accepted) == ALL for r in reports)
+    got = engine.globals["prototypes"]
+    np.testing.assert_array_equal(got["counts"], want["counts"])
+    np.testing.assert_array_max_ulp(got["protos"], want["protos"], maxulp=1)
+
+
+def relay(shard: MosquittoProcess, parent: MosquittoProcess, name: str, hold_s: float = 5.0, **kw: object) -> Relay:
+    return Relay(shard.settings(), parent.settings(), FLEET, PartialAggregator(strategy(), engine_config(), name),
+                 settings=FAST, hold_s=hold_s, **kw).start()  # type: ignore[arg-type]
+
+
+def test_signed_state_crosses_relays_unchanged_and_every_device_verifies_it(brokers: list[MosquittoProcess]) -> None:
+    root, s1, s2 = brokers
+    want = flat_reference()
+    key = Ed25519PrivateKey.generate()
+    relays = [relay(s1, root, "r1"), relay(s2, root, "r2")]
+    engine, transport = root_engine(root.settings(), N, client_id="root-signed", signer=Signer(key))
+    shards = [s1, s2]
+    devs = start_devices(lambda d: shards[shard_of(d)].settings(), range(N), fleet_key=key.public_key())
+    forged = MqttClient(s1.settings(), "forger")
+    try:
+        reports = engine.run()
+        # What a relay did before: the descriptor re-encoded under a fresh message id, the signature dropped.
+        forged.start(10)
+        fresh = Message("round", "coordinator", 9, FLEET, info={"round": {"round": 9, "phase": "train"}, "run": "x"})
+        forged.publish(FleetTopics(FLEET).round, fresh.to_bytes(), retain=True)
+        deadline = time.monotonic() + 10
+        shard1 = [d for d in devs if shard_of(d.info) == 0]
+        while time.monotonic() < deadline and not all(d.transport.stats.rejected for d in shard1):
+            time.sleep(0.05)
+    finally:
+        forged.stop()
+        stop_devices(devs)
+        for r in relays:
+            r.stop()
+        transport.close()
+    # every device verified every descriptor, global state and refusal it used: it answered every round
+    assert all(d.answered == [1, 2, 3] for d in devs), [(d.info.device_id, d.answered) for d in devs]
+    assert all(d.transport.stats.rejected == {"unsigned": 1} for d in shard1), [d.transport.stats.rejected
+                                                                                 for d in shard1]
+    assert all(d.transport.stats.rejected == {} for d in devs if d not in shard1)
+    for rep in reports:
+        assert sorted(rep.accepted) == ALL and rep.missing == [] and rep.rejected == {}, rep
+        assert rep.partials == {"r1": 6, "r2": 6}, rep.partials
+    got = engine.globals["prototypes"]
+    np.testing.assert_array_equal(got["counts"], want["counts"])
+    np.testing.assert_array_max_ulp(got["protos"], want["protos"], maxulp=1)
+
+
+def test_a_restarted_relay_gets_the_updates_again_and_the_signed_descriptor_stays(
+        brokers: list[MosquittoProcess], tmp_path: Path) -> None:
+    root, s1, s2 = brokers
+    key = Ed25519PrivateKey.generate()
+    # r1 sends nothing before all of its shard answered (d5 answers round 1 after 6 s): stopped once it holds
+    # d0-d4's updates, their sums are gone with it
+    first = relay(s1, root, "r1", hold_s=60.0, state_dir=tmp_path / "r1")
+    other = relay(s2, root, "r2")
+    engine, transport = root_engine(root.settings(), N, client_id="root-resend", signer=Signer(key))
+    shards = [s1, s2]
+    devs = start_devices(lambda d: shards[shard_of(d)].settings(), range(N), delay={"d5": {1: 6.0}},
+                         fleet_key=key.public_key())
+    held = {f"d{i}" for i in range(5)}
+    restarted: list[Relay] = []
+
+    def restart() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not held <= first.aggregator.answered:
+            time.sleep(0.05)
+        first.stop()
+        restarted.append(relay(s1, root, "r1", hold_s=60.0, state_dir=tmp_path / "r1"))
+
+    t = threading.Thread(target=restart, daemon=True)
+    t.start()
+    try:
+        reports = engine.run()
+        t.join(5)
+    finally:
+        stop_devices(devs)
+        for r in [first, other, *restarted]:
+            r.stop()
+        transport.close()
+    assert restarted and first.partials_sent == 0 and held <= first.aggregator.answered
+    # d0-d4 sent their round-1 update twice (asked by the restarted relay), d5 once (after the request)
+    sent = {d.info.device_id: d.transport.stats.messages_out for d in devs}
+    assert all(sent[d] == sent["d5"] + 1 for d in held), sent
+    assert all(d.transport.stats.rejected == {} for d in devs), [d.transport.stats.rejected for d in devs]
+    for rep in reports:
+        assert sorted(rep.accepted) == ALL and rep.missing == [] and rep.rejected == {}, rep
+        assert rep.partials == {"r1": 6, "r2": 6}, rep.partials
