@@ -145,3 +145,23 @@ def parse_async(table: Mapping[str, Any], *, fleet_size: int, seed: int, source:
         raise ConfigError(where + exc.message, hint=exc.hint) from exc
     except TypeError as exc:  # a wrong type the checks above did not catch
         raise ConfigError(f"{where}[coordinator] async settings: {exc}", hint="see docs/async.md") from exc
+
+
+def refuse_in_parts(settings: AsyncSettings | None, what: str, *, source: str = "") -> None:
+    """A :class:`ConfigError` when asynchronous mode (``settings``) would run with aggregation workers or relays
+    (``what``: the flag or command that asks for them); nothing for synchronous rounds.
+
+    Workers and relays send one partial sum of a round's updates; a version takes the first ``buffer_size``
+    updates from devices training from any of the last ``max_staleness`` versions, weighs each by its own
+    staleness, checks it against the task its device holds and persists it before it counts, so that a restart
+    loses none. A sum cannot be taken apart into those updates, so the two do not compose (docs/async.md).
+    """
+    if settings is None:
+        return
+    where = f"{source}: " if source else ""
+    raise ConfigError(
+        f'{where}[coordinator] mode = "async" cannot run with {what}: aggregation workers and relays send one sum '
+        "per round, while an asynchronous version takes the first buffer_size updates from devices training from "
+        "different versions, each weighed by its own staleness and persisted before it counts",
+        hint='run the asynchronous fleet with one coordinator (no --workers, no --shards, no relays), or drop '
+             'mode = "async" from [coordinator] to aggregate synchronous rounds in parts (docs/async.md)')

@@ -140,6 +140,7 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
             hint='use backend = "sequential" with --transport mqtt, or --transport inprocess with the '
                  f'{sim.backend} backend (real devices in separate processes: `fedge edge run`, docs/mqtt.md)')
     check_transport(cfg.clock.availability, transport)
+    cfg.check_backend()  # asynchronous mode: sequential only (again: --backend may have changed it since the load)
     if sim.parallel and (cfg.clock.availability != "always" or cfg.clock.deadline_s):
         key = (f"availability = {cfg.clock.availability!r}" if cfg.clock.availability != "always"
                else f"deadline_s = {cfg.clock.deadline_s:g}")
