@@ -122,10 +122,10 @@ def test_a_partial_that_reaches_an_async_version_is_refused_and_counted() -> Non
     inner = transport.collect
     rogue = Message("partial", "worker-1", 1, "default", info={"devices": {}}).to_bytes()
 
-    def collect(rnd: int, expected: Collection[str], deadline: float) -> Iterator[Inbound]:
-        if rnd == 1:
+    def collect(round: int, expected: Collection[str], deadline: float) -> Iterator[Inbound]:
+        if round == 1:
             yield Inbound(rogue, "worker-1", kind="partial")
-        yield from inner(rnd, expected, deadline)
+        yield from inner(round, expected, deadline)
 
     transport.collect = collect  # type: ignore[method-assign]
     reports = fleet.engine.run()
@@ -204,7 +204,8 @@ def test_the_monitor_dashboard_and_metrics_of_an_async_run_count_versions(tmp_pa
     sync.engine.run()
     assert (plain.view()["mode"], plain.view()["unit"]) == ("sync", "round")
     assert "finished: 2 rounds" in page(plain.view())
-    assert not any(k.startswith(("fedge_update_staleness", "fedge_async")) for k in _samples(FleetMetrics(plain).render()))
+    names = _samples(FleetMetrics(plain).render())
+    assert not any(k.startswith(("fedge_update_staleness", "fedge_async")) for k in names)
 
 
 def test_the_dashboard_of_an_async_state_directory_counts_versions(tmp_path: Path) -> None:

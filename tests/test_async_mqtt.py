@@ -133,3 +133,59 @@ def test_a_coordinator_killed_mid_buffer_resumes_its_version_and_loses_no_accept
     for r in reports:
         assert set(r["rejected"]) <= {"replay", "unassigned", "stale"}, (r["round"], r["rejected"])
     assert not list(buffer.glob("*.update"))  # cleared once each version was saved
+
+
+ASYNC_WATCHED = """
+[coordinator]
+mode = "async"
+buffer_size = 2
+max_staleness = 3
+"""
+
+
+def test_an_async_fleet_over_mosquitto_is_watched_in_versions(tmp_path: Path, mosquitto: MosquittoProcess) -> None:
+    """The dashboard and /metrics of an asynchronous run over a real broker, scraped by a real Prometheus: the page
+    counts versions, /metrics has the buffer size and the staleness of every accepted update, with the numbers of
+    reports.jsonl."""
+    import urllib.request
+
+    from observe_helpers import Prometheus, run_watched, small_fleet
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fedge.coordinator.dashboard import monitor_routes
+    from fedge.coordinator.store import REPORTS_FILE, read_reports
+    from fedge.coordinator.web import DashboardServer, Endpoint
+
+    cfg = small_fleet(tmp_path, "async-watched", rounds=3, extra=ASYNC_WATCHED)
+    run = run_watched(cfg, mosquitto, state_dir=tmp_path / "state")
+    reports = read_reports(tmp_path / "state" / REPORTS_FILE)
+    versions = reports[:-1]
+    assert [r.round for r in reports] == [1, 2, 3, 4] and all(len(r.accepted) == 2 for r in versions)
+    stale = [s for r in versions for s in r.staleness.values()]
+    assert len(stale) == 6
+    server = DashboardServer(monitor_routes(run.monitor, run.metrics.render), Endpoint("127.0.0.1", 0)).start()
+    prom = Prometheus(tmp_path, server.url.removeprefix("http://"))
+    try:
+        def get(path: str) -> bytes:
+            with urllib.request.urlopen(server.url + path, timeout=10) as r:
+                return bytes(r.read())
+
+        got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(get("/metrics").decode()) for s in fam.samples}
+        assert got[("fedge_async_buffer_size", ())] == 2
+        assert got[("fedge_update_staleness_count", ())] == len(stale)
+        assert got[("fedge_update_staleness_sum", ())] == sum(stale)
+        assert got[("fedge_rounds_completed_total", ())] == 4
+        assert got[("fedge_updates_accepted_total", ())] == sum(len(r.accepted) for r in reports)
+        state = json.loads(get("/api/state"))
+        assert (state["mode"], state["unit"], state["buffer_size"]) == ("async", "version", 2)
+        assert [r["staleness_max"] for r in state["rounds"]] == [max(r.staleness.values()) for r in versions] + [None]
+        html = get("/").decode()
+        assert "finished: 4 versions" in html and "acc % (last version)" in html
+        # Prometheus reads the hand-made histogram as one
+        count = prom.wait_for("fedge_update_staleness_count")
+        assert float(count[0]["value"][1]) == len(stale)
+        assert float(prom.wait_for("histogram_quantile(1, fedge_update_staleness_bucket)")[0]["value"][1]) >= 0
+    finally:
+        prom.stop()
+        server.stop()
