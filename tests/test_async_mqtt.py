@@ -189,3 +189,41 @@ def test_an_async_fleet_over_mosquitto_is_watched_in_versions(tmp_path: Path, mo
     finally:
         prom.stop()
         server.stop()
+
+
+def test_an_async_fleet_with_signed_state_verifies_every_announcement(tmp_path: Path,
+                                                                      mosquitto: MosquittoProcess) -> None:
+    """Signed state (issue 31) in asynchronous mode: the coordinator announces a version again whenever it hands out
+    tasks, each a new signed descriptor carrying round.assigned and the session; devices holding the fleet key accept
+    every one (none refused as a replay or unsigned) and the run completes its versions."""
+    from fedge.common.signing import Signer, Verifier, generate_key
+    from fedge.coordinator.config import EngineConfig
+    from fedge.coordinator.engine import RoundEngine
+    from fedge.mqtt.device_transport import MqttDeviceTransport
+
+    generate_key(tmp_path / "signing.key", tmp_path / "fleet.pub")
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET_TOML.replace('fleet = "async-kill"', 'fleet = "async-signed"').replace("rounds = 5",
+                                                                                                  "rounds = 3"))
+    cfg = load_fleet(path)
+    assert cfg.asynchronous is not None and cfg.asynchronous.buffer_size == 3
+    devices, strat = build_fleet(cfg)
+    coord, agents, stop = start_fleet(cfg, devices, mosquitto.settings(), WIRE,
+                                      signer=Signer.from_file(tmp_path / "signing.key"),
+                                      verifier=Verifier.from_file(tmp_path / "fleet.pub"))
+    assert coord is not None
+    try:
+        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method,
+                                                        asynchronous=cfg.asynchronous))
+        reports = engine.run()
+    finally:
+        stop()
+    assert [r.round for r in reports] == [1, 2, 3, 4]
+    assert all(len(r.accepted) == 3 for r in reports[:-1]) and len(reports[-1].accepted) == 4
+    assert all(set(r.rejected) <= {"stale", "unassigned"} for r in reports), [r.rejected for r in reports]
+    for agent in agents:
+        t = agent.transport
+        assert isinstance(t, MqttDeviceTransport) and t.verifier is not None
+        assert t.stats.rejected == {}, (agent.device.device_id, t.stats.rejected)  # every descriptor verified
+        assert t.changes >= 4  # descriptors of three versions (announced again with new tasks) and the final
+    assert sum(a.task_done is not None for a in agents) == 4  # every device trained at least one task
