@@ -170,9 +170,7 @@ arch = "tier-xs"
 
 
 def _run(tmp_path: Path, name: str, **fmt: object) -> tuple[dict, list[Any]]:
-    path = tmp_path / f"{name}.toml"
-    path.write_text(TWO.format(**{"method": "fedavg", "rounds": 5, "clock": "", **fmt}))
-    res = simulate(load_fleet(path))
+    res = simulate(load_fleet(_write(tmp_path, name, **fmt)))
     return build_results(res), res.reports
 
 
@@ -206,11 +204,11 @@ def test_async_fedproto_keeps_every_devices_latest_prototypes(tmp_path: Path) ->
     assert len(delivered) >= 3
 
 
-def _write(tmp_path: Path, **fmt: object) -> Path:
-    path = tmp_path / "fleet.toml"
+def _write(tmp_path: Path, name: str = "fleet", **fmt: object) -> Path:
+    """TWO as ``name``.toml, with its placeholders (method, rounds, clock) filled in."""
+    path = tmp_path / f"{name}.toml"
     path.write_text(TWO.format(**{"method": "fedavg", "rounds": 5, "clock": "", **fmt}))
     return path
-
 
 
 def test_an_update_from_another_phase_is_stale_and_its_device_gets_a_new_task() -> None:
