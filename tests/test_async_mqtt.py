@@ -227,3 +227,20 @@ def test_an_async_fleet_with_signed_state_verifies_every_announcement(tmp_path: 
         assert t.stats.rejected == {}, (agent.device.device_id, t.stats.rejected)  # every descriptor verified
         assert t.changes >= 4  # descriptors of three versions (announced again with new tasks) and the final
     assert sum(a.task_done is not None for a in agents) == 4  # every device trained at least one task
+
+
+def test_fedge_simulate_over_mqtt_runs_async_versions_on_the_real_clock(tmp_path: Path, embedded_broker: None) -> None:
+    """``fedge simulate --transport mqtt`` with an asynchronous fleet: versions of K updates over the embedded
+    broker, and no virtual clock in results.json (versions on the real clock have no synchronous replay)."""
+    from fedge.sim.report import build_results
+    from fedge.sim.simulate import simulate
+
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET_TOML.replace('fleet = "async-kill"', 'fleet = "async-sim"').replace("rounds = 5",
+                                                                                               "rounds = 2"))
+    res = simulate(load_fleet(path), transport="mqtt")
+    assert [r.round for r in res.reports] == [1, 2, 3]
+    assert all(len(r.accepted) == 3 and len(r.staleness) == 3 for r in res.reports[:-1])
+    assert res.clock is None
+    doc = build_results(res)
+    assert doc["clock"] is None and [r["round"] for r in doc["rounds_log"]] == [1, 2, 3]
