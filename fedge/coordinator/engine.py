@@ -32,7 +32,7 @@ from fedge.coordinator.config import COORDINATOR_ID, DEFAULT_MAX_UPDATE_BYTES, E
 from fedge.coordinator.gate import Admitted, UpdateGate
 from fedge.coordinator.merge import PartialMerger, merged_into
 from fedge.coordinator.observer import EngineObserver
-from fedge.coordinator.report import RoundReport, record_accepted
+from fedge.coordinator.report import RoundReport, record_admitted
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.coordinator.versions import run_version
@@ -229,7 +229,7 @@ class RoundEngine:
         def accept(up: Admitted) -> None:
             if not info.is_final:
                 self.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
-            record_accepted(report, up)
+            record_admitted(report, up)
 
         for item in self.transport.collect(rnd, pending, info.deadline):
             if item.kind == "partial":  # a worker's or a relay's share of the round

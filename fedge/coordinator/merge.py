@@ -39,7 +39,7 @@ from fedge.coordinator.partial import (
     template,
     weight_budget,
 )
-from fedge.coordinator.report import RoundReport
+from fedge.coordinator.report import RoundReport, record_accepted
 from fedge.coordinator.strategy import Strategy
 from fedge.coordinator.validation import Rejected, parse_update_info
 
@@ -80,12 +80,8 @@ def merged_into(report: RoundReport, sender: str | None) -> DeviceSink:
     """A sink that records each merged device in ``report`` as the engine records a device's own update."""
 
     def sink(e: MergedDevice) -> None:
-        d = e.device.device_id
-        report.accepted.append(d)
-        report.bytes_up[d] = e.bytes_up
-        report.bytes_down[d] = e.bytes_down
-        report.metrics[d] = e.metrics
-        report.info[d] = e.info
+        record_accepted(report, e.device.device_id, bytes_up=e.bytes_up, bytes_down=e.bytes_down,
+                        metrics=e.metrics, info=e.info)
         key = sender or UNKNOWN_SENDER
         report.partials[key] = report.partials.get(key, 0) + 1
 

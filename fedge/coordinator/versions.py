@@ -23,7 +23,7 @@ from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.config import COORDINATOR_ID, EngineConfig
 from fedge.coordinator.gate import Admitted, UpdateGate
 from fedge.coordinator.merge import PartialMerger
-from fedge.coordinator.report import RoundReport, record_accepted
+from fedge.coordinator.report import RoundReport, record_admitted
 from fedge.coordinator.store import EngineStore
 from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.coordinator.validation import Rejected
@@ -85,7 +85,7 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
         engine.strategy.update_weight = a.weight(up.staleness)
         engine.strategy.update_version = up.msg.round
         engine.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
-        record_accepted(report, up)
+        record_admitted(report, up)
         report.staleness[sender] = up.staleness
         engine.tasks.pop(sender, None)
 
