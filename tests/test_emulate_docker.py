@@ -19,6 +19,7 @@ FedProto test's time rather than the sum of both. Either order passes; this one 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -255,9 +256,9 @@ def fleets(request: pytest.FixtureRequest, docker_env: tuple[Any, Images],
 def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
         docker_env: tuple[Any, Images], fleets: Fleets, emulation: list[Emulation]) -> None:
     """One fleet, every fault: round 2 loses a killed device and has one paused and one partitioned for a
-    few seconds; the coordinator restarts in round 3 and the broker in round 4; rounds 3-5 and the
-    final evaluation run with every survivor, and every round's accuracies are those of the same run in
-    process (nothing the faults did changed what was learned)."""
+    few seconds; the coordinator restarts in round 3 and the broker in round 4 (or each a round later when the
+    machine is fast); rounds 3-5 and the final evaluation run with every survivor, and every round's
+    accuracies are those of the same run in process (nothing the faults did changed what was learned)."""
     from fedge.emulate.compose import NETWORK
 
     client, _ = docker_env
@@ -312,13 +313,17 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
                                                  "ifb0": lim["downlink_kbit"] * 1000 // 8}
 
     # restart coordinator in round 3: a new process (new StartedAt) that resumes from its state directory.
+    # On a fast machine round 3 may already be over by the time the faults above are undone: the restart then
+    # falls in a later round, and the coordinator resumes after whichever round it had checkpointed.
     _wait_reports(emu, client, 2)
     time.sleep(1.0)
     before = _started_at(emu, client, "coordinator")
+    done_before_restart = len(_reports(emu))
     assert faults.fault(emu, client, "restart", "coordinator") == "restarted coordinator"
     assert _started_at(emu, client, "coordinator") != before
-    # restart broker in round 4: the devices and the coordinator reconnect (persistent sessions).
-    _wait_reports(emu, client, 3)
+    # restart broker a round later (round 4 on a machine as slow as this one): the devices and the coordinator
+    # reconnect (persistent sessions).
+    _wait_reports(emu, client, min(done_before_restart + 1, 4))
     time.sleep(1.0)
     before = _started_at(emu, client, "broker")
     assert faults.fault(emu, client, "restart", "broker") == "restarted broker"
@@ -328,7 +333,8 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
     code = lifecycle.wait_exited(emu, client, "coordinator", timeout=900)
     log_text = status.logs(emu, client, "coordinator")
     assert code == 0, log_text[-3000:]
-    assert "resuming fedproto on fleet emu after round 2" in log_text, log_text[-3000:]
+    resumed = [int(k) for k in re.findall(r"resuming fedproto on fleet emu after round (\d+) ", log_text)]
+    assert len(resumed) == 1 and done_before_restart <= resumed[0] <= 5, (done_before_restart, log_text[-3000:])
     reports = _reports(emu)
     assert [r["round"] for r in reports] == [1, 2, 3, 4, 5, 6]  # five rounds and the final evaluation
     # Round 1 had the whole fleet.
@@ -344,7 +350,9 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
         assert sorted(r["accepted"]) == survivors, (rounds, log_text[-3000:], status.logs(emu, client, cut)[-1500:])
     rows = {r.device_id: r for r in status.status(emu, client, sample=False)}
     assert rows[victim].state == "exited (137)" and rows[victim].message == f"{victim} was killed (SIGKILL)"
-    assert all(rows[d].state == "running" and rows[d].round == 6 for d in survivors), rows
+    # Every survivor answered the final round; one that has finished may already have exited, with 0 (a device
+    # leaves after the final round unless --keep-running: which one wins the race with this read is timing).
+    assert all(rows[d].state in ("running", "exited (0)") and rows[d].round == 6 for d in survivors), rows
 
     # The reference run of the same config, after the fleet (trained beside it, it took the CPU the throttled
     # devices need): the engine and devices of `fedge simulate`, the victim answering round 1 only.

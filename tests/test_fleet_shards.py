@@ -237,6 +237,9 @@ def test_the_command_refuses_shards_twice_and_mtls(tmp_path: Path, capsys: pytes
     assert main(["broker", "config", "--fleet", str(flat), "--out", str(tmp_path / "z"), "--mtls", "--workers",
                  "2"]) != 0
     assert "--mtls cannot be combined" in capsys.readouterr().err
+    asynchronous = fleet(tmp_path, '[coordinator]\nmode = "async"\n' + TREE.format(pa=2001, pb=2002, pc=2003), "async")
+    assert main(["broker", "config", "--fleet", str(asynchronous), "--out", str(tmp_path / "a")]) != 0
+    assert 'mode = "async" cannot run with [[shards]]' in capsys.readouterr().err
     assert main(["broker", "config", "--fleet", str(path), "--out", str(tmp_path / "ok"), "--port", "2000",
                  "--hostname", "127.0.0.1"]) == 0
     out = capsys.readouterr().out

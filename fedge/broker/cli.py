@@ -118,6 +118,10 @@ def _config(args: argparse.Namespace) -> int:
                           "the fleet", hint="drop --shards (the fleet config's [[shards]] decide), or remove the "
                                             "[[shards]] tables to split the fleet evenly")
     if cfg.shard_layout or args.shards or args.workers:
+        from fedge.common.asyncmode import refuse_in_parts
+
+        what = "[[shards]]" if cfg.shard_layout else "--shards" if args.shards else "--workers"
+        refuse_in_parts(cfg.asynchronous, what, source=cfg.source)
         return _sharded(args, cfg.run.fleet, ids, opts, cfg.shard_layout)
     files = write_broker_config(cfg.run.fleet, ids, args.out, opts, fleet_config=args.fleet)
     secrets = "client certificates" if opts.mtls else files.passwd.name

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from fedge.common.asyncmode import refuse_in_parts
 from fedge.common.messages import Message
 from fedge.common.transport import Inbound
 from fedge.coordinator.config import EngineConfig
@@ -40,6 +41,7 @@ class PartialAggregator:
         check_splittable(strategy)
         self.detail = detail
         self.exact = exact  # float64 sums as hi + lo float32 halves (False: hi only, half the bytes)
+        refuse_in_parts(config.asynchronous, f"a partial aggregator ({name}: a worker or relay)")
         self.strategy = strategy
         self.config = config
         self.name = name
