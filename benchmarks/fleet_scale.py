@@ -285,6 +285,13 @@ def coordinator_main(args: argparse.Namespace) -> None:
     if args.observe:
         _serve(engine, transport, args)
     engine.await_quorum()  # registration is not part of a round
+    engine.register_pending()
+    if getattr(args, "ready_file", None):  # a driver reads its meters between registration and the rounds
+        Path(args.ready_file).write_text("registered\n")
+        go = Path(args.ready_file + ".go")
+        deadline = time.monotonic() + 120
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     cpu0, rss0, t0 = _cpu(), _rss_kb(), time.perf_counter()
     cpu_rounds: list[float] = []
     rss_rounds: list[float] = []
@@ -462,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("--state-dir", required=True)
     co.add_argument("--observe", metavar="URLFILE", help="serve the dashboard and /metrics; write the URL here")
     co.add_argument("--workers-mode", action="store_true", help="merge workers' partials, read no updates")
+    co.add_argument("--ready-file", help="after registration write this file and wait for FILE.go")
     for q in (p, co):
         q.add_argument("--aggregation", choices=("mean", "trimmed", "median"), default="mean",
                        help="the coordinator's aggregation rule (default mean)")
