@@ -236,7 +236,7 @@ def run_shards(n: int, rounds: int, shards: int, work: Path, *, detail: bool = F
 def run_merge(n: int, per: int) -> dict[str, Any]:
     """In one process, no broker: what the root coordinator spends on N devices reported by N / ``per`` compact
     partials — registering the N hellos, admitting each partial as the engine does (the set of devices already
-    counted is rebuilt per partial), finishing the round — and what an aggregator spends per update."""
+    counted kept in step with the report), finishing the round — and what an aggregator spends per update."""
     from dataclasses import asdict
 
     from benchmarks.fleet_scale import CLASSES, _device_info
@@ -278,9 +278,12 @@ def run_merge(n: int, per: int) -> dict[str, Any]:
     merger = PartialMerger(strat, gate, fleet=fleet, max_bytes=cfg.max_update_bytes)
     merger.begin_round(1, final=False)
     report = RoundReport(round=1, phase="train")
+    counted: set[str] = set()
     c0 = _cpu()
     for name, data in partials:
-        assert merger.admit(Inbound(data, name, kind="partial"), set(report.accepted), merged_into(report, name))
+        before = len(report.accepted)
+        assert merger.admit(Inbound(data, name, kind="partial"), counted, merged_into(report, name))
+        counted.update(report.accepted[before:])
     merge_s = _cpu() - c0
     c0 = _cpu()
     strat.finish_round(1)
