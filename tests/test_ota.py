@@ -378,7 +378,8 @@ def test_fedge_edge_run_with_a_model_store_takes_an_update_from_fedge_deploy(
         fleet: tuple[MosquittoProcess, Path, Path], models: Models, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     """The command a flashed device runs (install.sh's launcher): its bundle's certificate and fleet key, a model
-    store seeded from the flashed model; `fedge deploy` installs version 2 on it."""
+    store seeded from the flashed model; `fedge deploy` installs version 2 on it; after `fedge broker
+    rotate-fleet-key`, `fedge deploy` with the new key installs version 3 (the agent followed the key chain)."""
     broker, out, cfg = fleet
     bundle = out / "bundles/cam-2"
     text = (bundle / "bundle.toml").read_text()
@@ -398,8 +399,18 @@ def test_fedge_edge_run_with_a_model_store_takes_an_update_from_fedge_deploy(
         assert main(deploy(broker, out, cfg, models.good, 2, "--devices", "cam-2", "--canary", "0")) == 0
         assert "cam-2                    installed: running version 2" in capsys.readouterr().out
         assert ModelStore(store).current == 2
+        # the fleet key is rotated; fedge deploy with the new key publishes the key chain before its order: the
+        # agent follows it (kept in its state directory) and installs version 3, which only the new key signed
+        from fedge.broker.fleetkey import rotate_fleet_key
+        from fedge.fleet.config import load_fleet
+
+        rotation = rotate_fleet_key(out, load_fleet(cfg).run.fleet)
+        assert main(deploy(broker, out, cfg, models.good, 3, "--devices", "cam-2", "--canary", "0")) == 0
+        assert "cam-2                    installed: running version 3" in capsys.readouterr().out
+        assert json.loads((tmp_path / "state/fleet-key.json").read_text())["key"] == rotation.new
     finally:
         proc.send_signal(signal.SIGTERM)
         logs, _ = proc.communicate(timeout=60)
         print(logs[-3000:])
     assert "model store" in logs and "accepting updates signed by the fleet key" in logs, logs[-2000:]
+    assert f"fleet key rotated: now trusting key {rotation.new} only" in logs, logs[-2000:]
