@@ -362,6 +362,10 @@ def test_devices_refuse_unsigned_or_older_orders_and_resume_a_download(
         order(7)
         assert wait_until(lambda: statuses.get("cam-1", {}).get("state") == "installed", 60), statuses.get("cam-1")
         assert dev.ota.parts_received == rel.parts - 4  # resumed: only the missing parts travelled
+        dl = statuses["cam-1"]["download"]  # the status says what the download took
+        assert dl["bytes"] == rel.size and 0 < dl["seconds"] < 60
+        parts = [len(p) for _, p in rel.publications]  # the resumed download received the manifest and 4 parts less
+        assert dl["bytes_received"] == sum(parts) - sum(parts[:4])
         assert dev.store.current == 7 and statuses["cam-1"]["version"] == 7
         order(6)  # older than the installed one: refused before downloading, nothing changes
         assert wait_until(lambda: statuses["cam-1"]["state"] == "refused" and statuses["cam-1"]["target"] == 6)
