@@ -178,8 +178,9 @@ def test_a_signing_tls_sharded_fleet_shares_the_roots_key_and_ca_and_mtls_is_ref
 def test_fedge_deploys_updates_cross_a_relay_under_the_generated_acls(
         sharded: tuple[list[MosquittoProcess], Path, int]) -> None:
     """The root's deploy account publishes the key chain, a model package and an order (retained, as ``fedge
-    deploy`` does); relay-1 forwards them byte for byte to shard 1, where the device reads them, and the device's OTA status
-    back to the root, where the deploy account reads it; another shard's order does not cross relay-1."""
+    deploy`` does); relay-1 forwards them byte for byte to shard 1, where the device reads them, and the
+    device's OTA status back to the root, where the deploy account reads it; another shard's order does not
+    cross relay-1."""
     from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.config import EngineConfig
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
