@@ -139,6 +139,20 @@ def test_a_model_that_lowers_local_accuracy_is_rolled_back(models: Models, tmp_p
     assert out["state"] == "rolled-back" and "smoke test failed" in out["reason"] and store.current == 2
 
 
+def test_the_checks_run_in_a_child_the_kernel_kills_first(models: Models) -> None:
+    """Smoke test and both accuracies in one child process whose oom_score_adj is 1000: out of memory, the kernel
+    kills the check, not the agent (which never loads a model: on an emulated Pi Zero 2 W the third update's
+    in-process accuracy checks got the agent itself killed)."""
+    from fedge.runtime.checks import accuracy, smoke_test
+
+    x, y = validation()
+    r = smoke_test(models.good, validation=(x, y), current=models.bad)
+    assert r.ok and r.oom_score_adj == 1000, r
+    assert r.accuracy == {"new": accuracy(models.good, x, y), "current": accuracy(models.bad, x, y)}
+    assert r.accuracy["new"] > 0.85 and r.accuracy["current"] < 0.3
+    assert smoke_test(models.good).accuracy is None  # no validation split: the smoke test only
+
+
 def test_repeated_crashes_of_a_new_model_roll_it_back(models: Models, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "store"
