@@ -144,6 +144,7 @@ def sampling_run(devices: int, rounds: int, sample: float | None, seed: int, fra
     for d in fleet:
         d.method.ctx.global_test = small
     _, reports, clock = run_timed(cfg, fleet, strat)
+    assert clock is not None  # in-process: always timed
     model = fleet[0].method.ctx.model  # after the final round every device holds the final global model
     acc = accuracy(model, test.x, test.y)
     training = [r for r in reports if r.phase != "final"]

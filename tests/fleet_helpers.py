@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from fedge.common.asyncmode import AsyncSettings
 from fedge.common.initseeds import init_seeds
 from fedge.common.inmemory import InMemoryBus
 from fedge.common.messages import Message
@@ -66,7 +67,7 @@ def capture_uploads(agents: Sequence[DeviceAgent]) -> list[Upload]:
 
 def tiny_fleet(method: str, archs: list[str], *, rounds: int = 2, precision: str = "fp32",
                method_config: dict | None = None, seed: int = 0, profiles: Sequence[str] | None = None,
-               sampling: Sampling | None = None) -> Fleet:
+               sampling: Sampling | None = None, asynchronous: AsyncSettings | None = None) -> Fleet:
     train, test = digits()
     entry = method_entry(method)
     settings = entry.parse(method_config)
@@ -82,7 +83,7 @@ def tiny_fleet(method: str, archs: list[str], *, rounds: int = 2, precision: str
         pairs.append((entry.build_device(ctx), info))
     bus, coord, agents = connect_inprocess(pairs)
     strat = entry.build_strategy(settings, num_classes=10, rounds=rounds)
-    engine = RoundEngine(strat, coord, EngineConfig(method=method, sampling=sampling))
+    engine = RoundEngine(strat, coord, EngineConfig(method=method, sampling=sampling, asynchronous=asynchronous))
     return Fleet(bus, agents, engine)
 
 

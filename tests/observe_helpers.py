@@ -56,9 +56,10 @@ arch = "tier-xs"
 """
 
 
-def small_fleet(tmp: Path, fleet: str, rounds: int = 2) -> FleetConfig:
+def small_fleet(tmp: Path, fleet: str, rounds: int = 2, extra: str = "") -> FleetConfig:
+    """The three-device fleet; ``extra``: TOML tables appended (e.g. a ``[coordinator]`` table)."""
     path = tmp / f"{fleet}.toml"
-    path.write_text(FLEET_TOML.format(fleet=fleet, rounds=rounds))
+    path.write_text(FLEET_TOML.format(fleet=fleet, rounds=rounds) + extra)
     return load_fleet(path)
 
 
@@ -78,10 +79,12 @@ def run_watched(cfg: FleetConfig, broker: MosquittoProcess, state_dir: Path | No
     try:
         ids = [i for i, _ in device_ids(cfg)]
         infos = {d.info.device_id: d.info for d in devices}
+        a = cfg.asynchronous  # [coordinator] mode = "async": versions (docs/async.md)
         monitor = FleetMonitor(fleet=cfg.run.fleet, method=cfg.run.method, total_rounds=strat.total_rounds(),
-                               transport=coord, fleet_devices={**fleet_infos(None, ids), **infos}, wait_log_s=0)
+                               transport=coord, fleet_devices={**fleet_infos(None, ids), **infos}, wait_log_s=0,
+                               buffer_size=a.buffer_size if a is not None else 0)
         metrics = FleetMetrics(monitor)
-        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method),
+        engine = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, asynchronous=a),
                              state_dir=state_dir, observers=[monitor, metrics.observer])
         monitor.run_id = engine.run_id
         reports = engine.run()

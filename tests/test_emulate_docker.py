@@ -257,8 +257,8 @@ def test_fedproto_fleet_in_docker_survives_faults_and_matches_simulate(
         docker_env: tuple[Any, Images], fleets: Fleets, emulation: list[Emulation]) -> None:
     """One fleet, every fault: round 2 loses a killed device and has one paused and one partitioned for a
     few seconds; the coordinator restarts in round 3 and the broker in round 4 (or each a round later when the
-    machine is fast); rounds 3-5 and the final evaluation run with every survivor, and every round's accuracies are those of the same run in
-    process (nothing the faults did changed what was learned)."""
+    machine is fast); rounds 3-5 and the final evaluation run with every survivor, and every round's
+    accuracies are those of the same run in process (nothing the faults did changed what was learned)."""
     from fedge.emulate.compose import NETWORK
 
     client, _ = docker_env

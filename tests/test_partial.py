@@ -219,3 +219,39 @@ def test_a_sampled_round_is_sampled_at_the_aggregators_and_at_the_parent() -> No
     assert data is not None
     assert merger.admit(Inbound(data, "w1", kind="partial"), set(), lambda e: None) == []
     assert merger.gate.rejections.by_device["w1"] == {"partial-unsampled": 1}
+
+
+def test_a_merged_device_is_recorded_as_its_own_update_would_be() -> None:
+    """A device counted through a partial enters the root's report exactly as its own update would, the seconds it
+    trained (``train_s``) included: they were left inside its info, so a run with workers or relays reported no
+    device's training time (the clock's replay and `fedge coordinator run`'s slowest device read ``train_s``)."""
+    from fedge.coordinator.merge import merged_into
+    from fedge.coordinator.report import RoundReport, record_admitted
+
+    devs, rnd, agg = fleet("fedavg", 2), 1, Aggregation("mean")
+
+    def timed(dev: DeviceInfo) -> bytes:
+        msg = Message.from_bytes(fedavg_update(dev, rnd))
+        return Message("update", dev.device_id, rnd, FLEET, tensors=msg.tensors,
+                       info={**msg.info, "train_s": 1.5 + int(dev.device_id[1:])}).to_bytes()
+
+    strat, cfg = make("fedavg", agg)
+    gate = UpdateGate(strat, cfg)
+    gate.register([Inbound(hello(d), d.device_id) for d in devs])
+    strat.begin_round(rnd)
+    gate.begin_round(rnd, final=False)
+    flat = RoundReport(round=rnd, phase="train")
+    for d in devs:
+        assert gate.admit(Inbound(timed(d), d.device_id), lambda up: record_admitted(flat, up))
+    w = worker("fedavg", agg, devs, "w0", rnd)
+    for d in devs:
+        assert w.admit(Inbound(timed(d), d.device_id))
+    data = w.flush()
+    assert data is not None
+    _, merger = root("fedavg", agg, devs, rnd)
+    merged = RoundReport(round=rnd, phase="train")
+    assert merger.admit(Inbound(data, "w0", kind="partial"), set(), merged_into(merged, "w0")) == ["d0", "d1"]
+    assert merged.train_s == flat.train_s == {"d0": 1.5, "d1": 2.5}
+    assert merged.info == flat.info and all("train_s" not in i for i in merged.info.values())
+    assert (merged.accepted, merged.metrics, merged.bytes_down) == (flat.accepted, flat.metrics, flat.bytes_down)
+    assert merged.partials == {"w0": 2}

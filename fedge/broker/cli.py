@@ -137,6 +137,9 @@ def _config(args: argparse.Namespace) -> int:
                          bundles=not args.no_bundles,
                          run_as=args.run_as, rotate=args.rotate)
     if args.shards or args.workers:
+        from fedge.common.asyncmode import refuse_in_parts
+
+        refuse_in_parts(cfg.asynchronous, "--shards" if args.shards else "--workers", source=cfg.source)
         return _sharded(args, cfg.run.fleet, ids, opts)
     files = write_broker_config(cfg.run.fleet, ids, args.out, opts, fleet_config=args.fleet)
     secrets = "client certificates" if opts.mtls else files.passwd.name

@@ -9,14 +9,18 @@ runs the same tests over both): the descriptor and global state are retained
 (a device sees the latest), updates are delivered whole and in the order sent,
 duplicates are delivered (the engine refuses them), and a device that already
 answered a round sends its update again when that round is re-announced under a
-new message id (a resumed coordinator), exactly as over MQTT.
+new message id (a resumed coordinator), exactly as over MQTT. In asynchronous mode
+(``round.assigned``) the test is the task: a device sends its update again when a
+descriptor from a new coordinator process (``session``) still lists the task it
+answered (the process that got it died before accepting it).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import Any
 
 from fedge.common.messages import Message
 from fedge.common.tensorcodec import read_header
@@ -78,12 +82,45 @@ def _descriptor_key(raw: bytes) -> tuple[str, tuple[str, int]] | None:
         return None
 
 
+def descriptor_tasks(info: Mapping[str, Any]) -> dict[str, int] | None:
+    """A round descriptor's ``round.assigned`` (asynchronous mode: device -> task), None if it has none."""
+    rnd = info.get("round")
+    assigned = rnd.get("assigned") if isinstance(rnd, dict) else None
+    if not isinstance(assigned, dict):
+        return None
+    return {str(k): v for k, v in assigned.items() if isinstance(v, int)}
+
+
+AsyncAnswer = tuple[str, str, str, int]  # (run, session, device, task) an asynchronous update answered
+
+
+def async_answer(info: Mapping[str, Any], device: str) -> AsyncAnswer | None:
+    """What an update sent now answers, from the current descriptor's info (None: no task of ``device``)."""
+    tasks = descriptor_tasks(info)
+    if not tasks or device not in tasks:
+        return None
+    return str(info.get("run", "")), str(info.get("session", "")), device, tasks[device]
+
+
+def resend_async(answered: AsyncAnswer | None, info: Mapping[str, Any]) -> bool:
+    """Whether a device's cached asynchronous update must be sent again on a new descriptor (its ``info``): one
+    from a new coordinator process (``session``) of the same run that still lists the task the update answered
+    (the old process died before accepting it). Within one process a listed task is only an update on its way."""
+    if answered is None:
+        return False
+    run, session, device, task = answered
+    tasks = descriptor_tasks(info)
+    return (tasks is not None and str(info.get("run", "")) == run and str(info.get("session", "")) != session
+            and tasks.get(device) == task)
+
+
 class InMemoryDeviceTransport(DeviceTransport):
     def __init__(self, bus: InMemoryBus) -> None:
         self.bus = bus
         self._seen_id: str | None = None  # message id of the last descriptor seen
         # ((run, round), descriptor id it answered, message): resent when that round is re-announced
         self._last_update: tuple[tuple[str, int], str, bytes] | None = None
+        self._last_task: AsyncAnswer | None = None  # asynchronous mode: what the last update answered
 
     def send_hello(self, data: bytes) -> None:
         self.bus.hellos.append(data)
@@ -95,7 +132,12 @@ class InMemoryDeviceTransport(DeviceTransport):
             if key is not None and key[0] != self._seen_id:
                 self._seen_id = key[0]
                 last = self._last_update
-                if last is not None and last[0] == key[1] and last[1] != key[0]:
+                info = Message.from_bytes(raw).info
+                if descriptor_tasks(info) is not None:
+                    if last is not None and resend_async(self._last_task, info):
+                        log.info("the coordinator still lists the task answered; sending the cached update again")
+                        self.bus.updates.append(last[2])
+                elif last is not None and last[0] == key[1] and last[1] != key[0]:
                     log.info("round %d was re-announced; sending the cached update again", key[1][1])
                     self._last_update = (last[0], key[0], last[2])
                     self.bus.updates.append(last[2])
@@ -113,4 +155,6 @@ class InMemoryDeviceTransport(DeviceTransport):
             rnd = -1
         if key is not None and key[1][1] == rnd:
             self._last_update = (key[1], key[0], data)
+            assert raw is not None
+            self._last_task = async_answer(Message.from_bytes(raw).info, read_header(data)[1].get("sender", ""))
         self.bus.updates.append(data)

@@ -25,6 +25,7 @@ class LocalSettings(MethodSettings):
     """No federation: no keys."""
 
     method: ClassVar[str] = "local"
+    async_refusal: ClassVar[str | None] = "local shares nothing, so there is no global version to update"
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,15 @@ class RoundInfo:
     # The devices sampled to train this round ([coordinator] sample, fedge.common.sampling); None: every
     # device. A device not listed sends nothing.
     sampled: list[str] | None = None
+    # Asynchronous mode ([coordinator] mode = "async", fedge.common.asyncmode): ``round`` is the global version,
+    # and this maps every device asked to train to the version at which it was asked (its task). A device
+    # trains once per task, from the version announced when it starts; a device not listed sends nothing.
+    assigned: dict[str, int] | None = None
 
     def includes(self, device_id: str) -> bool:
         """Whether ``device_id`` is asked to work in this round."""
+        if self.assigned is not None:
+            return device_id in self.assigned
         return self.sampled is None or device_id in self.sampled
 
     @property
@@ -49,8 +55,9 @@ class RoundInfo:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        if d["sampled"] is None:
-            del d["sampled"]  # absent unless sampling: a device of an older release still reads the descriptor
+        for key in ("sampled", "assigned"):
+            if d[key] is None:
+                del d[key]  # absent unless used: a device of an older release still reads the descriptor
         return d
 
     @classmethod

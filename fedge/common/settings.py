@@ -73,6 +73,8 @@ class MethodSettings:
     generative: ClassVar[bool] = False
     # Upload arrays that are statistics [privacy] clips and noises (fedge.common.privacy.STAT_ARRAYS).
     private_stats: ClassVar[tuple[str, ...]] = ()
+    # Why the method cannot run in asynchronous mode ([coordinator] mode = "async"); None: it can (docs/async.md).
+    async_refusal: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))

@@ -205,19 +205,24 @@ class ClassMean:
     def __init__(self, num_classes: int, aggregation: Aggregation | None = None) -> None:
         self.aggregation = aggregation
         self.counts = np.zeros(num_classes, dtype=np.int64)
+        self.weights = np.zeros(num_classes, dtype=np.float64)  # counts times each device's weight
         self.sums: np.ndarray | None = None
         self.rows: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def add(self, stats: np.ndarray, counts: np.ndarray) -> None:
+    def add(self, stats: np.ndarray, counts: np.ndarray, weight: float = 1.0) -> None:
+        """Fold one device's rows in, each weighted by its class count times ``weight`` (a staleness weight;
+        the published counts stay sample counts)."""
         stats = np.asarray(stats, dtype=np.float64)
         counts = np.asarray(counts, dtype=np.int64)
         self.counts += counts
+        w = counts.astype(np.float64) * weight
+        self.weights += w
         if self.aggregation is not None and self.aggregation.robust:
-            self.rows.append((stats.astype(np.float32), counts))
+            self.rows.append((stats.astype(np.float32), w))
             return
         if self.sums is None:
             self.sums = np.zeros_like(stats)
-        self.sums += stats * counts[:, None]
+        self.sums += stats * w[:, None]
 
     def __bool__(self) -> bool:
         return self.sums is not None or bool(self.rows)
@@ -225,13 +230,14 @@ class ClassMean:
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """(statistics (C, p) float32, counts (C,) int64); a class nobody has gets a zero row."""
         if self.sums is not None:
-            return (self.sums / np.maximum(self.counts, 1)[:, None]).astype(np.float32), self.counts.copy()
+            safe = np.where(self.weights > 0, self.weights, 1.0)[:, None]
+            return (self.sums / safe).astype(np.float32), self.counts.copy()
         assert self.aggregation is not None and self.rows
         stats = np.stack([s for s, _ in self.rows])  # (N, C, p)
-        counts = np.stack([c for _, c in self.rows])  # (N, C)
+        counts = np.stack([c for _, c in self.rows])  # (N, C) weights: class counts times the device's weight
         out = np.zeros(stats.shape[1:], dtype=np.float64)
         for c in range(stats.shape[1]):
             has = counts[:, c] > 0
             if has.any():
-                out[c] = robust_combine(stats[has, c], counts[has, c].astype(np.float64), self.aggregation)
+                out[c] = robust_combine(stats[has, c], counts[has, c], self.aggregation)
         return out.astype(np.float32), self.counts.copy()

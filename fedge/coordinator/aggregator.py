@@ -15,6 +15,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from fedge.common.asyncmode import refuse_in_parts
 from fedge.common.messages import Message
 from fedge.common.transport import Inbound
 from fedge.coordinator.config import EngineConfig
@@ -31,6 +32,7 @@ class PartialAggregator:
 
     def __init__(self, strategy: Strategy, config: EngineConfig, name: str) -> None:
         check_splittable(strategy)
+        refuse_in_parts(config.asynchronous, f"a partial aggregator ({name}: a worker or relay)")
         self.strategy = strategy
         self.config = config
         self.name = name

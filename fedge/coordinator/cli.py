@@ -160,16 +160,19 @@ def _add_aggregator_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, help="override [run] rounds (as the coordinator does)")
 
 
-def _aggregator(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(the aggregator, the broker settings, the transport settings) of a worker or relay command."""
+def _aggregator(args: argparse.Namespace, command: str) -> tuple[Any, Any, Any]:
+    """(the aggregator, the broker settings, the transport settings) of a worker or relay command (``command``,
+    for the refusal of an asynchronous fleet)."""
     import dataclasses
 
+    from fedge.common.asyncmode import refuse_in_parts
     from fedge.coordinator.aggregator import PartialAggregator
     from fedge.errors import ConfigError
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.settings import TransportSettings
 
     cfg = load_fleet_for(args)
+    refuse_in_parts(cfg.asynchronous, command, source=cfg.source)
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
     name = args.name or args.username
@@ -213,7 +216,7 @@ def _engine_parts(args: argparse.Namespace, cfg: Any, *, any_device: bool) -> tu
         max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule(),
         # every hello is checked against its device's slot (arch, precision, samples, embedding size)
         slots=slot_checks(checked_slots(cfg), own_data=cfg.own_data), privacy=cfg.privacy_mechanism,
-        sampling=cfg.sampling)
+        sampling=cfg.sampling, asynchronous=cfg.asynchronous)
     strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
                                                          rounds=cfg.run.rounds)
     return engine_cfg, strat
@@ -223,7 +226,7 @@ def _worker(args: argparse.Namespace) -> int:
     from fedge.coordinator.service import install_stop_signals
     from fedge.mqtt.worker import AggregationWorker
 
-    agg, broker, wire = _aggregator(args)
+    agg, broker, wire = _aggregator(args, "`fedge coordinator worker`")
     worker = AggregationWorker(broker, agg.config.fleet, agg, group=args.group, flush_s=args.flush, settings=wire)
     restore = install_stop_signals()
     try:
@@ -244,7 +247,7 @@ def _relay(args: argparse.Namespace) -> int:
     from fedge.mqtt.client import parse_broker_url
     from fedge.mqtt.relay import Relay
 
-    agg, parent, wire = _aggregator(args)
+    agg, parent, wire = _aggregator(args, "`fedge relay`")
     child = parse_broker_url(args.shard, username=parent.username, password=parent.password,
                              tls=True if parent.tls else None, ca_file=parent.ca_file, cert_file=parent.cert_file,
                              key_file=parent.key_file)
@@ -417,8 +420,10 @@ def _run(args: argparse.Namespace) -> int:
     ids = [i for i, _ in device_ids(cfg)]
     engine_cfg, strat = _engine_parts(args, cfg, any_device=args.any_device)
     if args.workers:
+        from fedge.common.asyncmode import refuse_in_parts
         from fedge.coordinator.partial import check_splittable
 
+        refuse_in_parts(cfg.asynchronous, "--workers", source=cfg.source)
         check_splittable(strat)
 
     embedded: Any = None
@@ -440,7 +445,8 @@ def _run(args: argparse.Namespace) -> int:
                                          key_chain=_key_chain(signer, args))
     monitor = FleetMonitor(fleet=cfg.run.fleet, method=cfg.run.method, total_rounds=strat.total_rounds(),
                            transport=transport, fleet_devices=fleet_infos(engine_cfg.slots, ids),
-                           wait_log_s=args.wait_log)
+                           wait_log_s=args.wait_log,
+                           buffer_size=cfg.asynchronous.buffer_size if cfg.asynchronous is not None else 0)
     web: Any = None
     try:
         transport.start()
@@ -485,8 +491,11 @@ def _run(args: argparse.Namespace) -> int:
             eps = f", ε {p['epsilon']:.3g} at δ {p['delta']:g} (+{p['epsilon_round']:.3g}/round)" if p else ""
             slow = max(rep.train_s.items(), key=lambda kv: kv[1], default=None)  # each device's own clock
             slowest = f", slowest device {slow[0]} {slow[1]:.1f} s" if slow else ""
-            print(f"round {rep.round}/{total} ({rep.phase}): {len(rep.accepted)} updates, rejected {rejected}"
-                  f"{missing}{acc}{eps}, {rep.seconds:.1f} s{slowest}", flush=True)
+            stale = list(rep.staleness.values())  # asynchronous mode: a round is a global version
+            unit = "version" if stale else "round"
+            staleness = f", staleness mean {sum(stale) / len(stale):.1f} max {max(stale)}" if stale else ""
+            print(f"{unit} {rep.round}/{total} ({rep.phase}): {len(rep.accepted)} updates{staleness}, rejected "
+                  f"{rejected}{missing}{acc}{eps}, {rep.seconds:.1f} s{slowest}", flush=True)
 
         service.run(on_round=on_round)
     finally:

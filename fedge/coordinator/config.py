@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fedge.common.asyncmode import AsyncSettings
 from fedge.common.privacy import Mechanism
 from fedge.common.rounds import DeviceInfo
 from fedge.common.sampling import Sampling
@@ -13,6 +14,7 @@ from fedge.coordinator.aggregate import Aggregation
 from fedge.errors import ConfigError
 
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
+COORDINATOR_ID = "coordinator"  # the sender of every message the coordinator publishes
 
 
 # Hello fields a device's slot fixes (benchmark data: the fleet config partitions it, so all are known).
@@ -104,6 +106,8 @@ class EngineConfig:
     privacy: Mechanism | None = None
     # [coordinator] sample / selection: which devices train each round (None: every online device).
     sampling: Sampling | None = None
+    # [coordinator] mode = "async": buffered asynchronous aggregation (None: synchronous rounds).
+    asynchronous: AsyncSettings | None = None
 
     def __post_init__(self) -> None:
         if self.min_devices < 0:
@@ -147,6 +151,15 @@ class CoordinatorSection:
     # client sampling (fedge.common.sampling; the fleet config checks them when it loads)
     sample: float | None = None
     selection: str = "available"
+    # asynchronous mode (fedge.common.asyncmode; the fleet config checks them when it loads)
+    mode: str = "sync"
+    buffer_size: int | None = None
+    max_staleness: int | None = None
+    staleness_weight: str | None = None
+    staleness_exponent: float | None = None
+    hinge_a: float | None = None
+    hinge_b: float | None = None
+    concurrency: int | None = None
 
     def aggregation_rule(self) -> Aggregation:
         """The :class:`Aggregation` this table selects (validated)."""

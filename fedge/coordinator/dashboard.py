@@ -12,6 +12,10 @@ replayed from a state directory) as:
 * the fleet table: every device with its profile, model, state, last seen, health, last round, updates
   accepted / missed / refused by reason (and a refused hello's words), accuracies and bytes.
 
+In asynchronous mode (the view's ``unit`` is ``version``) the same page counts global versions instead of
+rounds: the state line names the version being built, how many devices are training for it and its buffer
+size, the totals line the staleness of the last version's updates, and the charts' x axis is the version.
+
 Colours: profiles take a colour-blind-safe palette (Okabe–Ito), devices hues stepped by the golden
 angle, so no two of any number of series share a colour. Everything a device sent (ids, profiles, arch
 names, error texts) is HTML-escaped. The live page fetches ``/fragment`` every 2 s (``/dashboard.js``:
@@ -118,7 +122,7 @@ def _bytes(n: float) -> str:
 
 # -- charts ------------------------------------------------------------------------------------------
 
-def _axes(x_max: int, y_max: float, y_label: str, y_fmt: Callable[[float], str]) -> list[str]:
+def _axes(x_max: int, y_max: float, y_label: str, y_fmt: Callable[[float], str], x_label: str = "round") -> list[str]:
     pw, ph = W - PAD_L - PAD_R, H - PAD_T - PAD_B
     out = [f'<rect x="{PAD_L}" y="{PAD_T}" width="{pw}" height="{ph}" fill="#fff" stroke="#bbb"/>']
     for k in range(5):
@@ -130,7 +134,7 @@ def _axes(x_max: int, y_max: float, y_label: str, y_fmt: Callable[[float], str])
     for r in range(1, x_max + 1, step):
         x = _x(r, x_max)
         out.append(f'<text x="{x:.1f}" y="{H - PAD_B + 14}" font-size="10" text-anchor="middle">{r}</text>')
-    out.append(f'<text x="{PAD_L + pw / 2:.0f}" y="{H - 4}" font-size="11" text-anchor="middle">round</text>')
+    out.append(f'<text x="{PAD_L + pw / 2:.0f}" y="{H - 4}" font-size="11" text-anchor="middle">{_e(x_label)}</text>')
     out.append(f'<text x="12" y="{PAD_T + ph / 2:.0f}" font-size="11" text-anchor="middle" '
                f'transform="rotate(-90 12 {PAD_T + ph / 2:.0f})">{_e(y_label)}</text>')
     return out
@@ -147,12 +151,12 @@ def _y(v: float, y_max: float) -> float:
 
 
 def line_chart(chart_id: str, title: str, series: list[dict[str, Any]], x_max: int, y_max: float, y_label: str,
-               y_fmt: Callable[[float], str]) -> str:
+               y_fmt: Callable[[float], str], x_label: str = "round") -> str:
     """Lines (and optional min–max bands) per series: {"label", "colour", "points": [(x, y)], "band":
     [(x, lo, hi)]}."""
     parts = [f'<svg class="chart" id="{chart_id}" width="{W}" height="{H}" viewBox="0 0 {W} {H}" role="img" '
              f'aria-label="{_e(title)}" xmlns="http://www.w3.org/2000/svg"><title>{_e(title)}</title>']
-    parts += _axes(x_max, y_max, y_label, y_fmt)
+    parts += _axes(x_max, y_max, y_label, y_fmt, x_label)
     for s in series:
         band = s.get("band") or []
         if len(band) > 1:
@@ -174,14 +178,14 @@ def line_chart(chart_id: str, title: str, series: list[dict[str, Any]], x_max: i
 
 
 def bar_chart(chart_id: str, title: str, rounds: list[int], stacks: list[dict[str, Any]], y_label: str,
-              y_fmt: Callable[[float], str]) -> str:
-    """Stacked bars per round: stacks = [{"label", "colour", "values": {round: value}}]."""
+              y_fmt: Callable[[float], str], x_label: str = "round") -> str:
+    """Stacked bars per round (or version, ``x_label``): stacks = [{"label", "colour", "values": {round: value}}]."""
     x_max = max(rounds, default=1)
     totals = {r: sum(s["values"].get(r, 0) for s in stacks) for r in rounds}
     y_max = _nice(max(totals.values(), default=1) or 1)
     parts = [f'<svg class="chart" id="{chart_id}" width="{W}" height="{H}" viewBox="0 0 {W} {H}" role="img" '
              f'aria-label="{_e(title)}" xmlns="http://www.w3.org/2000/svg"><title>{_e(title)}</title>']
-    parts += _axes(x_max, y_max, y_label, y_fmt)
+    parts += _axes(x_max, y_max, y_label, y_fmt, x_label)
     bw = max(1.0, (W - PAD_L - PAD_R) / max(1, x_max) * 0.7)
     for r in rounds:
         base = 0.0
@@ -191,7 +195,7 @@ def bar_chart(chart_id: str, title: str, rounds: list[int], stacks: list[dict[st
                 continue
             y0, y1 = _y(base, y_max), _y(base + v, y_max)
             parts.append(f'<rect class="bar" x="{_x(r, x_max) - bw / 2:.1f}" y="{y1:.1f}" width="{bw:.1f}" '
-                         f'height="{max(0.5, y0 - y1):.1f}" fill="{s["colour"]}"><title>round {r}, '
+                         f'height="{max(0.5, y0 - y1):.1f}" fill="{s["colour"]}"><title>{_e(x_label)} {r}, '
                          f'{_e(s["label"])}: {_e(y_fmt(v))}</title></rect>')
             base += v
     parts.append("</svg>")
@@ -213,9 +217,10 @@ def legend(items: list[tuple[str, str]]) -> str:
 
 
 def charts(view: dict[str, Any]) -> str:
+    unit = view["unit"]
     rounds = [r for r in view["rounds"] if r["phase"] != "final"]
     if not rounds:
-        return '<p class="muted">No round has completed yet: the charts appear after the first.</p>'
+        return f'<p class="muted">No {unit} has completed yet: the charts appear after the first.</p>'
     x_max = max(r["round"] for r in rounds)
     profiles = sorted({p for r in rounds for p in r["profiles"]})
     colours = profile_colours(profiles)
@@ -230,20 +235,20 @@ def charts(view: dict[str, Any]) -> str:
                 band.append((r["round"], 100 * s["acc_min"], 100 * s["acc_max"]))
         series.append({"label": p, "colour": colours[p], "points": pts, "band": band})
     out.append("<div><h2>Accuracy per profile</h2>" + line_chart(
-        "chart-acc-profile", "global-test accuracy per round: mean per profile, band from its lowest to its highest "
-        "device", series, x_max, 100, "accuracy %", lambda v: f"{v:.0f}") + legend([(p, colours[p]) for p in profiles])
-        + "</div>")
+        "chart-acc-profile", f"global-test accuracy per {unit}: mean per profile, band from its lowest to its highest "
+        "device", series, x_max, 100, "accuracy %", lambda v: f"{v:.0f}", unit)
+        + legend([(p, colours[p]) for p in profiles]) + "</div>")
     ups = [{"label": f"{p} up", "colour": colours[p],
             "values": {r["round"]: r["profiles"].get(p, {}).get("bytes_up", 0) for r in rounds}} for p in profiles]
     downs = [{"label": f"{p} down", "colour": colours[p],
               "values": {r["round"]: r["profiles"].get(p, {}).get("bytes_down", 0) for r in rounds}} for p in profiles]
     nums = [r["round"] for r in rounds]
     out.append("<div><h2>Traffic up per profile</h2>" + bar_chart(
-        "chart-up-profile", "bytes of accepted updates per round, stacked by profile", nums, ups, "bytes up",
-        _bytes) + legend([(p, colours[p]) for p in profiles]) + "</div>")
+        "chart-up-profile", f"bytes of accepted updates per {unit}, stacked by profile", nums, ups, "bytes up",
+        _bytes, unit) + legend([(p, colours[p]) for p in profiles]) + "</div>")
     out.append("<div><h2>Traffic down per profile</h2>" + bar_chart(
-        "chart-down-profile", "bytes devices received per round, stacked by profile", nums, downs, "bytes down",
-        _bytes) + legend([(p, colours[p]) for p in profiles]) + "</div>")
+        "chart-down-profile", f"bytes devices received per {unit}, stacked by profile", nums, downs, "bytes down",
+        _bytes, unit) + legend([(p, colours[p]) for p in profiles]) + "</div>")
     if view["series"]:
         devices = sorted({d for r in rounds for d in (r["acc"] or {})})
         dev_colours = {d: device_colour(i) for i, d in enumerate(devices)}
@@ -251,8 +256,8 @@ def charts(view: dict[str, Any]) -> str:
                        "points": [(r["round"], 100 * r["acc"][d]) for r in rounds if r["acc"] and d in r["acc"]]}
                       for d in devices]
         out.append("<div><h2>Accuracy per device</h2>" + line_chart(
-            "chart-acc-device", "global-test accuracy per round of each device", dev_series, x_max, 100,
-            "accuracy %", lambda v: f"{v:.0f}") + legend([(d, dev_colours[d]) for d in devices]) + "</div>")
+            "chart-acc-device", f"global-test accuracy per {unit} of each device", dev_series, x_max, 100,
+            "accuracy %", lambda v: f"{v:.0f}", unit) + legend([(d, dev_colours[d]) for d in devices]) + "</div>")
     else:
         out.append('<p class="muted">Per-device charts are drawn for fleets of up to 40 devices; the per-profile '
                    'charts and the table below cover every device.</p>')
@@ -284,7 +289,7 @@ def profile_table(view: dict[str, Any]) -> str:
                     f'<td class="n">{p["accepted"]}</td><td class="n">{p["refused"]}</td><td class="n">{acc}</td>'
                     f'<td class="n">{_bytes(p["up"])}</td><td class="n">{_bytes(p["down"])}</td></tr>')
     return ('<table id="profiles"><thead><tr><th>profile</th><th class="n">devices</th><th class="n">online</th>'
-            '<th class="n">accepted</th><th class="n">refused</th><th class="n">acc % (last round)</th>'
+            f'<th class="n">accepted</th><th class="n">refused</th><th class="n">acc % (last {view["unit"]})</th>'
             '<th class="n">up</th><th class="n">down</th></tr></thead><tbody>' + "".join(body) + "</tbody></table>")
 
 
@@ -346,7 +351,8 @@ def device_table(view: dict[str, Any], every_row: bool = False) -> str:
     return ('<table id="devices"><thead><tr><th>device</th><th>profile</th><th>model</th><th>state</th>'
             '<th>last seen</th><th class="n">CPU %</th>'
             '<th class="n" title="RSS of the agent / free of the RAM it may use">memory</th><th class="n">temp</th>'
-            '<th class="n">disk free</th><th>heartbeat</th><th class="n">last round</th><th class="n">accepted</th>'
+            f'<th class="n">disk free</th><th>heartbeat</th><th class="n">last {view["unit"]}</th>'
+            '<th class="n">accepted</th>'
             '<th class="n">missed</th><th>refused</th><th class="n">acc %</th><th class="n">local %</th>'
             '<th class="n">up</th><th class="n">down</th><th>last error</th></tr></thead><tbody>'
             + "".join(body) + "</tbody></table>" + note)
@@ -356,13 +362,18 @@ def status_line(view: dict[str, Any]) -> str:
     now = view["generated"]
     total = view["total_rounds"]
     cur = view["round"]
+    unit = view["unit"]  # "version" in asynchronous mode
     states = {"starting": "starting", "fleet": "waiting for the fleet's hellos", "quorum": "waiting for a quorum",
-              "between": f"round {view['completed']}/{total} done", "finished": f"finished: {view['completed']} "
-              f"rounds", "round": ""}
+              "between": f"{unit} {view['completed']}/{total} done", "finished": f"finished: {view['completed']} "
+              f"{unit}s", "round": ""}
     if cur is not None:
         left = f", deadline in {max(0.0, cur['deadline'] - now):.0f} s" if cur["deadline"] else ""
-        text = (f"round {cur['round']}/{total} ({_e(cur['phase'])}), running for {now - cur['started']:.0f} s"
-                f"{left}")
+        training = ""
+        if cur.get("training") is not None:
+            k = f", a buffer of {view['buffer_size']}" if view["buffer_size"] else ""
+            training = f", {cur['training']} devices training{k}"
+        text = (f"{unit} {cur['round']}/{total} ({_e(cur['phase'])}), running for {now - cur['started']:.0f} s"
+                f"{left}{training}")
     else:
         text = _e(states.get(view["state"], view["state"]))
     out = [f'<p id="status" data-state="{_e(view["state"])}"><b>{text}</b></p>']
@@ -375,9 +386,12 @@ def status_line(view: dict[str, Any]) -> str:
     t = view["totals"]
     refused = ", ".join(f"{_e(k)} {v}" for k, v in sorted(t["updates_refused"].items())) or "none"
     h_refused = ", ".join(f"{_e(k)} {v}" for k, v in sorted(t["health_refused"].items())) or "none"
+    stale = next((r for r in reversed(view["rounds"]) if r.get("staleness_max") is not None), None)
+    staleness = (f'; staleness of the updates in version {stale["round"]}: mean {stale["staleness_mean"]:.1f}, '
+                 f'max {stale["staleness_max"]}' if stale is not None else "")
     out.append(f'<p id="totals">{t["updates_accepted"]} updates accepted, refused: {refused}; heartbeats '
                f'{t["health_accepted"]}, refused: {h_refused}; traffic {_bytes(t["bytes_up"])} up, '
-               f'{_bytes(t["bytes_down"])} down</p>')
+               f'{_bytes(t["bytes_down"])} down{staleness}</p>')
     return "".join(out)
 
 

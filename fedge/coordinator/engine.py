@@ -6,6 +6,12 @@ into the strategy, publishes the artifacts the strategy returns, and
 checkpoints through the :class:`~fedge.coordinator.store.EngineStore`. After
 the last training round it announces a final round in which devices evaluate
 the final global state and upload only their metrics.
+
+In asynchronous mode (``EngineConfig.asynchronous``, docs/async.md) a round is a global version: the
+engine asks up to ``concurrency`` idle devices to train (``round.assigned``), admits updates trained from
+any of the last ``max_staleness`` versions, folds each into the strategy with its staleness weight (after
+persisting it: a restart loses no accepted update), and makes a new version every ``buffer_size`` accepted
+updates. The same transports carry it; the gate, robust aggregation, slots and run ids apply unchanged.
 """
 
 from __future__ import annotations
@@ -22,18 +28,17 @@ from fedge.common.messages import Message
 from fedge.common.privacy import PrivacyLedger
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport
-from fedge.coordinator.config import DEFAULT_MAX_UPDATE_BYTES, EngineConfig
+from fedge.coordinator.config import COORDINATOR_ID, DEFAULT_MAX_UPDATE_BYTES, EngineConfig
 from fedge.coordinator.gate import Admitted, UpdateGate
 from fedge.coordinator.merge import PartialMerger, merged_into
 from fedge.coordinator.observer import EngineObserver
-from fedge.coordinator.report import RoundReport
+from fedge.coordinator.report import RoundReport, record_admitted
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
+from fedge.coordinator.versions import run_version
 from fedge.errors import TransportError
 
 log = logging.getLogger(__name__)
-
-COORDINATOR_ID = "coordinator"
 
 __all__ = ["COORDINATOR_ID", "DEFAULT_MAX_UPDATE_BYTES", "REPORTS_FILE", "EngineConfig", "RoundEngine",
            "RoundReport", "StateMismatchError"]
@@ -50,6 +55,7 @@ class RoundEngine:
         self.config = config
         self.observers = list(observers)  # told what happens (fedge.coordinator.observer); never waited for
         strategy.aggregation = config.aggregation
+        strategy.asynchronous = config.asynchronous
         self.gate = UpdateGate(strategy, config, refuse=self._refuse,
                                observe=lambda *a: self._notify("refused", *a),
                                registered=lambda dev: self._notify("registered", dev))
@@ -58,11 +64,17 @@ class RoundEngine:
         self.globals: dict[str, Arrays] = {}
         self.reports: list[RoundReport] = []
         self.completed = 0
-        self.run_id = uuid.uuid4().hex  # lets devices tell a new run from a resumed one
+        self.run_id: str = uuid.uuid4().hex  # lets devices tell a new run from a resumed one
+        # this process (asynchronous mode's descriptors carry it: a device resends an update whose task a new
+        # process still lists, fedge.common.inmemory.resend_async)
+        self.session: str = uuid.uuid4().hex
         self.global_rounds: dict[str, int] = {}  # artifact -> round that produced the published version
         self.latency: dict[str, dict[str, float]] = {}  # phase -> device -> seconds announce→update
         self._resumed_round = 0  # the round a restarted coordinator runs again (0: not resumed)
-        self.store = EngineStore(state_dir) if state_dir else None
+        # asynchronous mode: device -> the version at which it was asked to train, until its update is accepted
+        self.tasks: dict[str, int] = {}
+        self.gate.assigned = self.tasks
+        self.store: EngineStore | None = EngineStore(state_dir) if state_dir else None
         if self.store is not None and self.store.exists():
             self._resume(self.store.load(method=config.method, fleet=config.fleet))
 
@@ -190,6 +202,8 @@ class RoundEngine:
 
     def run_round(self, rnd: int) -> RoundReport:
         """Announce round ``rnd``, aggregate what arrives, publish the new global state."""
+        if self.config.asynchronous is not None and rnd <= self.strategy.total_rounds():
+            return run_version(self, rnd)
         t0 = time.perf_counter()
         self.await_quorum()
         online = self.online_devices()
@@ -215,14 +229,7 @@ class RoundEngine:
         def accept(up: Admitted) -> None:
             if not info.is_final:
                 self.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
-            sender = up.msg.sender
-            report.accepted.append(sender)
-            report.bytes_up[sender] = up.size
-            report.bytes_down[sender] = up.bytes_down
-            report.metrics[sender] = up.metrics
-            report.info[sender] = {k: v for k, v in up.info.items() if k != "train_s"}
-            if "train_s" in up.info:
-                report.train_s[sender] = float(up.info["train_s"])
+            record_admitted(report, up)
 
         for item in self.transport.collect(rnd, pending, info.deadline):
             if item.kind == "partial":  # a worker's or a relay's share of the round
@@ -329,7 +336,7 @@ class RoundEngine:
         self.store.save(EngineState(
             completed=self.completed, method=self.config.method, fleet=self.config.fleet,
             devices=self.devices, strategy=self.strategy.state_dict(), run_id=self.run_id,
-            global_rounds=self.global_rounds, latency=self.latency, globals=self.globals,
+            global_rounds=self.global_rounds, latency=self.latency, globals=self.globals, tasks=dict(self.tasks),
         ), report)
 
     def _resume(self, state: EngineState) -> None:
@@ -343,5 +350,5 @@ class RoundEngine:
         self.latency = state.latency
         self.gate.last_missing = set(self.reports[-1].missing) if self.reports else set()
         self.globals = state.globals
+        self.tasks.update(state.tasks)
         self._trim_reports()
-

@@ -60,6 +60,8 @@ class Admitted:
     metrics: dict[str, float]
     bytes_down: int
     info: dict[str, Any]
+    staleness: int = 0  # asynchronous mode: versions between the one it trained from and the one being built
+    raw: bytes = b""  # the update as received (asynchronous mode persists it before it counts)
 
 
 @dataclass
@@ -100,6 +102,10 @@ class UpdateGate:
         self._final = False
         self._seen: set[str] = set()
         self._sampled: set[str] | None = None  # devices sampled for this round (None: all)
+        # Asynchronous mode (config.asynchronous): device -> the task (version) it was asked to train for; an
+        # update is admitted only from a device with a task, once. The engine owns and updates the mapping.
+        self.assigned: dict[str, int] = {}
+        self._async_ids: dict[str, int] = {}  # message ids accepted -> version, kept for max_staleness versions
 
     @property
     def refused(self) -> set[str]:
@@ -197,6 +203,14 @@ class UpdateGate:
         """Round over: ``missing`` devices' updates for it will be refused as ``late``."""
         self.last_missing = set(missing)
         self._previous_ids, self._recent_ids = self._recent_ids, set()
+        a = self.config.asynchronous
+        if a is not None:  # a replayed message id is remembered as long as its round could still be accepted
+            self._async_ids = {i: v for i, v in self._async_ids.items() if v >= self._round - a.max_staleness}
+
+    def remember(self, msg_id: str) -> None:
+        """An accepted update restored from the buffer of a restarted coordinator: its id is a replay now."""
+        self._recent_ids.add(msg_id)
+        self._async_ids[msg_id] = self._round
 
     def admit(self, item: Inbound, accept: Callable[[Admitted], None],
               hellos: Callable[[], list[Inbound]] | None = None) -> bool:
@@ -220,13 +234,53 @@ class UpdateGate:
             check_arrays(msg.tensors, None, msg.sender, device)  # values: finite floats, counts in range
             self._check_classes(msg, device)
             metrics, down, info = parse_update_info(msg.info, device)
-            accept(Admitted(msg, device, len(item.data), metrics, down, info))
+            staleness = self._round - msg.round if self.config.asynchronous is not None and not self._final else 0
+            accept(Admitted(msg, device, len(item.data), metrics, down, info, staleness, item.data))
         except Exception as exc:
             self.reject(item.origin or (named[0][:64] if named else None), exc, "update")
             return False
         self._seen.add(msg.sender)
-        self._recent_ids.add(msg.msg_id)
+        self.remember(msg.msg_id)
         return True
+
+    def restore(self, raw: bytes, accept: Callable[[Admitted], None]) -> Admitted:
+        """An update this coordinator accepted (and persisted) before it restarted: decoded without the round
+        checks it passed then, handed to ``accept`` again, and its message id remembered (a resent copy is a
+        replay). Raises if the bytes no longer decode (the state directory is damaged)."""
+        msg = Message.from_bytes(raw, max_bytes=self.config.max_update_bytes)
+        device = self.devices[msg.sender]
+        metrics, down, info = parse_update_info(msg.info, device)
+        up = Admitted(msg, device, len(raw), metrics, down, info, self._round - msg.round, raw)
+        accept(up)
+        self._seen.add(msg.sender)
+        self.remember(msg.msg_id)
+        return up
+
+    def _check_version(self, msg: Message, rnd: int) -> None:
+        """Asynchronous mode: the version an update trained from (its round) against version ``rnd`` being built,
+        and the sender's task (it trains from the version current when it starts: never before its task's)."""
+        a = self.config.asynchronous
+        assert a is not None
+        if msg.msg_id in self._async_ids:
+            raise Rejected("replay", f"{msg.sender} reused message id {msg.msg_id} (accepted into version "
+                                     f"{self._async_ids[msg.msg_id]})")
+        if msg.round > rnd:
+            raise Rejected("future", f"{msg.sender} sent an update from version {msg.round} while version {rnd} is "
+                                     "the latest")
+        task = self.assigned.get(msg.sender)
+        if task is None or msg.round < task:
+            raise Rejected("unassigned", f"{msg.sender} has no task its update from version {msg.round} answers: "
+                                         "that task's update was already accepted, or it was not asked to train")
+        staleness = rnd - msg.round
+        phase_now, phase_then = self.strategy.phase(rnd), self.strategy.phase(max(msg.round, 1))
+        if staleness > a.max_staleness or phase_then != phase_now:
+            del self.assigned[msg.sender]  # its task is over, its work unusable: the engine gives it a new one
+        if staleness > a.max_staleness:
+            raise Rejected("stale", f"{msg.sender}'s update trained from version {msg.round} is {staleness} versions "
+                                    f"old while building version {rnd}: more than max_staleness = {a.max_staleness}")
+        if phase_then != phase_now:
+            raise Rejected("stale", f"{msg.sender}'s update trained from version {msg.round} in phase "
+                                    f"{phase_then!r}; the fleet is in phase {phase_now!r} now")
 
     def _check_classes(self, msg: Message, device: DeviceInfo) -> None:
         """Class counts only for the classes its slot says the device holds."""
@@ -254,17 +308,19 @@ class UpdateGate:
             self.register(hellos())  # its hello may have arrived during this round
         if msg.sender not in self.devices:
             raise Rejected("unregistered", f"{msg.sender!r} sent an update without a hello")
-        if msg.round < rnd:
+        if self.config.asynchronous is not None and not self._final:
+            self._check_version(msg, rnd)
+        elif msg.round < rnd:
             if msg.round == rnd - 1 and msg.sender in self.last_missing:
                 raise Rejected("late", f"{msg.sender}'s update for round {msg.round} came after its deadline; dropped")
             raise Rejected("stale", f"{msg.sender} sent round {msg.round} during round {rnd}")
-        if msg.round > rnd:
+        elif msg.round > rnd:
             raise Rejected("future", f"{msg.sender} sent round {msg.round} during round {rnd}")
         if self._sampled is not None and msg.sender not in self._sampled:
             raise Rejected("unsampled", f"{msg.sender} was not sampled for round {rnd}: it owes no update")
-        if msg.sender in self._seen:
+        if msg.sender in self._seen and self.config.asynchronous is None:
             raise Rejected("duplicate", f"{msg.sender} already sent its update for round {rnd}")
-        if msg.msg_id in self._recent_ids or msg.msg_id in self._previous_ids:
+        if msg.msg_id in self._recent_ids or msg.msg_id in self._previous_ids or msg.msg_id in self._async_ids:
             raise Rejected("replay", f"{msg.sender} reused message id {msg.msg_id}")
         device = self.devices[msg.sender]
         spec = {} if self._final else self.strategy.expected_update(device, rnd)

@@ -39,7 +39,7 @@ from fedge.coordinator.partial import (
     template,
     weight_budget,
 )
-from fedge.coordinator.report import RoundReport
+from fedge.coordinator.report import RoundReport, record_accepted
 from fedge.coordinator.strategy import Strategy
 from fedge.coordinator.validation import Rejected, parse_update_info
 
@@ -80,12 +80,8 @@ def merged_into(report: RoundReport, sender: str | None) -> DeviceSink:
     """A sink that records each merged device in ``report`` as the engine records a device's own update."""
 
     def sink(e: MergedDevice) -> None:
-        d = e.device.device_id
-        report.accepted.append(d)
-        report.bytes_up[d] = e.bytes_up
-        report.bytes_down[d] = e.bytes_down
-        report.metrics[d] = e.metrics
-        report.info[d] = e.info
+        record_accepted(report, e.device.device_id, bytes_up=e.bytes_up, bytes_down=e.bytes_down,
+                        metrics=e.metrics, info=e.info)
         key = sender or UNKNOWN_SENDER
         report.partials[key] = report.partials.get(key, 0) + 1
 
@@ -134,7 +130,7 @@ class PartialMerger:
                 raise Rejected("schema", f"{msg.sender}'s partial for the final round carries tensors")
             self._count_refusals(msg.info.get("rejected_by_device", {}))
         except Exception as exc:  # the error boundary: a partial never stops the coordinator
-            self._refuse(sender, exc)
+            self.refuse(sender, exc)
             return []
         if not self._final:
             merge_partial(self.strategy, msg.tensors)
@@ -147,7 +143,8 @@ class PartialMerger:
         log.debug("round %d: merged %s's partial of %d devices", self._round, msg.sender, len(entries))
         return [e.device.device_id for e in entries]
 
-    def _refuse(self, sender: str | None, exc: BaseException) -> None:
+    def refuse(self, sender: str | None, exc: BaseException) -> None:
+        """Count and log one refused partial under ``sender`` (reason ``partial-`` + the error's reason)."""
         reason = f"partial-{reason_of(exc)}"
         who = (sender or UNKNOWN_SENDER)[:64]
         self.gate.rejections.add(who, reason)

@@ -21,6 +21,9 @@ as prometheus_client writes them):
 ``fedge_bytes_down_total``                counter    bytes devices received for their accepted rounds
 ``fedge_round_duration_seconds``          histogram  a round, announce to checkpoint
 ``fedge_aggregation_duration_seconds``    histogram  the strategy's ``finish_round``
+``fedge_async_buffer_size``               gauge      asynchronous mode only: updates per version (K)
+``fedge_update_staleness``                histogram  asynchronous mode only: versions between the one an
+                                                     accepted update trained from and the one it went into
 ``fedge_device_*{device,profile}``        gauge      per device: ``online``, ``last_seen_timestamp_seconds``,
                                                      ``last_round``, ``accepted_updates``, and from its
                                                      heartbeat ``health_timestamp_seconds``,
@@ -29,15 +32,20 @@ as prometheus_client writes them):
                                                      ``disk_free_bytes``, ``uptime_seconds``
 ========================================  =========  ===================================================
 
+In asynchronous mode (docs/async.md) a round is a global version: ``fedge_round`` is the version being
+built, ``fedge_round_pending_devices`` the devices training for it (holding a task), ``fedge_rounds_completed``
+the versions published, and ``fedge_device_last_round`` the version a device's last accepted update went into.
+
 No secret ever appears: labels are device ids, profiles, reasons, the fleet, method and run id.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fedge.coordinator.monitor import FleetMonitor, device_state
@@ -46,6 +54,7 @@ from fedge.coordinator.report import RoundReport
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ROUND_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+STALENESS_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100)
 AGGREGATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 STATES = ("online", "offline", "refused", "no_hello", "registered")
 # per-device health gauges: metric suffix -> (record field, help)
@@ -97,11 +106,25 @@ class FleetCollector(Collector):
                 CounterMetricFamily("fedge_bytes_down", "bytes devices received for their accepted rounds",
                                     value=mon.bytes_down),
             ]
+            if mon.asynchronous:
+                if mon.buffer_size:
+                    scalars.append(GaugeMetricFamily("fedge_async_buffer_size", "updates per global version (K)",
+                                                     value=mon.buffer_size))
+                scalars.append(staleness_histogram(mon.staleness))
         yield info
         yield states
         yield from scalars
         yield refused
         yield h_refused
+
+
+def staleness_histogram(counts: Counter[int]) -> HistogramMetricFamily:
+    """``fedge_update_staleness`` from the monitor's staleness -> accepted updates (cumulative buckets)."""
+    buckets = [(str(float(le)), sum(n for s, n in counts.items() if s <= le)) for le in STALENESS_BUCKETS]
+    buckets.append(("+Inf", sum(counts.values())))
+    return HistogramMetricFamily("fedge_update_staleness", "versions between the one an accepted update trained "
+                                 "from and the one it went into", buckets=buckets,
+                                 sum_value=sum(s * n for s, n in counts.items()))
 
 
 # per-device gauges: name -> help; written by device_gauges() below

@@ -8,6 +8,11 @@ draws. Its thread also says what the coordinator waits for: every ``wait_log_s``
 the quorum or the fleet's hellos are incomplete, one log line names the missing devices and why
 (offline, refused and the reason, no hello yet, no update yet).
 
+In asynchronous mode (``[coordinator] mode = "async"``, docs/async.md) a "round" is a global version: the view
+says so (``mode``, ``unit``), the engine announces a version again whenever it hands out tasks (the version's
+start time stays that of its first announcement), the devices it waits for are those training (holding a
+task), and each finished version keeps the staleness of its updates.
+
 The same view is built after the fact from a state directory (:func:`monitor_from_state_dir`), from
 ``reports.jsonl`` and ``state.json`` alone, so the dashboard shows a finished run with the numbers of
 its reports. Everything is plain Python: no torch, no numpy, no paho.
@@ -102,6 +107,9 @@ class RoundSummary:
     bytes_up: dict[str, int] | None
     bytes_down: dict[str, int] | None
     finished: float = 0.0  # unix seconds (0: unknown, after the fact)
+    # asynchronous mode: the mean and largest staleness of the version's updates (None: synchronous rounds)
+    staleness_mean: float | None = None
+    staleness_max: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -114,7 +122,7 @@ class FleetMonitor(EngineObserver):
     def __init__(self, *, fleet: str, method: str, total_rounds: int,
                  transport: CoordinatorTransport | None = None, fleet_devices: Mapping[str, DeviceInfo] | None = None,
                  run_id: str = "", wait_log_s: float = 30.0, poll_s: float = 0.5,
-                 clock: Callable[[], float] = time.time, live: bool = True) -> None:
+                 clock: Callable[[], float] = time.time, live: bool = True, buffer_size: int = 0) -> None:
         self.fleet = fleet
         self.method = method
         self.total_rounds = total_rounds  # training rounds; the final round is total_rounds + 1
@@ -124,6 +132,10 @@ class FleetMonitor(EngineObserver):
         self.poll_s = poll_s
         self.clock = clock
         self.live = live
+        # asynchronous mode: updates per version (K; 0: synchronous rounds, or not known). A descriptor that
+        # assigns tasks or a report with staleness also marks the run asynchronous.
+        self.buffer_size = buffer_size
+        self.asynchronous = buffer_size > 0
         self.started = clock()
         self._lock = threading.RLock()
         self.devices: dict[str, DeviceState] = {}
@@ -136,6 +148,7 @@ class FleetMonitor(EngineObserver):
         self._stranger_log = LogThrottle()  # refused heartbeats from senders outside the fleet, all together
         self.updates_refused: Counter[str] = Counter()  # reason -> messages, from the round reports
         self.updates_accepted = 0
+        self.staleness: Counter[int] = Counter()  # asynchronous mode: staleness -> accepted updates (/metrics)
         self.bytes_up = 0
         self.bytes_down = 0
         self.completed = 0
@@ -191,7 +204,13 @@ class FleetMonitor(EngineObserver):
 
     def round_started(self, info: RoundInfo, expected: Collection[str], pending: Collection[str]) -> None:
         with self._lock:
-            self.state, self.current, self.round_started_at = "round", info, self.clock()
+            again = self.state == "round" and self.current is not None and self.current.round == info.round
+            if info.assigned is not None:
+                self.asynchronous = True
+            # an asynchronous version is announced again when it hands out tasks: it started at its first announcement
+            self.state, self.current = "round", info
+            if not again:
+                self.round_started_at = self.clock()
             self.expected, self._pending = frozenset(expected), pending
             self.version += 1
 
@@ -244,6 +263,10 @@ class FleetMonitor(EngineObserver):
             self.bytes_up += sum(report.bytes_up.values())
             self.bytes_down += sum(report.bytes_down.values())
             small = self.series
+            stale = list(report.staleness.values())
+            if stale:
+                self.asynchronous = True
+                self.staleness.update(stale)
             self.rounds.append(RoundSummary(
                 round=report.round, phase=report.phase, seconds=report.seconds, aggregation_s=aggregation_s,
                 accepted=len(report.accepted), missing=list(report.missing[:NAMES_IN_A_LINE]),
@@ -251,7 +274,8 @@ class FleetMonitor(EngineObserver):
                 acc={d: float(m["acc_global"]) for d, m in report.metrics.items()
                      if isinstance(m.get("acc_global"), int | float)} if small else None,
                 bytes_up=dict(report.bytes_up) if small else None,
-                bytes_down=dict(report.bytes_down) if small else None, finished=finished))
+                bytes_down=dict(report.bytes_down) if small else None, finished=finished,
+                staleness_mean=sum(stale) / len(stale) if stale else None, staleness_max=max(stale, default=None)))
             self.round_hist.append((report.seconds, aggregation_s))
             self.completed = max(self.completed, report.round)
             if self.state == "round":
@@ -358,8 +382,13 @@ class FleetMonitor(EngineObserver):
                 if not pending:
                     return None
                 left = f", deadline in {max(0.0, info.deadline - now):.0f} s" if info.deadline else ""
-                head = (f"round {info.round} ({info.phase}): waiting for {len(pending)} of {len(self.expected)} "
-                        f"devices after {now - self.round_started_at:.0f} s{left}")
+                if info.assigned is not None:  # a version: the first K of the devices training make it
+                    k = f"the {self.buffer_size} updates of " if self.buffer_size else "updates for "
+                    head = (f"version {info.round} ({info.phase}): waiting for {k}{len(pending)} devices training, "
+                            f"after {now - self.round_started_at:.0f} s{left}")
+                else:
+                    head = (f"round {info.round} ({info.phase}): waiting for {len(pending)} of {len(self.expected)} "
+                            f"devices after {now - self.round_started_at:.0f} s{left}")
                 return head, [(d, self.why(d, statuses, now)) for d in pending]
             if state == "fleet":
                 missing = [d for d in self.fleet_wanted if not self.devices.get(d, DeviceState(d)).registered]
@@ -452,11 +481,15 @@ class FleetMonitor(EngineObserver):
             cur = self.current
             return {
                 "fleet": self.fleet, "method": self.method, "run_id": self.run_id, "live": self.live,
+                # asynchronous mode: rounds are global versions (docs/async.md); buffer_size None when not known
+                "mode": "async" if self.asynchronous else "sync", "unit": "version" if self.asynchronous else "round",
+                "buffer_size": self.buffer_size or None,
                 "generated": now, "started": self.started, "version": self.version,
                 "state": self.state, "completed": self.completed, "total_rounds": self.total_rounds + 1,
                 "round": None if cur is None or self.state != "round" else {
                     "round": cur.round, "phase": cur.phase, "deadline": cur.deadline or None,
-                    "started": self.round_started_at, "expected": len(self.expected)},
+                    "started": self.round_started_at, "expected": len(self.expected),
+                    "training": len(self.pending()) if cur.assigned is not None else None},
                 "waiting": None if waiting is None else {"what": waiting[0],
                                                          "devices": [{"device": d, "why": w} for d, w in waiting[1]]},
                 "devices": devices,

@@ -31,7 +31,10 @@ class EngineObserver:
 
     def round_started(self, info: RoundInfo, expected: Collection[str], pending: Collection[str]) -> None:
         """Round ``info.round`` was announced to ``expected``; ``pending`` is the engine's live set of the
-        devices it still waits for (it shrinks as updates are accepted: copy it to read it)."""
+        devices it still waits for (it shrinks as updates are accepted: copy it to read it). In asynchronous
+        mode (``info.assigned`` set) the round is a global version, announced again each time it hands out
+        tasks: this is called at each announcement, ``expected`` the devices holding a task then and ``pending``
+        the engine's live task table (device -> the version it was asked at)."""
 
     def round_finished(self, report: RoundReport, aggregation_s: float) -> None:
         """The round is over and checkpointed; ``aggregation_s``: the strategy's ``finish_round`` time."""

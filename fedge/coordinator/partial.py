@@ -232,6 +232,9 @@ def _merge(acc: Accumulator, t: Mapping[str, np.ndarray]) -> None:
     elif isinstance(acc, ClassMean):
         if "counts" in t:
             acc.counts += np.asarray(t["counts"], dtype=np.int64)
+            # partials exist in synchronous rounds only (asynchronous mode refuses workers and relays), where
+            # every update's staleness weight is 1: the mean's weights are the class counts
+            acc.weights += np.asarray(t["counts"], dtype=np.float64)
         if "sums/hi" in t:
             s = _get64(t, "sums")
             acc.sums = s if acc.sums is None else acc.sums + s

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedge.coordinator.gate import Admitted
 
 
 @dataclass
@@ -35,3 +38,24 @@ class RoundReport:
     # aggregator account (worker or relay) -> devices counted through its partials in this round; a
     # shard whose relay sent nothing is absent here and its devices are in ``missing``.
     partials: dict[str, int] = field(default_factory=dict)
+    # asynchronous mode: device id -> its update's staleness (versions behind the version this report made)
+    staleness: dict[str, int] = field(default_factory=dict)
+
+
+def record_accepted(report: RoundReport, device_id: str, *, bytes_up: int, bytes_down: int,
+                    metrics: dict[str, float], info: dict[str, Any]) -> None:
+    """An accepted update in its round's report — the device's own, or one a worker's or relay's partial
+    counted: its bytes, metrics, info and (taken out of the info) the seconds it trained, ``train_s``."""
+    report.accepted.append(device_id)
+    report.bytes_up[device_id] = bytes_up
+    report.bytes_down[device_id] = bytes_down
+    report.metrics[device_id] = metrics
+    report.info[device_id] = {k: v for k, v in info.items() if k != "train_s"}
+    if "train_s" in info:
+        report.train_s[device_id] = float(info["train_s"])
+
+
+def record_admitted(report: RoundReport, up: Admitted) -> None:
+    """:func:`record_accepted` of an update the gate admitted."""
+    record_accepted(report, up.msg.sender, bytes_up=up.size, bytes_down=up.bytes_down, metrics=up.metrics,
+                    info=up.info)

@@ -8,7 +8,10 @@ Files (all 0600: they hold what devices said about themselves):
   state, the run id, artifact versions, measured latencies. A crash before it
   leaves the previous ``state.json`` pointing at round N-1 (and at N-1 report
   lines: a report line of round N beyond them is cut off on load), and round N
-  is simply run again.
+  is simply run again;
+* ``buffer/`` — asynchronous mode only: every update accepted into the version being built, one file each,
+  written before it counts, and ``tasks-<version>.json``, the devices asked to train; a restarted
+  coordinator folds them in again (no accepted update is lost) and clears them once the version is saved.
 
 :func:`read_reports` is the one reader of ``reports.jsonl``, for the store and for anyone
 who looks at a state directory (``fedge emulate status``, the benchmarks).
@@ -34,6 +37,7 @@ from fedge.errors import CheckpointError, FedgeError
 STATE_FILE = "state.json"
 GLOBALS_FILE = "globals.safetensors"
 REPORTS_FILE = "reports.jsonl"  # one line per completed round, appended (state.json stays small)
+BUFFER_DIR = "buffer"  # asynchronous mode: the accepted updates of the version being built
 FILE_MODE = 0o600
 
 
@@ -55,6 +59,7 @@ class EngineState:
     latency: dict[str, dict[str, float]] = field(default_factory=dict)
     globals: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     reports: list[RoundReport] = field(default_factory=list)
+    tasks: dict[str, int] = field(default_factory=dict)  # asynchronous mode: device -> version it was asked at
 
 
 class EngineStore:
@@ -94,6 +99,7 @@ class EngineStore:
             "run_id": state.run_id,
             "global_rounds": state.global_rounds,
             "latency": state.latency,
+            "tasks": state.tasks,
         }
         _atomic_write(self.dir / STATE_FILE, json.dumps(doc, indent=1, allow_nan=False).encode())
 
@@ -125,6 +131,7 @@ class EngineStore:
                 global_rounds={str(k): int(v) for k, v in doc.get("global_rounds", {}).items()},
                 latency={str(p): {str(d): float(s) for d, s in per.items()}
                          for p, per in doc.get("latency", {}).items()},
+                tasks={str(d): int(v) for d, v in doc.get("tasks", {}).items()},
             )
             self.report_lines = int(doc.get("reports_saved", 0))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -140,6 +147,42 @@ class EngineStore:
             artifact, name = key.split("/", 1)
             state.globals.setdefault(artifact, {})[name] = arr
         return state
+
+    # -- asynchronous mode's buffer ------------------------------------------------------------
+    def buffer_add(self, version: int, index: int, data: bytes) -> None:
+        """Persist the ``index``-th update accepted into ``version`` (before it counts: a kill -9 loses none)."""
+        d = self.dir / BUFFER_DIR
+        d.mkdir(parents=True, exist_ok=True)
+        _atomic_write(d / f"{version}-{index:06d}.update", data)
+
+    def save_tasks(self, version: int, tasks: dict[str, int]) -> None:
+        """The devices asked to train (device -> the version it was asked at), as announced for ``version``."""
+        d = self.dir / BUFFER_DIR
+        d.mkdir(parents=True, exist_ok=True)
+        _atomic_write(d / f"tasks-{version}.json", json.dumps(tasks, sort_keys=True).encode())
+
+    def buffer_load(self, version: int) -> tuple[list[bytes], dict[str, int] | None]:
+        """The updates accepted into ``version`` so far, in order, and its saved tasks (None: none saved)."""
+        d = self.dir / BUFFER_DIR
+        files = sorted(d.glob(f"{version}-*.update")) if d.is_dir() else []
+        tasks_file = d / f"tasks-{version}.json"
+        try:
+            tasks = ({str(k): int(v) for k, v in json.loads(tasks_file.read_bytes()).items()}
+                     if tasks_file.is_file() else None)
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{tasks_file} is damaged: {exc}",
+                                  hint="restore the state directory or start another --state-dir") from exc
+        return [f.read_bytes() for f in files], tasks
+
+    def buffer_clear(self, keep_version: int | None = None) -> None:
+        """Drop the buffer's files (those of ``keep_version`` stay): its version is saved in ``state.json``."""
+        d = self.dir / BUFFER_DIR
+        if not d.is_dir():
+            return
+        for f in d.iterdir():
+            version = f.name.removeprefix("tasks-").split("-")[0].split(".")[0]
+            if keep_version is None or version != str(keep_version):
+                f.unlink(missing_ok=True)
 
     def _load_reports(self, count: int) -> list[RoundReport]:
         """The first ``count`` report lines; lines beyond them (a crash before state.json) are cut off."""

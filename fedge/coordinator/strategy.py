@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from fedge.common.asyncmode import AsyncSettings
 from fedge.common.rounds import TRAIN_PHASE, DeviceInfo
 from fedge.common.settings import MethodName, MethodSettings
 from fedge.coordinator.aggregate import Aggregation
@@ -30,6 +31,13 @@ class Strategy(ABC):
     # How updates are combined; the engine sets its EngineConfig's. Strategies create their
     # accumulators from it (fedge.coordinator.aggregate.mean / GroupedMean / ClassMean).
     aggregation: Aggregation = Aggregation()
+    # Asynchronous mode (docs/async.md): the engine sets ``asynchronous`` (its AsyncSettings; None: synchronous
+    # rounds), and before each accumulate the update's staleness weight and the version it trained from. A
+    # round is then a version: weights are averaged over the buffer with these weights; statistics are running
+    # aggregates over every device's latest upload (fedge.coordinator.strategies.fedproto).
+    asynchronous: AsyncSettings | None = None
+    update_weight: float = 1.0
+    update_version: int = 0
     # The attributes that hold the round's accumulators (WeightedMean, RobustMean, GroupedMean,
     # ClassMean; set by begin_round) when they are the strategy's *only* per-round state: then a
     # round can be aggregated in parts (aggregation workers, relays) and merged exactly

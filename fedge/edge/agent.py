@@ -51,6 +51,7 @@ class DeviceAgent:
         self._noise_rng = np.random.default_rng()  # [privacy] noise: OS entropy, never the run's seed
         # what info.train_s is measured with; a simulator on a virtual clock replaces it (fedge.sim.clocked)
         self.timer: Callable[[], float] = time.perf_counter
+        self.task_done: tuple[str, int] | None = None  # asynchronous mode: (run, task) last trained
 
     def hello(self) -> None:
         msg = Message("hello", self.device.device_id, 0, self.fleet, info={"device": self.device.to_dict()})
@@ -69,6 +70,8 @@ class DeviceAgent:
             return False
         run = announce.info.get("run")
         run = run if isinstance(run, str) else ""
+        if info.assigned is not None:
+            return self._step_async(info, run, len(raw))
         if info.round <= self.last_round:
             return False
         if info.is_final and run and run not in self.trained_runs:
@@ -89,6 +92,18 @@ class DeviceAgent:
             return False
         self.handle_round(info, len(raw))
         if not info.is_final and run:
+            self.trained_runs.add(run)
+        return True
+
+    def _step_async(self, info: RoundInfo, run: str, descriptor_bytes: int) -> bool:
+        """Asynchronous mode: train once per task the descriptor assigns this device, from the version it
+        announces (docs/async.md); a device not assigned, or whose task is done, waits."""
+        task = info.assigned.get(self.device.device_id) if info.assigned is not None else None
+        if task is None or (run, task) == self.task_done:
+            return False
+        self.handle_round(info, descriptor_bytes)
+        self.task_done = (run, task)  # after it: a round that failed (no global state yet) is tried again
+        if run:
             self.trained_runs.add(run)
         return True
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fedge.common.asyncmode import AsyncSettings, parse_async
 from fedge.common.catalog import DATASETS, NUM_CLASSES
 from fedge.common.preprocess import NORMALIZATION, Normalization
 from fedge.common.privacy import Mechanism, PrivacySettings
@@ -302,6 +303,30 @@ class FleetConfig:
         """``[coordinator] sample`` / ``selection`` (None: every device trains every round); checked at load."""
         return parse_sampling(self.coordinator, fleet_size=self.num_devices, seed=self.run.seed, source=self.source)
 
+    @functools.cached_property
+    def asynchronous(self) -> AsyncSettings | None:
+        """``[coordinator] mode = "async"`` and its settings (None: synchronous rounds); checked at load."""
+        if self.coordinator.get("mode") == "async" and self.privacy.enabled:
+            raise ConfigError(f'{self.source}: [privacy] with [coordinator] mode = "async": the privacy ledger '
+                              "accounts synchronous rounds, in which a device contributes once per release",
+                              hint='drop mode = "async", or [privacy]')
+        return parse_async(self.coordinator, fleet_size=self.num_devices, seed=self.run.seed, source=self.source,
+                           refusal=self.method_config.async_refusal, method=self.run.method)
+
+    def check_backend(self) -> None:
+        """``[simulation] backend`` against ``[coordinator] mode``: an asynchronous fleet is simulated by the
+        sequential backend only (checked at load, and by ``fedge simulate`` again after ``--backend``)."""
+        sim = self.simulation
+        if self.asynchronous is None or not sim.parallel:
+            return
+        raise ConfigError(
+            f'{self.source}: [simulation] backend = {sim.backend!r} with [coordinator] mode = "async": an asynchronous '
+            "simulation is a chain of events in virtual time in which each device starts from the version the "
+            "updates before it made (fedge.sim.clocked_async), so it trains its devices one after another in one "
+            "process; worker processes or Ray actors would wait on each other",
+            hint='use backend = "sequential" (or --backend sequential, or leave it out) with mode = "async", or drop '
+                 f'mode = "async" to train synchronous rounds with the {sim.backend} backend')
+
     @property
     def base_dir(self) -> Path:
         """Directory that relative paths (profiles, data) are resolved against."""
@@ -353,6 +378,8 @@ def parse_fleet(data: dict[str, Any], *, source: str = "<memory>") -> FleetConfi
     devices = tuple(build(DeviceGroup, g, source=source, section=f"devices[{i}]") for i, g in enumerate(groups))
     cfg = build(FleetConfig, {**data, "devices": devices, "source": source}, source=source)
     cfg.sampling  # noqa: B018  (a bad sample or selection fails now, at load time)
+    cfg.asynchronous  # noqa: B018  (so do bad async settings, and async with a method that cannot run it)
+    cfg.check_backend()  # and async with a parallel simulation backend
     if "privacy" in data:
         if not cfg.privacy.enabled:
             raise ConfigError(f"{source}: [privacy] sets neither noise_multiplier nor epsilon",

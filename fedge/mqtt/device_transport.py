@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from fedge.common import boundedjson
+from fedge.common.inmemory import AsyncAnswer, async_answer, descriptor_tasks, resend_async
 from fedge.common.messages import Message
 from fedge.common.signing import SignatureError, Verifier
 from fedge.common.tensorcodec import read_header
@@ -63,6 +65,10 @@ class MqttDeviceTransport(DeviceTransport):
         # Last update: ((run, round), descriptor id it answered, message) — sent again when the
         # coordinator re-announces the same round (it restarted or the broker lost it).
         self._last_update: tuple[tuple[str, int], str | None, bytes] | None = None
+        # Asynchronous mode: the current descriptor's info, and what the last update answered: it is sent again
+        # when a new coordinator process still lists that task (fedge.common.inmemory.resend_async).
+        self._round_info: dict[str, Any] = {}
+        self._last_task: AsyncAnswer | None = None
         # Relay resend requests (_on_resend): the id of the latest one received, and of the latest one that no
         # longer concerns the cached update (received before it was sent, or acted on already).
         self._resend_latest: str | None = None
@@ -179,8 +185,12 @@ class MqttDeviceTransport(DeviceTransport):
                 return  # the same descriptor again (retained redelivery after a reconnect)
             self._round_raw, self._round_id, self._round_key = raw, msg.msg_id, key
             self._want = {str(k): int(v) for k, v in want.items()} if isinstance(want, dict) else None
+            self._round_info = msg.info
             last = self._last_update
-            if last is not None and last[0] == key and last[1] != msg.msg_id:
+            if descriptor_tasks(msg.info) is not None:
+                if last is not None and resend_async(self._last_task, msg.info):
+                    resend = last[2]
+            elif last is not None and last[0] == key and last[1] != msg.msg_id:
                 resend = last[2]
                 self._last_update = (key, msg.msg_id, last[2])
             self.changes += 1
@@ -276,13 +286,14 @@ class MqttDeviceTransport(DeviceTransport):
     def send_update(self, data: bytes) -> None:
         frames = split(data, self.settings.chunk_bytes)
         with self._cond:
-            key, rid = self._round_key, self._round_id
+            key, rid, info = self._round_key, self._round_id, self._round_info
         try:
             rnd = int(read_header(data)[1].get("round", "-1"))
         except (PayloadError, ValueError):
             rnd = -1
         if key is not None and key[1] == rnd:
             self._last_update = (key, rid, data)
+            self._last_task = async_answer(info, self.device_id)
             self._resend_seen = self._resend_latest  # requests received so far do not concern this update
         pubs = [self.client.publish(self.topics.update(self.device_id), f) for f in frames]
         for f in frames:

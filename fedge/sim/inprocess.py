@@ -14,6 +14,7 @@ from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice
 from fedge.fleet.slots import checked_slots
 from fedge.sim.clocked import ClockedCoordinatorTransport
+from fedge.sim.clocked_async import AsyncClockedTransport
 
 
 def connect_inprocess(devices: Sequence[tuple[DeviceMethod, DeviceInfo]], *, fleet: str = "default",
@@ -41,4 +42,6 @@ def run_inprocess(cfg: FleetConfig, devices: list[SimDevice]) -> tuple[Coordinat
     bus, _, agents = connect_inprocess([(d.method, d.info) for d in devices], fleet=cfg.run.fleet,
                                        eval_every=cfg.run.eval_every)
     clock = fleet_clock(cfg, checked_slots(cfg))
+    if cfg.asynchronous is not None:  # [coordinator] mode = "async": events in virtual time
+        return AsyncClockedTransport(bus, agents, clock), agents, lambda: None
     return ClockedCoordinatorTransport(bus, agents, clock, final_round=cfg.run.rounds + 1), agents, lambda: None

@@ -16,6 +16,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from fedge.common.signing import Signer, Verifier
 from fedge.common.transport import CoordinatorTransport
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.service import EdgeService
@@ -34,20 +35,22 @@ HELLO_TIMEOUT_S = 60.0
 
 def start_fleet(cfg: FleetConfig, devices: list[SimDevice], broker: BrokerSettings,
                 settings: TransportSettings | None = None, *, coordinator: bool = True,
+                signer: Signer | None = None, verifier: Verifier | None = None,
                 ) -> tuple[MqttCoordinatorTransport | None, list[DeviceAgent], Callable[[], None]]:
     """Connect a coordinator transport (optional) and one device service thread per device to ``broker``.
 
     Returns (coordinator transport, agents, stop) where ``stop`` ends the device
-    threads and closes every connection. Waits until every device said hello.
+    threads and closes every connection. Waits until every device said hello. With ``signer`` the coordinator
+    signs what it publishes; with ``verifier`` every device accepts only state the fleet key signed.
     """
     fleet = cfg.run.fleet
-    coord = MqttCoordinatorTransport(broker, fleet, settings).start() if coordinator else None
+    coord = MqttCoordinatorTransport(broker, fleet, settings, signer=signer).start() if coordinator else None
     transports: list[MqttDeviceTransport] = []
     services: list[EdgeService] = []
     threads: list[threading.Thread] = []
     try:
         for d in devices:
-            t = MqttDeviceTransport(broker, fleet, d.info.device_id, settings).start()
+            t = MqttDeviceTransport(broker, fleet, d.info.device_id, settings, verifier=verifier).start()
             transports.append(t)
             agent = DeviceAgent(d.method, t, d.info, fleet=fleet, eval_every=cfg.run.eval_every)
             svc = EdgeService(agent, t)

@@ -74,7 +74,7 @@ def run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
 def run_timed(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
               transport: str | TransportRunner = "inprocess",
               on_round: Callable[[RoundReport], None] | None = None,
-              ) -> tuple[list[DeviceAgent], list[RoundReport], FleetClock]:
+              ) -> tuple[list[DeviceAgent], list[RoundReport], FleetClock | None]:
     """:func:`run_rounds`, and the run in virtual time (``[clock]``; over MQTT or a runner of one's own timed
     afterwards from the reports)."""
     agents, engine, clock = _run_rounds(cfg, devices, strat, transport=transport, on_round=on_round)
@@ -82,7 +82,8 @@ def run_timed(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *,
 
 
 def _run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, transport: str | TransportRunner,
-                on_round: Callable[[RoundReport], None] | None) -> tuple[list[DeviceAgent], RoundEngine, FleetClock]:
+                on_round: Callable[[RoundReport], None] | None
+                ) -> tuple[list[DeviceAgent], RoundEngine, FleetClock | None]:
     if callable(transport):
         connect = transport
     else:
@@ -99,11 +100,16 @@ def _run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, 
 
 
 def _clock_of(cfg: FleetConfig, coord: CoordinatorTransport, slots: list[DeviceSlot],
-              reports: list[RoundReport]) -> FleetClock:
+              reports: list[RoundReport]) -> FleetClock | None:
     """The in-process transport's own clock, or (a transport on the real clock, worker processes) the rounds
-    timed afterwards from the reports."""
+    timed afterwards from the reports; None for asynchronous versions on the real clock (over MQTT), which
+    have no synchronous replay."""
     clock = getattr(coord, "clock", None)
-    return clock if isinstance(clock, FleetClock) else replay_clock(fleet_clock(cfg, slots), reports)
+    if isinstance(clock, FleetClock):
+        return clock
+    if cfg.asynchronous is not None:
+        return None
+    return replay_clock(fleet_clock(cfg, slots), reports)
 
 
 def _engine(cfg: FleetConfig, strat: Strategy, coord: CoordinatorTransport, slots: list[DeviceSlot]) -> RoundEngine:
@@ -114,7 +120,7 @@ def _engine(cfg: FleetConfig, strat: Strategy, coord: CoordinatorTransport, slot
     quorum = 0 if cfg.clock.availability == "always" else 1
     return RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=checks,
                                                   privacy=cfg.privacy_mechanism, sampling=cfg.sampling,
-                                                  min_devices=quorum))
+                                                  asynchronous=cfg.asynchronous, min_devices=quorum))
 
 
 def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | Path | None = None,
@@ -134,6 +140,7 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
             hint='use backend = "sequential" with --transport mqtt, or --transport inprocess with the '
                  f'{sim.backend} backend (real devices in separate processes: `fedge edge run`, docs/mqtt.md)')
     check_transport(cfg.clock.availability, transport)
+    cfg.check_backend()  # asynchronous mode: sequential only (again: --backend may have changed it since the load)
     if sim.parallel and (cfg.clock.availability != "always" or cfg.clock.deadline_s):
         key = (f"availability = {cfg.clock.availability!r}" if cfg.clock.availability != "always"
                else f"deadline_s = {cfg.clock.deadline_s:g}")
@@ -173,7 +180,7 @@ def torch_threads(n: int) -> None:
 
 def _run_parallel(cfg: FleetConfig, on_round: Callable[[RoundReport], None] | None
                   ) -> tuple[list[SimDevice], list[DeviceAgent], list[RoundReport], dict[str, Arrays],
-                             dict[str, Any], list[LostDevice], FleetClock]:
+                             dict[str, Any], list[LostDevice], FleetClock | None]:
     """The rounds with the devices in worker processes or Ray actors (:mod:`fedge.sim.parallel`)."""
     from fedge.sim.parallel import ParallelFleet, make_pool
 

@@ -31,7 +31,7 @@ class FedAvgStrategy(Strategy):
         self.groups = GroupedMean(self.aggregation)
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        self.groups.add(device.group, arrays, float(max(device.num_samples, 1)))
+        self.groups.add(device.group, arrays, float(max(device.num_samples, 1)) * self.update_weight)
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
         return {group_artifact(g): a for g, a in self.groups.results().items()}
@@ -54,7 +54,7 @@ class LGFedAvgStrategy(FedAvgStrategy):
         self.extractor = mean(self.aggregation)
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        w = float(max(device.num_samples, 1))
+        w = float(max(device.num_samples, 1)) * self.update_weight
         shared = {k: v for k, v in arrays.items() if k.startswith(EXTRACTOR_PREFIX)}
         rest = {k: v for k, v in arrays.items() if not k.startswith(EXTRACTOR_PREFIX)}
         self.extractor.add(shared, w)

@@ -7,22 +7,34 @@ from typing import Any, ClassVar
 from fedge.common.method_settings import FedProtoSettings
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo, class_stats_spec
 from fedge.coordinator.aggregate import ClassMean
+from fedge.coordinator.strategies.running import LatestUploads
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
 
 
 class FedProtoStrategy(Strategy):
-    """Count-weighted mean of per-class prototypes over all devices."""
+    """Count-weighted mean of per-class prototypes over all devices (asynchronous: a running aggregate of
+    every device's latest prototypes, :mod:`~fedge.coordinator.strategies.running`)."""
 
     settings_type = FedProtoSettings
     partial_fields: ClassVar[tuple[str, ...] | None] = ("protos",)
+
+    def __init__(self, settings: FedProtoSettings | None = None, *, num_classes: int, rounds: int) -> None:
+        super().__init__(settings, num_classes=num_classes, rounds=rounds)
+        self.latest = LatestUploads()
 
     def begin_round(self, rnd: int) -> None:
         self.protos = ClassMean(self.num_classes, self.aggregation)
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
+        if self.asynchronous is not None:
+            self.latest.put(device.device_id, arrays, self.update_version)
+            return
         self.protos.add(arrays["protos"], arrays["counts"])
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
+        if self.asynchronous is not None:
+            for arrays, version in self.latest.items():
+                self.protos.add(arrays["protos"], arrays["counts"], self.asynchronous.weight(rnd - version))
         if not self.protos:
             return {}
         protos, counts = self.protos.result()
@@ -30,3 +42,9 @@ class FedProtoStrategy(Strategy):
 
     def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
         return class_stats_spec(self.num_classes, device.feature_dim)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"latest": self.latest.state_dict()} if self.latest.uploads else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.latest.load_state_dict(state.get("latest", {}))

@@ -22,6 +22,7 @@ import numpy as np
 
 from fedge.common.method_settings import FedVTCSettings
 from fedge.common.rounds import VTC_STATS_ARTIFACT, DeviceInfo, class_stats_spec
+from fedge.coordinator.strategies.running import LatestUploads
 from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
 
 
@@ -35,9 +36,14 @@ def pooled_statistics(n: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> tuple[np
 
 
 class FedVTCStrategy(Strategy):
-    """FedVTC: count-weighted prototypes and pooled σ over every device."""
+    """FedVTC: count-weighted prototypes and pooled σ over every device (asynchronous: a running aggregate of
+    every device's latest statistics, :mod:`~fedge.coordinator.strategies.running`)."""
 
     settings_type = FedVTCSettings
+
+    def __init__(self, settings: FedVTCSettings | None = None, *, num_classes: int, rounds: int) -> None:
+        super().__init__(settings, num_classes=num_classes, rounds=rounds)
+        self.latest = LatestUploads()
 
     def begin_round(self, rnd: int) -> None:
         self.n = np.zeros(self.num_classes, dtype=np.float64)
@@ -45,7 +51,14 @@ class FedVTCStrategy(Strategy):
         self.s2: np.ndarray | None = None
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        counts = np.asarray(arrays["counts"], dtype=np.float64)  # (C,)
+        if self.asynchronous is not None:
+            self.latest.put(device.device_id, arrays, self.update_version)
+            return
+        self._add(arrays, 1.0)
+
+    def _add(self, arrays: Arrays, weight: float) -> None:
+        """Fold one device's statistics in, its class counts weighted by ``weight``."""
+        counts = np.asarray(arrays["counts"], dtype=np.float64) * weight  # (C,)
         mu = np.asarray(arrays["protos"], dtype=np.float64)  # (C, p)
         var = np.asarray(arrays["sigma"], dtype=np.float64) ** 2  # (p,)
         if self.s1 is None or self.s2 is None:
@@ -56,11 +69,23 @@ class FedVTCStrategy(Strategy):
         self.s2 += counts[:, None] * (var[None, :] + mu**2)
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
+        if self.asynchronous is not None:
+            counts = np.zeros(self.num_classes, dtype=np.int64)
+            for arrays, version in self.latest.items():
+                self._add(arrays, self.asynchronous.weight(rnd - version))
+                counts += np.asarray(arrays["counts"], dtype=np.int64)
         if self.s1 is None or self.s2 is None:
             return {}
         protos, sigma = pooled_statistics(self.n, self.s1, self.s2)
+        published = counts if self.asynchronous is not None else self.n.astype(np.int64)  # sample counts
         return {VTC_STATS_ARTIFACT: {"protos": protos.astype(np.float32), "sigma": sigma.astype(np.float32),
-                                     "counts": self.n.astype(np.int64)}}
+                                     "counts": published}}
 
     def expected_update(self, device: DeviceInfo, rnd: int) -> UpdateSpec | None:
         return class_stats_spec(self.num_classes, device.feature_dim, with_sigma=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"latest": self.latest.state_dict()} if self.latest.uploads else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.latest.load_state_dict(state.get("latest", {}))

@@ -71,10 +71,11 @@ class GeneratorAverage:
     def reset(self) -> None:
         self.groups = GroupedMean()
 
-    def add(self, device: DeviceInfo, arrays: Arrays) -> None:
+    def add(self, device: DeviceInfo, arrays: Arrays, weight: float = 1.0) -> None:
+        """Fold one upload's generator in, weighted by its samples times ``weight`` (a staleness weight)."""
         gen = {k[len(GENERATOR_PREFIX):]: v for k, v in arrays.items() if k.startswith(GENERATOR_PREFIX)}
         if gen:
-            self.groups.add(self.artifact(device), gen, float(max(device.num_samples, 1)))
+            self.groups.add(self.artifact(device), gen, float(max(device.num_samples, 1)) * weight)
 
     def results(self) -> dict[str, Arrays]:
         return self.groups.results()
@@ -118,9 +119,10 @@ class GeFLStrategy(Strategy):
         self.weights.begin_round(rnd)
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        self.gens.add(device, arrays)
+        self.gens.add(device, arrays, self.update_weight)
         rest = split_generator(arrays)
         if rest:
+            self.weights.update_weight = self.update_weight
             self.weights.accumulate(device, rest, info)
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:

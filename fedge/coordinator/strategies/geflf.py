@@ -49,10 +49,11 @@ class GeFLFStrategy(Strategy):
         self.heads.begin_round(rnd)
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        self.gens.add(device, arrays)
+        self.gens.add(device, arrays, self.update_weight)
         rest = split_generator(arrays)
         if not rest:
             return
+        self.warmup.update_weight = self.heads.update_weight = self.update_weight
         if any(k.startswith(EXTRACTOR_PREFIX) for k in rest):
             self.warmup.accumulate(device, rest, info)
         else:

@@ -1,0 +1,254 @@
+"""Asynchronous against synchronous FedAvg (or FedProto) on one heterogeneous fleet, in virtual time (issue 27).
+
+A fleet of ``--devices`` devices spread over five built-in profiles (Pi Zero 2 W, Pi 4, Jetson Nano, Pi 5,
+x86 gateway; one model, tier-xs, so FedAvg within its one group), Fashion-MNIST partitioned Dirichlet(0.5), runs
+in process on the virtual clock (``fedge simulate``'s engine and the speed model) twice per seed: synchronous
+rounds, then ``[coordinator] mode = "async"`` until the synchronous run's virtual end time (its fast devices
+make many more updates in that time than the synchronous rounds hold). After every round or version the
+global model is scored on a fixed slice of the test set at that moment of virtual time. Reported side by side:
+the virtual time each mode needs to reach 95 % of synchronous FedAvg's final accuracy and the ratio, and the
+accuracy of each at the synchronous run's end time. ``--churn`` adds an asynchronous run with devices online
+70 % of the time (seeded on/off availability) against the same run without. ``--method fedproto``: FedProto has no
+global model, so the curve is the fleet's mean of each device's latest own evaluation (its model with the global
+prototypes, on the same test images, taken when it starts a round or task: of the version it trains from).
+
+    python -m benchmarks.async_ [--devices 30] [--rounds 10] [--buffer 10] [--seeds 0 1] [--churn]
+
+Writes benchmarks/results/async/<cell>.json per run (resumable; ``--force`` recomputes) and
+benchmarks/results/async-summary-<settings>.json, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import RESULTS, text_table
+
+PROFILES = ("rpi-zero-2w", "rpi4-4gb", "jetson-nano", "rpi5-8gb", "x86-gateway")
+OUT = RESULTS / "async"
+TARGET = 0.95  # of the synchronous run's final accuracy
+
+
+class _Enough(Exception):
+    """The asynchronous run reached the virtual time it is compared at."""
+
+
+def fleet_config(args: argparse.Namespace, seed: int, mode: str, churn: bool) -> dict[str, Any]:
+    """The fleet of one run: ``mode`` "sync" or "async", ``churn``: devices online 70 % of the time."""
+    per, extra = divmod(args.devices, len(PROFILES))
+    groups = [{"profile": p, "count": per + (i < extra), "arch": "tier-xs"} for i, p in enumerate(PROFILES)]
+    versions = 100 * args.rounds * args.devices // args.buffer  # an upper bound: the run stops at --until
+    cfg: dict[str, Any] = {
+        "run": {"method": args.method, "dataset": "fmnist", "seed": seed,
+                "eval_every": 1 if args.method == "fedproto" else 10**6,
+                "rounds": args.rounds if mode == "sync" else versions, "name": f"async-{mode}"},
+        "partition": {"kind": "dirichlet", "alpha": 0.5, "fraction": args.fraction},
+        "train": {"lr": 0.05, "batch_size": 16, "local_epochs": 1},
+        "devices": [g for g in groups if g["count"]],
+    }
+    if churn:
+        # 70 % online on average: on spells of 7 and off spells of 3 typical round times of a mid device
+        cfg["clock"] = {"availability": "onoff", "online_mean_s": 7 * args.spell_s, "offline_mean_s": 3 * args.spell_s}
+    if mode == "async":
+        cfg["coordinator"] = {"mode": "async", "buffer_size": args.buffer, "max_staleness": args.max_staleness,
+                              "staleness_weight": args.weight}
+    return cfg
+
+
+def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until: float) -> dict[str, Any]:
+    """One run: the global model's accuracy after each round / version, at its virtual time (asynchronous: until
+    virtual time ``until``)."""
+    import torch
+
+    from fedge.common.messages import Message
+    from fedge.common.rounds import group_artifact
+    from fedge.edge.data.datasets import load_dataset
+    from fedge.edge.methods.base import load_arrays
+    from fedge.edge.training import accuracy
+    from fedge.fleet.config import parse_fleet
+    from fedge.sim.inprocess import run_inprocess
+    from fedge.sim.simulate import build_fleet, run_timed
+
+    torch.set_num_threads(1)
+    cfg = parse_fleet(fleet_config(args, seed, mode, churn), source="benchmarks/async_.py")
+    t0 = time.perf_counter()
+    fleet, strat = build_fleet(cfg)
+    test = load_dataset("fmnist", train=False)
+    eval_x, eval_y = test.x[: args.eval_images], test.y[: args.eval_images]
+    # the devices' own evaluations: a token slice for FedAvg (the global model is scored below), for FedProto (no
+    # global model: each device's own model with the global prototypes) the same images the curve reports
+    small = test.subset(np.arange(min(200 if args.method == "fedavg" else args.eval_images, len(test))))
+    for d in fleet:
+        d.method.ctx.global_test = small
+    holder: dict[str, Any] = {}
+
+    def runner(c: Any, devices: Any) -> Any:
+        coord, agents, cleanup = run_inprocess(c, devices)
+        holder["coord"] = coord
+        return coord, agents, cleanup
+
+    model = fleet[0].method.ctx.model
+    artifact = group_artifact("tier-xs")
+    curve: list[tuple[float, float]] = [(0.0, accuracy(model, eval_x, eval_y) if args.method == "fedavg" else 0.0)]
+    latest: dict[str, float] = {}  # FedProto: each device's latest evaluation
+
+    def on_round(rep: Any) -> None:
+        if rep.phase == "final":
+            return
+        now = holder["coord"].clock.now
+        if args.method == "fedavg":
+            load_arrays(model, Message.from_bytes(holder["coord"].bus.globals[artifact]).tensors)
+            curve.append((now, accuracy(model, eval_x, eval_y)))
+        else:  # each device evaluates when it starts a task (the version it trains from): the fleet's mean
+            latest.update({d: m["acc_global"] for d, m in rep.metrics.items() if "acc_global" in m})
+            curve.append((now, float(np.mean(list(latest.values())))))
+        reports.append(rep)
+        if mode == "async" and now >= until:
+            raise _Enough
+
+    reports: list[Any] = []
+    with contextlib.suppress(_Enough):  # the asynchronous run stops at ``until``
+        run_timed(cfg, fleet, strat, transport=runner, on_round=on_round)
+    clock = holder["coord"].clock
+    training = [r for r in reports if r.phase != "final"]
+    stale = [s for r in training for s in r.staleness.values()]
+    return {
+        "seed": seed, "mode": mode, "churn": churn, "devices": args.devices, "rounds": cfg.run.rounds,
+        "buffer": args.buffer if mode == "async" else args.devices, "fraction": args.fraction, "until": until,
+        "updates": sum(len(r.accepted) for r in training),
+        "rejected": sum(sum(r.rejected.values()) for r in training),
+        "mean_staleness": float(np.mean(stale)) if stale else 0.0,
+        "curve": curve, "final_acc": curve[-1][1], "virtual_s": clock.now, "wall_s": time.perf_counter() - t0,
+    }
+
+
+def cell(args: argparse.Namespace, seed: int, mode: str, churn: bool = False, until: float = 0.0) -> dict[str, Any]:
+    """A run, from its JSON when it was saved with the same settings (``--force``: always run)."""
+    method = "" if args.method == "fedavg" else f"{args.method}-"
+    name = (f"{method}{mode}{'-churn' if churn else ''}-n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}"
+            f"-f{args.fraction}-s{seed}.json")
+    path = OUT / name
+    if path.is_file() and not args.force:
+        return json.loads(path.read_text())
+    res = run_cell(args, seed, mode, churn, until)
+    OUT.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    print(f"  {name}: final {100 * res['final_acc']:.1f} %, {res['virtual_s']:.0f} virtual s, {res['wall_s']:.0f} s",
+          flush=True)
+    return res
+
+
+def spread(args: argparse.Namespace, seed: int) -> dict[str, float]:
+    """Each profile's time for one round of its work on the virtual clock (no jitter): download and upload of
+    its fp32 model, and its training; from the clock's model alone, nothing trained."""
+    from fedge.fleet.clock import fleet_clock
+    from fedge.fleet.config import parse_fleet
+    from fedge.fleet.slots import checked_slots
+
+    cfg = parse_fleet(fleet_config(args, seed, "sync", False), source="benchmarks/async_.py")
+    slots = checked_slots(cfg)
+    clock = fleet_clock(cfg, slots)
+    out: dict[str, list[float]] = {}
+    for slot in slots:
+        c = clock.devices[slot.device_id]
+        size = 4 * slot.spec.num_params()
+        out.setdefault(slot.profile, []).append(c.timing(1, bytes_down=size, bytes_up=size, work=c.work).total_s)
+    return {p: float(np.mean(v)) for p, v in out.items()}
+
+
+def time_to(curve: list[list[float]], level: float) -> float | None:
+    """The first virtual time the curve reaches ``level`` (None: never)."""
+    return next((t for t, a in curve if a >= level), None)
+
+
+def acc_at(curve: list[list[float]], t: float) -> float:
+    """The accuracy of the last evaluation at or before virtual time ``t``."""
+    return [a for s, a in curve if s <= t + 1e-9][-1]
+
+
+def mean_late(curve: list[list[float]], end: float) -> float:
+    """The mean accuracy of every evaluation from ``end / 2`` to ``end``: a run's level, not one draw of its swings."""
+    late = [a for t, a in curve if end / 2 <= t <= end + 1e-9]
+    return float(np.mean(late))
+
+
+def compare(sync: dict[str, Any], asyn: dict[str, Any]) -> dict[str, Any]:
+    """The targets for one seed: time to 95 % of sync's final accuracy, and accuracy at sync's end time."""
+    level = TARGET * sync["final_acc"]
+    ts, ta = time_to(sync["curve"], level), time_to(asyn["curve"], level)
+    end = sync["virtual_s"]
+    return {"seed": sync["seed"], "level": level, "t_sync": ts, "t_async": ta,
+            "speedup": ts / ta if ts and ta else None,
+            "acc_sync_at_end": sync["final_acc"], "acc_async_at_sync_end": acc_at(asyn["curve"], end),
+            "sync_virtual_s": end, "async_virtual_s": asyn["virtual_s"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.async_", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--devices", type=int, default=30)
+    ap.add_argument("--method", choices=("fedavg", "fedproto"), default="fedavg")
+    ap.add_argument("--rounds", type=int, default=10, help="synchronous rounds (async: the same device updates)")
+    ap.add_argument("--buffer", type=int, default=10, help="K: updates per version")
+    ap.add_argument("--max-staleness", type=int, default=20)
+    ap.add_argument("--weight", default="polynomial", help="staleness_weight")
+    ap.add_argument("--fraction", type=float, default=0.1, help="share of Fashion-MNIST's training set used")
+    ap.add_argument("--eval-images", type=int, default=2000, help="test images the global model is scored on")
+    ap.add_argument("--spell-s", type=float, default=1.0, help="--churn: a typical device round, virtual seconds")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--churn", action="store_true", help="also async with devices online 70 %% of the time")
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args(argv)
+
+    times = spread(args, args.seeds[0])
+    print("one round of work per profile, virtual s:", ", ".join(f"{p} {t:.2f}" for p, t in times.items()),
+          f"(slowest / fastest {max(times.values()) / min(times.values()):.1f}x)")
+    rows, cmp_all, churn_all = [], [], []
+    for seed in args.seeds:
+        sync = cell(args, seed, "sync")
+        asyn = cell(args, seed, "async", until=sync["virtual_s"])
+        c = compare(sync, asyn)
+        cmp_all.append(c)
+        rows.append([str(seed), f"{100 * c['level']:.1f}", _s(c["t_sync"]), _s(c["t_async"]),
+                     f"{c['speedup']:.2f}x" if c["speedup"] else "-", f"{100 * c['acc_sync_at_end']:.1f}",
+                     f"{100 * c['acc_async_at_sync_end']:.1f}", f"{asyn['mean_staleness']:.2f}", str(asyn["rejected"])])
+        if args.churn:
+            churned = cell(args, seed, "async", churn=True, until=sync["virtual_s"])
+            end = sync["virtual_s"]  # both at the synchronous run's end time
+            plain, churn = acc_at(asyn["curve"], end), acc_at(churned["curve"], end)
+            late_plain, late_churn = mean_late(asyn["curve"], end), mean_late(churned["curve"], end)
+            churn_all.append({"seed": seed, "at_virtual_s": end, "final_no_churn": plain, "final_churn": churn,
+                              "loss_points": 100 * (plain - churn), "late_mean_no_churn": late_plain,
+                              "late_mean_churn": late_churn, "late_loss_points": 100 * (late_plain - late_churn)})
+    print(f"\n{args.method}, {args.devices} devices over {', '.join(PROFILES)} (tier-xs), Fashion-MNIST "
+          "Dirichlet(0.5), "
+          f"sync {args.rounds} rounds vs async K = {args.buffer} ({args.weight}) for as long in virtual time")
+    print(text_table(["seed", "95 % level", "sync t (s)", "async t (s)", "sync/async", "sync acc @end",
+                      "async acc @sync end", "async mean staleness", "async refused"], rows))
+    if churn_all:
+        print("\nasync with churn (70 % online) against no churn, accuracy at the synchronous run's end time")
+        print(text_table(["seed", "no churn", "churn", "loss (points)", "2nd-half mean: no churn", "churn", "loss"],
+                         [[str(c["seed"]), f"{100 * c['final_no_churn']:.1f}", f"{100 * c['final_churn']:.1f}",
+                           f"{c['loss_points']:+.1f}", f"{100 * c['late_mean_no_churn']:.1f}",
+                           f"{100 * c['late_mean_churn']:.1f}", f"{c['late_loss_points']:+.1f}"] for c in churn_all]))
+    summary = {"args": {k: v for k, v in vars(args).items() if k != "force"}, "round_s_by_profile": times,
+               "compare": cmp_all, "churn": churn_all}
+    method = "" if args.method == "fedavg" else f"{args.method}-"
+    seeds = "-".join(str(x) for x in args.seeds)
+    name = (f"async-summary-{method}n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}-f{args.fraction}"
+            f"{'-churn' if args.churn else ''}-s{seeds}.json")
+    (RESULTS / name).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+def _s(t: float | None) -> str:
+    return "never" if t is None else f"{t:.1f}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

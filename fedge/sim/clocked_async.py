@@ -1,0 +1,156 @@
+"""Asynchronous mode in ``fedge simulate``: the in-process fleet as events in virtual time.
+
+The engine runs its versions unchanged (:meth:`fedge.coordinator.engine.RoundEngine.run_version`); this
+coordinator transport answers it from the virtual clock. When a descriptor assigns a device a task and the
+device is online and free, the device starts at once: it is stepped there and then (it takes the latest
+version and trains), and its update is held back until the clock says it arrives — download, its training
+and upload by :meth:`fedge.fleet.clock.DeviceClock.timing`, the device's n-th task seeding its jitter. The
+engine's ``collect`` receives updates in order of arrival, the clock moving to each; a device that goes
+offline before it finishes loses its update (its last will is heard then), and it does the task again, from
+the version then current, once it is back. Everything is a function of the seed: a run repeats exactly.
+
+Each version is recorded as a :class:`~fedge.fleet.clock.RoundTime` from the previous version's publication
+to its own, holding the tasks that ended in it (delivered or lost), so results.json's virtual times, the
+busy / idle shares and time-to-accuracy read the same as for synchronous rounds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport
+from fedge.common.messages import Message
+from fedge.common.rounds import FINAL_PHASE, RoundInfo
+from fedge.common.transport import Inbound
+from fedge.edge.agent import DeviceAgent
+from fedge.fleet.clock import DeviceRound, FleetClock, RoundTime
+from fedge.sim.clocked import Stopwatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(order=True)
+class _Arrival:
+    """One task's end: its update arrives at ``at`` (or, when ``lost``, its device went offline then)."""
+
+    at: float
+    seq: int
+    device: str = field(compare=False)
+    updates: list[bytes] = field(compare=False)
+    timeline: DeviceRound = field(compare=False)
+
+
+class AsyncClockedTransport(InMemoryCoordinatorTransport):
+    """The in-memory coordinator transport driving an asynchronous fleet in virtual time (module docstring)."""
+
+    def __init__(self, bus: InMemoryBus, agents: Sequence[DeviceAgent], clock: FleetClock) -> None:
+        super().__init__(bus)
+        self.agents = {a.device.device_id: a for a in agents}
+        self.order = [a.device.device_id for a in agents]
+        self.clock = clock
+        self._arrivals: list[_Arrival] = []
+        self._busy: set[str] = set()
+        self._tasks_run: dict[str, int] = {d: 0 for d in self.order}  # jitter stream per device
+        self._seq = 0
+        self._tasks: dict[str, int] = {}
+        self._final = False
+        self._version: RoundTime | None = None
+        bus.pump = None  # devices are stepped here, in virtual time
+
+    # -- what the engine asks ---------------------------------------------------------------
+    def announce_round(self, data: bytes) -> None:
+        super().announce_round(data)
+        msg = Message.from_bytes(data)  # our own engine's bytes
+        info = RoundInfo.from_dict(msg.info["round"])
+        self._final = info.phase == FINAL_PHASE
+        self._tasks = dict(info.assigned or {})
+        if self._version is None or self._version.round != msg.round:
+            if self._version is not None:
+                self._close_version()
+            self._version = RoundTime(msg.round, self.clock.now, self.clock.now)
+
+    def end_run(self) -> None:
+        super().end_run()
+        if self._version is not None and not self._final:
+            self._close_version()
+
+    def offline(self) -> set[str]:
+        if self._final:
+            return set()  # the final evaluation: every device, in no virtual time
+        return set(self.clock.devices) - self.clock.online()
+
+    def wait_for_devices(self, timeout_s: float) -> None:
+        self.clock.advance_to_online()  # nobody to work: time passes until a device returns
+
+    def collect(self, round: int, expected: Collection[str], deadline: float) -> Iterator[Inbound]:
+        if self._final:
+            yield from self._evaluate_all()
+            return
+        while True:
+            self._start_ready()
+            if not self._arrivals:
+                return
+            arrival = heapq.heappop(self._arrivals)
+            self.clock.now = max(self.clock.now, arrival.at)
+            self._busy.discard(arrival.device)
+            assert self._version is not None
+            self._version.devices[arrival.device] = arrival.timeline
+            if arrival.timeline.lost:
+                # offline before it finished: nothing arrives; it does the task again once back (module docstring)
+                log.info("version %d: %s's update is lost in virtual time (went offline)", round, arrival.device)
+                self.agents[arrival.device].task_done = None
+                continue
+            self._tasks.pop(arrival.device, None)  # its task is over (the engine accepts or refuses the update)
+            for data in arrival.updates:
+                yield Inbound(data)
+
+    # -- the devices ------------------------------------------------------------------------
+    def _start_ready(self) -> None:
+        """Start every device that has a task, is online and is free: it trains now, its update arrives later."""
+        online = self.clock.online()
+        for dev in self.order:
+            if dev not in self._tasks or dev in self._busy or dev not in online:
+                continue
+            agent = self.agents[dev]
+            before, handled = len(self.bus.updates), len(agent.traffic)
+            n = self._tasks_run[dev] = self._tasks_run[dev] + 1
+            c = self.clock.devices[dev]
+            agent.timer = Stopwatch(c.compute_s(c.work, n))
+            agent.step()
+            sent = list(self.bus.updates)[before:]  # held back until they arrive
+            for _ in sent:
+                self.bus.updates.pop()
+            if len(agent.traffic) == handled:
+                # nothing trained; a cached update it sent again is dropped: in-process no coordinator restarts,
+                # and the device heard each descriptor late here, not when it was published
+                continue
+            t = agent.traffic[-1]
+            timing = c.timing(n, bytes_down=t.bytes_down, bytes_up=t.bytes_up, work=c.work)
+            start = self.clock.now
+            gone = c.availability.online_until(start)
+            finish = start + timing.total_s
+            lost = "offline" if finish > gone else ""
+            rec = DeviceRound(start, timing.download_s, timing.compute_s, timing.upload_s, finish, not lost, lost)
+            self._busy.add(dev)
+            self._push(dev, sent, rec, at=gone if lost else finish)
+
+    def _push(self, dev: str, updates: list[bytes], rec: DeviceRound, *, at: float | None = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._arrivals, _Arrival(rec.finish_s if at is None else at, self._seq, dev, updates, rec))
+
+    def _evaluate_all(self) -> Iterator[Inbound]:
+        """The final round: every device applies the last version and evaluates, in no virtual time."""
+        for dev in self.order:
+            agent = self.agents[dev]
+            agent.timer = Stopwatch(0.0)
+            agent.step()
+        while self.bus.updates:
+            yield Inbound(self.bus.updates.popleft())
+
+    def _close_version(self) -> None:
+        assert self._version is not None
+        self._version.end_s = self.clock.now
+        self.clock.rounds.append(self._version)
