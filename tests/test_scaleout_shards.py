@@ -179,9 +179,10 @@ def test_a_signing_tls_sharded_fleet_shares_the_roots_key_and_ca_and_mtls_is_ref
 
 def test_fedge_deploys_updates_cross_a_relay_under_the_generated_acls(
         sharded: tuple[list[MosquittoProcess], Path, int]) -> None:
-    """The root's deploy account publishes a model package and an order (retained, as ``fedge deploy`` does);
-    relay-1 forwards both byte for byte to shard 1, where the device reads them, and the device's OTA status
-    back to the root, where the deploy account reads it; another shard's order does not cross relay-1."""
+    """The root's deploy account publishes the key chain, a model package and an order (retained, as ``fedge
+    deploy`` does); relay-1 forwards them byte for byte to shard 1, where the device reads them, and the
+    device's OTA status back to the root, where the deploy account reads it; another shard's order does not
+    cross relay-1."""
     from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.config import EngineConfig
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
@@ -201,12 +202,14 @@ def test_fedge_deploys_updates_cross_a_relay_under_the_generated_acls(
     dev = _client(s1.port, mine, out / "bundles" / mine / "password", got=on_shard)
     try:
         dev.subscribe(f"{T.base}/ota/#")
-        deploy.wait_published([deploy.publish(T.ota_model(7), b"signed package", retain=True),
+        dev.subscribe(T.fleet_keys)  # the fleet key's rotations, which fedge deploy publishes before its orders
+        deploy.wait_published([deploy.publish(T.fleet_keys, b"key chain", retain=True),
+                               deploy.publish(T.ota_model(7), b"signed package", retain=True),
                                deploy.publish(T.ota_order(mine), b"signed order", retain=True),
                                deploy.publish(T.ota_order(theirs), b"another shard's order", retain=True)], 5)
-        _settle(on_shard, 2)
+        _settle(on_shard, 3)
         assert sorted((m.topic, m.payload) for m in on_shard) == sorted([
-            (T.ota_model(7), b"signed package"), (T.ota_order(mine), b"signed order")])
+            (T.fleet_keys, b"key chain"), (T.ota_model(7), b"signed package"), (T.ota_order(mine), b"signed order")])
         dev.wait_published([dev.publish(T.ota_status(mine), b'{"device": "x"}', retain=True)], 5)
         _settle(at_root, 1)
         assert [(m.topic, m.payload) for m in at_root] == [(T.ota_status(mine), b'{"device": "x"}')]

@@ -72,6 +72,34 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                            help=f"validity of the new certificate in days (default {d.client_days})")
         a.set_defaults(func=_identity, action=name)
 
+    k = bsub.add_parser(
+        "rotate-fleet-key", help="a new fleet signing key, handed over by the old one (devices follow it)",
+        description="Make a new Ed25519 fleet key and append a link to the fleet's key chain "
+                    "(coordinator/fleet-keys.json): signed by the current key, cross-signed by the new one. The "
+                    "coordinator publishes the chain retained on fedge/FLEET/keys/fleet when it starts (and fedge "
+                    "deploy when it runs); each device verifies it against the key it trusts, persists the new key "
+                    "in its --state-dir and accepts only the new key from then on (no grace window). Every "
+                    "fleet.pub under DIR gets the new key, so devices flashed later trust it directly. Then restart "
+                    "the coordinator: it signs with the new key.")
+    k.add_argument("--fleet", required=True, metavar="FLEET.toml", help="the fleet config (its fleet name)")
+    k.add_argument("--out", required=True, metavar="DIR", help="the broker directory `fedge broker config` wrote")
+    k.set_defaults(func=_rotate_fleet_key)
+
+
+def _rotate_fleet_key(args: argparse.Namespace) -> int:
+    from fedge.broker.fleetkey import rotate_fleet_key
+    from fedge.fleet.config import load_fleet
+
+    r = rotate_fleet_key(args.out, load_fleet(args.fleet).run.fleet)
+    print(f"rotated the fleet key: {r.old} -> {r.new} (key {r.n} of the chain {r.chain}); the old private key is "
+          f"deleted, the new one is {r.signing_key}")
+    print(f"updated {len(r.public_keys)} fleet.pub files (coordinator, deploy account, device bundles)")
+    print("now restart the coordinator (it resumes from its --state-dir, publishes the key chain, then signs with "
+          "the new key); devices switch when they receive the chain and accept only the new key from then on")
+    print("fedge deploy publishes the chain too; give it the new --signing-key. A deployment order of the old key "
+          "still pending on a device is refused now: deploy it again")
+    return 0
+
 
 def _identity(args: argparse.Namespace) -> int:
     from pathlib import Path

@@ -144,16 +144,19 @@ def acl_text(fleet: str, devices: list[str], coordinator: str, deploy: str | Non
         f"topic readwrite {t.base}/rounds/#",
         f"topic readwrite {t.base}/global/#",
         f"topic readwrite {t.base}/refused/+",
+        f"topic readwrite {t.fleet_keys}",  # the fleet key's rotations (the key chain)
         # partial aggregates of aggregation workers and relays (docs/scale.md), and the relays' statuses
         f"topic readwrite {t.partial_filter}",
         f"topic read {t.base}/relays/+/status",
     ]
     if deploy is not None:
-        lines += ["", f"user {deploy}", f"topic readwrite {t.base}/ota/#", f"topic read {t.ota_status_filter()}"]
+        lines += ["", f"user {deploy}", f"topic readwrite {t.base}/ota/#", f"topic read {t.ota_status_filter()}",
+                  f"topic readwrite {t.fleet_keys}"]
     for dev in devices:
         lines += ["", f"user {dev}"]
         lines += [f"topic write {t.device(dev, kind)}" for kind in DEVICE_KINDS]  # type: ignore[arg-type]
-        lines += [f"topic read {t.base}/rounds/#", f"topic read {t.base}/global/#", f"topic read {t.refused(dev)}"]
+        lines += [f"topic read {t.base}/rounds/#", f"topic read {t.base}/global/#", f"topic read {t.refused(dev)}",
+                  f"topic read {t.fleet_keys}"]
         if deploy is not None:
             lines += [f"topic write {t.ota_status(dev)}", f"topic read {t.ota_order(dev)}",
                       f"topic read {t.base}/ota/models/#"]

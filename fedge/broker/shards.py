@@ -77,7 +77,8 @@ def root_acl_extra(fleet: str, relays: dict[str, list[str]], workers: list[str])
     lines: list[str] = []
     for relay, devices in relays.items():
         lines += ["", f"user {relay}", f"topic write {t.partial(relay)}", f"topic readwrite {t.relay_status(relay)}",
-                  f"topic read {t.round}", f"topic read {t.base}/global/#", f"topic read {t.base}/ota/models/#"]
+                  f"topic read {t.round}", f"topic read {t.base}/global/#", f"topic read {t.base}/ota/models/#",
+                  f"topic read {t.fleet_keys}"]
         for dev in devices:
             lines += [f"topic write {t.hello(dev)}", f"topic write {t.status(dev)}", f"topic read {t.refused(dev)}",
                       f"topic read {t.ota_order(dev)}", f"topic write {t.ota_status(dev)}"]

@@ -429,6 +429,21 @@ def _signer(args: argparse.Namespace) -> Any:
     return signer
 
 
+def _key_chain(signer: Any, args: argparse.Namespace) -> bytes | None:
+    """The fleet key's rotations beside the signing key (fleet-keys.json), to publish retained; None if none."""
+    from pathlib import Path
+
+    from fedge.common.keyrotation import chain_for_key
+
+    if signer is None:
+        return None
+    chain = chain_for_key(args.signing_key or Path(args.state_dir) / "signing.key", signer.key)
+    if chain is None:
+        return None
+    print(f"publishing the fleet's key chain ({len(chain.links)} rotations, newest key {chain.last})", file=sys.stderr)
+    return chain.to_bytes()
+
+
 def _run(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
@@ -468,8 +483,9 @@ def _run(args: argparse.Namespace) -> int:
     else:
         settings = broker_settings(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes)
-    transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire, signer=_signer(args),
-                                         updates=not args.workers)
+    signer = _signer(args)
+    transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire, signer=signer, updates=not args.workers,
+                                         key_chain=_key_chain(signer, args))
     monitor = FleetMonitor(fleet=cfg.run.fleet, method=cfg.run.method, total_rounds=strat.total_rounds(),
                            transport=transport, fleet_devices=fleet_infos(engine_cfg.slots, ids),
                            wait_log_s=args.wait_log,

@@ -108,7 +108,8 @@ class Relay:
                              on_connect=self._on_parent_connect,
                              will=Will(t.relay_status(self.name), STATUS_OFFLINE))
         # over-the-air model updates (fedge deploy, signed by the fleet key) go down unchanged too
-        for topic in (t.round, f"{t.base}/global/#", f"{t.base}/refused/+", f"{t.base}/ota/#"):
+        # and the fleet key's rotations (the retained key chain), which devices verify themselves
+        for topic in (t.round, f"{t.base}/global/#", f"{t.base}/refused/+", f"{t.base}/ota/#", t.fleet_keys):
             self.up.subscribe(topic)
         self.down = MqttClient(child, self.name, clean_session=False, on_message=self._on_child,
                                on_connect=self._on_child_connect, on_disconnect=self._on_child_disconnect)
