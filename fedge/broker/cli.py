@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fedge.broker.config import BrokerOptions
+from fedge.broker.options import BrokerOptions
 from fedge.fleet.shards import Shard
 
 
