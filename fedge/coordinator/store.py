@@ -35,6 +35,7 @@ import numpy as np
 from fedge.common.rounds import DeviceInfo
 from fedge.common.tensorcodec import Payload, decode, encode
 from fedge.coordinator.report import RoundReport
+from fedge.coordinator.strategy import JsonDoc
 from fedge.errors import CheckpointError, FedgeError
 
 log = logging.getLogger(__name__)
@@ -348,8 +349,17 @@ def _state_json(doc: dict[str, Any]) -> bytes:
     registered device and, for FedProto and FedVTC, every device's latest upload in it), so it is encoded
     compactly, one key per line to stay readable.
     """
-    lines = [f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'), allow_nan=False)}" for k, v in doc.items()]
+    lines = [f"{json.dumps(k)}: {_compact(v)}" for k, v in doc.items()]
     return ("{\n" + ",\n".join(lines) + "\n}\n").encode()
+
+
+def _compact(value: Any) -> str:
+    """``value`` as compact JSON; a :class:`JsonDoc` inside (nested in dicts) is written as its kept text."""
+    if isinstance(value, JsonDoc):
+        return value.text
+    if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()):
+        return "{" + ",".join(f"{json.dumps(str(k))}:{_compact(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
