@@ -8,7 +8,6 @@ here, never from :mod:`fedge.edge`.
 from __future__ import annotations
 
 import copy
-
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 

@@ -80,6 +80,8 @@ class EngineStore:
         # round (asynchronous mode: every version), while a device's entry changes only with a new hello,
         # which registers a new (frozen) DeviceInfo
         self._device_docs: dict[str, tuple[DeviceInfo, dict[str, Any]]] = {}
+        self._devices_text: str | None = None  # ... the list's JSON text, for the devices in this order
+        self._devices_order: list[str] = []
         self._buffer_log: tuple[int, int] | None = None  # (version, fd) of the update log being appended to
         self._buffer_dirty = False  # records written since the last buffer_sync
         self._log_end: tuple[int, int] = (0, 0)  # (version, byte) where buffer_load found that log's last record end
@@ -120,18 +122,25 @@ class EngineStore:
         }
         _atomic_write(self.dir / STATE_FILE, _state_json(doc))
 
-    def _devices_doc(self, devices: dict[str, DeviceInfo]) -> list[dict[str, Any]]:
-        """``state.json``'s device list: each device's ``to_dict()``, made again only for a new DeviceInfo."""
+    def _devices_doc(self, devices: dict[str, DeviceInfo]) -> JsonList:
+        """``state.json``'s device list: each device's ``to_dict()``, made again only for a new DeviceInfo, and
+        the list's JSON text kept while no device changed."""
         docs = self._device_docs
-        out = []
+        changed = len(docs) != len(devices)
+        out = JsonList()
         for dev_id, dev in devices.items():
             kept = docs.get(dev_id)
             if kept is None or kept[0] is not dev:
                 kept = docs[dev_id] = (dev, dev.to_dict())
+                changed = True
             out.append(kept[1])
         if len(docs) > len(devices):
             for gone in set(docs) - set(devices):
                 del docs[gone]
+        if changed or self._devices_text is None or list(devices) != self._devices_order:
+            self._devices_text = json.dumps(out, separators=(",", ":"), allow_nan=False)
+            self._devices_order = list(devices)
+        out.text = self._devices_text
         return out
 
     def load(self, *, method: str, fleet: str) -> EngineState:
@@ -353,9 +362,15 @@ def _state_json(doc: dict[str, Any]) -> bytes:
     return ("{\n" + ",\n".join(lines) + "\n}\n").encode()
 
 
+class JsonList(list[Any]):
+    """A list whose JSON text (``text``) was made already: :func:`_compact` writes that."""
+
+    text: str = ""
+
+
 def _compact(value: Any) -> str:
     """``value`` as compact JSON; a :class:`JsonDoc` inside (nested in dicts) is written as its kept text."""
-    if isinstance(value, JsonDoc):
+    if isinstance(value, JsonDoc | JsonList):
         return value.text
     if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()):
         return "{" + ",".join(f"{json.dumps(str(k))}:{_compact(v)}" for k, v in value.items()) + "}"
