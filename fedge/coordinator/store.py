@@ -337,7 +337,8 @@ def _read_records(path: Path) -> tuple[list[bytes], int]:
     """The whole records of an update log (:meth:`EngineStore.buffer_add`), up to a torn or damaged one, and the
     byte where they end."""
     raw = path.read_bytes()
-    out, at = [], 0
+    out: list[bytes] = []
+    at = 0
     while at + RECORD.size <= len(raw):
         size, crc = RECORD.unpack_from(raw, at)
         data = raw[at + RECORD.size:at + RECORD.size + size]
@@ -358,8 +359,11 @@ def _state_json(doc: dict[str, Any]) -> bytes:
     registered device and, for FedProto and FedVTC, every device's latest upload in it), so it is encoded
     compactly, one key per line to stay readable.
     """
-    lines = [f"{json.dumps(k)}: {_compact(v)}" for k, v in doc.items()]
-    return ("{\n" + ",\n".join(lines) + "\n}\n").encode()
+    pieces = ["{\n"]
+    for i, (k, v) in enumerate(doc.items()):
+        pieces += [",\n" if i else "", json.dumps(k), ": ", _compact(v)]
+    pieces.append("\n}\n")
+    return "".join(pieces).encode()  # one join: the latest uploads alone are megabytes at N = 1000
 
 
 class JsonList(list[Any]):

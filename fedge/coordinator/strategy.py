@@ -28,6 +28,10 @@ class JsonDoc(dict[str, Any]):
             cached = self.__dict__["_text"] = json.dumps(self, separators=(",", ":"), allow_nan=False)
         return cached
 
+    def preset(self, text: str) -> None:
+        """Give the object's JSON text, made by whoever made the object (it must encode the same object)."""
+        self.__dict__["_text"] = text
+
 # name -> (shape, dtype kind) where kind is "float" or "int"
 UpdateSpec = dict[str, tuple[tuple[int, ...], str]]
 

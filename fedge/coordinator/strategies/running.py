@@ -11,6 +11,7 @@ every device delivering every version at staleness 0 this is the synchronous agg
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,6 +59,7 @@ class LatestUploads:
     def _reset(self) -> None:
         self.uploads: dict[str, tuple[Arrays, int]] = {}
         self._entries: dict[str, JsonDoc] = {}  # device id -> its upload as state_dict gives it
+        self._pieces: dict[str, str] = {}  # device id -> '"id":' and its entry's JSON text (made at a checkpoint)
         self._members: dict[int, set[str]] = {}  # version trained from -> devices whose latest upload it is
         self._terms: dict[str, dict[str, Terms]] = {}  # key -> device id -> its terms (version_sums)
         self._sums: dict[str, dict[int, Terms]] = {}  # key -> version -> the sum of its devices' terms
@@ -70,6 +72,7 @@ class LatestUploads:
             self._leave(device_id, old[1])
         self.uploads[device_id] = (kept, version)
         self._entries[device_id] = _entry(kept, version)
+        self._pieces.pop(device_id, None)
         self._members.setdefault(version, set()).add(device_id)
         for key, terms in self._terms.items():
             terms.pop(device_id, None)
@@ -116,8 +119,15 @@ class LatestUploads:
 
     def state_dict(self) -> dict[str, Any]:
         """Device id -> {"version", "arrays": {name: {"dtype", "shape", "b64"}}} (the entries are shared: the
-        caller serializes them and must not change them)."""
-        return dict(self._entries)
+        caller serializes them and must not change them). A :class:`JsonDoc` whose text is put together from
+        each device's kept ``"id":{...}`` piece."""
+        pieces = self._pieces
+        for dev, entry in self._entries.items():
+            if dev not in pieces:
+                pieces[dev] = f"{json.dumps(dev)}:{entry.text}"
+        doc = JsonDoc(self._entries)
+        doc.preset("{" + ",".join(pieces[dev] for dev in self._entries) + "}")
+        return doc
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._reset()
