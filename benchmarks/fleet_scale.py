@@ -36,6 +36,12 @@ descriptor is read with the codec's header reader (about 40 µs here) rather tha
 ``Message.from_bytes``, whose envelope checks cost about 100 µs: some 55 ms more
 per round at N = 1000 on a device side the floor does not pay for.
 
+``run_fedge(..., buffer=K)`` runs the coordinator in asynchronous mode (``[coordinator] mode = "async"``,
+``buffer_size = K``, every device training at once): the devices then answer each task a descriptor's
+``round.assigned`` gives them, once, with the descriptor's version as their update's round (docs/protocol.md,
+section 6), and ``rounds`` counts versions. ``benchmarks.async_cost`` compares the two modes' coordinator CPU
+per update with it.
+
     .venv/bin/python -m benchmarks.fleet_scale                # N = 10, 100, 1000
     .venv/bin/python -m benchmarks.fleet_scale --sizes 10,100 --rounds 3 --repeat 1
 """
