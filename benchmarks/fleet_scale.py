@@ -329,6 +329,13 @@ def coordinator_main(args: argparse.Namespace) -> None:
     if args.observe:
         _serve(engine, transport, args)
     engine.await_quorum()  # registration is not part of a round
+    engine.register_pending()
+    if getattr(args, "ready_file", None):  # a driver reads its meters between registration and the rounds
+        Path(args.ready_file).write_text("registered\n")
+        go = Path(args.ready_file + ".go")
+        deadline = time.monotonic() + 120
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     cpu0, rss0, t0 = _cpu(), _rss_kb(), time.perf_counter()
     main0 = time.thread_time()  # the engine's own thread (the rest: paho's network thread, the dispatcher)
     cpu_rounds: list[float] = []
@@ -534,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("--buffer", type=int, default=0, help="async mode's buffer_size K (0: synchronous rounds)")
     co.add_argument("--max-staleness", type=int, default=10, help="async mode's max_staleness")
     co.add_argument("--profile", metavar="FILE", help="write a cProfile of the rounds to FILE")
+    co.add_argument("--ready-file", help="after registration write this file and wait for FILE.go")
     for q in (p, co):
         q.add_argument("--aggregation", choices=("mean", "trimmed", "median"), default="mean",
                        help="the coordinator's aggregation rule (default mean)")

@@ -119,6 +119,10 @@ class SysBytes:
         time.sleep(2.2)  # two $SYS intervals: the counters include everything so far
         return self.values.get("received", 0) + self.values.get("sent", 0)
 
+    def split(self) -> tuple[int, int]:
+        """(received, sent) as of the last :meth:`total`."""
+        return self.values.get("received", 0), self.values.get("sent", 0)
+
     def close(self) -> None:
         self.c.loop_stop()
         self.c.disconnect()
@@ -174,8 +178,10 @@ def worker_main(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps({"cpu_s": _cpu() - cpu0, "updates": w.updates_in}))
 
 
-def run_shards(n: int, rounds: int, shards: int, work: Path) -> dict[str, Any]:
-    """Bytes through the root broker per training round: flat (shards=0) or with ``shards`` relays."""
+def run_shards(n: int, rounds: int, shards: int, work: Path, *, detail: bool = False,
+               exact: bool = True) -> dict[str, Any]:
+    """Bytes through the root broker per training round: flat (shards=0) or with ``shards`` relays (``detail``:
+    their partials carry one entry per device, as before compact partials)."""
     from benchmarks.fleet_scale import CLASSES
     from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.engine import EngineConfig
@@ -184,19 +190,35 @@ def run_shards(n: int, rounds: int, shards: int, work: Path) -> dict[str, Any]:
 
     root = _broker()
     leaves = [_broker() for _ in range(shards)]
-    fleet = f"s{shards}-{n}"
+    fleet = f"s{shards}{'d' if detail else ''}{'' if exact else 'f'}-{n}"
     relays = [Relay(b.settings(), root.settings(), fleet,
                     PartialAggregator(FedProtoStrategy(num_classes=CLASSES, rounds=rounds),
-                                      EngineConfig(fleet=fleet, method="fedproto"), f"relay-{k + 1}"),
+                                      EngineConfig(fleet=fleet, method="fedproto"), f"relay-{k + 1}", detail=detail,
+                                      exact=exact),
                     hold_s=5.0).start() for k, b in enumerate(leaves)]
     meter = SysBytes(root.port)
     swarms = _devices([b.port for b in leaves] or [root.port], fleet, n, rounds)
     try:
-        before = meter.total()  # registration (hellos, statuses) is not a round's
+        # registration (hellos, statuses, and the coordinator reading them) is not a round's: the meter is read
+        # once the coordinator has registered every device, before it announces round 1
+        ready = work / f"ready-{fleet}"
+        out = work / f"coord-{fleet}.json"
+        proc = subprocess.Popen([sys.executable, "-m", FLEET_SCALE, "_coordinator", "--port", str(root.port), "--n",
+                                 str(n), "--rounds", str(rounds), "--fleet", fleet, "--state-dir",
+                                 str(work / f"state-{fleet}"), "--out", str(out), "--ready-file", str(ready)])
+        deadline = time.monotonic() + 600
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = meter.total()
+        in0, out0 = meter.split()
+        Path(str(ready) + ".go").touch()
         t0 = time.perf_counter()
-        res = _coordinator(root.port, n, rounds, fleet, work, workers_mode=False)
+        if proc.wait(1800) != 0:
+            raise RuntimeError(f"the coordinator of {fleet} failed ({proc.returncode})")
+        res = json.loads(out.read_text())
         wall = time.perf_counter() - t0
         after = meter.total()
+        in1, out1 = meter.split()
     finally:
         meter.close()
         for r in relays:
@@ -205,8 +227,72 @@ def run_shards(n: int, rounds: int, shards: int, work: Path) -> dict[str, Any]:
         for b in (root, *leaves):
             b.close()
     res["root_bytes_per_round"] = (after - before) / (rounds + 1)  # training rounds + the final one
+    res["root_bytes_in_per_round"] = (in1 - in0) / (rounds + 1)  # into the root broker (publishes)
+    res["root_bytes_out_per_round"] = (out1 - out0) / (rounds + 1)  # out of it (deliveries)
     res["wall_s"] = wall
     return res
+
+
+def run_merge(n: int, per: int) -> dict[str, Any]:
+    """In one process, no broker: what the root coordinator spends on N devices reported by N / ``per`` compact
+    partials — registering the N hellos, admitting each partial as the engine does (the set of devices already
+    counted kept in step with the report), finishing the round — and what an aggregator spends per update."""
+    from dataclasses import asdict
+
+    from benchmarks.fleet_scale import CLASSES, _device_info
+    from fedge.common.transport import Inbound
+    from fedge.coordinator.aggregator import PartialAggregator
+    from fedge.coordinator.engine import EngineConfig
+    from fedge.coordinator.gate import UpdateGate
+    from fedge.coordinator.merge import PartialMerger, merged_into
+    from fedge.coordinator.report import RoundReport
+    from fedge.coordinator.strategies.fedproto import FedProtoStrategy
+
+    fleet = "merge"
+    cfg = EngineConfig(fleet=fleet, method="fedproto")
+    ids = [f"dev-{i + 1}" for i in range(n)]
+    hellos = [Inbound(Message("hello", d, 0, fleet, info={"device": _device_info(d).to_dict()}).to_bytes(), d)
+              for d in ids]
+    partials: list[tuple[str, bytes]] = []
+    agg_cpu = 0.0
+    for k in range(n // per):
+        name = f"relay-{k + 1}"
+        agg = PartialAggregator(FedProtoStrategy(num_classes=CLASSES, rounds=3), cfg, name)
+        agg.register(hellos[k * per:(k + 1) * per])
+        agg.begin(1, final=False, descriptor="x" * 32)
+        updates = [Inbound(_update_bytes(fleet, ids[i], 1, False, i), ids[i]) for i in range(k * per, (k + 1) * per)]
+        c0 = _cpu()
+        for u in updates:
+            agg.admit(u)
+        data = agg.flush()
+        agg_cpu += _cpu() - c0
+        assert data is not None
+        partials.append((name, data))
+    strat = FedProtoStrategy(num_classes=CLASSES, rounds=3)
+    gate = UpdateGate(strat, cfg)
+    c0 = _cpu()
+    gate.register(hellos)
+    register_s = _cpu() - c0
+    strat.begin_round(1)
+    gate.begin_round(1, final=False)
+    merger = PartialMerger(strat, gate, fleet=fleet, max_bytes=cfg.max_update_bytes)
+    merger.begin_round(1, final=False)
+    report = RoundReport(round=1, phase="train")
+    counted: set[str] = set()
+    c0 = _cpu()
+    for name, data in partials:
+        before = len(report.accepted)
+        assert merger.admit(Inbound(data, name, kind="partial"), counted, merged_into(report, name))
+        counted.update(report.accepted[before:])
+    merge_s = _cpu() - c0
+    c0 = _cpu()
+    strat.finish_round(1)
+    finish_s = _cpu() - c0
+    return {"n": n, "devices_per_partial": per, "partials": len(partials),
+            "partial_bytes": statistics.mean(len(d) for _, d in partials),
+            "root_register_ms_per_device": 1000 * register_s / n, "root_merge_ms_per_partial": 1000 * merge_s /
+            len(partials), "root_merge_us_per_device": 1e6 * merge_s / n, "root_finish_ms": 1000 * finish_s,
+            "aggregator_ms_per_update": 1000 * agg_cpu / n, "report_json_bytes": len(json.dumps(asdict(report)))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=1000, help="devices (default 1000)")
     p.add_argument("--shard-n", type=int, default=200, help="devices of the bytes comparison (default 200)")
     p.add_argument("--rounds", type=int, default=3, help="training rounds per run (default 3)")
+    p.add_argument("--only", choices=("workers", "shards", "merge"),
+                   help="run one part: the workers' or the shards' comparison, or the root's merge costs")
+    p.add_argument("--merge-n", type=int, default=20000, help="devices of the merge measurement (default 20000)")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     if args.role == "_worker":
@@ -228,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 8192)), hard))
     rows: dict[str, Any] = {}
+    load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="fedge-scaleout-") as tmp:
-        for workers in (0, 2):
+        for workers in () if args.only in ("shards", "merge") else (0, 2):
             r = run_workers(args.n, args.rounds, workers, Path(tmp))
             cpu = statistics.median(r["cpu_seconds_per_round"])
             rows[f"workers={workers}"] = {
@@ -240,17 +330,25 @@ def main(argv: list[str] | None = None) -> int:
                 "worker_updates": r["worker_updates"], "root_peak_rss_mb": r["peak_rss_mb"], "raw": r}
             print(f"workers={workers}: {rows[f'workers={workers}']['round_s']:.3f} s/round, root CPU "
                   f"{1000 * cpu / args.n:.3f} ms/update", file=sys.stderr, flush=True)
-        for shards in (0, 2):
-            r = run_shards(args.shard_n, args.rounds, shards, Path(tmp))
-            rows[f"shards={shards}"] = {"root_bytes_per_round": r["root_bytes_per_round"],
-                                        "round_s": statistics.median(r["round_seconds"]), "raw": r}
-            print(f"shards={shards}: {r['root_bytes_per_round']:.0f} B/round through the root broker",
+        for per in (5000, 1000) if args.only in (None, "merge") else ():
+            rows[f"merge per={per}"] = m = run_merge(args.merge_n, per)
+            print(f"merge: {m}", file=sys.stderr, flush=True)
+        for shards, detail, exact in () if args.only in ("workers", "merge") else (
+                (0, False, True), (2, True, True), (2, False, True), (2, False, False)):
+            r = run_shards(args.shard_n, args.rounds, shards, Path(tmp), detail=detail, exact=exact)
+            key = f"shards={shards}" + (" detail" if detail else "") + ("" if exact else " fp32")
+            rows[key] = {k: r[k] for k in ("root_bytes_per_round", "root_bytes_in_per_round",
+                                           "root_bytes_out_per_round")}
+            rows[key].update(round_s=statistics.median(r["round_seconds"]), raw=r)
+            print(f"{key}: {r['root_bytes_per_round']:.0f} B/round through the root broker",
                   file=sys.stderr, flush=True)
     sz = sizes()
     doc = {"benchmark": "scaleout", "command": " ".join(["python -m benchmarks.scaleout", *(argv or sys.argv[1:])]),
-           "n": args.n, "shard_n": args.shard_n, "rounds": args.rounds, "message_bytes": sz, "samples": SAMPLES,
+           "n": args.n, "shard_n": args.shard_n,
+           "merge_n": args.merge_n, "rounds": args.rounds, "message_bytes": sz, "samples": SAMPLES,
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                       "load_average_at_end": os.getloadavg()}, "rows": rows}
+                       "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()},
+           "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(table(doc))
@@ -260,23 +358,35 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(doc: dict[str, Any]) -> str:
     r, n = doc["rows"], doc["n"]
-    w0, w2 = r["workers=0"], r["workers=2"]
-    s0, s2 = r["shards=0"], r["shards=2"]
     up = doc["message_bytes"]["update"]
-    lines = [
-        f"N = {n}: | s/round | root CPU s/round | root CPU ms/update | workers' CPU ms/update",
-        f"1 coordinator | {w0['round_s']:.3f} | {w0['root_cpu_s_per_round']:.3f} | "
-        f"{w0['root_cpu_ms_per_update']:.3f} | -",
-        f"+ 2 workers | {w2['round_s']:.3f} | {w2['root_cpu_s_per_round']:.3f} | {w2['root_cpu_ms_per_update']:.3f} | "
-        f"{w2['worker_cpu_ms_per_update']:.3f}",
-        f"ratio (2 workers / 1) | {w2['round_s'] / w0['round_s']:.2f} | "
-        f"{w2['root_cpu_s_per_round'] / w0['root_cpu_s_per_round']:.2f} | |",
-        "",
-        f"N = {doc['shard_n']}: | bytes through the root broker per round | in updates of {up} B",
-        f"flat | {s0['root_bytes_per_round']:.0f} | {s0['root_bytes_per_round'] / up:.1f}",
-        f"2 shards + relays | {s2['root_bytes_per_round']:.0f} | {s2['root_bytes_per_round'] / up:.1f}",
-        f"ratio (2 shards / flat) | {s2['root_bytes_per_round'] / s0['root_bytes_per_round']:.3f} |",
-    ]
+    lines = []
+    if "workers=0" in r:
+        w0, w2 = r["workers=0"], r["workers=2"]
+        lines += [
+            f"N = {n}: | s/round | root CPU s/round | root CPU ms/update | workers' CPU ms/update",
+            f"1 coordinator | {w0['round_s']:.3f} | {w0['root_cpu_s_per_round']:.3f} | "
+            f"{w0['root_cpu_ms_per_update']:.3f} | -",
+            f"+ 2 workers | {w2['round_s']:.3f} | {w2['root_cpu_s_per_round']:.3f} | "
+            f"{w2['root_cpu_ms_per_update']:.3f} | {w2['worker_cpu_ms_per_update']:.3f}",
+            f"ratio (2 workers / 1) | {w2['round_s'] / w0['round_s']:.2f} | "
+            f"{w2['root_cpu_s_per_round'] / w0['root_cpu_s_per_round']:.2f} | |", ""]
+    if "shards=0" in r:
+        flat = r["shards=0"]["root_bytes_per_round"]
+        lines.append(f"N = {doc['shard_n']}: | bytes through the root broker per round (in + out) | in updates of "
+                     f"{up} B | into the root broker | in updates | ratio to flat")
+        for key, label in (("shards=0", "flat"), ("shards=2 detail", "2 shards + relays, per-device entries"),
+                           ("shards=2", "2 shards + relays, compact partials"),
+                           ("shards=2 fp32", "2 shards + relays, compact partials, --fp32-sums")):
+            if key in r:
+                b, i = r[key]["root_bytes_per_round"], r[key].get("root_bytes_in_per_round", 0.0)
+                lines.append(f"{label} | {b:.0f} | {b / up:.1f} | {i:.0f} | {i / up:.1f} | {b / flat:.3f}")
+    for key in sorted(k for k in r if k.startswith("merge")):
+        m = r[key]
+        lines += ["", f"root, N = {m['n']} in {m['partials']} compact partials of {m['devices_per_partial']} | "
+                  f"register ms/device {m['root_register_ms_per_device']:.3f} | merge ms/partial "
+                  f"{m['root_merge_ms_per_partial']:.1f} ({m['root_merge_us_per_device']:.2f} us/device) | "
+                  f"finish ms {m['root_finish_ms']:.2f} | partial B {m['partial_bytes']:.0f} | aggregator ms/update "
+                  f"{m['aggregator_ms_per_update']:.3f} | report JSON B {m['report_json_bytes']}"]
     return "\n".join(lines)
 
 

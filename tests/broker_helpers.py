@@ -15,6 +15,7 @@ from typing import Any
 
 from fedge.broker.config import BrokerOptions, write_broker_config
 from fedge.mqtt.broker import MosquittoProcess, free_port
+from fedge.mqtt.client import BrokerSettings
 
 
 @contextmanager
@@ -47,6 +48,15 @@ def mtls_mosquitto(fleet: str, devices: list[str], *,
                    fleet_config: Path | None = None) -> contextlib.AbstractContextManager[Running]:
     """:func:`configured_mosquitto` with `--mtls`."""
     return configured_mosquitto(fleet, devices, fleet_config=fleet_config, mtls=True)
+
+
+def mtls_settings(broker: MosquittoProcess, out: Path, who: str) -> BrokerSettings:
+    """How ``who`` (a device id, or "coordinator") connects to an :func:`mtls_mosquitto` broker: its certificate
+    and key from the broker directory ``out``."""
+    d = out / ("coordinator" if who == "coordinator" else f"bundles/{who}")
+    stem = "client" if who == "coordinator" else "device"
+    return BrokerSettings(host="localhost", port=broker.port, tls=True, ca_file=str(out / "tls/ca.crt"),
+                          cert_file=str(d / f"{stem}.crt"), key_file=str(d / f"{stem}.key"))
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 5.0) -> bool:

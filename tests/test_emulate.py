@@ -169,10 +169,18 @@ def test_prepare_flashes_every_device_with_fedge_flash(tmp_path: Path) -> None:
         proc = subprocess.run([exe, "-f", str(tmp_path / "emu" / "compose.yaml"), "config"], capture_output=True,
                               text=True, check=False)
         assert proc.returncode == 0 and subnet in proc.stdout, proc.stderr
-    # --subnet overrides the pick (a host whose networks already use it).
-    prepare(fleet, tmp_path / "emu2", images=tags, rates=rates, subnet="192.168.77.5/26")
+    assert not (root / "bundle" / "fleet.pub").exists()  # unsigned unless asked
+    # --subnet overrides the pick (a host whose networks already use it); --sign: a signing fleet whose devices
+    # take over-the-air updates (install.sh then gives the agent --state-dir and --model-store)
+    prepare(fleet, tmp_path / "emu2", images=tags, rates=rates, subnet="192.168.77.5/26", sign=True)
     doc = yaml.safe_load((tmp_path / "emu2" / "compose.yaml").read_text())
     assert doc["networks"]["fleet"]["ipam"]["config"] == [{"subnet": "192.168.77.0/26"}]
+    key = tmp_path / "emu2" / "coordinator" / "signing.key"  # the coordinator's state dir: it signs with it
+    assert key.read_bytes() == (tmp_path / "emu2" / "broker" / "coordinator" / "signing.key").read_bytes()
+    assert key.stat().st_mode & 0o077 == 0
+    for dev in emu.devices:
+        bundle = tmp_path / "emu2" / "devices" / dev / "fedge" / "bundle"
+        assert (bundle / "fleet.pub").read_bytes() == (tmp_path / "emu2" / "broker/coordinator/fleet.pub").read_bytes()
 
 
 @pytest.mark.parametrize(("subnet", "message"), [

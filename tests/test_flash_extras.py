@@ -76,6 +76,16 @@ def test_infer_runs_on_the_runtime_set_without_touching_torch(exported: Path, tm
     assert rows[0]["top"][0]["class"] == "7"  # the trained model reads the digit
 
 
+def test_infer_without_a_fleet_key_never_imports_cryptography(exported: Path, tmp_path: Path) -> None:
+    # Verifying a signed manifest needs `cryptography`; an unsigned model's inference does not load it (its
+    # import added 10 MB to `fedge infer`'s peak RSS on the runtime set when the runtime imported it eagerly).
+    png = digit_png(tmp_path / "seven.png")
+    rc, out, err, tried = run_without(["cryptography"], "infer", "--model", str(exported), str(png), "--json")
+    assert rc == 0, err
+    assert tried == []
+    assert json.loads(out)[0]["top"][0]["class"] == "7"
+
+
 @pytest.mark.parametrize(("blocked", "args", "extra"), [
     (["onnxruntime"], ["infer", "--model", "{model}", "{png}"], "runtime"),
     (["PIL"], ["infer", "--model", "{model}", "{png}"], "runtime"),

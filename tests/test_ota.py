@@ -139,6 +139,20 @@ def test_a_model_that_lowers_local_accuracy_is_rolled_back(models: Models, tmp_p
     assert out["state"] == "rolled-back" and "smoke test failed" in out["reason"] and store.current == 2
 
 
+def test_the_checks_run_in_a_child_the_kernel_kills_first(models: Models) -> None:
+    """Smoke test and both accuracies in one child process whose oom_score_adj is 1000: out of memory, the kernel
+    kills the check, not the agent (which never loads a model: on an emulated Pi Zero 2 W the third update's
+    in-process accuracy checks got the agent itself killed)."""
+    from fedge.runtime.checks import accuracy, smoke_test
+
+    x, y = validation()
+    r = smoke_test(models.good, validation=(x, y), current=models.bad)
+    assert r.ok and r.oom_score_adj == 1000, r
+    assert r.accuracy == {"new": accuracy(models.good, x, y), "current": accuracy(models.bad, x, y)}
+    assert r.accuracy["new"] > 0.85 and r.accuracy["current"] < 0.3
+    assert smoke_test(models.good).accuracy is None  # no validation split: the smoke test only
+
+
 def test_repeated_crashes_of_a_new_model_roll_it_back(models: Models, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "store"
@@ -362,6 +376,10 @@ def test_devices_refuse_unsigned_or_older_orders_and_resume_a_download(
         order(7)
         assert wait_until(lambda: statuses.get("cam-1", {}).get("state") == "installed", 60), statuses.get("cam-1")
         assert dev.ota.parts_received == rel.parts - 4  # resumed: only the missing parts travelled
+        dl = statuses["cam-1"]["download"]  # the status says what the download took
+        assert dl["bytes"] == rel.size and 0 < dl["seconds"] < 60
+        parts = [len(p) for _, p in rel.publications]  # the resumed download received the manifest and 4 parts less
+        assert dl["bytes_received"] == sum(parts) - sum(parts[:4])
         assert dev.store.current == 7 and statuses["cam-1"]["version"] == 7
         order(6)  # older than the installed one: refused before downloading, nothing changes
         assert wait_until(lambda: statuses["cam-1"]["state"] == "refused" and statuses["cam-1"]["target"] == 6)
@@ -378,7 +396,8 @@ def test_fedge_edge_run_with_a_model_store_takes_an_update_from_fedge_deploy(
         fleet: tuple[MosquittoProcess, Path, Path], models: Models, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     """The command a flashed device runs (install.sh's launcher): its bundle's certificate and fleet key, a model
-    store seeded from the flashed model; `fedge deploy` installs version 2 on it."""
+    store seeded from the flashed model; `fedge deploy` installs version 2 on it; after `fedge broker
+    rotate-fleet-key`, `fedge deploy` with the new key installs version 3 (the agent followed the key chain)."""
     broker, out, cfg = fleet
     bundle = out / "bundles/cam-2"
     text = (bundle / "bundle.toml").read_text()
@@ -398,8 +417,18 @@ def test_fedge_edge_run_with_a_model_store_takes_an_update_from_fedge_deploy(
         assert main(deploy(broker, out, cfg, models.good, 2, "--devices", "cam-2", "--canary", "0")) == 0
         assert "cam-2                    installed: running version 2" in capsys.readouterr().out
         assert ModelStore(store).current == 2
+        # the fleet key is rotated; fedge deploy with the new key publishes the key chain before its order: the
+        # agent follows it (kept in its state directory) and installs version 3, which only the new key signed
+        from fedge.broker.fleetkey import rotate_fleet_key
+        from fedge.fleet.config import load_fleet
+
+        rotation = rotate_fleet_key(out, load_fleet(cfg).run.fleet)
+        assert main(deploy(broker, out, cfg, models.good, 3, "--devices", "cam-2", "--canary", "0")) == 0
+        assert "cam-2                    installed: running version 3" in capsys.readouterr().out
+        assert json.loads((tmp_path / "state/fleet-key.json").read_text())["key"] == rotation.new
     finally:
         proc.send_signal(signal.SIGTERM)
         logs, _ = proc.communicate(timeout=60)
         print(logs[-3000:])
     assert "model store" in logs and "accepting updates signed by the fleet key" in logs, logs[-2000:]
+    assert f"fleet key rotated: now trusting key {rotation.new} only" in logs, logs[-2000:]

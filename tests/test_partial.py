@@ -9,6 +9,7 @@ their sender, and leave the aggregate untouched.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -80,9 +81,10 @@ def root(method: str, agg: Aggregation, devs: list[DeviceInfo], rnd: int) -> tup
     return strat, merger
 
 
-def worker(method: str, agg: Aggregation, devs: list[DeviceInfo], name: str, rnd: int) -> PartialAggregator:
+def worker(method: str, agg: Aggregation, devs: list[DeviceInfo], name: str, rnd: int,
+           detail: bool = False) -> PartialAggregator:
     strat, cfg = make(method, agg)
-    a = PartialAggregator(strat, cfg, name)
+    a = PartialAggregator(strat, cfg, name, detail=detail)
     a.register([Inbound(hello(d), d.device_id) for d in devs])
     a.begin(rnd, final=False, descriptor="d" * 32)
     return a
@@ -130,8 +132,9 @@ def test_two_aggregators_merge_to_the_flat_aggregate(method: str, agg: Aggregati
     assert_same(strat.finish_round(rnd), want, exact=agg.rule == "median" and agg.clip == 0)
 
 
-def partial_of(method: str, devs: list[DeviceInfo], rnd: int = 1, **tamper: Any) -> tuple[bytes, Message]:
-    w = worker(method, Aggregation(), devs, "w0", rnd)
+def partial_of(method: str, devs: list[DeviceInfo], rnd: int = 1, detail: bool = False,
+               name: str = "w0") -> tuple[bytes, Message]:
+    w = worker(method, Aggregation(), devs, name, rnd, detail=detail)
     for d in devs:
         assert w.admit(Inbound(update(method, d, rnd), d.device_id))
     msg = Message.from_bytes(w.flush() or b"", max_info_bytes=1 << 22)
@@ -147,6 +150,16 @@ def partial_of(method: str, devs: list[DeviceInfo], rnd: int = 1, **tamper: Any)
     ("partial-dtype", lambda m: m.tensors.__setitem__("protos/counts", m.tensors["protos/counts"].astype(np.float32))),
     ("partial-unregistered", lambda m: m.info["devices"].__setitem__("stranger", {"up": 1, "info": {}})),
     ("partial-info", lambda m: m.info["devices"]["d0"]["info"].__setitem__("num_samples", 7)),
+    # compact partials: ids and a summary instead of entries
+    ("partial-unregistered", lambda m: m.info["ids"].append("stranger")),
+    ("partial-malformed", lambda m: m.info["ids"].append("d0")),  # listed twice
+    ("partial-malformed", lambda m: m.info["ids"].append(["d", 7, 3, 0])),  # a run backwards
+    ("partial-malformed", lambda m: m.info["ids"].append(["x", 0, 10 ** 9, 0])),  # a billion devices
+    ("partial-summary", lambda m: m.info["summary"].__setitem__("devices", 5)),
+    ("partial-summary", lambda m: m.info["summary"].__setitem__("bytes_up", 10 ** 12)),
+    ("partial-summary", lambda m: m.info["summary"]["metrics"].__setitem__("acc_global", [0.5, 9])),
+    ("partial-summary", lambda m: m.info["summary"].__setitem__("train_s", [1.0, 2e7, 1])),
+    ("partial-summary", lambda m: m.info["summary"].__setitem__("extra", 1)),
     ("partial-stale", lambda m: setattr(m, "round", 0)),
     ("partial-kind", lambda m: setattr(m, "kind", "update")),
     ("partial-spoofed", lambda m: setattr(m, "sender", "w1")),
@@ -155,7 +168,13 @@ def partial_of(method: str, devs: list[DeviceInfo], rnd: int = 1, **tamper: Any)
 def test_a_bad_partial_is_refused_with_its_reason_and_leaves_the_aggregate_alone(reason: str, edit: Any) -> None:
     devs = fleet("fedproto", 4)
     strat, merger = root("fedproto", Aggregation(), devs, 1)
-    _, msg = partial_of("fedproto", devs)
+    _, probe = partial_of("fedproto", devs)
+    try:
+        edit(probe)
+        detail = False
+    except KeyError:  # an edit of a detailed partial's per-device entries
+        detail = True
+    _, msg = partial_of("fedproto", devs, detail=detail)
     edit(msg)
     assert merger.admit(Inbound(msg.to_bytes(), "w0", kind="partial"), set(), lambda e: None) == []
     assert dict(merger.gate.rejections.by_device["w0"]) == {reason: 1}
@@ -221,6 +240,87 @@ def test_a_sampled_round_is_sampled_at_the_aggregators_and_at_the_parent() -> No
     assert merger.gate.rejections.by_device["w1"] == {"partial-unsampled": 1}
 
 
+def test_device_ids_pack_into_runs_and_unpack_exactly() -> None:
+    from fedge.coordinator.partial import pack_ids, unpack_ids
+
+    ids = ([f"rpi4-4gb-{i}" for i in range(1, 501)] + [f"dev-{i:04d}" for i in range(1200)]
+           + ["odd", "x-", "007", "a0", "a00", "a1", "d-3", "d-5"])
+    packed = pack_ids(reversed(ids))
+    assert ["rpi4-4gb-", 1, 500, 0] in packed and ["dev-", 0, 999, 4] in packed and ["dev-", 1000, 1199, 0] in packed
+    assert len(packed) == 10  # 3 runs, the a0-a1 run, and 6 ids in no run (odd, x-, 007, a00, and d-3, d-5: a gap)
+    assert sorted(unpack_ids(packed)) == sorted(ids)
+    with pytest.raises(Exception, match="more than 10 devices"):
+        unpack_ids([["d", 0, 10, 0]], limit=10)
+
+
+def test_a_compact_partial_weighs_the_same_for_10_or_1000_devices_and_the_root_reports_its_totals() -> None:
+    """The per-device entries a partial carried (~100 B each) are gone: the info of a partial over 1000
+    devices is as small as over 10, and the root's report still says which devices were counted (accepted),
+    by which aggregator (partials), and their bytes, mean metrics and training time (aggregated)."""
+    from fedge.coordinator.merge import merged_into
+    from fedge.coordinator.report import RoundReport
+
+    sizes = {}
+    for n in (10, 1000):
+        devs = fleet("fedproto", n)
+        _, msg = partial_of("fedproto", devs)
+        sizes[n] = len(json.dumps(msg.info))
+        _, detailed = partial_of("fedproto", devs, detail=True)
+        sizes[-n] = len(json.dumps(detailed.info))
+    assert sizes[1000] < sizes[10] + 40, sizes  # one run of ids and one summary either way
+    assert sizes[-1000] > 50 * sizes[1000], sizes  # what --detail costs
+    devs = fleet("fedproto", 6)
+    strat, merger = root("fedproto", Aggregation(), devs, 1)
+    want = flat_result("fedproto", Aggregation(), devs, 1)
+    report = RoundReport(round=1, phase="train")
+    for name, part, detail in (("w0", devs[:4], False), ("w1", devs[4:], True)):
+        data, _ = partial_of("fedproto", part, detail=detail, name=name)
+        assert merger.admit(Inbound(data, name, kind="partial"), set(report.accepted), merged_into(report, name))
+    assert sorted(report.accepted) == sorted(d.device_id for d in devs)
+    assert report.partials == {"w0": 4, "w1": 2}
+    assert sorted(report.bytes_up) == ["d4", "d5"]  # the detailed partial's devices only
+    agg = report.aggregated["w0"]
+    assert agg["devices"] == 4 and agg["bytes_up"] == sum(len(update("fedproto", d, 1)) for d in devs[:4])
+    up, _ = report.total_bytes()
+    assert up == sum(len(update("fedproto", d, 1)) for d in devs)
+    assert_same(strat.finish_round(1), want, exact=False)
+
+
+@pytest.mark.parametrize("method", ["fedproto", "fedavg"])
+def test_fp32_sums_halve_the_partial_and_stay_within_float32_rounding(method: str) -> None:
+    """``--fp32-sums``: each float64 sum travels as its float32 ``hi`` half only — half the bytes of the sums —
+    and the merged aggregate stays within float32 rounding of the flat one; a ``lo`` without its ``hi`` is
+    still refused."""
+    devs = fleet(method)
+    want = flat_result(method, Aggregation(), devs, 1)
+    strat, merger = root(method, Aggregation(), devs, 1)
+    sizes = {}
+    for exact in (True, False):
+        strat_w, cfg = make(method, Aggregation())
+        w = PartialAggregator(strat_w, cfg, "w0", exact=exact)
+        w.register([Inbound(hello(d), d.device_id) for d in devs])
+        w.begin(1, final=False, descriptor="d" * 32)
+        for d in devs:
+            assert w.admit(Inbound(update(method, d, 1), d.device_id))
+        data = w.flush()
+        assert data is not None
+        msg = Message.from_bytes(data, max_info_bytes=1 << 22)
+        sizes[exact] = sum(v.nbytes for v in msg.tensors.values())
+        if not exact:
+            assert not any(k.endswith("/lo") for k in msg.tensors)
+            assert merger.admit(Inbound(data, "w0", kind="partial"), set(), lambda e: None)
+    assert sizes[False] < 0.55 * sizes[True], sizes
+    got = strat.finish_round(1)
+    for art in want:
+        for k in want[art]:
+            np.testing.assert_allclose(got[art][k], want[art][k], rtol=1e-6, atol=1e-7, err_msg=f"{art}/{k}")
+    _, msg = partial_of("fedproto", fleet("fedproto", 4), name="w1")
+    msg.tensors.pop("protos/sums/hi")
+    _, merger2 = root("fedproto", Aggregation(), fleet("fedproto", 4), 1)
+    assert merger2.admit(Inbound(msg.to_bytes(), "w1", kind="partial"), set(), lambda e: None) == []
+    assert dict(merger2.gate.rejections.by_device["w1"]) == {"partial-schema": 1}
+
+
 def test_a_merged_device_is_recorded_as_its_own_update_would_be() -> None:
     """A device counted through a partial enters the root's report exactly as its own update would, the seconds it
     trained (``train_s``) included: they were left inside its info, so a run with workers or relays reported no
@@ -243,14 +343,19 @@ def test_a_merged_device_is_recorded_as_its_own_update_would_be() -> None:
     flat = RoundReport(round=rnd, phase="train")
     for d in devs:
         assert gate.admit(Inbound(timed(d), d.device_id), lambda up: record_admitted(flat, up))
-    w = worker("fedavg", agg, devs, "w0", rnd)
-    for d in devs:
-        assert w.admit(Inbound(timed(d), d.device_id))
-    data = w.flush()
-    assert data is not None
-    _, merger = root("fedavg", agg, devs, rnd)
-    merged = RoundReport(round=rnd, phase="train")
-    assert merger.admit(Inbound(data, "w0", kind="partial"), set(), merged_into(merged, "w0")) == ["d0", "d1"]
+    reports = {}
+    for detail in (True, False):  # per-device entries (--detail), and a compact partial's summary
+        w = worker("fedavg", agg, devs, "w0", rnd, detail=detail)
+        for d in devs:
+            assert w.admit(Inbound(timed(d), d.device_id))
+        data = w.flush()
+        assert data is not None
+        _, merger = root("fedavg", agg, devs, rnd)
+        reports[detail] = RoundReport(round=rnd, phase="train")
+        assert merger.admit(Inbound(data, "w0", kind="partial"), set(), merged_into(reports[detail], "w0")) == [
+            "d0", "d1"]
+    merged, compact = reports[True], reports[False]
+    assert compact.aggregated["w0"]["train_s"] == [4.0, 2.5, 2] and compact.train_s == {}
     assert merged.train_s == flat.train_s == {"d0": 1.5, "d1": 2.5}
     assert merged.info == flat.info and all("train_s" not in i for i in merged.info.values())
     assert (merged.accepted, merged.metrics, merged.bytes_down) == (flat.accepted, flat.metrics, flat.bytes_down)

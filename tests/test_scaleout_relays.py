@@ -20,21 +20,24 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from gate_helpers import FLEET
-from scaleout_helpers import FAST, engine_config, root_engine, start_devices, stop_devices, strategy
+from gate_helpers import FLEET, device, honest_update
+from scaleout_helpers import FAST, StatsDevice, engine_config, root_engine, start_devices, stop_devices, strategy
 
 from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.common.signing import Signer
 from fedge.coordinator.aggregator import PartialAggregator
+from fedge.coordinator.engine import RoundEngine
+from fedge.coordinator.report import RoundReport
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.client import BrokerSettings, MqttClient
+from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.relay import Relay
 from fedge.mqtt.topics import FleetTopics
 
@@ -96,6 +99,11 @@ def test_a_sharded_fleet_with_relays_equals_the_flat_fleet(brokers: list[Mosquit
         assert sorted(rep.accepted) == ALL and rep.missing == [] and rep.rejected == {}, rep
         # the root hears only relay r1 in the chain; both relays in two shards
         assert rep.partials == ({"r1": 6, "r2": 6} if topology == "two-shards" else {"r1": N}), rep.partials
+        # compact partials: the devices as ids, their reports summarised per relay (in the chain r2's devices
+        # reach the root inside r1's summary), no per-device entry at the root
+        assert {r: a["devices"] for r, a in rep.aggregated.items()} == rep.partials and rep.bytes_up == {}
+        if rep.phase != "final":
+            assert rep.total_bytes()[0] == N * len(honest_update(device(0), rep.round)), rep.aggregated
     # the root broker carried partials, not updates: one partial per relay per round (and per child relay's)
     assert relays[0].partials_sent == len(reports)
 
@@ -164,6 +172,29 @@ def test_a_relay_killed_mid_round_loses_no_accepted_update(brokers: list[Mosquit
     np.testing.assert_array_max_ulp(got["protos"], want["protos"], maxulp=1)
 
 
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.05)
+
+
+def run_during(fault: Callable[[], None], engine: RoundEngine, transport: MqttCoordinatorTransport,
+               devs: list[StatsDevice], relays: Callable[[], list[Relay]]) -> list[RoundReport]:
+    """The engine's run while ``fault`` runs in a thread (a restart mid-round); then the devices, the relays
+    (``relays()``, asked afterwards: a restarted one included) and the transport are stopped."""
+    t = threading.Thread(target=fault, daemon=True)
+    t.start()
+    try:
+        reports = engine.run()
+        t.join(5)
+    finally:
+        stop_devices(devs)
+        for r in relays():
+            r.stop()
+        transport.close()
+    return reports
+
+
 def relay(shard: MosquittoProcess, parent: MosquittoProcess, name: str, hold_s: float = 5.0, **kw: object) -> Relay:
     return Relay(shard.settings(), parent.settings(), FLEET, PartialAggregator(strategy(), engine_config(), name),
                  settings=FAST, hold_s=hold_s, **kw).start()  # type: ignore[arg-type]
@@ -223,22 +254,11 @@ def test_a_restarted_relay_gets_the_updates_again_and_the_signed_descriptor_stay
     restarted: list[Relay] = []
 
     def restart() -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not held <= first.aggregator.answered:
-            time.sleep(0.05)
+        wait_for(lambda: held <= first.aggregator.answered)
         first.stop()
         restarted.append(relay(s1, root, "r1", hold_s=60.0, state_dir=tmp_path / "r1"))
 
-    t = threading.Thread(target=restart, daemon=True)
-    t.start()
-    try:
-        reports = engine.run()
-        t.join(5)
-    finally:
-        stop_devices(devs)
-        for r in [first, other, *restarted]:
-            r.stop()
-        transport.close()
+    reports = run_during(restart, engine, transport, devs, lambda: [first, other, *restarted])
     assert restarted and first.partials_sent == 0 and held <= first.aggregator.answered
     # d0-d4 sent their round-1 update twice (asked by the restarted relay), d5 once (after the request)
     sent = {d.info.device_id: d.transport.stats.messages_out for d in devs}
@@ -247,3 +267,43 @@ def test_a_restarted_relay_gets_the_updates_again_and_the_signed_descriptor_stay
     for rep in reports:
         assert sorted(rep.accepted) == ALL and rep.missing == [] and rep.rejected == {}, rep
         assert rep.partials == {"r1": 6, "r2": 6}, rep.partials
+
+
+RECONNECT = {"reconnect_min_s": 0.2, "reconnect_max_s": 1.0}  # as tests/test_mqtt_restarts.py's broker restarts
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_shard_broker_restarted_mid_round_loses_no_accepted_update(brokers: list[MosquittoProcess],
+                                                                     how: str) -> None:
+    """Shard 1's Mosquitto is restarted (SIGTERM, or SIGKILL: it loses what it held in memory) in round 1 while
+    its relay holds d0-d4's updates and d5 has not answered yet: the relay reconnects, publishes the state and a
+    resend request again, the devices resend (refused at the relay as duplicates), d5's update arrives after
+    the restart, and every round counts all 12 devices once: the flat fleet's aggregate."""
+    root, s1, s2 = brokers
+    want = flat_reference()
+    relays = [Relay(s1.settings(**RECONNECT), root.settings(), FLEET,
+                    PartialAggregator(strategy(), engine_config(), "r1"), settings=FAST, hold_s=30.0).start(),
+              relay(s2, root, "r2")]
+    engine, transport = root_engine(root.settings(), N, client_id=f"root-shard-{how}")
+    shards = [s1, s2]
+    devs = start_devices(lambda d: shards[shard_of(d)].settings(**RECONNECT), range(N), delay={"d5": {1: 4.0}})
+    held = {f"d{i}" for i in range(5)}
+    sent_before: list[int] = []
+
+    def restart() -> None:
+        wait_for(lambda: held <= relays[0].aggregator.answered)
+        sent_before.append(relays[0].partials_sent)
+        s1.terminate() if how == "SIGTERM" else s1.kill()
+        s1.start()
+
+    reports = run_during(restart, engine, transport, devs, lambda: relays)
+    assert sent_before == [0]  # restarted mid-round: nothing of shard 1 had left the relay yet
+    assert relays[0].down.connects >= 2  # the relay really lost its shard's broker
+    for rep in reports:  # no lost update, none counted twice; refused copies are only resent duplicates
+        assert sorted(rep.accepted) == ALL and rep.missing == [], rep
+        assert set(rep.rejected) <= {"duplicate"}, rep.rejected
+    first = reports[0]
+    assert first.rejected_by_device.keys() <= held, first.rejected_by_device
+    got = engine.globals["prototypes"]
+    np.testing.assert_array_equal(got["counts"], want["counts"])
+    np.testing.assert_array_max_ulp(got["protos"], want["protos"], maxulp=1)

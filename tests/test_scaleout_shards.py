@@ -16,7 +16,9 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+from observe_helpers import FLEET_TOML as SMALL_FLEET
 
 from fedge.broker.config import BrokerOptions
 from fedge.broker.shards import split_devices, write_sharded_config
@@ -144,7 +146,7 @@ def test_a_signing_tls_sharded_fleet_shares_the_roots_key_and_ca_and_mtls_is_ref
     os.chmod(work, 0o755)
     out = work / "broker"
     try:
-        with pytest.raises(ConfigError, match="--mtls cannot be combined with --shards or --workers"):
+        with pytest.raises(ConfigError, match=r"--mtls cannot be combined with --shards, \[\[shards\]\] or --workers"):
             write_sharded_config(CFG.run.fleet, IDS, out, BrokerOptions(mtls=True), shards=2, fleet_config=FLEET_TOML)
         files = write_sharded_config(CFG.run.fleet, IDS, out, BrokerOptions(port=base, bind="127.0.0.1", sign=True,
                                                                             tls=True), shards=2, workers=1,
@@ -177,9 +179,10 @@ def test_a_signing_tls_sharded_fleet_shares_the_roots_key_and_ca_and_mtls_is_ref
 
 def test_fedge_deploys_updates_cross_a_relay_under_the_generated_acls(
         sharded: tuple[list[MosquittoProcess], Path, int]) -> None:
-    """The root's deploy account publishes a model package and an order (retained, as ``fedge deploy`` does);
-    relay-1 forwards both byte for byte to shard 1, where the device reads them, and the device's OTA status
-    back to the root, where the deploy account reads it; another shard's order does not cross relay-1."""
+    """The root's deploy account publishes the key chain, a model package and an order (retained, as ``fedge
+    deploy`` does); relay-1 forwards them byte for byte to shard 1, where the device reads them, and the
+    device's OTA status back to the root, where the deploy account reads it; another shard's order does not
+    cross relay-1."""
     from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.config import EngineConfig
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
@@ -199,12 +202,14 @@ def test_fedge_deploys_updates_cross_a_relay_under_the_generated_acls(
     dev = _client(s1.port, mine, out / "bundles" / mine / "password", got=on_shard)
     try:
         dev.subscribe(f"{T.base}/ota/#")
-        deploy.wait_published([deploy.publish(T.ota_model(7), b"signed package", retain=True),
+        dev.subscribe(T.fleet_keys)  # the fleet key's rotations, which fedge deploy publishes before its orders
+        deploy.wait_published([deploy.publish(T.fleet_keys, b"key chain", retain=True),
+                               deploy.publish(T.ota_model(7), b"signed package", retain=True),
                                deploy.publish(T.ota_order(mine), b"signed order", retain=True),
                                deploy.publish(T.ota_order(theirs), b"another shard's order", retain=True)], 5)
-        _settle(on_shard, 2)
+        _settle(on_shard, 3)
         assert sorted((m.topic, m.payload) for m in on_shard) == sorted([
-            (T.ota_model(7), b"signed package"), (T.ota_order(mine), b"signed order")])
+            (T.fleet_keys, b"key chain"), (T.ota_model(7), b"signed package"), (T.ota_order(mine), b"signed order")])
         dev.wait_published([dev.publish(T.ota_status(mine), b'{"device": "x"}', retain=True)], 5)
         _settle(at_root, 1)
         assert [(m.topic, m.payload) for m in at_root] == [(T.ota_status(mine), b'{"device": "x"}')]
@@ -212,3 +217,175 @@ def test_fedge_deploys_updates_cross_a_relay_under_the_generated_acls(
         for c in (deploy, dev):
             c.stop()
         relay.stop()
+
+
+def test_a_shards_tree_from_the_fleet_config_keeps_every_credential_in_its_shard(mosquitto_bin: str) -> None:
+    """``[[shards]]`` with a parent (root <- a <- c, root <- b), written by ``fedge broker config`` and run as four
+    Mosquittos: a device's password works on its own shard only, so it can publish into no other shard; the
+    child relay may forward its own devices' hellos and its partial onto its parent shard, nothing of the parent's
+    own devices; the parent relay forwards the whole subtree's hellos to the root."""
+    from test_fleet_shards import HEAD, TREE
+
+    base = _ports(3)
+    tmp_path = Path(tempfile.mkdtemp(prefix="fedge-shards-tree-"))  # searchable by Mosquitto's account
+    os.chmod(tmp_path, 0o755)
+    path = tmp_path / "fleet.toml"
+    path.write_text(HEAD + TREE.format(pa=base + 1, pb=base + 2, pc=base + 3))
+    cfg = load_fleet(path)
+    t = FleetTopics(cfg.run.fleet)
+    out = tmp_path / "broker"
+    files = write_sharded_config(cfg.run.fleet, [i for i, _ in device_ids(cfg)], out,
+                                 BrokerOptions(port=base, bind="127.0.0.1", hostname="127.0.0.1"),
+                                 shards=cfg.shard_layout, fleet_config=path)
+    brokers = [MosquittoProcess(f.config.read_text(), port=port, workdir=f.out)
+               for f, port in zip([files.root, *files.shards], [base, base + 1, base + 2, base + 3], strict=True)]
+    root, a, b, c = brokers
+    clients: list[MqttClient] = []
+    try:
+        for br in brokers:
+            br.start()
+        zero, rpi4, x86 = "rpi-zero-2w-1", "rpi4-4gb-1", "x86-gateway-1"
+        for dev, home in ((zero, c), (rpi4, a), (x86, b)):
+            pw = out / "bundles" / dev / "password"
+            _client(home.port, dev, pw).stop()
+            for other in (br for br in brokers if br is not home):
+                with pytest.raises(TransportError, match=r"(?i)not authorized|bad user name"):
+                    _client(other.port, dev, pw)
+        seen_a: list[Received] = []
+        relay_a_on_a = _client(a.port, "relay-a", out / "relays" / "relay-a" / "password", got=seen_a)
+        relay_a_on_a.subscribe(f"{t.base}/#")
+        seen_root: list[Received] = []
+        coord = _client(root.port, "fedge-coordinator", out / "coordinator" / "password", got=seen_root)
+        coord.subscribe(f"{t.base}/#")
+        relay_c = _client(a.port, "relay-c", out / "relays" / "relay-c" / "password")
+        relay_a = _client(root.port, "relay-a", out / "relays" / "relay-a" / "password")
+        clients += [relay_a_on_a, coord, relay_c, relay_a]
+        time.sleep(0.3)
+        relay_c.wait_published([relay_c.publish(t.hello(zero), b"c's hello"),
+                                relay_c.publish(t.hello(rpi4), b"a's own device, posed by c"),
+                                relay_c.publish(t.partial("relay-c"), b"c's partial"),
+                                relay_c.publish(t.partial("relay-a"), b"posing as relay-a")], 5)
+        relay_a.wait_published([relay_a.publish(t.hello(zero), b"subtree hello"),
+                                relay_a.publish(t.hello(x86), b"b's device, posed by a"),
+                                relay_a.publish(t.partial("relay-a"), b"a's partial")], 5)
+        _settle(seen_a, 2)
+        _settle(seen_root, 2)
+        assert sorted((m.topic, m.payload) for m in seen_a) == sorted([
+            (t.hello(zero), b"c's hello"), (t.partial("relay-c"), b"c's partial")])
+        assert sorted((m.topic, m.payload) for m in seen_root) == sorted([
+            (t.hello(zero), b"subtree hello"), (t.partial("relay-a"), b"a's partial")])
+        # relay-c has no account on the root: a child relay speaks only to its parent shard
+        with pytest.raises(TransportError, match=r"(?i)not authorized|bad user name"):
+            _client(root.port, "relay-c", out / "relays" / "relay-c" / "password")
+    finally:
+        for cl in clients:
+            cl.stop()
+        for br in brokers:
+            br.stop()
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+# observe_helpers' small FedProto fleet with four rpi4-2gb instead of two, over two shards (b under a)
+E2E_SHARDS = """
+[[shards]]
+name = "a"
+broker = "127.0.0.1:{pa}"
+devices = ["rpi4-2gb-1", "rpi4-2gb-2"]
+
+[[shards]]
+name = "b"
+broker = "127.0.0.1:{pb}"
+devices = ["rpi4-2gb-3", "rpi4-2gb-4", "x86-gateway-*"]
+parent = "a"
+"""
+
+
+@pytest.mark.slow
+def test_a_fleet_sharded_by_its_config_runs_through_the_commands_and_equals_the_flat_run(mosquitto_bin: str) -> None:
+    """The whole path of ``[[shards]]``: ``fedge broker config`` writes the tree (root <- a <- b), three
+    Mosquittos run the written configs, ``fedge relay --name relay-a`` / ``relay-b`` find their shard in the
+    fleet config, five FedProto devices connect with their bundles' shard address and password, and ``fedge
+    coordinator run`` on the root (which lets relay-a report a's and b's devices only) counts every device in
+    every round through relay-a's compact partials: the uninterrupted in-process run's global state."""
+    import json
+    import subprocess
+    import sys
+
+    from fedge.common.rounds import PROTOTYPES_ARTIFACT
+    from fedge.common.tensorcodec import decode
+    from fedge.coordinator.engine import EngineConfig, RoundEngine
+    from fedge.mqtt.client import parse_broker_url
+    from fedge.sim.inprocess import run_inprocess
+    from fedge.sim.over_mqtt import start_fleet
+    from fedge.sim.simulate import build_fleet
+
+    base = _ports(2)
+    work = Path(tempfile.mkdtemp(prefix="fedge-shards-e2e-"))
+    os.chmod(work, 0o755)
+    path = work / "fleet.toml"
+    path.write_text(SMALL_FLEET.format(rounds=2, fleet="e2e").replace("count = 2", "count = 4")
+                    + E2E_SHARDS.format(pa=base + 1, pb=base + 2))
+    cfg = load_fleet(path)
+    devices, strat = build_fleet(cfg)
+    coord, _, _ = run_inprocess(cfg, devices)
+    reference = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method))
+    reference.run()
+    out = work / "broker"
+    files = write_sharded_config(cfg.run.fleet, [i for i, _ in device_ids(cfg)], out,
+                                 BrokerOptions(port=base, bind="127.0.0.1", hostname="127.0.0.1"),
+                                 shards=cfg.shard_layout, fleet_config=path)
+    brokers = [MosquittoProcess(f.config.read_text(), port=port, workdir=f.out)
+               for f, port in zip([files.root, *files.shards], [base, base + 1, base + 2], strict=True)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs: list[subprocess.Popen[bytes]] = []
+    stop = None
+    try:
+        for br in brokers:
+            br.start()
+        for name, parent in (("relay-a", base), ("relay-b", base + 1)):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fedge", "relay", "--config", str(path), "--name", name, "--username", name,
+                 "--password-file", str(out / "relays" / name / "password"), "--broker",
+                 f"mqtt://127.0.0.1:{parent}", "--state-dir", str(work / name)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env))
+
+        def bundle(dev: str) -> BrokerSettings:
+            b = tomllib.loads((out / "bundles" / dev / "bundle.toml").read_text())
+            return parse_broker_url(b["broker"], username=b["username"],
+                                    password=(out / "bundles" / dev / "password").read_text().strip())
+
+        devices, _ = build_fleet(cfg)
+        _, _, stop = start_fleet(cfg, devices, bundle, coordinator=False)
+        state = work / "state"
+        run = subprocess.run(
+            [sys.executable, "-m", "fedge", "coordinator", "run", "--config", str(path), "--broker",
+             f"mqtt://127.0.0.1:{base}", "--username", "fedge-coordinator", "--password-file",
+             str(out / "coordinator" / "password"), "--state-dir", str(state), "--wait-for-fleet", "60",
+             "--round-timeout", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=300)
+        assert run.returncode == 0, run.stdout.decode()[-3000:]
+    finally:
+        if stop is not None:
+            stop()
+        for p in procs:
+            p.terminate()
+        logs = [p.communicate(timeout=30)[0].decode() for p in procs]
+        for br in brokers:
+            br.stop()
+    try:
+        assert all("relay-" in log and "shard mqtt://127.0.0.1:" in log for log in logs), logs
+        reports = [json.loads(line) for line in (state / "reports.jsonl").read_text().splitlines()]
+        ids = sorted(i for i, _ in device_ids(cfg))
+        assert [r["round"] for r in reports] == [1, 2, 3]
+        for r in reports:  # every device once per round, through relay-a (relay-b's inside its partials)
+            assert sorted(r["accepted"]) == ids and r["missing"] == [] and r["partials"] == {"relay-a": 5}, r
+            assert r["aggregated"]["relay-a"]["devices"] == 5 and r["bytes_up"] == {}
+        # relay-a kept each device's entry locally (compact partials leave it there)
+        kept = [json.loads(line) for line in (work / "relay-a" / "rounds.jsonl").read_text().splitlines()]
+        assert kept and {"rpi4-2gb-1", "rpi4-2gb-2"} <= set(kept[0]["devices"])
+        flat = decode((state / "globals.safetensors").read_bytes()).tensors
+        got = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith(PROTOTYPES_ARTIFACT + "/")}
+        want = reference.globals[PROTOTYPES_ARTIFACT]
+        np.testing.assert_array_equal(got["counts"], want["counts"])
+        np.testing.assert_allclose(got["protos"], want["protos"], rtol=1e-5, atol=1e-6)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

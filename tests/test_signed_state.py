@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from broker_helpers import mtls_mosquitto, wait_until
+from broker_helpers import mtls_mosquitto, mtls_settings, wait_until
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedge.cli import main
@@ -30,7 +30,7 @@ from fedge.common.signing import (
     parse_signed,
 )
 from fedge.mqtt.broker import MosquittoProcess
-from fedge.mqtt.client import BrokerSettings, MqttClient
+from fedge.mqtt.client import MqttClient
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.mqtt.settings import TransportSettings
@@ -131,13 +131,6 @@ def mtls_broker(mosquitto_bin: str) -> Iterator[tuple[MosquittoProcess, Path]]:
         yield running
 
 
-def _settings(broker: MosquittoProcess, out: Path, who: str) -> BrokerSettings:
-    d = out / ("coordinator" if who == "coordinator" else f"bundles/{who}")
-    stem = "client" if who == "coordinator" else "device"
-    return BrokerSettings(host="localhost", port=broker.port, tls=True, ca_file=str(out / "tls/ca.crt"),
-                          cert_file=str(d / f"{stem}.crt"), key_file=str(d / f"{stem}.key"))
-
-
 def test_a_device_refuses_unsigned_tampered_replayed_and_misplaced_state(
         mtls_broker: tuple[MosquittoProcess, Path], caplog: pytest.LogCaptureFixture) -> None:
     """The attacker holds the coordinator's broker credentials (its certificate) but not the fleet's signing key:
@@ -147,8 +140,8 @@ def test_a_device_refuses_unsigned_tampered_replayed_and_misplaced_state(
     t = FleetTopics(FLEET)
     signer = Signer.from_file(out / "coordinator/signing.key")
     wire = TransportSettings(chunk_bytes=4096, global_timeout_s=5)
-    coord = MqttCoordinatorTransport(_settings(broker, out, "coordinator"), FLEET, wire, signer=signer).start()
-    dev = MqttDeviceTransport(_settings(broker, out, "cam-1"), FLEET, "cam-1", wire,
+    coord = MqttCoordinatorTransport(mtls_settings(broker, out, "coordinator"), FLEET, wire, signer=signer).start()
+    dev = MqttDeviceTransport(mtls_settings(broker, out, "cam-1"), FLEET, "cam-1", wire,
                               verifier=Verifier.from_file(out / "bundles/cam-1/fleet.pub")).start()
     try:
         big = Message("global", "coordinator", 1, FLEET, tensors={"w": np.arange(5000, dtype=np.float32)},
@@ -156,7 +149,8 @@ def test_a_device_refuses_unsigned_tampered_replayed_and_misplaced_state(
         coord.publish_global("protos", big)  # chunked: 20 kB over 4 KiB chunks, signed whole
         r1, r2, r3 = (_round(r, globals_={"protos": 1}) for r in (1, 2, 3))
         seen: list[bytes] = []  # a spy with another device's certificate: the signed descriptors as published
-        spy = MqttClient(_settings(broker, out, "cam-2"), "spy", on_message=lambda m: seen.append(m.payload)).start(5)
+        spy = MqttClient(mtls_settings(broker, out, "cam-2"), "spy",
+                         on_message=lambda m: seen.append(m.payload)).start(5)
         spy.subscribe(t.round)
         coord.announce_round(r1)
         assert wait_until(lambda: dev.current_round() == r1)
@@ -169,7 +163,7 @@ def test_a_device_refuses_unsigned_tampered_replayed_and_misplaced_state(
         assert wait_until(lambda: dev.current_round() == r3)
         coord.close()
         time.sleep(0.2)
-        attacker = MqttCoordinatorTransport(_settings(broker, out, "coordinator"), FLEET, wire).start()  # no key
+        attacker = MqttCoordinatorTransport(mtls_settings(broker, out, "coordinator"), FLEET, wire).start()  # no key
         caplog.clear()
         forged = _round(4, run="evil")
         tampered = bytearray(signer.seal(t.round, _round(4)))
@@ -221,12 +215,12 @@ def test_a_fleet_over_mutual_tls_with_signed_state_equals_the_in_process_run(
 
     devices, strat = build_fleet(cfg)
     signer = Signer.from_file(out / "coordinator/signing.key")
-    coord = MqttCoordinatorTransport(_settings(broker, out, "coordinator"), FLEET, signer=signer).start()
+    coord = MqttCoordinatorTransport(mtls_settings(broker, out, "coordinator"), FLEET, signer=signer).start()
     transports, services, threads = [], [], []
     try:
         for d in devices:
             did = d.info.device_id
-            t = MqttDeviceTransport(_settings(broker, out, did), FLEET, did,
+            t = MqttDeviceTransport(mtls_settings(broker, out, did), FLEET, did,
                                     verifier=Verifier.from_file(out / f"bundles/{did}/fleet.pub")).start()
             transports.append(t)
             svc = EdgeService(DeviceAgent(d.method, t, d.info, fleet=FLEET), t)

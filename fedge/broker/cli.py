@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fedge.broker.config import BrokerOptions
+from fedge.broker.options import BrokerOptions
+from fedge.fleet.shards import Shard
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,7 +53,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     c.add_argument("--shards", type=int, default=0, metavar="N",
                    help="split the devices over N shard brokers (ports --port+1 ... --port+N) with one relay "
                         "account each (fedge relay); the root broker (--port) serves the coordinator and the relays; "
-                        "every device's bundle names its shard (docs/scale.md)")
+                        "every device's bundle names its shard. The shorthand of the fleet config's [[shards]] "
+                        "tables (each shard's broker address, devices and parent), which need no flag "
+                        "(docs/scale.md)")
     c.add_argument("--workers", type=int, default=0, metavar="K",
                    help="K aggregation worker accounts on the root broker (fedge coordinator worker)")
     c.set_defaults(func=_config)
@@ -68,6 +71,34 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             a.add_argument("--cert-days", type=int, default=d.client_days,
                            help=f"validity of the new certificate in days (default {d.client_days})")
         a.set_defaults(func=_identity, action=name)
+
+    k = bsub.add_parser(
+        "rotate-fleet-key", help="a new fleet signing key, handed over by the old one (devices follow it)",
+        description="Make a new Ed25519 fleet key and append a link to the fleet's key chain "
+                    "(coordinator/fleet-keys.json): signed by the current key, cross-signed by the new one. The "
+                    "coordinator publishes the chain retained on fedge/FLEET/keys/fleet when it starts (and fedge "
+                    "deploy when it runs); each device verifies it against the key it trusts, persists the new key "
+                    "in its --state-dir and accepts only the new key from then on (no grace window). Every "
+                    "fleet.pub under DIR gets the new key, so devices flashed later trust it directly. Then restart "
+                    "the coordinator: it signs with the new key.")
+    k.add_argument("--fleet", required=True, metavar="FLEET.toml", help="the fleet config (its fleet name)")
+    k.add_argument("--out", required=True, metavar="DIR", help="the broker directory `fedge broker config` wrote")
+    k.set_defaults(func=_rotate_fleet_key)
+
+
+def _rotate_fleet_key(args: argparse.Namespace) -> int:
+    from fedge.broker.fleetkey import rotate_fleet_key
+    from fedge.fleet.config import load_fleet
+
+    r = rotate_fleet_key(args.out, load_fleet(args.fleet).run.fleet)
+    print(f"rotated the fleet key: {r.old} -> {r.new} (key {r.n} of the chain {r.chain}); the old private key is "
+          f"deleted, the new one is {r.signing_key}")
+    print(f"updated {len(r.public_keys)} fleet.pub files (coordinator, deploy account, device bundles)")
+    print("now restart the coordinator (it resumes from its --state-dir, publishes the key chain, then signs with "
+          "the new key); devices switch when they receive the chain and accept only the new key from then on")
+    print("fedge deploy publishes the chain too; give it the new --signing-key. A deployment order of the old key "
+          "still pending on a device is refused now: deploy it again")
+    return 0
 
 
 def _identity(args: argparse.Namespace) -> int:
@@ -108,11 +139,18 @@ def _config(args: argparse.Namespace) -> int:
                          max_message_bytes=args.max_message_bytes, chunk_bytes=args.chunk_bytes,
                          bundles=not args.no_bundles,
                          run_as=args.run_as, rotate=args.rotate)
-    if args.shards or args.workers:
+    if cfg.shard_layout and args.shards:
+        from fedge.errors import ConfigError
+
+        raise ConfigError(f"--shards {args.shards} and the [[shards]] tables of {args.fleet} both say how to shard "
+                          "the fleet", hint="drop --shards (the fleet config's [[shards]] decide), or remove the "
+                                            "[[shards]] tables to split the fleet evenly")
+    if cfg.shard_layout or args.shards or args.workers:
         from fedge.common.asyncmode import refuse_in_parts
 
-        refuse_in_parts(cfg.asynchronous, "--shards" if args.shards else "--workers", source=cfg.source)
-        return _sharded(args, cfg.run.fleet, ids, opts)
+        what = "[[shards]]" if cfg.shard_layout else "--shards" if args.shards else "--workers"
+        refuse_in_parts(cfg.asynchronous, what, source=cfg.source)
+        return _sharded(args, cfg.run.fleet, ids, opts, cfg.shard_layout)
     files = write_broker_config(cfg.run.fleet, ids, args.out, opts, fleet_config=args.fleet)
     secrets = "client certificates" if opts.mtls else files.passwd.name
     print(f"wrote {files.config}, {secrets}, {files.acl.name} for fleet {cfg.run.fleet}: "
@@ -141,26 +179,30 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sharded(args: argparse.Namespace, fleet: str, ids: list[str], opts: BrokerOptions) -> int:
+def _sharded(args: argparse.Namespace, fleet: str, ids: list[str], opts: BrokerOptions, layout: list[Shard]) -> int:
     from fedge.broker.shards import write_sharded_config
 
-    files = write_sharded_config(fleet, ids, args.out, opts, shards=max(args.shards, 1), workers=args.workers,
-                                 fleet_config=args.fleet)
+    files = write_sharded_config(fleet, ids, args.out, opts, shards=layout or max(args.shards, 1),
+                                 workers=args.workers, fleet_config=args.fleet)
     out = files.root.out
     scheme = "mqtts" if opts.uses_tls else "mqtt"
     root_url = f"{scheme}://{opts.hostname}:{opts.port}"
+    urls = {s.name: f"{scheme}://{s.host}:{s.port}" for s in files.layout}
 
     def ca(d: Path) -> str:
         return f" --ca {d / 'ca.crt'}" if opts.uses_tls else ""
 
-    print(f"root broker: mosquitto -c {files.root.config} (coordinator, {len(files.relays)} relay and "
-          f"{len(files.workers)} worker accounts)")
-    for k, (shard, members) in enumerate(zip(files.shards, files.members, strict=True)):
-        relay = files.relays[k]
-        print(f"shard {k + 1}: mosquitto -c {shard.config} ({len(members)} devices: {members[0]} ... {members[-1]})")
-        print(f"  relay: fedge relay --config {args.fleet} --name {relay} --username {relay} --password-file "
-              f"{out / 'relays' / relay / 'password'}{ca(out / 'relays' / relay)} --broker {root_url} "
-              f"--shard {scheme}://{opts.hostname}:{opts.port + k + 1}")
+    print(f"root broker: mosquitto -c {files.root.config} (coordinator, "
+          f"{sum(1 for s in files.layout if s.parent is None)} relay and {len(files.workers)} worker accounts)")
+    for shard, written in zip(files.layout, files.shards, strict=True):
+        members = shard.devices
+        below = "" if shard.parent is None else f", under shard {shard.parent}"
+        print(f"shard {shard.name}: mosquitto -c {written.config} ({urls[shard.name]}{below}; {len(members)} devices: "
+              f"{members[0]} ... {members[-1]})" if members else f"shard {shard.name}: mosquitto -c {written.config}")
+        parent = root_url if shard.parent is None else urls[shard.parent]
+        print(f"  relay: fedge relay --config {args.fleet} --name {shard.relay} --username {shard.relay} "
+              f"--password-file {out / 'relays' / shard.relay / 'password'}{ca(out / 'relays' / shard.relay)} "
+              f"--broker {parent} --shard {urls[shard.name]}")
     for w in files.workers:
         print(f"worker: fedge coordinator worker --config {args.fleet} --username {w} --password-file "
               f"{out / 'workers' / w / 'password'}{ca(out / 'workers' / w)} --broker {root_url}")

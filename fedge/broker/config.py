@@ -44,12 +44,12 @@ from pathlib import Path
 
 from fedge.broker.identity import CLIENT_STEM, CRL_NAME, DEVICE_STEM, ensure_client_cert, write_crl
 from fedge.broker.limits import QueueLimits, largest_model_bytes, queue_limits
-from fedge.broker.passwords import PBKDF2_ITERATIONS, hash_password, new_password
-from fedge.broker.pki import CLIENT_DAYS, INDEX_NAME, CertificateAuthority, CertIndex, cert_pem, key_pem, write_secret
+from fedge.broker.options import BrokerOptions
+from fedge.broker.passwords import hash_password, new_password
+from fedge.broker.pki import INDEX_NAME, CertificateAuthority, CertIndex, cert_pem, key_pem, write_secret
 from fedge.common.atomicfile import write_atomic
 from fedge.common.signing import generate_key, load_private_key, public_pem
 from fedge.errors import ConfigError
-from fedge.mqtt.chunking import DEFAULT_CHUNK_BYTES
 from fedge.mqtt.topics import DEVICE_KINDS, FleetTopics, check_name
 
 log = logging.getLogger(__name__)
@@ -58,54 +58,6 @@ log = logging.getLogger(__name__)
 MOSQUITTO_USER = "mosquitto"
 # Without a fleet config: a fleet of the largest tier's FedAvg updates.
 DEFAULT_LARGEST_MESSAGE = largest_model_bytes([None]) + 64 * 1024
-
-
-@dataclass(frozen=True)
-class BrokerOptions:
-    """What ``fedge broker config`` writes."""
-
-    port: int = 1883
-    bind: str = "0.0.0.0"
-    hostname: str = "localhost"  # the name devices use to reach the broker (URL in bundles, TLS name)
-    tls: bool = False
-    # Mutual TLS: a client certificate per account (CN = account name) instead of passwords; implies tls
-    # and sign.
-    mtls: bool = False
-    # The fleet's Ed25519 signing key (coordinator/signing.key) and its public key in every bundle.
-    sign: bool = False
-    coordinator_user: str = "fedge-coordinator"
-    deploy_user: str = "fedge-deploy"  # the account `fedge deploy` publishes model updates with
-    client_days: int = CLIENT_DAYS  # validity of client certificates
-    # The fleet's largest message (bytes); None: derived from the fleet config (limits.py).
-    max_message_bytes: int | None = None
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # must match the coordinator's and devices' --chunk-bytes
-    bundles: bool = True
-    run_as: str | None = None  # mosquitto's `user` when started as root (None: its default, mosquitto)
-    rotate: bool = False
-    iterations: int = PBKDF2_ITERATIONS
-
-    def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"--port {self.port} is out of range")
-        if self.max_message_bytes is not None and self.max_message_bytes < 1024:
-            raise ConfigError(f"--max-message-bytes {self.max_message_bytes} is too small")
-        if self.chunk_bytes < 1024:
-            raise ConfigError(f"--chunk-bytes {self.chunk_bytes} is too small (minimum 1024)")
-        check_name(self.coordinator_user, "coordinator user name")
-        check_name(self.deploy_user, "deploy user name")
-        if self.deploy_user == self.coordinator_user:
-            raise ConfigError("--deploy-user must differ from --coordinator-user: both connect at once, and a "
-                              "client id is its user name")
-        if self.client_days < 1:
-            raise ConfigError(f"--cert-days {self.client_days} must be at least 1")
-
-    @property
-    def uses_tls(self) -> bool:
-        return self.tls or self.mtls
-
-    @property
-    def signs(self) -> bool:
-        return self.sign or self.mtls
 
 
 @dataclass
@@ -144,16 +96,19 @@ def acl_text(fleet: str, devices: list[str], coordinator: str, deploy: str | Non
         f"topic readwrite {t.base}/rounds/#",
         f"topic readwrite {t.base}/global/#",
         f"topic readwrite {t.base}/refused/+",
+        f"topic readwrite {t.fleet_keys}",  # the fleet key's rotations (the key chain)
         # partial aggregates of aggregation workers and relays (docs/scale.md), and the relays' statuses
         f"topic readwrite {t.partial_filter}",
         f"topic read {t.base}/relays/+/status",
     ]
     if deploy is not None:
-        lines += ["", f"user {deploy}", f"topic readwrite {t.base}/ota/#", f"topic read {t.ota_status_filter()}"]
+        lines += ["", f"user {deploy}", f"topic readwrite {t.base}/ota/#", f"topic read {t.ota_status_filter()}",
+                  f"topic readwrite {t.fleet_keys}"]
     for dev in devices:
         lines += ["", f"user {dev}"]
         lines += [f"topic write {t.device(dev, kind)}" for kind in DEVICE_KINDS]  # type: ignore[arg-type]
-        lines += [f"topic read {t.base}/rounds/#", f"topic read {t.base}/global/#", f"topic read {t.refused(dev)}"]
+        lines += [f"topic read {t.base}/rounds/#", f"topic read {t.base}/global/#", f"topic read {t.refused(dev)}",
+                  f"topic read {t.fleet_keys}"]
         if deploy is not None:
             lines += [f"topic write {t.ota_status(dev)}", f"topic read {t.ota_order(dev)}",
                       f"topic read {t.base}/ota/models/#"]

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedge.broker.options import CLIENT_DAYS
 from fedge.common.atomicfile import write_atomic
 from fedge.errors import ConfigError
 
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 
 CA_DAYS = 3650
 SERVER_DAYS = 825
-CLIENT_DAYS = 825
 # The CRL's nextUpdate. OpenSSL refuses every client once the CRL it checks against has expired, so it is
 # long; every `fedge broker config`, `revoke` and `rotate` writes a fresh one.
 CRL_DAYS = 3650

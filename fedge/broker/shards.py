@@ -1,26 +1,31 @@
-"""``fedge broker config --shards N [--workers K]``: one Mosquitto per shard, a root broker, relay and worker accounts.
+"""``fedge broker config`` for a sharded fleet: one Mosquitto per shard, a root broker, relay and worker accounts.
+
+The shards come from the fleet config's ``[[shards]]`` (:mod:`fedge.fleet.shards`: each shard's broker
+address, its devices, its ``parent``) or from ``--shards N``, the shorthand for N shards of contiguous
+devices in fleet order on ``--hostname`` ports ``--port + 1 ... --port + N``.
 
 Layout of the output directory::
 
-    mosquitto.conf, passwd, acl   the root broker: the coordinator, one account per relay (relay-1 ...
-                                  relay-N) and per aggregation worker (worker-1 ... worker-K)
+    mosquitto.conf, passwd, acl   the root broker: the coordinator, one account per relay whose parent is
+                                  the root and per aggregation worker (worker-1 ... worker-K)
     coordinator/password          the coordinator's password
-    relays/relay-K/password       relay K's password (the same account on the root and on shard K)
+    relays/relay-NAME/password    shard NAME's relay's password (one account, on its shard's broker and on
+                                  its parent's: the root's or its parent shard's)
     workers/worker-K/password     worker K's password
-    shards/shard-K/               shard K's broker, written like a flat fleet's (its mosquitto.conf on
-                                  port --port + K, passwd, acl, data/) with relay-K in the coordinator's
-                                  place and the devices of shard K as its only device accounts
+    shards/shard-NAME/            shard NAME's broker, written like a flat fleet's (its mosquitto.conf on the
+                                  shard's port, passwd, acl, data/) with relay-NAME in the coordinator's place,
+                                  the shard's own devices as its only device accounts, and the account of
+                                  every child shard's relay
     bundles/ID/                   every device's bundle, whose broker URL is its shard's (what
                                   ``fedge flash --broker-dir DIR`` copies onto the device)
 
-Devices are split into N contiguous shards in fleet order. ACLs: on a shard a device has exactly the
-flat fleet's rights — and no account at all on another shard or on the root, so it can publish into
-no other shard. On the root, relay K may write the ``hello`` and ``status`` topics of its shard's
-devices only (it forwards them), its own ``partials/relay-K`` and ``relays/relay-K/status``, and read
-rounds, global state, model packages and its devices' ``refused/{id}`` and OTA orders, and write
-their OTA statuses; on its shard it also writes ``ota/#`` (it forwards ``fedge deploy``'s updates);
-worker K may read updates and hellos (its shared subscription) and rounds, and write
-``partials/worker-K`` only.
+ACLs: on a shard a device has exactly the flat fleet's rights — and no account at all on another shard
+or on the root, so it can publish into no other shard. On its parent's broker, relay NAME may write the
+``hello`` and ``status`` topics of the devices it reports (its shard's and its child shards') only (it
+forwards them), its own ``partials/relay-NAME`` and ``relays/relay-NAME/status``, and read rounds,
+global state, model packages and its devices' ``refused/{id}`` and OTA orders, and write their OTA
+statuses; on its shard it also writes ``ota/#`` (it forwards ``fedge deploy``'s updates); worker K may
+read updates and hellos (its shared subscription) and rounds, and write ``partials/worker-K`` only.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from fedge.broker.config import BrokerFiles, BrokerOptions, _password, _write, b
 from fedge.broker.passwords import hash_password
 from fedge.common.atomicfile import write_atomic
 from fedge.errors import ConfigError
+from fedge.fleet.shards import Shard, even_shards, subtree
 from fedge.mqtt.topics import FleetTopics
 
 log = logging.getLogger(__name__)
@@ -46,34 +52,33 @@ class ShardedFiles:
 
     root: BrokerFiles
     shards: list[BrokerFiles] = field(default_factory=list)
-    members: list[list[str]] = field(default_factory=list)  # devices of each shard, in fleet order
-    relays: list[str] = field(default_factory=list)
+    layout: list[Shard] = field(default_factory=list)  # the shards, in the order of ``shards``
     workers: list[str] = field(default_factory=list)
+
+    @property
+    def members(self) -> list[list[str]]:
+        """Each shard's own devices, in fleet order."""
+        return [list(s.devices) for s in self.layout]
+
+    @property
+    def relays(self) -> list[str]:
+        return [s.relay for s in self.layout]
 
 
 def split_devices(devices: list[str], shards: int) -> list[list[str]]:
-    """``devices`` in ``shards`` contiguous, near-equal parts (fleet order kept)."""
-    if shards < 1:
-        raise ConfigError(f"--shards {shards} must be at least 1")
-    if shards > len(devices):
-        raise ConfigError(f"--shards {shards} is more than the fleet's {len(devices)} devices",
-                          hint="use at most one shard per device")
-    size, extra = divmod(len(devices), shards)
-    out, pos = [], 0
-    for k in range(shards):
-        n = size + (1 if k < extra else 0)
-        out.append(devices[pos : pos + n])
-        pos += n
-    return out
+    """``devices`` in ``shards`` contiguous, near-equal parts (fleet order kept): ``--shards N``."""
+    return [list(s.devices) for s in even_shards(devices, shards, "localhost", 0)]
 
 
 def root_acl_extra(fleet: str, relays: dict[str, list[str]], workers: list[str]) -> str:
-    """The root ACL's lines for relay and worker accounts (appended to the coordinator's)."""
+    """A parent broker's ACL lines for its relays (relay -> the devices it reports: its shard's and its child
+    shards') and the root's for worker accounts, appended to what ``write_broker_config`` wrote."""
     t = FleetTopics(fleet)
     lines: list[str] = []
     for relay, devices in relays.items():
         lines += ["", f"user {relay}", f"topic write {t.partial(relay)}", f"topic readwrite {t.relay_status(relay)}",
-                  f"topic read {t.round}", f"topic read {t.base}/global/#", f"topic read {t.base}/ota/models/#"]
+                  f"topic read {t.round}", f"topic read {t.base}/global/#", f"topic read {t.base}/ota/models/#",
+                  f"topic read {t.fleet_keys}"]
         for dev in devices:
             lines += [f"topic write {t.hello(dev)}", f"topic write {t.status(dev)}", f"topic read {t.refused(dev)}",
                       f"topic read {t.ota_order(dev)}", f"topic write {t.ota_status(dev)}"]
@@ -93,60 +98,100 @@ def shard_acl_extra(fleet: str, relay: str) -> str:
 
 
 def write_sharded_config(fleet: str, devices: list[str], out: str | Path, opts: BrokerOptions | None = None, *,
-                         shards: int, workers: int = 0, fleet_config: str | Path | None = None) -> ShardedFiles:
-    """Write the root broker, ``shards`` shard brokers and ``workers`` worker accounts (module docstring)."""
+                         shards: int | list[Shard], workers: int = 0,
+                         fleet_config: str | Path | None = None) -> ShardedFiles:
+    """Write the root broker, one broker per shard and ``workers`` worker accounts (module docstring).
+
+    ``shards``: the fleet config's checked ``[[shards]]`` (:attr:`FleetConfig.shard_layout`), or a count N
+    (``--shards N``: :func:`~fedge.fleet.shards.even_shards` on ``opts.hostname``, ports ``opts.port + k``)."""
     opts = opts or BrokerOptions()
     if opts.mtls:
-        raise ConfigError("--mtls cannot be combined with --shards or --workers yet: relays and aggregation workers "
-                          "have password accounts only, and `fedge broker revoke/rotate` know one broker",
+        raise ConfigError("--mtls cannot be combined with --shards, [[shards]] or --workers yet: relays and "
+                          "aggregation workers have password accounts only, and `fedge broker revoke/rotate` know "
+                          "one broker",
                           hint="use --sign (signed state: relays forward it unchanged, devices verify it) with "
                                "passwords, and --tls for encryption; or a single broker with --mtls (docs/scale.md, "
                                "'Identity and signed state')")
     outp = Path(out).resolve()
-    members = split_devices(devices, shards)
-    relays = {f"relay-{k + 1}": m for k, m in enumerate(members)}
+    layout = even_shards(devices, shards, opts.hostname, opts.port) if isinstance(shards, int) else list(shards)
+    _check_layout(layout, devices, opts)
     worker_names = [f"worker-{k + 1}" for k in range(workers)]
-    clash = sorted(set(devices) & (set(relays) | set(worker_names) | {opts.coordinator_user}))
+    relays = [s.relay for s in layout]
+    clash = sorted(set(devices) & (set(relays) | set(worker_names) | {opts.coordinator_user, opts.deploy_user}))
     if clash:
-        raise ConfigError(f"device id(s) {clash[:3]} clash with relay or worker accounts",
-                          hint="rename those devices (id_prefix) or write the config without --shards")
-    if opts.port + shards >= 65536:
-        raise ConfigError(f"--port {opts.port} + {shards} shards runs past port 65535")
+        raise ConfigError(f"device id(s) {clash[:3]} clash with relay, worker or coordinator accounts",
+                          hint="rename those devices (id_prefix) or the shards")
+    reports = {s.name: subtree(layout, s.name) for s in layout}  # what each relay reports up
     # the root: the coordinator (no device account), then relay and worker accounts with their ACL lines
     root = write_broker_config(fleet, [], outp, dataclasses.replace(opts, bundles=False), fleet_config=fleet_config,
                                queue_devices=len(devices))
     account = broker_account(opts.run_as)
-    lines = root.passwd.read_text().splitlines()
     secrets = {r: outp / "relays" / r / "password" for r in relays}
     secrets.update({w: outp / "workers" / w / "password" for w in worker_names})
     passwords = {user: _password(path, opts.rotate) for user, path in secrets.items()}
-    lines += [f"{user}:{hash_password(pw, iterations=opts.iterations)}" for user, pw in passwords.items()]
-    _write(root.passwd, "\n".join(lines) + "\n", 0o600, owner=account)
-    _write(root.acl, root.acl.read_text() + root_acl_extra(fleet, relays, worker_names), 0o600, owner=account)
-    root.users += list(secrets)
-    files = ShardedFiles(root, members=members, relays=list(relays), workers=worker_names)
-    for k, (relay, shard_devices) in enumerate(relays.items()):
-        sdir = outp / "shards" / f"shard-{k + 1}"
-        # the relay's password on its shard is its root password (one account, two brokers)
+    top = {s.relay: reports[s.name] for s in layout if s.parent is None}
+    _add_accounts(root, {u: passwords[u] for u in [*top, *worker_names]}, root_acl_extra(fleet, top, worker_names),
+                  opts, account)
+    root.users += [*top, *worker_names]
+    files = ShardedFiles(root, layout=layout, workers=worker_names)
+    for shard in layout:
+        sdir = outp / "shards" / shard.dirname
+        # the relay's password on its shard is its password on its parent (one account, two brokers)
         (sdir / "coordinator").mkdir(parents=True, exist_ok=True)
-        _write(sdir / "coordinator" / "password", passwords[relay] + "\n", 0o600)
+        _write(sdir / "coordinator" / "password", passwords[shard.relay] + "\n", 0o600)
         if root.ca is not None:
             _share_ca(outp, sdir)
-        shard = write_broker_config(fleet, shard_devices, sdir, dataclasses.replace(
-            opts, port=opts.port + k + 1, coordinator_user=relay, rotate=False), fleet_config=fleet_config,
+        written = write_broker_config(fleet, list(shard.devices), sdir, dataclasses.replace(
+            opts, port=shard.port, hostname=shard.host, coordinator_user=shard.relay, rotate=False),
+            fleet_config=fleet_config, queue_devices=len(reports[shard.name]),
             fleet_pub=outp / "coordinator" / "fleet.pub" if root.signing_key is not None else None)
-        _write(shard.acl, shard.acl.read_text() + shard_acl_extra(fleet, relay), 0o600, owner=account)
-        files.shards.append(shard)
-        for bundle in shard.bundles:  # every bundle where `fedge flash --broker-dir OUT` looks for it
+        children = {c.relay: reports[c.name] for c in layout if c.parent == shard.name}
+        _add_accounts(written, {u: passwords[u] for u in children},
+                      shard_acl_extra(fleet, shard.relay) + root_acl_extra(fleet, children, []), opts, account)
+        written.users += list(children)
+        files.shards.append(written)
+        for bundle in written.bundles:  # every bundle where `fedge flash --broker-dir OUT` looks for it
             target = outp / "bundles" / bundle.name
             shutil.copytree(bundle, target, dirs_exist_ok=True)
             root.bundles.append(target)
     if root.ca is not None:  # the relays' and workers' CA file (one CA for the whole tree)
         for d in [outp / "relays" / r for r in relays] + [outp / "workers" / w for w in worker_names]:
             shutil.copyfile(root.ca, d / "ca.crt")
-    log.info("wrote a root broker and %d shard brokers for fleet %s (%d devices, %d workers) to %s", shards, fleet,
-             len(devices), workers, outp)
+    log.info("wrote a root broker and %d shard brokers for fleet %s (%d devices, %d workers) to %s", len(layout),
+             fleet, len(devices), workers, outp)
     return files
+
+
+def _check_layout(layout: list[Shard], devices: list[str], opts: BrokerOptions) -> None:
+    """What only the broker options can tell: a shard on the root's address, a scheme against --tls; and a
+    layout that does not cover the devices exactly once (the fleet config checked its own already)."""
+    if not layout:
+        raise ConfigError("a sharded broker config needs at least one shard",
+                          hint="add [[shards]] tables to the fleet config or pass --shards N")
+    scheme = "mqtts" if opts.uses_tls else "mqtt"
+    for s in layout:
+        if (s.host, s.port) == (opts.hostname, opts.port):
+            raise ConfigError(f"[[shards]] {s.name!r}: broker {s.host}:{s.port} is the root broker's address "
+                              "(--hostname, --port)", hint="give the shard another port or host, or the root "
+                                                           "another --port")
+        if s.scheme is not None and s.scheme != scheme:
+            raise ConfigError(f"[[shards]] {s.name!r}: broker is {s.scheme}://{s.host}:{s.port} but the brokers are "
+                              f"written {'with' if opts.uses_tls else 'without'} TLS",
+                              hint=f"write broker = \"{scheme}://{s.host}:{s.port}\" (or HOST:PORT), or "
+                                   f"{'drop' if opts.uses_tls else 'pass'} --tls")
+    listed = [d for s in layout for d in s.devices]
+    if sorted(listed) != sorted(devices):
+        raise ConfigError("the shards do not hold every device of the fleet exactly once",
+                          hint="check [[shards]] devices against the fleet's device ids")
+
+
+def _add_accounts(files: BrokerFiles, passwords: dict[str, str], acl: str, opts: BrokerOptions,
+                  account: tuple[int, int] | None) -> None:
+    """Relay and worker accounts added to a broker ``write_broker_config`` wrote: passwd lines and ACL lines."""
+    lines = files.passwd.read_text().splitlines()
+    lines += [f"{user}:{hash_password(pw, iterations=opts.iterations)}" for user, pw in passwords.items()]
+    _write(files.passwd, "\n".join(lines) + "\n", 0o600, owner=account)
+    _write(files.acl, files.acl.read_text() + acl, 0o600, owner=account)
 
 
 def _share_ca(root: Path, shard: Path) -> None:

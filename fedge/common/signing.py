@@ -279,13 +279,18 @@ class Verifier:
         """A verifier of ``path`` (PEM); ``state``: a file keeping the replay guard across restarts."""
         return cls(load_public_key(path), guard=ReplayGuard(state))
 
+    def trust(self, keys: list[Ed25519PublicKey]) -> None:
+        """Verify with ``keys`` only from now on (a key rotation: :mod:`fedge.common.keyrotation`)."""
+        self.keys = {key_id(k): k for k in keys}
+
     def _check_signature(self, key_name: str, raw: bytes, sig: bytes, what: str) -> None:
         key = self.keys.get(key_name)
         if key is None:
             raise SignatureError("key", f"{what} is signed by key {key_name[:16]!r}, not the fleet key "
                                         f"({', '.join(self.keys)})",
-                                 hint="a message from another fleet, or the fleet key was replaced: re-flash the "
-                                      "device's bundle")
+                                 hint="a message from another fleet, one signed with a key this device retired, or "
+                                      "a key rotation it has not seen yet (the retained key chain on "
+                                      "fedge/FLEET/keys/fleet brings it)")
         try:
             key.verify(sig, DOMAIN + raw)
         except InvalidSignature as exc:

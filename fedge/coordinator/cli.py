@@ -140,10 +140,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                                     "docs/scale.md.")
     _add_aggregator_arguments(rl)
     add_broker_arguments(rl, required=True)
-    rl.add_argument("--shard", required=True, metavar="URL", help="the shard's broker (same credentials)")
+    rl.add_argument("--shard", metavar="URL",
+                    help="the shard's broker (same credentials; default: the broker of this relay's shard in the "
+                         "fleet config's [[shards]], the shard NAME of --name relay-NAME)")
     rl.add_argument("--state-dir", metavar="DIR",
                     help="where the relay notes the devices it forwarded this round (a restarted relay does not "
-                         "count them twice)")
+                         "count them twice) and keeps each round's per-device entries (rounds.jsonl)")
     rl.add_argument("--margin", type=float, default=1.0, metavar="S",
                     help="send the partial S seconds before the round's deadline at the latest (default 1)")
     rl.add_argument("--hold", type=float, default=1.0, metavar="S",
@@ -158,11 +160,20 @@ def _add_aggregator_arguments(p: argparse.ArgumentParser) -> None:
                         "--username)")
     p.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
     p.add_argument("--rounds", type=int, help="override [run] rounds (as the coordinator does)")
+    p.add_argument("--detail", action="store_true",
+                   help="send each device's report entry (bytes, update info: ~100 B per device per round) in the "
+                        "partials, so the root's report has per-device figures; default: compact partials (the "
+                        "devices as runs of ids and one summary: bytes, mean metrics, training time), whose size "
+                        "does not grow with the devices (docs/scale.md)")
+    p.add_argument("--fp32-sums", action="store_true",
+                   help="send the partial's sums as float32 (half their bytes: about one update per partial) "
+                        "instead of float64 split in two float32 halves (the flat aggregate to 1 float32 ulp); "
+                        "each partial then adds one float32 rounding")
 
 
-def _aggregator(args: argparse.Namespace, command: str) -> tuple[Any, Any, Any]:
+def _aggregator(args: argparse.Namespace, command: str, cfg: Any = None) -> tuple[Any, Any, Any]:
     """(the aggregator, the broker settings, the transport settings) of a worker or relay command (``command``,
-    for the refusal of an asynchronous fleet)."""
+    for the refusal of an asynchronous fleet; ``cfg``: the fleet config, when the command loaded it)."""
     import dataclasses
 
     from fedge.common.asyncmode import refuse_in_parts
@@ -171,7 +182,7 @@ def _aggregator(args: argparse.Namespace, command: str) -> tuple[Any, Any, Any]:
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.settings import TransportSettings
 
-    cfg = load_fleet_for(args)
+    cfg = cfg or load_fleet_for(args)
     refuse_in_parts(cfg.asynchronous, command, source=cfg.source)
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
@@ -179,7 +190,8 @@ def _aggregator(args: argparse.Namespace, command: str) -> tuple[Any, Any, Any]:
     if not name:
         raise ConfigError("an aggregator needs an account name", hint="pass --name (or --username)")
     engine_cfg, strat = _engine_parts(args, cfg, any_device=False)
-    return (PartialAggregator(strat, engine_cfg, name), broker_settings(args),
+    agg = PartialAggregator(strat, engine_cfg, name, detail=args.detail, exact=not args.fp32_sums)
+    return (agg, broker_settings(args),
             TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes))
 
 
@@ -242,13 +254,44 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def shard_url(args: argparse.Namespace, cfg: Any, name: str, parent: Any) -> str:
+    """``--shard``, or the broker of relay ``name``'s shard in ``[[shards]]``; a parent shard there must be
+    the broker ``--broker`` names."""
+    from fedge.errors import ConfigError
+
+    layout = {s.relay: s for s in cfg.shard_layout}
+    mine = layout.get(name)
+    if mine is not None and mine.parent is not None:
+        up = next(s for s in cfg.shard_layout if s.name == mine.parent)
+        if (up.host, up.port) != (parent.host, parent.port):
+            raise ConfigError(f"{cfg.source}: [[shards]] {mine.name!r} reports to shard {up.name!r} at "
+                              f"{up.host}:{up.port}, but --broker is {parent.url}",
+                              hint=f"pass --broker mqtt://{up.host}:{up.port} (mqtts:// with TLS), or change "
+                                   f"{mine.name!r}'s parent")
+    if args.shard:
+        return str(args.shard)
+    if mine is None:
+        raise ConfigError(f"relay {name!r} needs --shard: {cfg.source} has no [[shards]] entry whose relay is {name}",
+                          hint="pass --shard mqtt://HOST:PORT, or --name relay-NAME for the shard NAME of "
+                               "[[shards]]" if cfg.shard_layout else "pass --shard mqtt://HOST:PORT")
+    scheme = mine.scheme or ("mqtts" if parent.tls else "mqtt")
+    return f"{scheme}://{mine.host}:{mine.port}"
+
+
 def _relay(args: argparse.Namespace) -> int:
     from fedge.coordinator.service import install_stop_signals
     from fedge.mqtt.client import parse_broker_url
     from fedge.mqtt.relay import Relay
 
-    agg, parent, wire = _aggregator(args, "`fedge relay`")
-    child = parse_broker_url(args.shard, username=parent.username, password=parent.password,
+    cfg = load_fleet_for(args)
+    agg, parent, wire = _aggregator(args, "`fedge relay`", cfg)
+    mine = next((s for s in cfg.shard_layout if s.relay == agg.name), None)
+    if mine is not None:  # [[shards]]: its child relays report their own subtrees only
+        from fedge.fleet.shards import reporters
+
+        agg.merger.allowed = reporters(cfg.shard_layout, mine.name)
+    child = parse_broker_url(shard_url(args, cfg, agg.name, parent), username=parent.username,
+                             password=parent.password,
                              tls=True if parent.tls else None, ca_file=parent.ca_file, cert_file=parent.cert_file,
                              key_file=parent.key_file)
     relay = Relay(child, parent, agg.config.fleet, agg, settings=wire, state_dir=args.state_dir,
@@ -386,6 +429,21 @@ def _signer(args: argparse.Namespace) -> Any:
     return signer
 
 
+def _key_chain(signer: Any, args: argparse.Namespace) -> bytes | None:
+    """The fleet key's rotations beside the signing key (fleet-keys.json), to publish retained; None if none."""
+    from pathlib import Path
+
+    from fedge.common.keyrotation import chain_for_key
+
+    if signer is None:
+        return None
+    chain = chain_for_key(args.signing_key or Path(args.state_dir) / "signing.key", signer.key)
+    if chain is None:
+        return None
+    print(f"publishing the fleet's key chain ({len(chain.links)} rotations, newest key {chain.last})", file=sys.stderr)
+    return chain.to_bytes()
+
+
 def _run(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
@@ -425,8 +483,9 @@ def _run(args: argparse.Namespace) -> int:
     else:
         settings = broker_settings(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes)
-    transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire, signer=_signer(args),
-                                         updates=not args.workers)
+    signer = _signer(args)
+    transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire, signer=signer, updates=not args.workers,
+                                         key_chain=_key_chain(signer, args))
     monitor = FleetMonitor(fleet=cfg.run.fleet, method=cfg.run.method, total_rounds=strat.total_rounds(),
                            transport=transport, fleet_devices=fleet_infos(engine_cfg.slots, ids),
                            wait_log_s=args.wait_log,
@@ -435,6 +494,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         transport.start()
         service = CoordinatorService(strat, transport, engine_cfg, args.state_dir, observers=[monitor])
+        if cfg.shard_layout and not args.workers:  # [[shards]]: each relay reports its own subtree only
+            from fedge.fleet.shards import reporters
+
+            service.engine.partials.allowed = reporters(cfg.shard_layout)
         monitor.run_id = service.engine.run_id
         if service.resumed_from:  # the rounds before the restart, for the dashboard
             for rep in read_reports(Path(args.state_dir) / REPORTS_FILE):
@@ -467,9 +530,9 @@ def _run(args: argparse.Namespace) -> int:
         def on_round(rep: Any) -> None:
             rejected = ", ".join(f"{k} {v}" for k, v in sorted(rep.rejected.items())) or "none"
             # metrics passed the gate (finite numbers), but a printout must not be what stops a coordinator
-            accs = [float(a) for m in rep.metrics.values()
-                    if isinstance(a := m.get("acc_global"), int | float) and not isinstance(a, bool)]
-            acc = f", mean acc {100 * sum(accs) / len(accs):.1f}%" if accs else ""
+            # (compact partials of relays and workers report sums and counts, not each device's figure)
+            acc_sum, acc_n = rep.metric_values("acc_global")
+            acc = f", mean acc {100 * acc_sum / acc_n:.1f}%" if acc_n else ""
             missing = f", missing {', '.join(rep.missing)}" if rep.missing else ""
             p = rep.privacy
             eps = f", ε {p['epsilon']:.3g} at δ {p['delta']:g} (+{p['epsilon_round']:.3g}/round)" if p else ""

@@ -231,15 +231,20 @@ class RoundEngine:
                 self.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
             record_admitted(report, up)
 
+        # report.accepted as a set, kept in step with it: a partial checks its devices against it, and rebuilding
+        # it for every partial would cost O(devices) per partial (O(N x shards) per round at the root).
+        accepted: set[str] = set(report.accepted)
         for item in self.transport.collect(rnd, pending, info.deadline):
             if item.kind == "partial":  # a worker's or a relay's share of the round
                 self.register_pending()  # the hellos of the devices it lists may have just arrived
-                pending.difference_update(
-                    self.partials.admit(item, set(report.accepted), merged_into(report, item.origin)))
+                before = len(report.accepted)
+                pending.difference_update(self.partials.admit(item, accepted, merged_into(report, item.origin)))
+                accepted.update(report.accepted[before:])
                 continue
             if not self.gate.admit(item, accept, self.transport.hellos):
                 continue
             sender = report.accepted[-1]
+            accepted.add(sender)
             pending.discard(sender)
             # A round re-run after a restart receives updates the broker queued for the old process:
             # their "latency" measures the restart, not the device, and would shrink the next deadline.
@@ -249,7 +254,7 @@ class RoundEngine:
         report.rejected = dict(rejections.by_reason)
         report.rejected_by_device = {d: dict(c) for d, c in sorted(rejections.by_device.items())}
         asked = set(self.devices) if sampled is None else set(sampled)  # unsampled devices owe nothing
-        missing = sorted(asked - set(report.accepted))
+        missing = sorted(asked - accepted)
         if missing:
             log.warning("round %d: no update from %s", rnd, ", ".join(missing))
         report.missing = missing

@@ -260,8 +260,9 @@ class FleetMonitor(EngineObserver):
                     target.refused.update(reasons)
             self.updates_refused.update(report.rejected)
             self.updates_accepted += len(report.accepted)
-            self.bytes_up += sum(report.bytes_up.values())
-            self.bytes_down += sum(report.bytes_down.values())
+            up, down = report.total_bytes()  # compact partials: their totals, not per device
+            self.bytes_up += up
+            self.bytes_down += down
             small = self.series
             stale = list(report.staleness.values())
             if stale:

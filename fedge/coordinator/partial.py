@@ -18,6 +18,9 @@ ClassMean        ``counts`` (C,) int64, and ``sums/hi`` + ``sums/lo`` (C, p) for
                  ``rows/stats`` (n, C, p) float32 + ``rows/counts`` (n, C) int64 for a robust rule
 ===============  ============================================================================
 
+A ``lo`` half may be left out (``export_partial(exact=False)``, ``--fp32-sums``): the value is then its
+float32 ``hi``, half the bytes of the sums for one float32 rounding per partial.
+
 Merging is exact for weighted means (sums and weights add) and for the robust rules (rows are
 concatenated: the parent's trimmed mean, median or clipping sees every device's row, as a single
 coordinator does; the cost is bytes, n rows instead of one sum). Anything from the network is
@@ -71,44 +74,49 @@ def join64(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
     return np.asarray(hi, dtype=np.float64) + np.asarray(lo, dtype=np.float64)
 
 
-def _put64(out: Arrays, name: str, x: np.ndarray | float) -> None:
+def _put64(out: Arrays, name: str, x: np.ndarray | float, exact: bool = True) -> None:
     hi, lo = split64(np.asarray(x))
-    out[f"{name}/hi"], out[f"{name}/lo"] = hi, lo
+    out[f"{name}/hi"] = hi
+    if exact:  # without ``lo`` the value is float32: half the bytes, one float32 rounding
+        out[f"{name}/lo"] = lo
 
 
 def _get64(t: Mapping[str, np.ndarray], name: str) -> np.ndarray:
-    return join64(t[f"{name}/hi"], t[f"{name}/lo"])
+    lo = t.get(f"{name}/lo")
+    return join64(t[f"{name}/hi"], np.zeros_like(t[f"{name}/hi"]) if lo is None else lo)
 
 
 # -- export ---------------------------------------------------------------------------------------
 
-def export_partial(strategy: Strategy) -> Arrays:
-    """What the strategy's accumulators hold now, as tensors (see the module docstring)."""
+def export_partial(strategy: Strategy, *, exact: bool = True) -> Arrays:
+    """What the strategy's accumulators hold now, as tensors (see the module docstring); ``exact=False``
+    sends each float64 sum as its float32 ``hi`` half only (no ``lo``): half the bytes of the sums, at the
+    price of one float32 rounding per partial."""
     out: Arrays = {}
     for name in check_splittable(strategy):
         acc = getattr(strategy, name, None)
         if acc is not None:
-            _export(acc, f"{name}/", out)
+            _export(acc, f"{name}/", out, exact)
     return out
 
 
-def _export(acc: Accumulator, prefix: str, out: Arrays) -> None:
+def _export(acc: Accumulator, prefix: str, out: Arrays, exact: bool = True) -> None:
     if isinstance(acc, WeightedMean):
         for k, v in acc.sums.items():
-            _put64(out, f"{prefix}sum/{k}", v)
-        _put64(out, f"{prefix}weight", np.atleast_1d(acc.weight))  # (1,): the codec has no 0-d tensors
+            _put64(out, f"{prefix}sum/{k}", v, exact)
+        _put64(out, f"{prefix}weight", np.atleast_1d(acc.weight), exact)  # (1,): the codec has no 0-d tensors
     elif isinstance(acc, RobustMean):
         keys = list(acc.updates[0]) if acc.updates else []
         for k in keys:
             out[f"{prefix}rows/{k}"] = np.stack([u[k] for u in acc.updates]).astype(np.float32)
-        _put64(out, f"{prefix}weights", np.asarray(acc.weights, dtype=np.float64))
+        _put64(out, f"{prefix}weights", np.asarray(acc.weights, dtype=np.float64), exact)
     elif isinstance(acc, GroupedMean):
         for g, sub in acc.groups.items():
-            _export(sub, f"{prefix}group/{g}/", out)
+            _export(sub, f"{prefix}group/{g}/", out, exact)
     elif isinstance(acc, ClassMean):
         out[f"{prefix}counts"] = acc.counts.copy()
         if acc.sums is not None:
-            _put64(out, f"{prefix}sums", acc.sums)
+            _put64(out, f"{prefix}sums", acc.sums, exact)
         if acc.rows:
             out[f"{prefix}rows/stats"] = np.stack([s for s, _ in acc.rows]).astype(np.float32)
             out[f"{prefix}rows/counts"] = np.stack([c for _, c in acc.rows]).astype(np.int64)
@@ -151,10 +159,11 @@ def check_partial(tensors: Mapping[str, np.ndarray], expected: Mapping[str, np.n
     extra = sorted(set(tensors) - set(expected))
     if extra:
         raise Rejected("schema", f"partial has tensors its devices cannot produce: {extra[:5]}")
-    # A group or a row set that received nothing is simply absent; a half of a float64 pair is not.
+    # A group or a row set that received nothing is simply absent; a float64 pair's ``hi`` half is not (its
+    # ``lo`` half may be: a float32 sum, export_partial(exact=False)).
     for name in missing:
-        pair = name[:-3] + ("/lo" if name.endswith("/hi") else "/hi")
-        if (name.endswith(("/hi", "/lo"))) and pair in tensors:
+        pair = name[:-3] + "/lo"
+        if name.endswith("/hi") and pair in tensors:
             raise Rejected("schema", f"partial has {pair!r} without {name!r}")
     rows: dict[str, int] = {}
     for name, arr in tensors.items():
@@ -254,3 +263,84 @@ def weight_budget(devices: Iterable[DeviceInfo]) -> float:
 def describe(tensors: Mapping[str, Any]) -> str:
     """A short summary for logs: how many tensors and bytes."""
     return f"{len(tensors)} tensors, {sum(int(np.asarray(v).nbytes) for v in tensors.values())} bytes"
+
+
+# -- device lists: runs of numbered ids ---------------------------------------------------------
+
+MAX_ID_CHARS = 128  # a device id in a partial (fleet ids are far shorter; the bound keeps a list cheap)
+MAX_RUN_WIDTH = 20
+
+
+def _numbered(dev: str) -> tuple[str, int, int] | None:
+    """``PREFIX-0042`` → (``PREFIX-``, 42, width 4): the id's trailing ASCII digits as a number, width 0 for an
+    unpadded one; None if the id does not end in digits."""
+    head = dev.rstrip("0123456789")
+    digits = dev[len(head):]
+    if not digits or len(digits) > MAX_RUN_WIDTH:
+        return None
+    width = len(digits) if digits[0] == "0" and len(digits) > 1 else 0
+    return head, int(digits), width
+
+
+def pack_ids(ids: Iterable[str]) -> list[Any]:
+    """Device ids as runs: ``[prefix, first, last, width]`` stands for ``prefix + str(i)`` (zero-padded to
+    ``width`` if not 0) for i in first..last; an id outside any run of two or more stays a string. fedge's
+    ids are ``PREFIX-1, PREFIX-2, ...``, so a shard whose devices all answered packs into one run per device
+    group, whatever its size (:func:`unpack_ids` reverses it exactly)."""
+    runs: dict[tuple[str, int], list[int]] = {}
+    out: list[Any] = []
+    for dev in ids:
+        n = _numbered(dev)
+        if n is None:
+            out.append(dev)
+        else:
+            runs.setdefault((n[0], n[2]), []).append(n[1])
+    for (prefix, width), nums in sorted(runs.items()):
+        nums.sort()
+        start = prev = nums[0]
+        for x in [*nums[1:], None]:
+            if x is not None and x == prev + 1:
+                prev = x
+                continue
+            if prev > start:
+                out.append([prefix, start, prev, width])
+            else:
+                out.append(prefix + (str(start).zfill(width) if width else str(start)))
+            if x is not None:
+                start = prev = x
+    return out
+
+
+def unpack_ids(raw: object, limit: int = MAX_PARTIAL_DEVICES) -> list[str]:
+    """The ids :func:`pack_ids` packed, checked as untrusted input: a list of strings and runs, at most
+    ``limit`` ids in all (counted before any run is expanded), none twice (:class:`Rejected` otherwise)."""
+    if not isinstance(raw, list) or len(raw) > limit:
+        raise Rejected("malformed", f"a partial's ids must be a list of at most {limit} entries")
+    total = 0
+    for item in raw:
+        if isinstance(item, str):
+            if not 0 < len(item) <= MAX_ID_CHARS:
+                raise Rejected("malformed", f"a device id in a partial must have 1 to {MAX_ID_CHARS} characters")
+            total += 1
+        elif isinstance(item, list) and len(item) == 4:
+            prefix, first, last, width = item
+            if (not isinstance(prefix, str) or len(prefix) > MAX_ID_CHARS or not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in (first, last, width))
+                    or not 0 <= first <= last < 10 ** MAX_RUN_WIDTH or not 0 <= width <= MAX_RUN_WIDTH):
+                raise Rejected("malformed", "a run of ids must be [prefix, first, last, width] with "
+                                            "0 <= first <= last and 0 <= width <= 20")
+            total += last - first + 1
+        else:
+            raise Rejected("malformed", "a partial's ids hold strings and [prefix, first, last, width] runs")
+        if total > limit:
+            raise Rejected("malformed", f"a partial's ids stand for more than {limit} devices")
+    out: list[str] = []
+    for item in raw:
+        if isinstance(item, str):
+            out.append(item)
+        else:
+            prefix, first, last, width = item
+            out += [prefix + (str(i).zfill(width) if width else str(i)) for i in range(first, last + 1)]
+    if len(set(out)) != len(out):
+        raise Rejected("malformed", "a partial lists a device twice")
+    return out

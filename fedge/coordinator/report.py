@@ -38,8 +38,28 @@ class RoundReport:
     # aggregator account (worker or relay) -> devices counted through its partials in this round; a
     # shard whose relay sent nothing is absent here and its devices are in ``missing``.
     partials: dict[str, int] = field(default_factory=dict)
+    # aggregator account -> the totals its compact partials carried instead of per-device entries (their
+    # devices are in ``accepted`` but not in bytes_up/bytes_down/metrics/train_s): {"devices": n, "bytes_up",
+    # "bytes_down", "metrics": {name: [sum, count]}, "train_s": [sum, max, count]} (fedge.coordinator.merge.Summary)
+    aggregated: dict[str, dict[str, Any]] = field(default_factory=dict)
     # asynchronous mode: device id -> its update's staleness (versions behind the version this report made)
     staleness: dict[str, int] = field(default_factory=dict)
+
+    def total_bytes(self) -> tuple[int, int]:
+        """(bytes up, bytes down) of every accepted update: per-device entries plus compact partials' totals."""
+        up = sum(self.bytes_up.values()) + sum(int(a.get("bytes_up", 0)) for a in self.aggregated.values())
+        down = sum(self.bytes_down.values()) + sum(int(a.get("bytes_down", 0)) for a in self.aggregated.values())
+        return up, down
+
+    def metric_values(self, name: str) -> tuple[float, int]:
+        """(sum, count) of metric ``name`` over every device that reported it, per-device and summarised."""
+        vals = [float(v) for m in self.metrics.values()
+                if isinstance(v := m.get(name), int | float) and not isinstance(v, bool)]
+        total, n = sum(vals), len(vals)
+        for a in self.aggregated.values():
+            s, c = a.get("metrics", {}).get(name, (0.0, 0))
+            total, n = total + float(s), n + int(c)
+        return total, n
 
 
 def record_accepted(report: RoundReport, device_id: str, *, bytes_up: int, bytes_down: int,

@@ -113,10 +113,11 @@ class TensorBoardWriter(EngineObserver):
             "round/seconds": report.seconds, "round/aggregation_seconds": aggregation_s,
             "round/accepted": len(report.accepted), "round/missing": len(report.missing),
             "round/refused": sum(report.rejected.values()),
-            "traffic/bytes_up": sum(report.bytes_up.values()), "traffic/bytes_down": sum(report.bytes_down.values()),
+            "traffic/bytes_up": report.total_bytes()[0], "traffic/bytes_down": report.total_bytes()[1],
         }
-        if accs:
-            out["fleet/accuracy"] = sum(accs.values()) / len(accs)
+        acc_sum, acc_n = report.metric_values("acc_global")  # compact partials included
+        if acc_n:
+            out["fleet/accuracy"] = acc_sum / acc_n
         if local:
             out["fleet/accuracy_local"] = sum(local) / len(local)
         by_profile: dict[str, list[float]] = {}

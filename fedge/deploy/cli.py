@@ -62,6 +62,7 @@ def _deploy(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
+    from fedge.common.keyrotation import chain_for_key
     from fedge.common.signing import Signer
     from fedge.deploy.rollout import DeployError, RolloutPlan, StatusBoard, describe, rollout
     from fedge.fleet.config import device_ids, load_fleet
@@ -81,6 +82,7 @@ def _deploy(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise ConfigError(f"--version {args.version}: versions are integers from 1") from exc
     signer = Signer.from_file(args.signing_key)
+    chain = chain_for_key(args.signing_key, signer.key)  # the fleet key's rotations: devices must know this key
     model = Path(args.model)
     verify_files(model, read_manifest(model))  # a damaged export fails here, before anything is published
     with tempfile.TemporaryDirectory(prefix="fedge-deploy-") as tmp:
@@ -94,6 +96,9 @@ def _deploy(args: argparse.Namespace) -> int:
     client.subscribe(topics.ota_status_filter())
     client.start(30)
     try:
+        if chain is not None:  # before any order: a device that still trusts an older key follows it first
+            client.require_published([client.publish(topics.fleet_keys, chain.to_bytes(), retain=True)], 30,
+                                     "publishing the fleet's key chain")
         import time
 
         time.sleep(1.0)  # the retained statuses of every device arrive first

@@ -146,6 +146,9 @@ def describe(status: dict[str, Any] | None) -> str:
     acc = status.get("accuracy")
     if isinstance(acc, dict) and isinstance(acc.get("new"), float) and isinstance(acc.get("current"), float):
         line += f", local accuracy {acc['new']:.1%} (was {acc['current']:.1%})"
+    dl = status.get("download")
+    if isinstance(dl, dict) and isinstance(dl.get("bytes"), int) and isinstance(dl.get("seconds"), (int, float)):
+        line += f", downloaded {dl['bytes']:,} bytes in {dl['seconds']:.1f} s"
     if status.get("reason"):
         line += f" — {status['reason']}"
     return line

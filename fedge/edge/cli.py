@@ -49,7 +49,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "round descriptors and global state must then be signed with the fleet key")
     r.add_argument("--state-dir", metavar="DIR",
                    help="where the device keeps what must survive a restart: the newest signed message seen per "
-                        "topic (replay protection) and, with OTA updates, its model store")
+                        "topic (replay protection), the fleet key it rotated to (fleet-key.json) and, with OTA "
+                        "updates, its model store")
     r.add_argument("--model-store", metavar="DIR",
                    help="accept over-the-air model updates (`fedge deploy`) into this store: signed by the fleet key, "
                         "checked on the device's local split and with a smoke test, switched in atomically, rolled "
@@ -153,16 +154,26 @@ def _run(args: argparse.Namespace) -> int:
         settings = broker_settings(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, global_timeout_s=args.global_timeout)
     fleet_key = args.fleet_key or (b.fleet_key if args.bundle else None)
-    verifier = None
+    verifier = trust = None
     if fleet_key is not None:
-        from fedge.common.signing import Verifier
+        from fedge.common.keyrotation import FleetKeyTrust
+        from fedge.common.signing import ReplayGuard
 
         state = None
         if args.state_dir:
             Path(args.state_dir).mkdir(parents=True, exist_ok=True)
             state = Path(args.state_dir) / "signed-seen.json"
-        verifier = Verifier.from_file(fleet_key, state=state)
+        else:
+            log.warning("no --state-dir: a rotation of the fleet key is followed but not kept; after a restart this "
+                        "device trusts %s's key until the retained key chain arrives again", fleet_key)
+        # the bundle's fleet.pub, or the key this device rotated to since (STATE_DIR/fleet-key.json)
+        trust = FleetKeyTrust.load(fleet_key, cfg.run.fleet, state_dir=args.state_dir, guard=ReplayGuard(state))
+        verifier = trust.verifier
     transport = MqttDeviceTransport(settings, cfg.run.fleet, dev.info.device_id, wire, verifier=verifier)
+    if trust is not None:
+        from fedge.mqtt.fleetkey import KeyChainFollower
+
+        KeyChainFollower(transport.client, transport.topics, trust, dev.info.device_id, transport.stats)
     agent: DeviceAgent
     if own is not None:
         from fedge.edge.own_data import OwnDataAgent

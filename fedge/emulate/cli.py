@@ -37,6 +37,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     up.add_argument("--subnet", metavar="CIDR",
                     help="the fleet network's private IPv4 subnet (default a /24 in 10.200-249.x.0 picked by the "
                          "emulation directory's hash; set it when that one is taken on this host)")
+    up.add_argument("--sign", action="store_true",
+                    help="the fleet signs (fedge broker config --sign): devices verify round descriptors and global "
+                         "state and accept `fedge deploy` updates (broker/coordinator/signing.key, the broker/deploy "
+                         "account) into their model stores")
     up.add_argument("--no-start", action="store_true", help="write and build, start nothing")
     up.add_argument("--wait", action="store_true", help="wait for the coordinator to finish, then print status")
     up.add_argument("--timeout", type=float, default=3600.0, help="with --wait: give up after S seconds")
@@ -76,7 +80,7 @@ def _up(args: argparse.Namespace) -> int:
     images.check_arch(args.arch)
     client = docker_client()
     tags = images.ensure_images(client, args.arch, base=args.base_image)
-    emu = prepare(args.fleet, args.out, arch=args.arch, images=tags, loss_pct=args.loss,
+    emu = prepare(args.fleet, args.out, arch=args.arch, images=tags, loss_pct=args.loss, sign=args.sign,
                          min_devices=args.min_devices, deadline_slack=args.deadline_slack,
                          subnet=args.subnet)
     print(f"wrote {emu.out / 'compose.yaml'} ({len(emu.devices)} devices; images {tags.device}, "
@@ -90,6 +94,13 @@ def _up(args: argparse.Namespace) -> int:
         return 0
     start(emu, client)
     print(f"started project {emu.project}: fedge emulate status --dir {args.out}")
+    if args.sign:
+        from fedge.emulate.lifecycle import broker_address
+
+        b = emu.out / "broker"
+        print(f"signed fleet: over-the-air updates with fedge deploy --config {emu.out / 'fleet.toml'} --broker "
+              f"mqtt://{broker_address(emu, client)}:1883 --username fedge-deploy --password-file "
+              f"{b / 'deploy' / 'password'} --signing-key {b / 'coordinator' / 'signing.key'} --model DIR --version N")
     if emu.dashboard:
         print(f"dashboard and /metrics on {emu.dashboard} (loopback; the browser asks for a password: the token in "
               f"{emu.out / 'http' / 'token'}, any user name)")

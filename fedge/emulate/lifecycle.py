@@ -40,19 +40,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _broker_options() -> BrokerOptions:
+def _broker_options(sign: bool = False) -> BrokerOptions:
     """The broker config ``prepare`` writes: Mosquitto runs as root in its container (no account to drop
-    to) and the devices reach it as "broker"."""
+    to) and the devices reach it as "broker"; with ``sign``, the fleet's signing key too."""
     from fedge.broker.config import BrokerOptions
 
-    return BrokerOptions(hostname=BROKER, run_as="root")
+    return BrokerOptions(hostname=BROKER, run_as="root", sign=sign)
 
 
 def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", images: Images,
             rates: dict[tuple[str, int], float] | None = None, loss_pct: float = 0.0,
             min_devices: int | None = None, deadline_slack: float = 3.0,
-            device_args: tuple[str, ...] = (), subnet: str | None = None) -> Emulation:
+            device_args: tuple[str, ...] = (), subnet: str | None = None, sign: bool = False) -> Emulation:
     """Write the emulation directory (broker config, flashed devices, compose.yaml); start nothing.
+
+    ``sign``: the fleet signs (``fedge broker config --sign``): every bundle carries ``fleet.pub``, so each device
+    verifies the round descriptors and global state and accepts over-the-air updates (``fedge deploy``, with
+    ``broker/coordinator/signing.key`` and the ``broker/deploy`` account) into its model store; the coordinator
+    signs with the key, which ``prepare`` puts in its state directory.
 
     ``subnet`` is the fleet network's IPv4 subnet (default :func:`fleet_subnet`'s pick).
 
@@ -89,7 +94,7 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
                     "at the same time run slower than their profiles", sum(lim.cpus for lim in limits), cores)
     shutil.copyfile(fleet_path, outp / "fleet.toml")
     shutil.rmtree(outp / "broker" / "data", ignore_errors=True)
-    write_broker_config(cfg.run.fleet, ids, outp / "broker", _broker_options(), fleet_config=outp / "fleet.toml")
+    write_broker_config(cfg.run.fleet, ids, outp / "broker", _broker_options(sign), fleet_config=outp / "fleet.toml")
     for p in plans:
         # The payload `fedge flash DEVICE --to DIR` writes (no first-boot hook: the container's entry point,
         # docker/device-boot.sh, runs its install.sh), so the emulation boots what a real card would carry.
@@ -100,6 +105,8 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     # A new run: the previous run's coordinator state and retained broker messages would resume it.
     shutil.rmtree(outp / "coordinator", ignore_errors=True)
     (outp / "coordinator").mkdir()
+    if sign:  # `fedge coordinator run` signs with STATE_DIR/signing.key when it exists
+        shutil.copy2(outp / "broker" / "coordinator" / "signing.key", outp / "coordinator" / "signing.key")
     # The dashboard: a fresh token (0600) the coordinator reads and the operator types into the browser.
     http_dir = outp / "http"
     http_dir.mkdir(exist_ok=True)
@@ -143,7 +150,8 @@ def start(emu: Emulation, client: Any, *, online_timeout: float = 600.0) -> None
     emu.compose("up", "-d", "--no-build", COORDINATOR)
 
 
-def _broker_address(emu: Emulation, client: Any) -> str:
+def broker_address(emu: Emulation, client: Any) -> str:
+    """The broker container's address on the fleet network (the host reaches it there, port 1883)."""
     c = emu.container(client, BROKER)
     c.reload()
     nets = c.attrs["NetworkSettings"]["Networks"]
@@ -166,7 +174,7 @@ def wait_online(emu: Emulation, client: Any, *, timeout: float) -> None:
             (online.add if m.payload == STATUS_ONLINE else online.discard)(parsed.device_id)
 
     end = time.monotonic() + timeout
-    host = _broker_address(emu, client)
+    host = broker_address(emu, client)
     # The broker container may still be starting: retry about every half second (paho's back-off,
     # capped at 1 s) until it accepts the connection or the timeout runs out.
     broker = BrokerSettings(host=host, port=DEFAULT_PORT, username=_broker_options().coordinator_user,

@@ -31,6 +31,7 @@ from typing import Any
 
 from fedge import __version__
 from fedge.errors import ConfigError, ExportError, FedgeError, ProfileError
+from fedge.fleet.shards import Shard, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,19 @@ def check_bundle(broker_dir: Path, device_id: str, fleet_config: Path) -> Path:
                           hint=f"rewrite the bundles (passwords are kept): fedge broker config --fleet "
                                f"{fleet_config} --out {broker_dir}")
     return bdir
+
+
+def check_shard_broker(layout: list[Shard], device_id: str, broker: str, bdir: Path) -> None:
+    """With ``[[shards]]``, the bundle must name the broker of the device's shard (the host and port there)."""
+    shard = next((s for s in layout if device_id in s.devices), None)
+    if shard is None:
+        return
+    _, host, port = parse_address(broker, f"{bdir}/bundle.toml")
+    if (host, port) != (shard.host, shard.port):
+        raise ConfigError(f"{bdir}/bundle.toml names broker {broker!r}, but [[shards]] puts {device_id} on shard "
+                          f"{shard.name!r} at {shard.host}:{shard.port}",
+                          hint=f"rewrite the bundles from the fleet config (passwords are kept): fedge broker "
+                               f"config --fleet FLEET.toml --out {bdir.parent.parent}")
 
 
 def check_certificate(broker_dir: Path, bdir: Path, device_id: str, bundle: dict[str, Any]) -> None:
@@ -260,6 +274,7 @@ def prepare(device_id: str, fleet_config: str | os.PathLike[str], broker_dir: st
         raise ConfigError(f"{bdir}/bundle.toml is for device {bundle.get('device_id')!r}, not {device_id!r}")
     if bundle.get("cert_file") is not None:
         check_certificate(Path(broker_dir), bdir, device_id, bundle)
+    check_shard_broker(cfg.shard_layout, device_id, str(bundle.get("broker", "")), bdir)
     dp = DevicePlan(device_id, cfg.run.fleet, fleet_path, profile.name, profile.hardware.arch,
                     python or DEFAULT_PYTHON, cfg.own_data, str(bundle.get("broker", "")), arch)
     files = dp.files

@@ -33,6 +33,7 @@ from fedge.common.tensorcodec import PRECISIONS
 from fedge.common.tomlconf import build, read_toml
 from fedge.errors import ConfigError
 from fedge.fleet.registry import method_entry
+from fedge.fleet.shards import Shard, ShardSection, resolve_shards
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,8 @@ class FleetConfig:
     privacy: PrivacySettings = field(default_factory=PrivacySettings)  # fedge.common.privacy (issue 18)
     clock: ClockSection = field(default_factory=ClockSection)  # fedge simulate's virtual clock (issue 27)
     simulation: SimulationSection = field(default_factory=SimulationSection)  # fedge simulate only (issue 30)
+    # [[shards]]: the broker shard of every device and the tree of relays (fedge.fleet.shards; issue 29)
+    shards: tuple[ShardSection, ...] = ()
     source: str = "<memory>"
     # The [method] table parsed once, by the run's method (both halves read it): unknown keys, wrong
     # types and out-of-range values fail here, at load time.
@@ -302,6 +305,13 @@ class FleetConfig:
     def sampling(self) -> Sampling | None:
         """``[coordinator] sample`` / ``selection`` (None: every device trains every round); checked at load."""
         return parse_sampling(self.coordinator, fleet_size=self.num_devices, seed=self.run.seed, source=self.source)
+
+    @functools.cached_property
+    def shard_layout(self) -> list[Shard]:
+        """``[[shards]]`` checked against the fleet's devices (empty: no shards); checked at load."""
+        if not self.shards:
+            return []
+        return resolve_shards(self.shards, [i for i, _ in device_ids(self)], source=self.source)
 
     @functools.cached_property
     def asynchronous(self) -> AsyncSettings | None:
@@ -376,10 +386,16 @@ def parse_fleet(data: dict[str, Any], *, source: str = "<memory>") -> FleetConfi
     if not isinstance(groups, list):
         raise ConfigError(f"{source}: devices must be an array of tables ([[devices]])")
     devices = tuple(build(DeviceGroup, g, source=source, section=f"devices[{i}]") for i, g in enumerate(groups))
-    cfg = build(FleetConfig, {**data, "devices": devices, "source": source}, source=source)
+    shard_tables = data.pop("shards", [])
+    if not isinstance(shard_tables, list):
+        raise ConfigError(f"{source}: shards must be an array of tables ([[shards]])",
+                          hint="write one [[shards]] table per broker shard (docs/scale.md)")
+    shards = tuple(build(ShardSection, t, source=source, section=f"shards[{i}]") for i, t in enumerate(shard_tables))
+    cfg = build(FleetConfig, {**data, "devices": devices, "shards": shards, "source": source}, source=source)
     cfg.sampling  # noqa: B018  (a bad sample or selection fails now, at load time)
     cfg.asynchronous  # noqa: B018  (so do bad async settings, and async with a method that cannot run it)
     cfg.check_backend()  # and async with a parallel simulation backend
+    cfg.shard_layout  # noqa: B018  (overlapping, unassigned or unknown devices, cycles: refused now)
     if "privacy" in data:
         if not cfg.privacy.enabled:
             raise ConfigError(f"{source}: [privacy] sets neither noise_multiplier nor epsilon",

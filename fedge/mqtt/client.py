@@ -376,6 +376,14 @@ class MqttClient:
         if self.connected:
             self._client.unsubscribe(topic_filter)
 
+    def resubscribe(self) -> None:
+        """Send every subscription again (if connected): the broker delivers the retained messages of each once
+        more (MQTT 3.1.1 section 3.8.4) — after a key rotation, what was refused under the old key."""
+        with self._subs_lock:
+            subs = list(self._subs.items())
+        if subs and self.connected:
+            self._client.subscribe(subs)
+
     def route(self, prefix: str, handler: MessageHandler) -> None:
         """Hand messages whose topic starts with ``prefix`` to ``handler`` instead of the client's ``on_message``
         (on the dispatcher thread): a second protocol — the OTA updates — shares the device's one connection."""

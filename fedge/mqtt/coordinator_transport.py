@@ -46,8 +46,12 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     """
 
     def __init__(self, broker: BrokerSettings, fleet: str, settings: TransportSettings | None = None, *,
-                 client_id: str | None = None, signer: Signer | None = None, updates: bool = True) -> None:
+                 client_id: str | None = None, signer: Signer | None = None, updates: bool = True,
+                 key_chain: bytes | None = None) -> None:
         self.topics = FleetTopics(fleet)
+        # The fleet key's rotations (fedge.common.keyrotation), published retained before anything signed with the
+        # newest key, on every connection: devices that trust an older key follow it to the signer's.
+        self.key_chain = key_chain
         # With a signer, every round descriptor, global state and refusal is published as a signed frame
         # (fedge.common.signing; docs/protocol.md section 11): a chunked global state through its manifest, which
         # carries the whole message's sha256. The retained book keeps the unsigned round descriptor (it
@@ -85,6 +89,9 @@ class MqttCoordinatorTransport(CoordinatorTransport):
 
     def start(self) -> MqttCoordinatorTransport:
         self.client.start(self.settings.connect_timeout_s)
+        if self.key_chain is not None:
+            pub = self.client.publish(self.topics.fleet_keys, self.key_chain, retain=True)
+            self.client.require_published([pub], self.settings.publish_timeout_s, "publishing the fleet's key chain")
         log.info("%s", self.describe())
         return self
 
@@ -203,7 +210,9 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         if self.client.connects <= 1:
             return
         # After a reconnect the broker may have restarted and lost every retained message:
-        # publish the globals again, then the round descriptor under a fresh message id.
+        # publish the key chain and the globals again, then the round descriptor under a fresh message id.
+        if self.key_chain is not None:
+            self.client.publish(self.topics.fleet_keys, self.key_chain, retain=True)
         with self._lock:
             again = self._retained.after_reconnect()
         for topic, payload in again.globals:

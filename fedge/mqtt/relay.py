@@ -12,15 +12,23 @@ is connected to both brokers under its own account:
   lost send their cached update again (protocol §8 and §13) — where a coordinator re-announces the round
   under a new message id, which a relay could not sign;
 * **up** (shard → parent): the devices' retained ``hello``, ``status`` and OTA status (the parent
-  registers the devices and knows who is offline, ``fedge deploy`` follows the rollout; the parent's ACL
-  lets this relay write exactly those of its shard's devices), and — instead of N updates — its
-  partial aggregate: every update passes the update gate into the strategy's accumulators
+  registers the devices and knows who is offline — an ``offline`` once it is believable, as the
+  coordinator's :class:`~fedge.mqtt.status_book.StatusBook` decides, so the last-wills a restarting
+  shard broker publishes do not end the round for devices about to return —, ``fedge deploy`` follows
+  the rollout; the parent's ACL lets this relay write exactly those of its shard's devices), and —
+  instead of N updates — its partial aggregate: every update passes the update gate into the strategy's accumulators
   (:class:`~fedge.coordinator.aggregator.PartialAggregator`), a child relay's partial is merged, and
   once every online device of the shard has answered (or the round's deadline is ``margin_s`` away, or
   nothing new came for ``hold_s``) one ``partial`` goes to ``fedge/{fleet}/partials/{account}`` on the
   parent.
 
 A relay of relays is the same program with a relay's shard as its child broker: trees of any depth.
+
+**Compact partials.** A partial lists its devices as runs of ids with one summary of their reports (the
+aggregator's default; ``--detail`` sends one entry per device), so the bytes through the parent do not grow
+with the shard; with ``state_dir`` the relay keeps each round's per-device entries itself
+(``rounds.jsonl``: bytes up and update info of every device it counted, a child relay's compact devices
+under that child's name).
 
 **Faults.** The devices this relay has forwarded in the current round are saved (``state_dir``) after
 the parent acknowledged each partial. A relay killed mid-round loses its unsent sums; restarted, it
@@ -50,11 +58,13 @@ from fedge.errors import PayloadError
 from fedge.mqtt.chunking import ChunkError, Reassembler, frame_kind, split
 from fedge.mqtt.client import BrokerSettings, MqttClient, Received, Will
 from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportStats
+from fedge.mqtt.status_book import StatusBook
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "relay-state.json"
+ROUNDS_FILE = "rounds.jsonl"  # one line per finished round: each device's entry as this relay counted it
 
 
 class Relay:
@@ -73,7 +83,12 @@ class Relay:
         self.up_stats = TransportStats()  # what this relay sent to / received from its parent
         self.down_stats = TransportStats()
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._online: dict[str, bool] = {}
+        # The shard's device statuses, believed as the coordinator believes its own (StatusBook): an ``offline``
+        # published while this relay's shard connection drops — a shard broker shutting down publishes every
+        # last-will — counts, and is forwarded up, only once the devices had the grace period to come back.
+        self._book = StatusBook(self.settings.offline_confirm_s, self.settings.status_grace_s)
+        self._book_lock = threading.Lock()
+        self._held_offline: dict[str, str] = {}  # device -> its status topic: an offline not forwarded up yet
         self._down_retained: dict[str, bytes] = {}  # topic -> payload forwarded down (republished after a
         self._down_lock = threading.Lock()          # reconnection to the shard)
         self._parent_round_id: str | None = None
@@ -93,10 +108,11 @@ class Relay:
                              on_connect=self._on_parent_connect,
                              will=Will(t.relay_status(self.name), STATUS_OFFLINE))
         # over-the-air model updates (fedge deploy, signed by the fleet key) go down unchanged too
-        for topic in (t.round, f"{t.base}/global/#", f"{t.base}/refused/+", f"{t.base}/ota/#"):
+        # and the fleet key's rotations (the retained key chain), which devices verify themselves
+        for topic in (t.round, f"{t.base}/global/#", f"{t.base}/refused/+", f"{t.base}/ota/#", t.fleet_keys):
             self.up.subscribe(topic)
         self.down = MqttClient(child, self.name, clean_session=False, on_message=self._on_child,
-                               on_connect=self._on_child_connect)
+                               on_connect=self._on_child_connect, on_disconnect=self._on_child_disconnect)
         for kind in ("status", "hello", "update"):
             self.down.subscribe(t.device_filter(kind))
         self.down.subscribe(t.partial_filter)
@@ -146,7 +162,13 @@ class Relay:
         self.down.publish(topic, payload, retain=True)
         self.down_stats.count_out(len(payload))
 
+    def _on_child_disconnect(self) -> None:
+        with self._book_lock:
+            self._book.connection_lost()
+
     def _on_child_connect(self, session_present: bool) -> None:
+        with self._book_lock:
+            self._book.connection_back()
         if self.down.connects <= 1:
             return
         # The shard's broker may have restarted and lost its retained messages (the descriptor among them):
@@ -179,8 +201,15 @@ class Relay:
             return
         if t.kind == "status":
             if m.payload in (STATUS_ONLINE, STATUS_OFFLINE):
-                self._inbox.put(("status", (t.device_id, m.payload == STATUS_ONLINE)))
-                self._forward_up(m.topic, m.payload, retain=True)
+                online = m.payload == STATUS_ONLINE
+                with self._book_lock:
+                    self._book.record(t.device_id, online)
+                    if online:
+                        self._held_offline.pop(t.device_id, None)
+                    else:  # forwarded up once believable (_forward_offline)
+                        self._held_offline[t.device_id] = m.topic
+                if online:
+                    self._forward_up(m.topic, m.payload, retain=True)
             return
         if t.kind == "hello":
             if m.payload and len(m.payload) <= MAX_HELLO_BYTES:
@@ -219,6 +248,7 @@ class Relay:
                 kind, arg = "", None
             try:
                 self._handle(kind, arg)
+                self._forward_offline()
                 self._maybe_send()
             except Exception:  # the relay keeps serving whatever one message did
                 log.exception("relay %s: handling %s failed", self.name, kind or "a tick")
@@ -227,8 +257,6 @@ class Relay:
         agg = self.aggregator
         if kind == "hello":
             agg.register([arg])
-        elif kind == "status":
-            self._online[arg[0]] = arg[1]
         elif kind == "update":
             if agg.admit(arg):
                 self._last_accept = time.monotonic()
@@ -268,6 +296,7 @@ class Relay:
         self._send(self.aggregator.flush())  # whatever is left of the previous round (refused there if late)
         self._descriptor, self._deadline = msg, deadline
         run = str(msg.info.get("run", ""))
+        previous = self.aggregator.round
         if self.aggregator.begin(msg.round, final=final, descriptor=msg.msg_id,
                                  sampled=self.aggregator.sampled_of(msg.info.get("round"))):
             saved = self._saved
@@ -276,6 +305,7 @@ class Relay:
                 log.info("relay %s: resuming round %d, %d devices forwarded before the restart", self.name,
                          msg.round, len(saved.get("forwarded", [])))
             self._saved = {"run": run, "round": msg.round, "forwarded": sorted(self.aggregator.answered)}
+            self._record_round(run, previous)
         # Byte for byte: a signed descriptor keeps the coordinator's signature (its topic is the same on every
         # broker of the tree, the fleet's ``rounds/current``), and every shard sees the same message id.
         self._forward_down(self.topics.round, raw)
@@ -301,7 +331,21 @@ class Relay:
         """The shard's registered devices that are not offline and owe this round an update (sampled, when the
         round samples), child relays' devices included."""
         gate = self.aggregator.gate
-        return {d for d in gate.devices if self._online.get(d, True) and gate.sampled(d)}
+        with self._book_lock:
+            offline = self._book.offline()
+        return {d for d in gate.devices if d not in offline and gate.sampled(d)}
+
+    def _forward_offline(self) -> None:
+        """Forward up the ``offline`` statuses that became believable (not around this relay's own outage)."""
+        with self._book_lock:
+            if not self._held_offline:
+                return
+            offline = self._book.offline()
+            due = {d: topic for d, topic in self._held_offline.items() if d in offline}
+            for d in due:
+                del self._held_offline[d]
+        for topic in due.values():
+            self._forward_up(topic, STATUS_OFFLINE, retain=True)
 
     def _maybe_send(self) -> None:
         agg = self.aggregator
@@ -337,6 +381,21 @@ class Relay:
         except (OSError, ValueError):
             log.warning("relay %s: %s is unreadable; starting without it", self.name, self.state_path)
             return {}
+
+    def _record_round(self, run: str, rnd: int) -> None:
+        """The previous round's per-device entries, appended to ``rounds.jsonl`` (the detail a compact partial
+        leaves here)."""
+        agg = self.aggregator
+        if self.state_path is None or not agg.last_round_devices:
+            return
+        line = json.dumps({"run": run, "round": rnd, "relay": self.name,
+                           "devices": agg.last_round_devices}, separators=(",", ":"))
+        try:
+            self.state_path.parent.mkdir(parents=True, exist_ok=True)
+            with (self.state_path.parent / ROUNDS_FILE).open("a") as f:
+                f.write(line + "\n")
+        except OSError as exc:
+            log.warning("relay %s: cannot write %s: %s", self.name, ROUNDS_FILE, exc)
 
     def _save_state(self) -> None:
         if self.state_path is None:

@@ -11,6 +11,7 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/global/{artifact}          retained  global state message, or a chunk manifest
     fedge/{fleet}/global/{artifact}/part/{i} retained  chunk frame i of a chunked global state
     fedge/{fleet}/refused/{id}               retained  why the coordinator refused device {id} (empty: accepted)
+    fedge/{fleet}/keys/fleet                 retained  the fleet's key chain: every rotation of its signing key
     fedge/{fleet}/ota/models/{version}       retained  a signed model package (or its chunk manifest)
     fedge/{fleet}/ota/models/{version}/part/{i} retained chunk frame i of a chunked model package
     fedge/{fleet}/ota/devices/{id}           retained  the signed deployment order for device {id}
@@ -139,6 +140,12 @@ class FleetTopics:
     def global_filter(self, artifact: str) -> str:
         """One subscription that covers the artifact and all its parts (``#`` matches the parent too)."""
         return f"{self.global_(artifact)}/#"
+
+    @property
+    def fleet_keys(self) -> str:
+        """``fedge/{fleet}/keys/fleet``: the retained chain of the fleet key's rotations (JSON; written by the
+        coordinator and ``fedge deploy``, read by every device: :mod:`fedge.common.keyrotation`)."""
+        return f"{self.base}/keys/fleet"
 
     # -- over-the-air model updates (fedge deploy) ----------------------------------------
     def ota_model(self, version: int) -> str:

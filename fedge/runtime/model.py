@@ -18,16 +18,18 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedge.common.preprocess import Normalization
-from fedge.common.signing import Verifier
 from fedge.errors import ExportError, PayloadError
 from fedge.runtime import providers as eps
 from fedge.runtime.inputs import check_model_input, largest_normalized, prepare
 from fedge.runtime.manifest import Manifest, read_manifest, verify_files
+
+if TYPE_CHECKING:  # only a hint here: an unsigned model never loads `cryptography` (10 MB of RSS on a board)
+    from fedge.common.signing import Verifier
 
 log = logging.getLogger(__name__)
 

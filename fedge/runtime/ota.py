@@ -6,8 +6,9 @@ and, in order:
 1. refuses a version that is not newer than the one in use, or that was rolled back here before;
 2. installs it beside the current one (:class:`~fedge.runtime.store.ModelStore`: whole or not at all);
 3. runs the smoke test in a child process (:func:`fedge.runtime.checks.smoke_test`);
-4. measures its accuracy on the device's own validation split and compares it with the current model's:
-   more than ``threshold`` lower (2 points by default, the order's ``threshold``) fails;
+4. measures its accuracy on the device's own validation split and compares it with the current model's (in
+   the same child process: the agent never loads a model itself): more than ``threshold`` lower (2 points by
+   default, the order's ``threshold``) fails;
 5. switches it in, the old one kept as ``previous``, the new one on trial (repeated crashes of whoever uses
    it roll it back: :meth:`ModelStore.open_current`).
 
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from fedge.runtime.checks import accuracy, smoke_test
+from fedge.runtime.checks import smoke_test
 from fedge.runtime.package import unpack
 from fedge.runtime.store import ModelStore, StoreError
 
@@ -47,16 +48,20 @@ class ModelUpdater:
                              f"says version {version} of {fleet!r}: nothing changed")
         self.store.check_new(version)
         path = self.store.install(package)
-        smoke = smoke_test(path, timeout_s=self.smoke_timeout_s)
+        current = self.store.current  # version 0 is the flashed model: compare with `is not None`
+        compare = self.validation is not None and current is not None
+        smoke = smoke_test(path, timeout_s=self.smoke_timeout_s, validation=self.validation if compare else None,
+                           current=self.store.path(current) if compare and current is not None else None)
         fields: dict[str, Any] = {"smoke": smoke.to_dict()}
         if not smoke.ok:
             reason = f"smoke test failed: {smoke.error}"
             self.store.discard(version, reason)
             return {**fields, "state": "rolled-back", "reason": reason}
-        if self.validation is not None and self.store.current is not None:
-            x, y = self.validation
-            new = accuracy(path, x, y)
-            cur = accuracy(self.store.path(self.store.current), x, y)
+        if compare:
+            assert self.validation is not None
+            y = self.validation[1]
+            acc = smoke.accuracy or {}
+            new, cur = (float("nan") if acc.get(k) is None else float(acc[k]) for k in ("new", "current"))
             fields["accuracy"] = {"new": new, "current": cur, "threshold": threshold, "samples": len(y)}
             if not new >= cur - threshold:  # NaN fails too
                 reason = (f"local accuracy {new:.1%} is more than {threshold:.1%} below the current model's "

@@ -33,24 +33,31 @@ log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 60.0
 
 
-def start_fleet(cfg: FleetConfig, devices: list[SimDevice], broker: BrokerSettings,
+def start_fleet(cfg: FleetConfig, devices: list[SimDevice],
+                broker: BrokerSettings | Callable[[str], BrokerSettings],
                 settings: TransportSettings | None = None, *, coordinator: bool = True,
                 signer: Signer | None = None, verifier: Verifier | None = None,
                 ) -> tuple[MqttCoordinatorTransport | None, list[DeviceAgent], Callable[[], None]]:
-    """Connect a coordinator transport (optional) and one device service thread per device to ``broker``.
+    """Connect a coordinator transport (optional) and one device service thread per device to ``broker``
+    (or, given a function, to the broker it names for each device id: a sharded fleet; then no coordinator).
 
     Returns (coordinator transport, agents, stop) where ``stop`` ends the device
     threads and closes every connection. Waits until every device said hello. With ``signer`` the coordinator
     signs what it publishes; with ``verifier`` every device accepts only state the fleet key signed.
     """
     fleet = cfg.run.fleet
-    coord = MqttCoordinatorTransport(broker, fleet, settings, signer=signer).start() if coordinator else None
+    if callable(broker) and coordinator:
+        raise ValueError("a coordinator transport needs one broker, not one per device")
+    device_broker = broker if callable(broker) else (lambda _: broker)
+    coord = (MqttCoordinatorTransport(broker, fleet, settings, signer=signer).start()
+             if coordinator and not callable(broker) else None)
     transports: list[MqttDeviceTransport] = []
     services: list[EdgeService] = []
     threads: list[threading.Thread] = []
     try:
         for d in devices:
-            t = MqttDeviceTransport(broker, fleet, d.info.device_id, settings, verifier=verifier).start()
+            t = MqttDeviceTransport(device_broker(d.info.device_id), fleet, d.info.device_id, settings,
+                                    verifier=verifier).start()
             transports.append(t)
             agent = DeviceAgent(d.method, t, d.info, fleet=fleet, eval_every=cfg.run.eval_every)
             svc = EdgeService(agent, t)
