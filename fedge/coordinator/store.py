@@ -84,6 +84,7 @@ class EngineStore:
         self._devices_order: list[str] = []
         self._buffer_log: tuple[int, int] | None = None  # (version, fd) of the update log being appended to
         self._buffer_dirty = False  # records written since the last buffer_sync
+        self._log_size = 0  # bytes in that log
         self._log_end: tuple[int, int] = (0, 0)  # (version, byte) where buffer_load found that log's last record end
 
     def exists(self) -> bool:
@@ -209,10 +210,17 @@ class EngineStore:
                 # records that follow could not be read back
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
             log = self._buffer_log = (version, fd)
+            self._log_size = os.fstat(fd).st_size
         record = RECORD.pack(len(data), zlib.crc32(data)) + data
-        if os.write(log[1], record) != len(record):
-            raise CheckpointError(f"{self.dir / BUFFER_DIR}: short write of an accepted update",
+        try:
+            written = os.write(log[1], record)
+        except OSError:
+            written = -1
+        if written != len(record):  # (a full disk) no part of a record may stay: the next one must be readable
+            os.ftruncate(log[1], self._log_size)
+            raise CheckpointError(f"{self.dir / BUFFER_DIR}: could not write an accepted update",
                                   hint="check the free space of the state directory's disk")
+        self._log_size += written
         self._buffer_dirty = True
 
     def buffer_sync(self) -> None:
