@@ -36,6 +36,12 @@ descriptor is read with the codec's header reader (about 40 µs here) rather tha
 ``Message.from_bytes``, whose envelope checks cost about 100 µs: some 55 ms more
 per round at N = 1000 on a device side the floor does not pay for.
 
+``run_fedge(..., buffer=K)`` runs the coordinator in asynchronous mode (``[coordinator] mode = "async"``,
+``buffer_size = K``, every device training at once): the devices then answer each task a descriptor's
+``round.assigned`` gives them, once, with the descriptor's version as their update's round (docs/protocol.md,
+section 6), and ``rounds`` counts versions. ``benchmarks.async_cost`` compares the two modes' coordinator CPU
+per update with it.
+
     .venv/bin/python -m benchmarks.fleet_scale                # N = 10, 100, 1000
     .venv/bin/python -m benchmarks.fleet_scale --sizes 10,100 --rounds 3 --repeat 1
 """
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import importlib.metadata
 import json
 import os
@@ -65,6 +72,7 @@ import numpy as np
 import paho.mqtt.client as paho
 
 from benchmarks.common import RESULTS
+from fedge.common.inmemory import descriptor_tasks
 from fedge.common.messages import Message
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo
 from fedge.common.tensorcodec import read_header
@@ -77,6 +85,8 @@ CLASSES, DIM = 10, 64  # FedProto-sized: prototypes (C, p) + counts (C,)
 SAMPLES = 100  # each device's training samples (its hello)
 OUT = RESULTS / "fleet_scale.json"
 MODULE = "benchmarks.fleet_scale"  # the coordinator and the floor's collector run as its child processes
+# Set by a driver (benchmarks.async_cost --profile DIR): each coordinator writes a cProfile of its rounds there.
+PROFILE_DIR: Path | None = None
 
 
 def _new_client(client_id: str) -> paho.Client:
@@ -221,18 +231,28 @@ def sizes() -> dict[str, int]:
 # -- fedge: real coordinator process + protocol devices --------------------------------------------
 
 def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = "mean",
-              clip: float = 0.0, observe: Path | None = None) -> dict[str, Any]:
+              clip: float = 0.0, observe: Path | None = None, buffer: int = 0,
+              max_staleness: int = 10) -> dict[str, Any]:
     """One fedge run; ``observe``: the coordinator also serves its dashboard and /metrics (FleetMonitor,
-    FleetMetrics, the web server on a free loopback port, whose URL it writes to that file)."""
+    FleetMetrics, the web server on a free loopback port, whose URL it writes to that file).
+
+    ``buffer`` > 0: the coordinator runs ``[coordinator] mode = "async"`` with ``buffer_size = buffer`` (every
+    device training at once, ``max_staleness``, polynomial weights), ``rounds`` counts versions, and a device
+    answers each task a descriptor's ``round.assigned`` gives it, once, with the descriptor's version as its
+    update's round (docs/protocol.md, section 6). The final round carries no ``assigned``: every device
+    answers it as in synchronous mode.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
-    fleet = f"scale{n}-{workdir.name}"
+    fleet = f"scale{n}-{workdir.name}" + (f"-k{buffer}" if buffer else "")
     t = FleetTopics(fleet)
     ids = [f"dev-{i:04d}" for i in range(n)]
     # Every update a device will send, encoded and framed (as MqttDeviceTransport.send_update frames it)
-    # before the clock starts.
+    # before the clock starts: one per round, or in async mode one per version it may train from.
     updates = [{r: split(_update_bytes(fleet, dev, r, r > rounds, seed=i * 100 + r), DEFAULT_CHUNK_BYTES)
                 for r in range(1, rounds + 2)} for i, dev in enumerate(ids)]
     answered: list[str | None] = [None] * n
+    done_task: list[int | None] = [None] * n  # async mode: the last task answered
+    parsed: list[Any] = [None, None]  # async mode: (msg id, round.assigned) of the latest descriptor
 
     def on_connect(i: int, c: paho.Client) -> None:
         # What MqttDeviceTransport does on connecting: status online (the will says offline), then the hello.
@@ -248,17 +268,36 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = 
         if answered[i] == meta["msg_id"]:
             return  # the same descriptor again (a retained redelivery)
         answered[i] = meta["msg_id"]
-        for frame in updates[i].get(int(meta["round"]), []):
+        rnd = int(meta["round"])
+        # Async mode's descriptors are read for round.assigned; a synchronous fleet's carry none, and its devices
+        # skip the JSON (the device side the floor's devices are compared with stays as cheap as it was). Every
+        # device gets the same descriptor: its info (a task per device, 20 KB at N = 1000) is parsed once per
+        # descriptor, not by each of the N devices in turn on this one thread — real devices parse in parallel,
+        # and N serial parses (~0.15 ms each) would make the updates trickle in where a synchronous round's burst.
+        tasks = None
+        if buffer:
+            if parsed[0] != meta["msg_id"]:
+                parsed[:] = [meta["msg_id"], descriptor_tasks(json.loads(meta["info"]))]
+            tasks = parsed[1]
+        if tasks is not None:  # async mode: train once per task, from this descriptor's version
+            task = tasks.get(ids[i])
+            if task is None or task == done_task[i]:
+                return
+            done_task[i] = task
+        for frame in updates[i].get(rnd, []):
             c.publish(t.update(ids[i]), frame, qos=1)
 
     swarm = Swarm(port, ids, on_message, subscribe=[t.round, t.global_filter(PROTOTYPES_ARTIFACT)],
                   will=lambda d: (t.status(d), STATUS_OFFLINE), on_connect=on_connect)
     try:
         swarm.wait_connected()
-        out = workdir / f"fedge-{n}.json"
+        out = workdir / f"fedge-{n}{f'-k{buffer}' if buffer else ''}.json"
         cmd = [sys.executable, "-m", MODULE, "_coordinator", "--port", str(port), "--n", str(n),
-               "--rounds", str(rounds), "--fleet", fleet, "--state-dir", str(workdir / f"state-{n}"), "--out", str(out),
-               "--aggregation", aggregation, "--clip", str(clip)] + (["--observe", str(observe)] if observe else [])
+               "--rounds", str(rounds), "--fleet", fleet, "--state-dir", str(workdir / f"state-{fleet}"),
+               "--out", str(out), "--aggregation", aggregation, "--clip", str(clip),
+               "--buffer", str(buffer), "--max-staleness", str(max_staleness)]
+        cmd += ["--observe", str(observe)] if observe else []
+        cmd += ["--profile", str(PROFILE_DIR / f"{fleet}.prof")] if PROFILE_DIR is not None else []
         subprocess.run(cmd, check=True, timeout=1800)
         return json.loads(out.read_text())
     finally:
@@ -266,6 +305,7 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = 
 
 
 def coordinator_main(args: argparse.Namespace) -> None:
+    from fedge.common.asyncmode import AsyncSettings
     from fedge.coordinator.aggregate import Aggregation
     from fedge.coordinator.engine import EngineConfig, RoundEngine
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
@@ -279,8 +319,12 @@ def coordinator_main(args: argparse.Namespace) -> None:
     strat = FedProtoStrategy(num_classes=CLASSES, rounds=args.rounds)
     # keep_reports=1 as in a long-running coordinator (fedge coordinator run keeps 8): the history is on disk.
     agg = Aggregation(args.aggregation, clip=args.clip)
+    buffer = getattr(args, "buffer", 0)
+    asynchronous = AsyncSettings(buffer_size=buffer, max_staleness=args.max_staleness, fleet_size=args.n) \
+        if buffer else None
     engine = RoundEngine(strat, transport, EngineConfig(fleet=args.fleet, method="fedproto", min_devices=args.n,
-                                                       quorum_timeout_s=600, keep_reports=1, aggregation=agg),
+                                                       quorum_timeout_s=600, keep_reports=1, aggregation=agg,
+                                                       asynchronous=asynchronous),
                          state_dir=args.state_dir)
     if args.observe:
         _serve(engine, transport, args)
@@ -293,6 +337,7 @@ def coordinator_main(args: argparse.Namespace) -> None:
         while not go.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     cpu0, rss0, t0 = _cpu(), _rss_kb(), time.perf_counter()
+    main0 = time.thread_time()  # the engine's own thread (the rest: paho's network thread, the dispatcher)
     cpu_rounds: list[float] = []
     rss_rounds: list[float] = []
     ends: list[float] = []
@@ -307,21 +352,41 @@ def coordinator_main(args: argparse.Namespace) -> None:
     accepted: list[int] = []
     rejected = 0
 
+    stale: list[float] = []
+
+    main_train: float | None = None
+
     def count(rep: Any) -> None:
-        nonlocal rejected
+        nonlocal rejected, main_train
         accepted.append(len(rep.accepted))
+        if rep.phase != "final":
+            main_train = time.thread_time()
+        if rep.staleness:
+            stale.extend(rep.staleness.values())
         rejected += sum(rep.rejected.values())
         on_round(rep)
 
+    # the main thread's CPU time, not wall (fsync waits and idle polling would dominate a wall profile), nor the
+    # process's (it would charge the MQTT network thread's work to whatever the main thread waits in)
+    profile = cProfile.Profile(time.thread_time) if getattr(args, "profile", None) else None
+    if profile is not None:
+        profile.enable()
     engine.run(on_round=count)
+    main_cpu = main_train - main0 if main_train is not None else 0.0
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(args.profile)
     transport.close()
-    assert all(a == args.n for a in accepted), accepted
+    # a synchronous round takes every device's update, an asynchronous version buffer_size; the final round all
+    assert all(a == (buffer or args.n) for a in accepted[:-1]) and accepted[-1] == args.n, accepted
     train = accepted[:-1]  # the last round is the final (metrics-only) one
     wall = [b - a for a, b in zip([t0, *ends], ends, strict=False)]
+    staleness = statistics.mean(stale) if stale else 0.0
+    cpu_train = [b - a for a, b in zip([cpu0, *cpu_rounds], cpu_rounds, strict=False)][:len(train)]
     result = {
         "round_seconds": wall[:len(train)],
         "final_round_seconds": wall[-1],
-        "cpu_seconds_per_round": [b - a for a, b in zip([cpu0, *cpu_rounds], cpu_rounds, strict=False)][:len(train)],
+        "cpu_seconds_per_round": cpu_train,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_at_start_mb": rss_start / 1024,
         "rss_before_rounds_mb": rss0 / 1024,
@@ -329,6 +394,10 @@ def coordinator_main(args: argparse.Namespace) -> None:
         "rss_after_each_round_mb": rss_rounds,
         "torch_imported": "torch" in sys.modules,
         "rejected": rejected,
+        "accepted_per_round": train,
+        "cpu_seconds_per_update": [c / a for c, a in zip(cpu_train, train, strict=True)],
+        "staleness_mean": staleness,
+        "main_thread_cpu_seconds": main_cpu,  # over the training rounds, as cpu_seconds_per_round
     }
     Path(args.out).write_text(json.dumps(result))
 
@@ -469,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("--state-dir", required=True)
     co.add_argument("--observe", metavar="URLFILE", help="serve the dashboard and /metrics; write the URL here")
     co.add_argument("--workers-mode", action="store_true", help="merge workers' partials, read no updates")
+    co.add_argument("--buffer", type=int, default=0, help="async mode's buffer_size K (0: synchronous rounds)")
+    co.add_argument("--max-staleness", type=int, default=10, help="async mode's max_staleness")
+    co.add_argument("--profile", metavar="FILE", help="write a cProfile of the rounds to FILE")
     co.add_argument("--ready-file", help="after registration write this file and wait for FILE.go")
     for q in (p, co):
         q.add_argument("--aggregation", choices=("mean", "trimmed", "median"), default="mean",

@@ -255,3 +255,65 @@ def test_a_device_resends_only_to_a_new_coordinator_session_still_listing_its_ta
     assert not resend_async(answered, descriptor("s2", {"d0": 5}))  # a new task: the old one is done
     assert not resend_async(answered, descriptor("s2", {"d0": 2}, run="r2"))  # another run
     assert async_answer(descriptor("s1", {"d1": 3}), "d0") is None  # no task of its own: nothing to resend
+
+
+def test_fedproto_sums_by_version_as_it_would_device_by_device(tmp_path: Path) -> None:
+    """The running aggregate kept per version trained from (each group's sum kept until it changes) gives the
+    device-by-device staleness-weighted mean; so does a restart from the checkpoint the store writes."""
+    from fedge.common.rounds import DeviceInfo
+    from fedge.coordinator.aggregate import ClassMean
+    from fedge.coordinator.store import EngineState, EngineStore
+    from fedge.coordinator.strategies.fedproto import FedProtoStrategy
+
+    a = AsyncSettings(buffer_size=3, max_staleness=10, fleet_size=8)
+    rng = np.random.default_rng(0)
+    strat = FedProtoStrategy(num_classes=4, rounds=9)
+    strat.asynchronous = a
+    latest: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
+    for rnd in range(1, 8):
+        strat.begin_round(rnd)
+        for _ in range(3):  # three uploads per version, some replacing a device's earlier one
+            dev, version = f"d{rng.integers(8)}", int(rng.integers(max(1, rnd - 3), rnd + 1))
+            protos, counts = rng.normal(size=(4, 5)).astype(np.float32), rng.integers(0, 9, 4)
+            strat.update_version = version
+            strat.accumulate(DeviceInfo(dev, "tier-xs", "p"), {"protos": protos, "counts": counts}, {})
+            latest[dev] = (protos, counts, version)
+        got = strat.finish_round(rnd)["prototypes"]
+        want = ClassMean(4)
+        for dev in sorted(latest):
+            p, c, v = latest[dev]
+            want.add(p, c, a.weight(rnd - v))
+        protos, counts = want.result()
+        np.testing.assert_allclose(got["protos"], protos, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(got["counts"], counts)
+    store = EngineStore(tmp_path)
+    store.save(EngineState(completed=7, method="fedproto", fleet="f", strategy=strat.state_dict()), None)
+    again = FedProtoStrategy(num_classes=4, rounds=9)
+    again.asynchronous = a
+    again.load_state_dict(store.load(method="fedproto", fleet="f").strategy)
+    for s in (strat, again):
+        s.begin_round(8)
+    np.testing.assert_array_equal(again.finish_round(8)["prototypes"]["protos"],
+                                  strat.finish_round(8)["prototypes"]["protos"])
+
+
+def test_the_update_log_keeps_whole_records_and_drops_a_torn_one(tmp_path: Path) -> None:
+    """Accepted updates are appended to one log per version; a record cut short (the process died while writing
+    it: it had not counted) ends the log and is overwritten by the next update; older states' files still load."""
+    from fedge.coordinator.store import BUFFER_DIR, EngineStore
+
+    store = EngineStore(tmp_path)
+    for i in range(3):
+        store.buffer_add(4, i, bytes([i]) * (100 + i))
+    store.buffer_sync()
+    log = tmp_path / BUFFER_DIR / "4.updates"
+    log.write_bytes(log.read_bytes()[:-10])  # the third record torn
+    restarted = EngineStore(tmp_path)
+    saved, tasks = restarted.buffer_load(4)
+    assert saved == [bytes([0]) * 100, bytes([1]) * 101] and tasks is None
+    restarted.buffer_add(4, 2, b"again")
+    assert restarted.buffer_load(4)[0] == [bytes([0]) * 100, bytes([1]) * 101, b"again"]
+    (tmp_path / BUFFER_DIR / "5-000000.update").write_bytes(b"old")  # one file per update, as states before held
+    assert restarted.buffer_load(5)[0] == [b"old"]
+    restarted.buffer_clear()
+    assert not list((tmp_path / BUFFER_DIR).iterdir())

@@ -48,6 +48,23 @@ def test_an_offline_counts_once_it_is_confirmed_and_until_the_device_is_back() -
     assert book.offline() == set() and book.online() == {"d1", "d2"}
 
 
+def test_all_offline_is_every_device_in_offline() -> None:
+    """What the coordinator asks whenever no update is waiting: the same answer as the whole offline set's."""
+    clock = FakeClock()
+    book = _book(clock)
+    book.connection_back()
+    for d in ("d1", "d2", "d3"):
+        book.record(d, True)
+    clock.at(10.0)
+    book.record("d2", False)
+    book.record("d3", False)
+    for now in (10.5, 11.0):
+        clock.at(now)
+        for group in (["d2", "d3"], ["d1", "d2"], ["d4"], [], ["d3"]):
+            assert book.all_offline(group) == all(d in book.offline() for d in group), (now, group)
+    assert book.all_offline(["d2", "d3"]) and not book.all_offline(["d2", "d4"])  # d4: no status at all
+
+
 def test_last_wills_around_an_outage_count_only_after_the_grace_period() -> None:
     """A broker shutting down sends every device's last-will just before it drops the coordinator."""
     clock = FakeClock()

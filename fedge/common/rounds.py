@@ -7,7 +7,8 @@ here, never from :mod:`fedge.edge`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from fedge.common.generators import IMAGE_LEVEL
@@ -54,10 +55,15 @@ class RoundInfo:
         return self.phase == FINAL_PHASE
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        # Shallow copies of the fields (no asdict: its deep copy of an asynchronous descriptor's ``assigned``,
+        # one entry per device, cost more than encoding it); the caller may change the dict and its lists.
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["config"] = copy.deepcopy(self.config)  # small: a method's settings
         for key in ("sampled", "assigned"):
             if d[key] is None:
                 del d[key]  # absent unless used: a device of an older release still reads the descriptor
+            else:
+                d[key] = type(d[key])(d[key])
         return d
 
     @classmethod

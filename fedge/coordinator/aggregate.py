@@ -224,6 +224,16 @@ class ClassMean:
             self.sums = np.zeros_like(stats)
         self.sums += stats * w[:, None]
 
+    def add_sums(self, sums: np.ndarray, weights: np.ndarray, counts: np.ndarray) -> None:
+        """Fold in rows already summed (plain mean only): ``sums`` (C, p) of statistics times their weights,
+        ``weights`` (C,) and the class ``counts`` (C,) they stand for."""
+        assert self.aggregation is None or not self.aggregation.robust, "a robust rule needs every device's rows"
+        self.counts += np.asarray(counts, dtype=np.int64)
+        self.weights += weights
+        if self.sums is None:
+            self.sums = np.zeros_like(sums, dtype=np.float64)
+        self.sums += sums
+
     def __bool__(self) -> bool:
         return self.sums is not None or bool(self.rows)
 

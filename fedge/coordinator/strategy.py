@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -13,6 +14,24 @@ from fedge.common.settings import MethodName, MethodSettings
 from fedge.coordinator.aggregate import Aggregation
 
 Arrays = dict[str, np.ndarray]
+
+
+class JsonDoc(dict[str, Any]):
+    """A JSON object in a :meth:`Strategy.state_dict` that does not change once made: its text is encoded once,
+    and the engine's store writes that text into every checkpoint (``fedge.coordinator.store``)."""
+
+    @property
+    def text(self) -> str:
+        """The object's JSON text, compact (made on first use)."""
+        cached: str | None = self.__dict__.get("_text")
+        if cached is None:
+            cached = self.__dict__["_text"] = json.dumps(self, separators=(",", ":"), allow_nan=False)
+        return cached
+
+    def preset(self, text: str) -> None:
+        """Give the object's JSON text, made by whoever made the object (it must encode the same object)."""
+        self.__dict__["_text"] = text
+
 # name -> (shape, dtype kind) where kind is "float" or "int"
 UpdateSpec = dict[str, tuple[tuple[int, ...], str]]
 

@@ -108,6 +108,7 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
             info = RoundInfo(round=rnd, phase=phase, method=engine.config.method,
                              config=engine.strategy.round_config(rnd), assigned=dict(engine.tasks))
             if engine.store is not None:
+                engine.store.buffer_sync()  # the updates accepted so far are on disk before their devices get work
                 engine.store.save_tasks(rnd, engine.tasks)
             announce = Message("round", COORDINATOR_ID, rnd, engine.config.fleet,
                                info={"round": info.to_dict(), "run": engine.run_id, "session": engine.session,
@@ -147,6 +148,8 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
     report.rejected = dict(rejections.by_reason)
     report.rejected_by_device = {d: dict(c) for d, c in sorted(rejections.by_device.items())}
     engine.gate.end_round(report.missing)
+    if engine.store is not None:
+        engine.store.buffer_sync()  # ... and before the version they make is published
     t_agg = time.perf_counter()
     artifacts = engine.strategy.finish_round(rnd)
     aggregation_s = time.perf_counter() - t_agg

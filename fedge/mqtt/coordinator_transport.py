@@ -316,8 +316,9 @@ class MqttCoordinatorTransport(CoordinatorTransport):
             if deadline and now >= deadline:
                 return
             if self._updates.empty():
-                offline = self.offline()
-                if all(d in offline for d in expected):
+                with self._cond:  # stops at the first expected device online: no O(N) set per empty queue
+                    gone = self._book.all_offline(expected)
+                if gone:
                     return  # everyone expected has answered or is gone
             wait = min(0.25, deadline - now) if deadline else 0.25
             try:

@@ -14,7 +14,7 @@ No paho, no broker and no lock (the transport holds its own around every call); 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 
 class StatusBook:
@@ -49,6 +49,17 @@ class StatusBook:
 
     def offline(self) -> set[str]:
         """Devices whose latest status is a believable ``offline`` (see the module's docstring)."""
+        gone = self._offline_test()
+        return {d for d in self._status if gone(d)}
+
+    def all_offline(self, devices: Iterable[str]) -> bool:
+        """Whether every one of ``devices`` is in :meth:`offline` — stopping at the first that is not, where
+        :meth:`offline` looks at every device (the coordinator asks whenever it has no update to hand over)."""
+        gone = self._offline_test()
+        return all(gone(d) for d in devices)
+
+    def _offline_test(self) -> Callable[[str], bool]:
+        """A test of one device id against the outage windows in force now."""
         now = self.clock()
         confirm, grace = self.offline_confirm_s, self.status_grace_s
         # (from, to) windows still in force: [start - confirm, end + grace] while now < end + grace
@@ -58,8 +69,16 @@ class StatusBook:
             to = float("inf") if end is None else end + grace
             if now < to:
                 windows.append((start - confirm, to))
-        return {d for d, (up, at) in self._status.items()
-                if not up and now - at >= confirm and not any(lo <= at <= hi for lo, hi in windows)}
+        status = self._status
+
+        def gone(device_id: str) -> bool:
+            seen = status.get(device_id)
+            if seen is None:
+                return False
+            up, at = seen
+            return not up and now - at >= confirm and not any(lo <= at <= hi for lo, hi in windows)
+
+        return gone
 
     def online(self) -> set[str]:
         """Devices whose latest status is ``online``."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
+
 from fedge.common.method_settings import FedProtoSettings
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo, class_stats_spec
 from fedge.coordinator.aggregate import ClassMean
@@ -32,9 +34,14 @@ class FedProtoStrategy(Strategy):
         self.protos.add(arrays["protos"], arrays["counts"])
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
-        if self.asynchronous is not None:
+        a = self.asynchronous
+        if a is not None and self.aggregation.robust:  # every device's rows, each with its own weight
             for arrays, version in self.latest.items():
-                self.protos.add(arrays["protos"], arrays["counts"], self.asynchronous.weight(rnd - version))
+                self.protos.add(arrays["protos"], arrays["counts"], a.weight(rnd - version))
+        elif a is not None:  # the mean: one weighted sum per version the uploads trained from
+            for version, (sums, counts) in self.latest.version_sums("fedproto", _terms):
+                w = a.weight(rnd - version)
+                self.protos.add_sums(sums * w, counts * w, counts)
         if not self.protos:
             return {}
         protos, counts = self.protos.result()
@@ -48,3 +55,10 @@ class FedProtoStrategy(Strategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.latest.load_state_dict(state.get("latest", {}))
+
+
+def _terms(arrays: Arrays) -> tuple[np.ndarray, np.ndarray]:
+    """One device's part of the count-weighted mean before its staleness weight: prototypes times class counts
+    (float64, as :class:`ClassMean` sums them) and the counts."""
+    counts = np.asarray(arrays["counts"], dtype=np.float64)
+    return np.asarray(arrays["protos"], dtype=np.float64) * counts[:, None], counts

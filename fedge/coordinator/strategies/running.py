@@ -10,36 +10,126 @@ every device delivering every version at staleness 0 this is the synchronous agg
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import base64
+import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from fedge.coordinator.strategy import Arrays
+from fedge.coordinator.strategy import Arrays, JsonDoc
+
+Terms = tuple[np.ndarray, ...]  # what one device's upload adds to a running aggregate, before its weight
+
+
+def _entry(arrays: Arrays, version: int) -> JsonDoc:
+    """One device's upload as JSON: each array's bytes in base64 (little-endian dtype, shape)."""
+    out = {}
+    for k, a in arrays.items():
+        a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
+        out[k] = {"dtype": a.dtype.str, "shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode()}
+    return JsonDoc({"version": version, "arrays": out})
+
+
+def _array(doc: dict[str, Any]) -> np.ndarray:
+    """The array of one :func:`_entry` item; ``data`` (a list of numbers) is how states before base64 held it."""
+    if "b64" in doc:
+        raw = base64.b64decode(doc["b64"], validate=True)
+        return np.frombuffer(raw, dtype=np.dtype(doc["dtype"])).reshape(doc["shape"]).copy()
+    return np.asarray(doc["data"], dtype=doc["dtype"]).reshape(doc["shape"])
 
 
 class LatestUploads:
-    """Device id -> (its latest upload's arrays, the version it trained from); JSON-able for restarts."""
+    """Device id -> (its latest upload's arrays, the version it trained from); JSON-able for restarts.
+
+    Every version's checkpoint holds every device's latest upload, and every version's aggregate weighs every
+    device's, while a version changes only the ``buffer_size`` devices that delivered into it. So:
+
+    * each device's JSON entry is made once, when its upload arrives (its arrays' bytes in base64, not lists
+      of numbers), and :meth:`state_dict` hands out the kept entries (:class:`JsonDoc`: the store writes their
+      text as it is);
+    * :meth:`version_sums` sums the uploads **per version they trained from** (a staleness weight is the same
+      for all of them) and keeps those sums until a device joins or leaves that version's group: a version's
+      aggregate then costs one pass over the groups, plus a sum over the devices of the groups that changed.
+    """
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self.uploads: dict[str, tuple[Arrays, int]] = {}
+        self._entries: dict[str, JsonDoc] = {}  # device id -> its upload as state_dict gives it
+        self._pieces: dict[str, str] = {}  # device id -> '"id":' and its entry's JSON text (made at a checkpoint)
+        self._members: dict[int, set[str]] = {}  # version trained from -> devices whose latest upload it is
+        self._terms: dict[str, dict[str, Terms]] = {}  # key -> device id -> its terms (version_sums)
+        self._sums: dict[str, dict[int, Terms]] = {}  # key -> version -> the sum of its devices' terms
 
     def put(self, device_id: str, arrays: Arrays, version: int) -> None:
         """Keep ``arrays`` as ``device_id``'s latest upload (trained from ``version``)."""
-        self.uploads[device_id] = ({k: np.array(v, copy=True) for k, v in arrays.items()}, version)
+        kept = {k: np.array(v, copy=True) for k, v in arrays.items()}
+        old = self.uploads.get(device_id)
+        if old is not None:
+            self._leave(device_id, old[1])
+        self.uploads[device_id] = (kept, version)
+        self._entries[device_id] = _entry(kept, version)
+        self._pieces.pop(device_id, None)
+        self._members.setdefault(version, set()).add(device_id)
+        for key, terms in self._terms.items():
+            terms.pop(device_id, None)
+            self._sums[key].pop(version, None)
+
+    def _leave(self, device_id: str, version: int) -> None:
+        group = self._members[version]
+        group.discard(device_id)
+        if not group:
+            del self._members[version]
+        for sums in self._sums.values():
+            sums.pop(version, None)
 
     def items(self) -> Iterator[tuple[Arrays, int]]:
         """(arrays, version) per device, in device order (a sum in a fixed order repeats to the bit)."""
         for dev in sorted(self.uploads):
             yield self.uploads[dev]
 
+    def version_sums(self, key: str, terms: Callable[[Arrays], Terms]) -> list[tuple[int, Terms]]:
+        """(version, the sum of ``terms(arrays)`` over the devices whose latest upload trained from it), oldest
+        version first; each group's devices are summed in device order, one after the other (so one group of
+        fresh uploads sums to the bit as a synchronous round does). ``key`` names the ``terms`` function: its
+        results are kept per device and per group until the group changes."""
+        dev_terms = self._terms.setdefault(key, {})
+        sums = self._sums.setdefault(key, {})
+        out = []
+        for version in sorted(self._members):
+            total = sums.get(version)
+            if total is None:
+                acc: list[np.ndarray] | None = None
+                for dev in sorted(self._members[version]):
+                    t = dev_terms.get(dev)
+                    if t is None:
+                        t = dev_terms[dev] = terms(self.uploads[dev][0])
+                    if acc is None:
+                        acc = [np.array(x, copy=True) for x in t]
+                    else:
+                        for a, x in zip(acc, t, strict=True):
+                            a += x
+                assert acc is not None
+                total = sums[version] = tuple(acc)
+            out.append((version, total))
+        return out
+
     def state_dict(self) -> dict[str, Any]:
-        return {dev: {"version": v, "arrays": {k: {"dtype": str(a.dtype), "shape": list(a.shape),
-                                                    "data": a.ravel().tolist()} for k, a in arrays.items()}}
-                for dev, (arrays, v) in self.uploads.items()}
+        """Device id -> {"version", "arrays": {name: {"dtype", "shape", "b64"}}} (the entries are shared: the
+        caller serializes them and must not change them). A :class:`JsonDoc` whose text is put together from
+        each device's kept ``"id":{...}`` piece."""
+        pieces = self._pieces
+        for dev, entry in self._entries.items():
+            if dev not in pieces:
+                pieces[dev] = f"{json.dumps(dev)}:{entry.text}"
+        doc = JsonDoc(self._entries)
+        doc.preset("{" + ",".join(pieces[dev] for dev in self._entries) + "}")
+        return doc
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.uploads = {
-            dev: ({k: np.asarray(a["data"], dtype=a["dtype"]).reshape(a["shape"]) for k, a in e["arrays"].items()},
-                  int(e["version"]))
-            for dev, e in state.items()}
+        self._reset()
+        for dev, e in state.items():
+            self.put(dev, {k: _array(a) for k, a in e["arrays"].items()}, int(e["version"]))
