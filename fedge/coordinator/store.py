@@ -5,7 +5,10 @@ Files (all 0600: they hold what devices said about themselves):
 * ``globals.safetensors`` — every published artifact, keys ``artifact/tensor``;
 * ``reports.jsonl`` — one :class:`RoundReport` per completed round, appended;
 * ``state.json`` — written last: rounds completed, registered devices, the strategy's
-  state, the run id, artifact versions, measured latencies. A crash before it
+  state, the run id, artifact versions, measured latencies. A part of the strategy's state
+  that changes a few keys at a time (a :class:`LogDoc`: asynchronous FedProto's and FedVTC's
+  latest upload of every device) lives in an append-only log beside it, ``<path>-<n>.jsonl``,
+  which ``state.json`` names with the bytes that count (``fedge.coordinator.statelog``). A crash before it
   leaves the previous ``state.json`` pointing at round N-1 (and at N-1 report
   lines: a report line of round N beyond them is cut off on load), and round N
   is simply run again;
@@ -35,7 +38,8 @@ import numpy as np
 from fedge.common.rounds import DeviceInfo
 from fedge.common.tensorcodec import Payload, decode, encode
 from fedge.coordinator.report import RoundReport
-from fedge.coordinator.strategy import JsonDoc
+from fedge.coordinator.statelog import StateLogs, is_ref
+from fedge.coordinator.strategy import JsonDoc, LogDoc
 from fedge.errors import CheckpointError, FedgeError
 
 log = logging.getLogger(__name__)
@@ -86,6 +90,7 @@ class EngineStore:
         self._buffer_dirty = False  # records written since the last buffer_sync
         self._log_size = 0  # bytes in that log
         self._log_end: tuple[int, int] = (0, 0)  # (version, byte) where buffer_load found that log's last record end
+        self._logs = StateLogs(self.dir)  # the strategy's LogDocs, each in its append-only log
 
     def exists(self) -> bool:
         """Whether a previous run left a state here."""
@@ -121,7 +126,12 @@ class EngineStore:
             "latency": state.latency,
             "tasks": state.tasks,
         }
-        _atomic_write(self.dir / STATE_FILE, _state_json(doc))
+        try:
+            _atomic_write(self.dir / STATE_FILE, _state_json(doc, self._logs))
+        except BaseException:
+            self._logs.abort()
+            raise
+        self._logs.commit()
 
     def _devices_doc(self, devices: dict[str, DeviceInfo]) -> JsonList:
         """``state.json``'s device list: each device's ``to_dict()``, made again only for a new DeviceInfo, and
@@ -167,7 +177,7 @@ class EngineStore:
                 method=method,
                 fleet=fleet,
                 devices={d["device_id"]: DeviceInfo.from_dict(d) for d in doc["devices"]},
-                strategy=dict(doc.get("strategy", {})),
+                strategy=self._resolve(dict(doc.get("strategy", {}))),
                 run_id=str(doc.get("run_id") or ""),
                 global_rounds={str(k): int(v) for k, v in doc.get("global_rounds", {}).items()},
                 latency={str(p): {str(d): float(s) for d, s in per.items()}
@@ -188,6 +198,14 @@ class EngineStore:
             artifact, name = key.split("/", 1)
             state.globals.setdefault(artifact, {})[name] = arr
         return state
+
+    def _resolve(self, value: Any) -> Any:
+        """``value`` from ``state.json`` with every log reference in it replaced by the log's object."""
+        if is_ref(value):
+            return self._logs.read(value)
+        if isinstance(value, dict):
+            return {k: self._resolve(v) for k, v in value.items()}
+        return value
 
     # -- asynchronous mode's buffer ------------------------------------------------------------
     def buffer_add(self, version: int, index: int, data: bytes) -> None:
@@ -359,19 +377,19 @@ def _read_records(path: Path) -> tuple[list[bytes], int]:
     return out, at
 
 
-def _state_json(doc: dict[str, Any]) -> bytes:
-    """``state.json``'s text: one top-level key per line, each value compact.
+def _state_json(doc: dict[str, Any], logs: StateLogs | None = None) -> bytes:
+    """``state.json``'s text: one top-level key per line, each value compact; each :class:`LogDoc` in it written
+    to its log by ``logs`` and named by a reference.
 
     ``json.dumps`` with ``indent`` runs the pure-Python encoder; without it, the C encoder is some ten
     times faster. The file is written after every round (asynchronous mode: every version, with every
-    registered device and, for FedProto and FedVTC, every device's latest upload in it), so it is encoded
-    compactly, one key per line to stay readable.
+    registered device in it), so it is encoded compactly, one key per line to stay readable.
     """
     pieces = ["{\n"]
     for i, (k, v) in enumerate(doc.items()):
-        pieces += [",\n" if i else "", json.dumps(k), ": ", _compact(v)]
+        pieces += [",\n" if i else "", json.dumps(k), ": ", _compact(v, logs, k)]
     pieces.append("\n}\n")
-    return "".join(pieces).encode()  # one join: the latest uploads alone are megabytes at N = 1000
+    return "".join(pieces).encode()
 
 
 class JsonList(list[Any]):
@@ -380,12 +398,16 @@ class JsonList(list[Any]):
     text: str = ""
 
 
-def _compact(value: Any) -> str:
-    """``value`` as compact JSON; a :class:`JsonDoc` inside (nested in dicts) is written as its kept text."""
+def _compact(value: Any, logs: StateLogs | None = None, path: str = "") -> str:
+    """``value`` as compact JSON; a :class:`JsonDoc` inside (nested in dicts) is written as its kept text, a
+    :class:`LogDoc` (at ``path`` in the state) to its log by ``logs``, as a reference."""
+    if isinstance(value, LogDoc) and logs is not None:
+        return logs.write(path, value, _compact)
     if isinstance(value, JsonDoc | JsonList):
         return value.text
     if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()):
-        return "{" + ",".join(f"{json.dumps(str(k))}:{_compact(v)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{json.dumps(str(k))}:{_compact(v, logs, f'{path}.{k}')}"
+                              for k, v in value.items()) + "}"
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 

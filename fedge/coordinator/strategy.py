@@ -32,6 +32,29 @@ class JsonDoc(dict[str, Any]):
         """Give the object's JSON text, made by whoever made the object (it must encode the same object)."""
         self.__dict__["_text"] = text
 
+
+class LogDoc(dict[str, Any]):
+    """A JSON object in a :meth:`Strategy.state_dict` that changes a few keys at a time: the engine's store keeps
+    it in an append-only log beside ``state.json`` and appends only the keys set or deleted since the last
+    checkpoint (``fedge.coordinator.statelog``), so a checkpoint costs what changed, not the whole object.
+
+    Hand out the same object from every ``state_dict`` call (a new object is written whole, once). Only item
+    assignment and ``del`` are tracked; values are JSON-able (a :class:`JsonDoc` is written as its kept text).
+    A restarted coordinator gets a plain ``dict`` back in ``load_state_dict``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed: set[str] = set()  # keys set or deleted since the store last wrote them
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.changed.add(key)
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.changed.add(key)
+
+
 # name -> (shape, dtype kind) where kind is "float" or "int"
 UpdateSpec = dict[str, tuple[tuple[int, ...], str]]
 

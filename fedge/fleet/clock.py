@@ -97,6 +97,11 @@ class DeviceClock:
             return 0.0
         return work.macs / self.speed.mac_rate(work.spec, work.batch) * self._factor(rnd, "compute")
 
+    def train_s(self, rnd: int) -> float:
+        """Seconds of this device's own round of training (its ``work``) in round or task ``rnd``: what a
+        simulated device reports as its ``train_s``."""
+        return self.compute_s(self.work, rnd)
+
     def transfer_s(self, nbytes: int, *, up: bool, rnd: int = 0) -> float:
         """Seconds to move ``nbytes`` over the link: half the round-trip time, then bytes × 8 ÷ rate."""
         if nbytes <= 0:

@@ -75,8 +75,7 @@ class ClockedCoordinatorTransport(InMemoryCoordinatorTransport):
             before, handled = len(self.bus.updates), len(a.traffic)
             # the device reports the virtual seconds of its training as its train_s, not the simulating host's
             # time: the update's bytes (and so the clock) then repeat exactly for a seed
-            c = self.clock.devices[dev]
-            a.timer = Stopwatch(c.compute_s(c.work, info.round))
+            a.timer = Stopwatch(self.clock.devices[dev].train_s(info.round))
             a.step()
             if len(a.traffic) > handled and a.traffic[-1].round == info.round:
                 t = a.traffic[-1]

@@ -118,7 +118,7 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
             before, handled = len(self.bus.updates), len(agent.traffic)
             n = self._tasks_run[dev] = self._tasks_run[dev] + 1
             c = self.clock.devices[dev]
-            agent.timer = Stopwatch(c.compute_s(c.work, n))
+            agent.timer = Stopwatch(c.train_s(n))
             agent.step()
             sent = list(self.bus.updates)[before:]  # held back until they arrive
             for _ in sent:

@@ -281,7 +281,7 @@ class ParallelFleet:
         changed = {k: v for k, v in self.bus.globals.items() if self._sent.get(k) is not v}
         t0 = time.perf_counter()
         # The final evaluation takes no virtual time (fedge.sim.clocked); a training round the clock's.
-        train_s = {dev: 0.0 if info.is_final else c.compute_s(c.work, rnd) for dev, c in self.clock.devices.items()}
+        train_s = {dev: 0.0 if info.is_final else c.train_s(rnd) for dev, c in self.clock.devices.items()}
         results = self.pool.broadcast("run_round", raw, changed, train_s)
         wall = time.perf_counter() - t0
         self._sent.update(changed)

@@ -100,16 +100,16 @@ def _run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, 
 
 
 def _clock_of(cfg: FleetConfig, coord: CoordinatorTransport, slots: list[DeviceSlot],
-              reports: list[RoundReport]) -> FleetClock | None:
+              reports: list[RoundReport], unused: FleetClock | None = None) -> FleetClock | None:
     """The in-process transport's own clock, or (a transport on the real clock, worker processes) the rounds
-    timed afterwards from the reports; None for asynchronous versions on the real clock (over MQTT), which
-    have no synchronous replay."""
+    timed afterwards from the reports — into ``unused``, a fleet clock no round was timed on yet, if the caller
+    has one; None for asynchronous versions on the real clock (over MQTT), which have no synchronous replay."""
     clock = getattr(coord, "clock", None)
     if isinstance(clock, FleetClock):
         return clock
     if cfg.asynchronous is not None:
         return None
-    return replay_clock(fleet_clock(cfg, slots), reports)
+    return replay_clock(unused or fleet_clock(cfg, slots), reports)
 
 
 def _engine(cfg: FleetConfig, strat: Strategy, coord: CoordinatorTransport, slots: list[DeviceSlot]) -> RoundEngine:
@@ -201,4 +201,4 @@ def _run_parallel(cfg: FleetConfig, on_round: Callable[[RoundReport], None] | No
     finally:
         pool.close()
     return (devices, agents, engine.reports, engine.globals, {"simulation": fleet.run.to_dict()}, lost,
-            _clock_of(cfg, coord, slots, engine.reports))
+            _clock_of(cfg, coord, slots, engine.reports, fleet.clock))  # the workers' train_s came from it

@@ -11,13 +11,12 @@ every device delivering every version at staleness 0 this is the synchronous agg
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from fedge.coordinator.strategy import Arrays, JsonDoc
+from fedge.coordinator.strategy import Arrays, JsonDoc, LogDoc
 
 Terms = tuple[np.ndarray, ...]  # what one device's upload adds to a running aggregate, before its weight
 
@@ -46,8 +45,8 @@ class LatestUploads:
     device's, while a version changes only the ``buffer_size`` devices that delivered into it. So:
 
     * each device's JSON entry is made once, when its upload arrives (its arrays' bytes in base64, not lists
-      of numbers), and :meth:`state_dict` hands out the kept entries (:class:`JsonDoc`: the store writes their
-      text as it is);
+      of numbers), and :meth:`state_dict` hands out the kept entries as one :class:`LogDoc`: a checkpoint appends
+      only the entries of the devices that delivered since the previous one (``fedge.coordinator.statelog``);
     * :meth:`version_sums` sums the uploads **per version they trained from** (a staleness weight is the same
       for all of them) and keeps those sums until a device joins or leaves that version's group: a version's
       aggregate then costs one pass over the groups, plus a sum over the devices of the groups that changed.
@@ -58,8 +57,7 @@ class LatestUploads:
 
     def _reset(self) -> None:
         self.uploads: dict[str, tuple[Arrays, int]] = {}
-        self._entries: dict[str, JsonDoc] = {}  # device id -> its upload as state_dict gives it
-        self._pieces: dict[str, str] = {}  # device id -> '"id":' and its entry's JSON text (made at a checkpoint)
+        self._entries = LogDoc()  # device id -> its upload as state_dict gives it (JsonDoc)
         self._members: dict[int, set[str]] = {}  # version trained from -> devices whose latest upload it is
         self._terms: dict[str, dict[str, Terms]] = {}  # key -> device id -> its terms (version_sums)
         self._sums: dict[str, dict[int, Terms]] = {}  # key -> version -> the sum of its devices' terms
@@ -72,7 +70,6 @@ class LatestUploads:
             self._leave(device_id, old[1])
         self.uploads[device_id] = (kept, version)
         self._entries[device_id] = _entry(kept, version)
-        self._pieces.pop(device_id, None)
         self._members.setdefault(version, set()).add(device_id)
         for key, terms in self._terms.items():
             terms.pop(device_id, None)
@@ -117,17 +114,10 @@ class LatestUploads:
             out.append((version, total))
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """Device id -> {"version", "arrays": {name: {"dtype", "shape", "b64"}}} (the entries are shared: the
-        caller serializes them and must not change them). A :class:`JsonDoc` whose text is put together from
-        each device's kept ``"id":{...}`` piece."""
-        pieces = self._pieces
-        for dev, entry in self._entries.items():
-            if dev not in pieces:
-                pieces[dev] = f"{json.dumps(dev)}:{entry.text}"
-        doc = JsonDoc(self._entries)
-        doc.preset("{" + ",".join(pieces[dev] for dev in self._entries) + "}")
-        return doc
+    def state_dict(self) -> LogDoc:
+        """Device id -> {"version", "arrays": {name: {"dtype", "shape", "b64"}}}: the same :class:`LogDoc` at every
+        call (the entries are shared: the caller serializes them and must not change them)."""
+        return self._entries
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._reset()
