@@ -1,4 +1,4 @@
-"""Asynchronous against synchronous FedAvg (or FedProto) on one heterogeneous fleet, in virtual time (issue 27).
+"""Asynchronous against synchronous FedAvg (or FedProto, GeFL-F) on one heterogeneous fleet, in virtual time (issue 27).
 
 A fleet of ``--devices`` devices spread over five built-in profiles (Pi Zero 2 W, Pi 4, Jetson Nano, Pi 5,
 x86 gateway; one model, tier-xs, so FedAvg within its one group), Fashion-MNIST partitioned Dirichlet(0.5), runs
@@ -11,6 +11,10 @@ accuracy of each at the synchronous run's end time. ``--churn`` adds an asynchro
 70 % of the time (seeded on/off availability) against the same run without. ``--method fedproto``: FedProto has no
 global model, so the curve is the fleet's mean of each device's latest own evaluation (its model with the global
 prototypes, on the same test images, taken when it starts a round or task: of the version it trains from).
+``--method geflf``: GeFL-F's three stages (LG-FedAvg warm-up, feature-generator rounds, head rounds) by round
+counts, ``--geflf-stages W G`` (the rest of ``--rounds`` trains the heads); an asynchronous version holds K updates
+where a round holds N, so its stages last W·N/K and G·N/K versions — as many device updates as the synchronous
+stages. Its curve is the fleet's mean of each device's own evaluation, as FedProto's.
 
     python -m benchmarks.async_ [--devices 30] [--rounds 10] [--buffer 10] [--seeds 0 1] [--churn]
 
@@ -44,14 +48,18 @@ def fleet_config(args: argparse.Namespace, seed: int, mode: str, churn: bool) ->
     per, extra = divmod(args.devices, len(PROFILES))
     groups = [{"profile": p, "count": per + (i < extra), "arch": "tier-xs"} for i, p in enumerate(PROFILES)]
     versions = 100 * args.rounds * args.devices // args.buffer  # an upper bound: the run stops at --until
+    scale = 1 if mode == "sync" else -(-args.devices // args.buffer)  # versions per round's worth of updates
     cfg: dict[str, Any] = {
         "run": {"method": args.method, "dataset": "fmnist", "seed": seed,
-                "eval_every": 1 if args.method == "fedproto" else 10**6,
+                "eval_every": 10**6 if args.method == "fedavg" else 1,
                 "rounds": args.rounds if mode == "sync" else versions, "name": f"async-{mode}"},
         "partition": {"kind": "dirichlet", "alpha": 0.5, "fraction": args.fraction},
         "train": {"lr": 0.05, "batch_size": 16, "local_epochs": 1},
         "devices": [g for g in groups if g["count"]],
     }
+    if args.method == "geflf":
+        warmup, gen = args.geflf_stages
+        cfg["method"] = {"warmup_rounds": warmup * scale, "gen_rounds": gen * scale, "gen_epochs": args.gen_epochs}
     if churn:
         # 70 % online on average: on spells of 7 and off spells of 3 typical round times of a mid device
         cfg["clock"] = {"availability": "onoff", "online_mean_s": 7 * args.spell_s, "offline_mean_s": 3 * args.spell_s}
@@ -130,7 +138,7 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until:
 
 def cell(args: argparse.Namespace, seed: int, mode: str, churn: bool = False, until: float = 0.0) -> dict[str, Any]:
     """A run, from its JSON when it was saved with the same settings (``--force``: always run)."""
-    method = "" if args.method == "fedavg" else f"{args.method}-"
+    method = _prefix(args)
     name = (f"{method}{mode}{'-churn' if churn else ''}-n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}"
             f"-f{args.fraction}-s{seed}.json")
     path = OUT / name
@@ -192,7 +200,10 @@ def compare(sync: dict[str, Any], asyn: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.async_", description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, default=30)
-    ap.add_argument("--method", choices=("fedavg", "fedproto"), default="fedavg")
+    ap.add_argument("--method", choices=("fedavg", "fedproto", "geflf"), default="fedavg")
+    ap.add_argument("--geflf-stages", type=int, nargs=2, default=(2, 3), metavar=("W", "G"),
+                    help="geflf: warm-up and generator rounds (the rest of --rounds trains the heads)")
+    ap.add_argument("--gen-epochs", type=int, default=2, help="geflf: local generator epochs per generator round")
     ap.add_argument("--rounds", type=int, default=10, help="synchronous rounds (async: the same device updates)")
     ap.add_argument("--buffer", type=int, default=10, help="K: updates per version")
     ap.add_argument("--max-staleness", type=int, default=20)
@@ -238,12 +249,20 @@ def main(argv: list[str] | None = None) -> int:
                            f"{100 * c['late_mean_churn']:.1f}", f"{c['late_loss_points']:+.1f}"] for c in churn_all]))
     summary = {"args": {k: v for k, v in vars(args).items() if k != "force"}, "round_s_by_profile": times,
                "compare": cmp_all, "churn": churn_all}
-    method = "" if args.method == "fedavg" else f"{args.method}-"
+    method = _prefix(args)
     seeds = "-".join(str(x) for x in args.seeds)
     name = (f"async-summary-{method}n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}-f{args.fraction}"
             f"{'-churn' if args.churn else ''}-s{seeds}.json")
     (RESULTS / name).write_text(json.dumps(summary, indent=1))
     return 0
+
+
+def _prefix(args: argparse.Namespace) -> str:
+    """A run's file name starts with its method (none: FedAvg) and, for GeFL-F, its stages."""
+    if args.method == "geflf":
+        warmup, gen = args.geflf_stages
+        return f"geflf-w{warmup}g{gen}e{args.gen_epochs}-"
+    return "" if args.method == "fedavg" else f"{args.method}-"
 
 
 def _s(t: float | None) -> str:

@@ -240,15 +240,16 @@ HONEST_FLEET = """
 [run]
 method = "fedproto"
 rounds = {rounds}
-dataset = "digits"
+dataset = "{dataset}"
 fleet = "honest"
 seed = 0
+eval_every = {eval_every}
 
 [partition]
-fraction = 0.3
+fraction = {fraction}
 
 [train]
-local_epochs = 2
+local_epochs = {epochs}
 
 [[devices]]
 profile = "x86-gateway"
@@ -272,6 +273,7 @@ def honesty(cfg: Any, reports: list[Any]) -> dict[str, Any]:
     clock = replay_clock(fleet_clock(cfg, checked_slots(cfg)), reports)
     timed = {r.round: r for r in clock.rounds}
     devices: dict[str, list[float]] = {}
+    seconds: dict[str, list[tuple[float, float]]] = {}  # (measured, virtual) per round
     rounds = []
     for rep in reports:
         vr = timed.get(rep.round)
@@ -280,15 +282,17 @@ def honesty(cfg: Any, reports: list[Any]) -> dict[str, Any]:
         for dev, t in rep.train_s.items():
             v = vr.devices[dev].compute_s
             devices.setdefault(dev, []).append(t / v)
+            seconds.setdefault(dev, []).append((t, v))
         rounds.append({"round": rep.round, "measured_s": rep.seconds, "virtual_s": vr.seconds,
                        "ratio": rep.seconds / vr.seconds if vr.seconds else None})
     lo, hi = HONEST_BAND
-    per_device = {d: {"ratios": r, "median": statistics.median(r), "ok": lo <= statistics.median(r) <= hi}
-                  for d, r in devices.items()}
+    per_device = {d: {"ratios": r, "seconds": seconds[d], "median": statistics.median(r),
+                      "ok": lo <= statistics.median(r) <= hi} for d, r in devices.items()}
     return {"devices": per_device, "rounds": rounds, "band": HONEST_BAND}
 
 
-def honest(rounds: int, work: str) -> dict[str, Any]:
+def honest(rounds: int, work: str, *, dataset: str = "digits", fraction: float = 0.3,
+           eval_every: int = 1, epochs: int = 2) -> dict[str, Any]:
     """Run the 3-profile fleet in Docker (``fedge emulate``) and compare it with the virtual clock."""
     from pathlib import Path
 
@@ -301,7 +305,8 @@ def honest(rounds: int, work: str) -> dict[str, Any]:
     out = Path(work).resolve()
     out.mkdir(parents=True, exist_ok=True)
     fleet = out / "honest.toml"
-    fleet.write_text(HONEST_FLEET.format(rounds=rounds))
+    fleet.write_text(HONEST_FLEET.format(rounds=rounds, dataset=dataset, fraction=fraction, eval_every=eval_every,
+                                        epochs=epochs))
     emu = lifecycle.prepare(fleet, out / "emu", images=tags, device_args=("--keep-running",))
     t0 = time.perf_counter()
     try:
@@ -313,13 +318,16 @@ def honest(rounds: int, work: str) -> dict[str, Any]:
     finally:
         lifecycle.down(emu)
     res = honesty(load_fleet(fleet), reports)
-    return {"rounds": rounds, "wall_s": time.perf_counter() - t0, "limits": emu.limits, **res}
+    return {"rounds": rounds, "dataset": dataset, "fraction": fraction, "eval_every": eval_every, "epochs": epochs,
+            "wall_s": time.perf_counter() - t0, "limits": emu.limits, **res}
 
 
 def print_honest(res: dict[str, Any]) -> None:
-    rows = [[d, ", ".join(f"{x:.2f}" for x in v["ratios"]), f"{v['median']:.2f}", "yes" if v["ok"] else "NO"]
-            for d, v in res["devices"].items()]
-    print(text_table(["device", "measured / virtual per round", "median", "in 0.67-1.5"], rows))
+    rows = [[d, ", ".join(f"{x:.2f}" for x in v["ratios"]),
+             ", ".join(f"{m:.1f}/{s:.1f}" for m, s in v.get("seconds", [])), f"{v['median']:.2f}",
+             "yes" if v["ok"] else "NO"] for d, v in res["devices"].items()]
+    print(text_table(["device", "measured / virtual per round", "seconds (measured/virtual)", "median",
+                      "in 0.67-1.5"], rows))
     print("rounds (wall / virtual): " + ", ".join(f"{r['round']}: {r['ratio']:.2f}" for r in res["rounds"]
                                                    if r["ratio"] is not None))
 
@@ -335,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     hp = sub.add_parser("honest", help="the Docker-emulated fleet's time per round vs the virtual clock (Docker)")
     hp.add_argument("--rounds", type=int, default=4)
     hp.add_argument("--work", default="runs/bench-clock-honest")
+    hp.add_argument("--dataset", default="digits",
+                    help="digits (default; the device images hold no Fashion-MNIST)")
+    hp.add_argument("--fraction", type=float, default=0.3, help="share of the training set the 3 devices split")
+    hp.add_argument("--eval-every", type=int, default=1, help="rounds between the devices' evaluations")
+    hp.add_argument("--epochs", type=int, default=2, help="local epochs per round")
     sp = sub.add_parser("sampling", help="10 % of the fleet per round vs full participation at equal device compute")
     sp.add_argument("--devices", type=int, default=200)
     sp.add_argument("--sample", type=float, default=0.1)
@@ -361,9 +374,13 @@ def main(argv: list[str] | None = None) -> int:
         (RESULTS / "clock-order.json").write_text(json.dumps(res, indent=1))
         print_order(res)
     if args.what == "honest":
-        res = honest(args.rounds, args.work)
+        res = honest(args.rounds, args.work, dataset=args.dataset, fraction=args.fraction, eval_every=args.eval_every,
+                     epochs=args.epochs)
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "clock-honest.json").write_text(json.dumps(res, indent=1, default=str))
+        default = (args.dataset, args.fraction, args.eval_every, args.epochs) == ("digits", 0.3, 1, 2)
+        name = "clock-honest" + ("" if default else
+                                 f"-{args.dataset}-f{args.fraction:g}-e{args.eval_every}-ep{args.epochs}")
+        (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
         print_honest(res)
     if args.what == "sampling":
         res = sampling(args)
