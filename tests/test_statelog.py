@@ -173,3 +173,16 @@ def test_a_damaged_reference_or_log_is_refused_naming_it(tmp_path: Path, ref: di
     with pytest.raises(CheckpointError, match=re.escape(error)) as exc:
         _load(tmp_path)
     assert "state directory" in (exc.value.hint or "")
+
+
+def test_a_deeply_nested_log_line_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """A log line is parsed with the nesting limit of untrusted JSON (fedge.common.boundedjson): 100,000 nested
+    lists are a CheckpointError naming the line, not a RecursionError."""
+    EngineStore(tmp_path).save(EngineState(completed=1, method="fedproto", fleet="f"), None)
+    line = b'["a",' + b"[" * 100_000 + b"]" * 100_000 + b"]\n"
+    (tmp_path / "strategy.latest-0.jsonl").write_bytes(line)
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    state["strategy"] = {"latest": {"$log": "strategy.latest-0.jsonl", "bytes": len(line)}}
+    (tmp_path / STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"strategy\.latest-0\.jsonl, line 1: the line is nested 100001 deep"):
+        _load(tmp_path)

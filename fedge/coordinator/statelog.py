@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedge.common import boundedjson
 from fedge.coordinator.strategy import LogDoc
-from fedge.errors import CheckpointError
+from fedge.errors import CheckpointError, FedgeError
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.]+-[0-9]+\.jsonl")  # a log's file name: nothin
 COMPACT_FACTOR = 2  # rewrite a log when it holds more than this many times its live bytes ...
 COMPACT_SLACK = 1 << 20  # ... plus this much (small logs are never worth rewriting)
 FILE_MODE = 0o600
+MAX_DEPTH = 32  # a log line is [key, value]; a value of a strategy's state nests a few levels
 
 
 @dataclass
@@ -46,6 +48,7 @@ class _Log:
     generation: int
     size: int  # bytes that state.json names (committed)
     sizes: dict[str, int] = field(default_factory=dict)  # key -> bytes of its last line
+    live: int = 0  # the sum of ``sizes``, kept as they change (a checkpoint touches K keys, not N)
     owner: LogDoc | None = None  # the object written into it (None: read from disk; the next write is whole)
     pending: int | None = None  # size after an append not yet committed by state.json
 
@@ -53,9 +56,12 @@ class _Log:
     def name(self) -> str:
         return f"{self.stem}-{self.generation}.jsonl"
 
-    @property
-    def live(self) -> int:
-        return sum(self.sizes.values())
+    def set_size(self, key: str, size: int | None) -> None:
+        """``key``'s last line is ``size`` bytes (None: the key was deleted)."""
+        self.live -= self.sizes.pop(key, 0)
+        if size is not None:
+            self.sizes[key] = size
+            self.live += size
 
 
 def is_ref(value: Any) -> bool:
@@ -84,8 +90,7 @@ class StateLogs:
         else:
             self._append(cur, doc, encode)
             self._written.append((cur, doc, None))
-        size = cur.size if cur.pending is None else cur.pending
-        return json.dumps({REF_KEY: cur.name, "bytes": size, "keys": len(doc)}, separators=(",", ":"))
+        return json.dumps({REF_KEY: cur.name, "bytes": cur.pending, "keys": len(doc)}, separators=(",", ":"))
 
     def commit(self) -> None:
         """``state.json`` now names what :meth:`write` wrote: forget the docs' changes, drop replaced files."""
@@ -120,24 +125,24 @@ class StateLogs:
         if len(raw) < size:
             raise CheckpointError(f"{path} holds {len(raw)} bytes, state.json names {size}",
                                   hint="the state directory is damaged; restore it or start another --state-dir")
+        stem, _, gen = name[:-len(".jsonl")].rpartition("-")
+        lg = _Log(stem, int(gen), size)
         out: dict[str, Any] = {}
-        sizes: dict[str, int] = {}
         for number, line in enumerate(raw[:size].splitlines(keepends=True), 1):
             try:
-                item = json.loads(line)
+                item = boundedjson.loads(line, max_bytes=size, max_depth=MAX_DEPTH, what="the line")
                 if not (isinstance(item, list) and len(item) in (1, 2) and isinstance(item[0], str)):
                     raise ValueError("not [key] or [key, value]")
-            except ValueError as exc:
-                raise CheckpointError(f"{path}, line {number}: {exc}",
+            except (ValueError, FedgeError) as exc:
+                why = exc.__cause__ if isinstance(exc.__cause__, ValueError) else exc  # the parser's own words
+                raise CheckpointError(f"{path}, line {number}: {why}",
                                       hint="restore the state directory or start another --state-dir") from exc
             if len(item) == 2:
                 out[item[0]] = item[1]
-                sizes[item[0]] = len(line)
             else:
                 out.pop(item[0], None)
-                sizes.pop(item[0], None)
-        stem, _, gen = name[:-len(".jsonl")].rpartition("-")
-        self._logs[stem] = _Log(stem, int(gen), size, sizes)
+            lg.set_size(item[0], len(line) if len(item) == 2 else None)
+        self._logs[stem] = lg
         return out
 
     def _append(self, lg: _Log, doc: LogDoc, encode: Callable[[Any], str]) -> None:
@@ -145,10 +150,7 @@ class StateLogs:
         for key in doc.changed:
             line = _line(key, doc, encode)
             lines.append(line)
-            if key in doc:
-                lg.sizes[key] = len(line)
-            else:
-                lg.sizes.pop(key, None)
+            lg.set_size(key, len(line) if key in doc else None)
         data = b"".join(lines)
         fd = os.open(self.dir / lg.name, os.O_WRONLY | os.O_CREAT, FILE_MODE)
         try:
@@ -170,23 +172,28 @@ class StateLogs:
         lines = []
         for key in doc:
             line = _line(key, doc, encode)
-            new.sizes[key] = len(line)
+            new.set_size(key, len(line))
             lines.append(line)
         data = b"".join(lines)
-        path = self.dir / new.name
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(self.dir / new.name, data)
         new.pending = len(data)
         self._logs[stem] = new
         if cur is not None:
             log.debug("%s: %s rewritten as %s (%d bytes for %d bytes of live lines)", self.dir, cur.name, new.name,
                       len(data), new.live)
         return new
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` (mode 0600): written to a temporary file, ``fsync``-ed, renamed."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, FILE_MODE)  # an older tmp file may have had another mode
+    os.replace(tmp, path)
 
 
 def _line(key: str, doc: LogDoc, encode: Callable[[Any], str]) -> bytes:

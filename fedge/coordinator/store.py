@@ -38,7 +38,8 @@ import numpy as np
 from fedge.common.rounds import DeviceInfo
 from fedge.common.tensorcodec import Payload, decode, encode
 from fedge.coordinator.report import RoundReport
-from fedge.coordinator.statelog import StateLogs, is_ref
+from fedge.coordinator.statelog import FILE_MODE, StateLogs, is_ref
+from fedge.coordinator.statelog import atomic_write as _atomic_write
 from fedge.coordinator.strategy import JsonDoc, LogDoc
 from fedge.errors import CheckpointError, FedgeError
 
@@ -50,7 +51,6 @@ REPORTS_FILE = "reports.jsonl"  # one line per completed round, appended (state.
 BUFFER_DIR = "buffer"  # asynchronous mode: the accepted updates of the version being built
 LOG_SUFFIX = ".updates"  # buffer/<version>.updates: the version's accepted updates, appended
 RECORD = struct.Struct("<QI")  # an accepted update's record in the log: its length and CRC-32, then its bytes
-FILE_MODE = 0o600
 
 
 class StateMismatchError(CheckpointError):
@@ -409,14 +409,3 @@ def _compact(value: Any, logs: StateLogs | None = None, path: str = "") -> str:
         return "{" + ",".join(f"{json.dumps(str(k))}:{_compact(v, logs, f'{path}.{k}')}"
                               for k, v in value.items()) + "}"
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, FILE_MODE)  # an older tmp file may have had another mode
-    os.replace(tmp, path)
