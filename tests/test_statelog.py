@@ -186,3 +186,76 @@ def test_a_deeply_nested_log_line_is_refused_not_a_crash(tmp_path: Path) -> None
     (tmp_path / STATE_FILE).write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match=r"strategy\.latest-0\.jsonl, line 1: the line is nested 100001 deep"):
         _load(tmp_path)
+
+
+def test_running_sums_follow_joins_and_leaves_without_summing_the_fleet_again() -> None:
+    """A version moves K devices between version groups: the kept sums take their terms in and out (the terms
+    function runs for the K newcomers, not the fleet) and equal the groups summed afresh, as a restart sums
+    them."""
+    from fedge.coordinator.strategies.fedproto import _terms
+    from fedge.coordinator.strategies.running import LatestUploads
+
+    rng = np.random.default_rng(3)
+    calls: list[int] = []
+
+    def counted(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+        calls.append(1)
+        return _terms(arrays)
+
+    def upload() -> dict[str, np.ndarray]:
+        return {"protos": rng.normal(size=(4, 6)).astype(np.float32), "counts": rng.integers(0, 50, 4)}
+
+    latest = LatestUploads()
+    for i in range(40):
+        latest.put(f"d{i:02d}", upload(), i % 5)  # five groups of eight
+    latest.version_sums("p", counted)
+    assert len(calls) == 40
+    for version in range(5, 12):
+        calls.clear()
+        movers = rng.choice(40, 6, replace=False)
+        for j in movers:  # into the newest group and into groups summed before
+            latest.put(f"d{j:02d}", upload(), int(rng.integers(version - 5, version + 1)))
+        got = latest.version_sums("p", counted)
+        assert len(calls) <= 6  # the newcomers' terms; no group summed over again
+        fresh = LatestUploads()
+        fresh.load_state_dict(json.loads(json.dumps(dict(latest.state_dict()))))
+        want = fresh.version_sums("p", _terms)
+        assert [v for v, _ in got] == [v for v, _ in want]
+        for (_, g), (_, w) in zip(got, want, strict=True):
+            np.testing.assert_allclose(g[0], w[0], rtol=1e-12, atol=1e-9)
+            np.testing.assert_array_equal(g[1], w[1])  # counts: integers, exact
+
+
+def test_an_upload_entry_is_the_json_of_its_arrays() -> None:
+    """The entry's text, put together by hand, is the JSON of the entry (names escaped) and loads back."""
+    from fedge.coordinator.strategies.running import _array, _entry
+
+    arrays = {'pro"to\\s': np.arange(6, dtype=np.float32).reshape(2, 3), "counts": np.arange(3, dtype=np.int64)}
+    e = _entry(arrays, 7)
+    assert json.loads(e.text) == json.loads(json.dumps(dict(e)))
+    back = json.loads(e.text)
+    assert back["version"] == 7
+    for k, a in arrays.items():
+        np.testing.assert_array_equal(_array(back["arrays"][k]), a)
+        assert _array(back["arrays"][k]).dtype == a.dtype
+
+
+def test_the_device_list_follows_a_new_hello_and_a_device_gone(tmp_path: Path) -> None:
+    """state.json's device list is kept between checkpoints while no device changed, and is written again
+    when one registers anew (a new DeviceInfo) or leaves."""
+    store = EngineStore(tmp_path)
+    devices = {f"d{i}": DeviceInfo(f"d{i}", "tier-xs", "p", num_samples=10) for i in range(3)}
+
+    def saved() -> dict[str, int]:
+        state = EngineStore(tmp_path).load(method="fedproto", fleet="f")
+        return {d: info.num_samples for d, info in state.devices.items()}
+
+    store.save(EngineState(completed=1, method="fedproto", fleet="f", devices=devices), None)
+    store.save(EngineState(completed=2, method="fedproto", fleet="f", devices=devices), None)
+    assert saved() == {"d0": 10, "d1": 10, "d2": 10}
+    devices["d1"] = DeviceInfo("d1", "tier-xs", "p", num_samples=99)  # its new hello
+    store.save(EngineState(completed=3, method="fedproto", fleet="f", devices=devices), None)
+    assert saved() == {"d0": 10, "d1": 99, "d2": 10}
+    del devices["d0"]
+    store.save(EngineState(completed=4, method="fedproto", fleet="f", devices=devices), None)
+    assert saved() == {"d1": 99, "d2": 10}

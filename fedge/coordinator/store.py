@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import struct
 import typing
@@ -84,8 +85,8 @@ class EngineStore:
         # round (asynchronous mode: every version), while a device's entry changes only with a new hello,
         # which registers a new (frozen) DeviceInfo
         self._device_docs: dict[str, tuple[DeviceInfo, dict[str, Any]]] = {}
-        self._devices_text: str | None = None  # ... the list's JSON text, for the devices in this order
-        self._devices_order: list[str] = []
+        self._devices_list: JsonList | None = None  # ... the list, its JSON text made, for these devices:
+        self._devices_seen: list[DeviceInfo] = []  # the DeviceInfo objects it was made of, in order
         self._buffer_log: tuple[int, int] | None = None  # (version, fd) of the update log being appended to
         self._buffer_dirty = False  # records written since the last buffer_sync
         self._log_size = 0  # bytes in that log
@@ -135,23 +136,28 @@ class EngineStore:
 
     def _devices_doc(self, devices: dict[str, DeviceInfo]) -> JsonList:
         """``state.json``'s device list: each device's ``to_dict()``, made again only for a new DeviceInfo, and
-        the list's JSON text kept while no device changed."""
+        the list and its JSON text kept while no device changed.
+
+        Whether one changed is one identity test per device in C (``map(operator.is_, ...)``): asynchronous
+        mode checkpoints every version, and a Python loop over a fleet of thousands at each one was a cost
+        that grows with N (issue 27)."""
+        kept = self._devices_list
+        if (kept is not None and len(devices) == len(self._devices_seen)
+                and all(map(operator.is_, devices.values(), self._devices_seen))):
+            return kept  # the same DeviceInfo objects in the same order: the same devices (keyed by their ids)
         docs = self._device_docs
-        changed = len(docs) != len(devices)
         out = JsonList()
         for dev_id, dev in devices.items():
-            kept = docs.get(dev_id)
-            if kept is None or kept[0] is not dev:
-                kept = docs[dev_id] = (dev, dev.to_dict())
-                changed = True
-            out.append(kept[1])
+            doc = docs.get(dev_id)
+            if doc is None or doc[0] is not dev:
+                doc = docs[dev_id] = (dev, dev.to_dict())
+            out.append(doc[1])
         if len(docs) > len(devices):
             for gone in set(docs) - set(devices):
                 del docs[gone]
-        if changed or self._devices_text is None or list(devices) != self._devices_order:
-            self._devices_text = json.dumps(out, separators=(",", ":"), allow_nan=False)
-            self._devices_order = list(devices)
-        out.text = self._devices_text
+        out.text = json.dumps(out, separators=(",", ":"), allow_nan=False)
+        self._devices_list = out
+        self._devices_seen = list(devices.values())
         return out
 
     def load(self, *, method: str, fleet: str) -> EngineState:

@@ -26,6 +26,9 @@ class StatusBook:
         self.status_grace_s = status_grace_s
         self.clock = clock
         self._status: dict[str, tuple[bool, float]] = {}  # device id -> (online, time received)
+        # devices whose latest status is ``offline``: what :meth:`offline` looks at, so that asking (the engine
+        # asks twice per round or version) costs the offline devices, not the fleet
+        self._down: set[str] = set()
         # Recent outages of our own connection: [start, end], end None while it lasts (a list: a second drop
         # soon after a reconnection must not make the first one's last-wills believable).
         self._outages: list[list[float | None]] = []
@@ -33,6 +36,10 @@ class StatusBook:
     def record(self, device_id: str, online: bool) -> None:
         """A status message from ``device_id`` arrived now."""
         self._status[device_id] = (online, self.clock())
+        if online:
+            self._down.discard(device_id)
+        else:
+            self._down.add(device_id)
 
     def connection_lost(self) -> None:
         """Our own connection to the broker dropped: an outage begins (unless one is already going on)."""
@@ -50,7 +57,7 @@ class StatusBook:
     def offline(self) -> set[str]:
         """Devices whose latest status is a believable ``offline`` (see the module's docstring)."""
         gone = self._offline_test()
-        return {d for d in self._status if gone(d)}
+        return {d for d in self._down if gone(d)}
 
     def all_offline(self, devices: Iterable[str]) -> bool:
         """Whether every one of ``devices`` is in :meth:`offline` — stopping at the first that is not, where

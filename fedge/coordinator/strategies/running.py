@@ -11,6 +11,7 @@ every device delivering every version at staleness 0 this is the synchronous agg
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,12 +23,23 @@ Terms = tuple[np.ndarray, ...]  # what one device's upload adds to a running agg
 
 
 def _entry(arrays: Arrays, version: int) -> JsonDoc:
-    """One device's upload as JSON: each array's bytes in base64 (little-endian dtype, shape)."""
+    """One device's upload as JSON: each array's bytes in base64 (little-endian dtype, shape).
+
+    Its text is put together here rather than by ``json.dumps`` (which would scan every base64 string for
+    characters to escape): every accepted update of an asynchronous FedProto / FedVTC run makes one, and the
+    checkpoint writes it (issue 27's cost). Only the array names need escaping; dtype strings, shapes and
+    base64 never do."""
     out = {}
+    parts = []
     for k, a in arrays.items():
         a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
-        out[k] = {"dtype": a.dtype.str, "shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode()}
-    return JsonDoc({"version": version, "arrays": out})
+        item = out[k] = {"dtype": a.dtype.str, "shape": [int(n) for n in a.shape],
+                         "b64": base64.b64encode(a.tobytes()).decode()}
+        parts.append(f'{json.dumps(k)}:{{"dtype":"{item["dtype"]}","shape":[{",".join(map(str, item["shape"]))}],'
+                     f'"b64":"{item["b64"]}"}}')
+    doc = JsonDoc({"version": int(version), "arrays": out})
+    doc.preset(f'{{"version":{int(version)},"arrays":{{{",".join(parts)}}}}}')
+    return doc
 
 
 def _array(doc: dict[str, Any]) -> np.ndarray:
@@ -48,8 +60,9 @@ class LatestUploads:
       of numbers), and :meth:`state_dict` hands out the kept entries as one :class:`LogDoc`: a checkpoint appends
       only the entries of the devices that delivered since the previous one (``fedge.coordinator.statelog``);
     * :meth:`version_sums` sums the uploads **per version they trained from** (a staleness weight is the same
-      for all of them) and keeps those sums until a device joins or leaves that version's group: a version's
-      aggregate then costs one pass over the groups, plus a sum over the devices of the groups that changed.
+      for all of them) and keeps those sums, adding a device that joins a group and subtracting one that
+      leaves: a version's aggregate then costs one pass over the groups, plus a sum over the devices of the
+      groups that formed since the last.
     """
 
     def __init__(self) -> None:
@@ -61,6 +74,7 @@ class LatestUploads:
         self._members: dict[int, set[str]] = {}  # version trained from -> devices whose latest upload it is
         self._terms: dict[str, dict[str, Terms]] = {}  # key -> device id -> its terms (version_sums)
         self._sums: dict[str, dict[int, Terms]] = {}  # key -> version -> the sum of its devices' terms
+        self._fns: dict[str, Callable[[Arrays], Terms]] = {}  # key -> its terms function (version_sums)
 
     def put(self, device_id: str, arrays: Arrays, version: int) -> None:
         """Keep ``arrays`` as ``device_id``'s latest upload (trained from ``version``)."""
@@ -73,15 +87,30 @@ class LatestUploads:
         self._members.setdefault(version, set()).add(device_id)
         for key, terms in self._terms.items():
             terms.pop(device_id, None)
-            self._sums[key].pop(version, None)
+            total = self._sums[key].get(version)
+            if total is not None:  # a group summed before: the newcomer's terms added to it (see _leave)
+                mine = terms[device_id] = self._fns[key](kept)
+                self._sums[key][version] = tuple(t + x for t, x in zip(total, mine, strict=True))
 
     def _leave(self, device_id: str, version: int) -> None:
+        """``device_id``'s upload from ``version`` is replaced: out of that version's group and its sums.
+
+        A kept sum has the device's terms subtracted (and a newcomer's added, in :meth:`put`) rather than
+        being dropped and summed again: every version moves ``buffer_size`` devices between groups, and
+        summing the groups they touch again cost a pass over the whole fleet per version (issue 27's cost at
+        K = N / 10). Each step rounds (float64, an ulp of the group's sum; a group summed afresh, as after a
+        restart, can differ in its last bits); a group that empties is dropped, and a group first summed in
+        a version is summed in device order, so a buffer of fresh uploads still equals a synchronous round to
+        the bit."""
         group = self._members[version]
         group.discard(device_id)
         if not group:
             del self._members[version]
-        for sums in self._sums.values():
-            sums.pop(version, None)
+        for key, sums in self._sums.items():
+            total = sums.pop(version, None)
+            mine = self._terms[key].get(device_id)
+            if total is not None and group and mine is not None:
+                sums[version] = tuple(t - x for t, x in zip(total, mine, strict=True))
 
     def items(self) -> Iterator[tuple[Arrays, int]]:
         """(arrays, version) per device, in device order (a sum in a fixed order repeats to the bit)."""
@@ -93,6 +122,7 @@ class LatestUploads:
         version first; each group's devices are summed in device order, one after the other (so one group of
         fresh uploads sums to the bit as a synchronous round does). ``key`` names the ``terms`` function: its
         results are kept per device and per group until the group changes."""
+        self._fns[key] = terms
         dev_terms = self._terms.setdefault(key, {})
         sums = self._sums.setdefault(key, {})
         out = []
