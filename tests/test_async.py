@@ -175,7 +175,7 @@ def _run(tmp_path: Path, name: str, **fmt: object) -> tuple[dict, list[Any]]:
 
 
 def test_a_seeded_async_run_in_process_repeats_exactly_in_virtual_time(tmp_path: Path) -> None:
-    churn = 'availability = "onoff"\nonline_mean_s = 0.05\noffline_mean_s = 0.02\njitter = 0.3'
+    churn = 'availability = "onoff"\nonline_mean_s = 0.25\noffline_mean_s = 0.1\njitter = 0.3'
     (one, reports), (two, again) = _run(tmp_path, "a", clock=churn), _run(tmp_path, "b", clock=churn)
     assert [(r.accepted, r.staleness, r.rejected) for r in reports] == [(r.accepted, r.staleness, r.rejected)
                                                                          for r in again]
@@ -317,3 +317,12 @@ def test_the_update_log_keeps_whole_records_and_drops_a_torn_one(tmp_path: Path)
     assert restarted.buffer_load(5)[0] == [b"old"]
     restarted.buffer_clear()
     assert not list((tmp_path / BUFFER_DIR).iterdir())
+
+
+def test_tasks_that_always_outlast_their_devices_online_spells_stop_the_run_with_the_reason(tmp_path: Path) -> None:
+    """Devices online for a hundredth of a task's virtual time lose every task: no version could ever be made,
+    and the simulation says so (naming the fix) instead of running forever."""
+    churn = 'availability = "onoff"\nonline_mean_s = 0.0005\noffline_mean_s = 0.0005'
+    with pytest.raises(ConfigError, match=r"tasks in a row were lost.*no version would ever be made") as info:
+        _run(tmp_path, "never", clock=churn)
+    assert "online_mean_s" in (info.value.hint or "")

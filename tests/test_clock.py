@@ -45,6 +45,9 @@ arch = "tier-xs"
 """
 
 
+DIGITS_TEST = 450  # scikit-learn's digits: 1,797 images, a quarter held out as the test split
+
+
 def test_two_device_fleet_clock_equals_the_hand_computation(tmp_path: Path) -> None:
     path = tmp_path / "two.toml"
     path.write_text(TWO.format(clock=""))
@@ -60,7 +63,10 @@ def test_two_device_fleet_clock_equals_the_hand_computation(tmp_path: Path) -> N
         for d in doc["devices"]:
             peak, up, down, rtt = hw[d["id"]]
             samples, i = d["num_train"], r - 1
-            compute = 3 * macs * samples * 2 / (peak * 1e9 * xs16)
+            # training (3 x forward MACs per sample, 2 epochs) and the evaluation every round starts with
+            # (eval_every = 1): one forward pass over its local test split and the 450 digits test images
+            tested = d["num_local_test"] + DIGITS_TEST
+            compute = (3 * macs * samples * 2 + macs * tested) / (peak * 1e9 * xs16)
             t_down = rtt / 2000 + d["bytes_down"][i] * 8 / (down * 1000)
             t_up = rtt / 2000 + d["bytes_up"][i] * 8 / (up * 1000)
             v = d["virtual"][i]
@@ -78,7 +84,7 @@ def test_two_device_fleet_clock_equals_the_hand_computation(tmp_path: Path) -> N
     assert zero["busy_share"] > 0.95 and pi4["busy_share"] < 0.5
     for d in doc["devices"]:
         assert d["busy_share"] + d["idle_share"] + d["offline_share"] == pytest.approx(1.0)
-        # a simulated device reports its training's virtual seconds as train_s (the final round: none)
+        # a simulated device reports its round's virtual compute seconds as train_s (the final round: none)
         assert d["train_s"][:2] == [round(v["compute_s"], 6) for v in d["virtual"][:2]] and d["train_s"][2] == 0
     tta = doc["time_to_accuracy"]
     assert [p["after_round"] for p in tta] == [0, 1, 2] and tta[-1]["virtual_s"] == pytest.approx(start)
@@ -119,6 +125,31 @@ def test_jitter_is_seeded_mean_one_and_independent_of_order() -> None:
     assert sum(draws) / len(draws) == pytest.approx(1.0, abs=0.02)
     assert d.compute_s(d.work, 7) == device(2, jitter=0.2).compute_s(d.work, 7)  # a fresh clock, the same value
     assert device(3, jitter=0.2).compute_s(d.work, 7) != d.compute_s(d.work, 7)  # another device, another draw
+
+
+def test_the_rounds_a_device_evaluates_in_are_on_its_clock() -> None:
+    """A round that starts with an evaluation (``eval_every``, the agent's rule) adds one forward pass over the
+    device's test images to its compute, at its training rate; other rounds and a final one (no work) do not."""
+    p = load_profile("rpi4-4gb")
+    spec = tier_arch("m")
+    work = TrainWork(spec, 64, 500, 1, eval_samples=300)
+    d = DeviceClock("d", 0, speed_model(p), p.network, Availability(), work, eval_every=3)
+    train = d.compute_s(work, 1)
+    evaluation = spec.macs() * 300 / speed_model(p).mac_rate(spec, 64)
+    assert evaluation > 0.1 * train  # large enough to see
+    extra = {r: d.train_s(r) - train for r in range(1, 9)}
+    # after rounds 3 and 6 (the starts of rounds 4 and 7); not the initial model, as eval_every > 1
+    assert [r for r, x in extra.items() if x] == [4, 7]
+    assert extra[4] == pytest.approx(evaluation, rel=1e-12)
+    assert d.timing(4, bytes_down=0, bytes_up=0, work=work).compute_s == pytest.approx(train + evaluation)
+    assert d.timing(4, bytes_down=0, bytes_up=0, work=None).compute_s == 0.0
+    # asynchronous mode: the task counter seeds the jitter, the version being built decides the evaluation
+    assert d.train_s(5, eval_round=7) == pytest.approx(train + evaluation)
+    assert d.timing(4, bytes_down=0, bytes_up=0, work=work, eval_round=5).compute_s == pytest.approx(train)
+    every = DeviceClock("d", 0, speed_model(p), p.network, Availability(), work, eval_every=1)
+    assert every.train_s(1) == pytest.approx(train + evaluation)  # eval_every = 1: the initial model too
+    none = DeviceClock("d", 0, speed_model(p), p.network, Availability(), TrainWork(spec, 64, 500, 1))
+    assert none.train_s(1) == pytest.approx(train)  # no test images: nothing to time
 
 
 def test_intervals_answer_the_three_questions() -> None:

@@ -106,6 +106,17 @@ EXTRACTOR_PREFIX = "extractor."  # state-dict entries of the common stem (FedgeN
 GENERATOR_PREFIX = "generator."  # generator weights in an upload (models use extractor./body./...)
 
 
+def evaluates_at(round_: int, eval_every: int, *, final: bool = False) -> bool:
+    """Whether a device evaluates at the start of round ``round_``: the model after round r = round_ - 1.
+
+    Every ``eval_every``-th round's model and the final one; the initial model (r = 0) only when every round is
+    evaluated (``eval_every = 1``), so ``eval_every = rounds`` costs one evaluation. The device agent follows it,
+    and the virtual clock times the evaluations by it (``fedge.fleet.clock``)."""
+    done = round_ - 1
+    every = max(1, eval_every)
+    return final or (done % every == 0 and (done > 0 or every == 1))
+
+
 def group_artifact(arch: str) -> str:
     """Artifact holding the weights averaged within an architecture group."""
     return f"group-{arch}"

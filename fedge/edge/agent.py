@@ -16,7 +16,7 @@ import numpy as np
 
 from fedge.common.messages import Message
 from fedge.common.privacy import privatize, project_global
-from fedge.common.rounds import DeviceInfo, RoundInfo
+from fedge.common.rounds import DeviceInfo, RoundInfo, evaluates_at
 from fedge.common.transport import DeviceTransport
 from fedge.edge.methods.base import DeviceMethod
 from fedge.errors import PayloadError
@@ -108,13 +108,8 @@ class DeviceAgent:
         return True
 
     def evaluates(self, info: RoundInfo) -> bool:
-        """Whether the device evaluates at the start of ``info``'s round: the model after round r = info.round - 1.
-
-        Every ``eval_every``-th round's model and the final one; the initial model (r = 0) only when
-        every round is evaluated (``eval_every = 1``), so ``eval_every = rounds`` costs one evaluation.
-        """
-        done = info.round - 1
-        return info.is_final or (done % self.eval_every == 0 and (done > 0 or self.eval_every == 1))
+        """Whether the device evaluates at the start of ``info``'s round (:func:`fedge.common.rounds.evaluates_at`)."""
+        return evaluates_at(info.round, self.eval_every, final=info.is_final)
 
     def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:
         started = self.timer()  # info.train_s: this round's work on the device's own clock

@@ -4,7 +4,9 @@ Per device (:class:`DeviceClock`), for one round's work:
 
 * **download** — the descriptor and the global state it fetched: ``RTT/2 + bytes × 8 ÷ downlink``;
 * **compute** — its local training, ``3 × MACs × samples × epochs ÷`` the speed model's rate for its
-  model and batch (:mod:`fedge.profiles.speed`, or the profile's ``[measured]`` rates);
+  model and batch (:mod:`fedge.profiles.speed`, or the profile's ``[measured]`` rates), plus, in a round
+  whose start the device evaluates (``[run] eval_every``, :func:`fedge.common.rounds.evaluates_at`), one
+  forward pass over its test images (its local test split and the global test set) at the same rate;
 * **upload** — its update: ``RTT/2 + bytes × 8 ÷ uplink``;
 
 each part times a seeded mean-one lognormal jitter factor (σ = ``[clock] jitter``), drawn from the
@@ -31,10 +33,11 @@ from typing import Any
 import numpy as np
 
 from fedge.common.archs import ArchSpec
+from fedge.common.rounds import evaluates_at
 from fedge.errors import ConfigError
 from fedge.fleet.availability import Availability, OnOff, read_trace
 from fedge.fleet.config import ClockSection, FleetConfig
-from fedge.fleet.slots import DeviceSlot, device_profile
+from fedge.fleet.slots import DeviceSlot, device_profile, test_labels
 from fedge.profiles.schema import Network
 from fedge.profiles.speed import TRAIN_MACS_FACTOR, SpeedModel, speed_model
 
@@ -45,17 +48,24 @@ _PARTS = {"download": 1, "compute": 2, "upload": 3}  # jitter streams
 
 @dataclass(frozen=True)
 class TrainWork:
-    """One round of local training: ``epochs`` passes over ``samples`` samples of ``spec`` at ``batch``."""
+    """One round of local training: ``epochs`` passes over ``samples`` samples of ``spec`` at ``batch``; and
+    an evaluation, when the round has one, of ``eval_samples`` test images (one forward pass each)."""
 
     spec: ArchSpec
     batch: int
     samples: int
     epochs: int
+    eval_samples: int = 0
 
     @property
     def macs(self) -> float:
         """Training multiply-accumulates: 3 × forward MACs per sample × samples × epochs."""
         return float(TRAIN_MACS_FACTOR * self.spec.macs() * self.samples * self.epochs)
+
+    @property
+    def eval_macs(self) -> float:
+        """One evaluation's multiply-accumulates: forward MACs per image × test images."""
+        return float(self.spec.macs() * self.eval_samples)
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,8 @@ class DeviceClock:
     """What one training round of this device is (its model, batch, samples and epochs)."""
     jitter: float = 0.0
     seed: int = 0
+    eval_every: int = 1
+    """``[run] eval_every``: which rounds' starts the device evaluates (:func:`evaluates_at`)."""
 
     def _factor(self, rnd: int, part: str) -> float:
         if self.jitter <= 0:
@@ -97,10 +109,23 @@ class DeviceClock:
             return 0.0
         return work.macs / self.speed.mac_rate(work.spec, work.batch) * self._factor(rnd, "compute")
 
-    def train_s(self, rnd: int) -> float:
-        """Seconds of this device's own round of training (its ``work``) in round or task ``rnd``: what a
-        simulated device reports as its ``train_s``."""
-        return self.compute_s(self.work, rnd)
+    def eval_s(self, rnd: int, eval_round: int | None = None) -> float:
+        """Seconds of the evaluation at the start of round ``eval_round`` (default ``rnd``; asynchronous mode: the
+        version being built), 0 if that round has none; ``rnd`` seeds the jitter as in :meth:`compute_s`.
+
+        At the training rate of the device's model and batch: inference runs no backward pass but the same
+        kernels, and on this host an evaluation's MACs ran at 0.6-0.9x of training's rate (docs/results.md,
+        "Is the clock honest?"), so this errs short."""
+        w = self.work
+        if not w.eval_samples or not evaluates_at(rnd if eval_round is None else eval_round, self.eval_every):
+            return 0.0
+        return w.eval_macs / self.speed.mac_rate(w.spec, w.batch) * self._factor(rnd, "compute")
+
+    def train_s(self, rnd: int, eval_round: int | None = None) -> float:
+        """Seconds of this device's own work in round or task ``rnd``: its training (its ``work``) and the
+        evaluation that starts the round, if any (:meth:`eval_s`). What a simulated device reports as its
+        ``train_s``, as a real one measures both."""
+        return self.compute_s(self.work, rnd) + self.eval_s(rnd, eval_round)
 
     def transfer_s(self, nbytes: int, *, up: bool, rnd: int = 0) -> float:
         """Seconds to move ``nbytes`` over the link: half the round-trip time, then bytes × 8 ÷ rate."""
@@ -110,15 +135,18 @@ class DeviceClock:
         wire = self.network.latency_ms / 2000 + nbytes * 8 / (kbps * 1000)
         return wire * self._factor(rnd, "upload" if up else "download")
 
-    def timing(self, rnd: int, *, bytes_down: int, bytes_up: int, work: TrainWork | None) -> Timing:
-        """The parts of this device's work in round ``rnd``.
+    def timing(self, rnd: int, *, bytes_down: int, bytes_up: int, work: TrainWork | None,
+               eval_round: int | None = None) -> Timing:
+        """The parts of this device's work in round ``rnd`` (its compute: ``work`` and, when ``work`` is
+        given, the round's evaluation, :meth:`eval_s`).
 
         ``rnd`` only seeds the jitter: an asynchronous scheduler passes the device's task counter (its n-th
         piece of work) and asks :attr:`availability` whether the device is still online when the work ends
         (``availability.online_until(start) >= start + timing.total_s``) and when it can start the next
         (``availability.next_online(t)``).
         """
-        return Timing(self.transfer_s(bytes_down, up=False, rnd=rnd), self.compute_s(work, rnd),
+        compute = self.compute_s(work, rnd) + (self.eval_s(rnd, eval_round) if work is not None else 0.0)
+        return Timing(self.transfer_s(bytes_down, up=False, rnd=rnd), compute,
                       self.transfer_s(bytes_up, up=True, rnd=rnd))
 
 
@@ -242,10 +270,16 @@ class FleetClock:
         return {"busy": busy / total, "idle": max(0.0, online - busy) / total, "offline": 1 - online / total}
 
 
-def _work(cfg: FleetConfig, slot: DeviceSlot) -> TrainWork:
+def _work(cfg: FleetConfig, slot: DeviceSlot, global_test: int) -> TrainWork:
     p = slot.plan
     return TrainWork(slot.spec, cfg.train.batch_size or p.batch_size, max(1, slot.num_samples),
-                     cfg.train.local_epochs or p.local_epochs)
+                     cfg.train.local_epochs or p.local_epochs, eval_samples=slot.num_test + global_test)
+
+
+def global_test_size(cfg: FleetConfig) -> int:
+    """Images in the test set every device of ``cfg`` evaluates on (the dataset's test split; 0 for a fleet on
+    its own data, whose test images only the devices know)."""
+    return 0 if cfg.own_data else len(test_labels(cfg))
 
 
 def _availability(cfg: FleetConfig, slot: DeviceSlot, clock: ClockSection, seed: int,
@@ -270,8 +304,10 @@ def fleet_clock(cfg: FleetConfig, slots: Sequence[DeviceSlot]) -> FleetClock:
         path = cfg.base_dir / ck.trace
         trace = read_trace(path, [s.device_id for s in slots])
     clocks = []
+    global_test = global_test_size(cfg)
     for slot in slots:
         profile = device_profile(cfg, slot.group)
         clocks.append(DeviceClock(slot.device_id, slot.index, speed_model(profile), profile.network,
-                                  _availability(cfg, slot, ck, seed, trace), _work(cfg, slot), ck.jitter, seed))
+                                  _availability(cfg, slot, ck, seed, trace), _work(cfg, slot, global_test),
+                                  ck.jitter, seed, cfg.run.eval_every))
     return FleetClock(clocks, deadline_s=ck.deadline_s)

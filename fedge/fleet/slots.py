@@ -43,6 +43,7 @@ class DeviceSlot:
     generator_tier: str
     num_samples: int  # local training samples
     classes: tuple[int, ...]  # labels present in its training share, ascending
+    num_test: int = 0  # its local test split's samples (what it evaluates besides the fleet's test set)
 
     @property
     def arch(self) -> str:
@@ -111,6 +112,11 @@ def train_labels(cfg: FleetConfig) -> np.ndarray:
     return load_labels(cfg.run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=cfg.run.seed)
 
 
+def test_labels(cfg: FleetConfig) -> np.ndarray:
+    """The labels of the fleet's test set (what every device evaluates on besides its local split)."""
+    return load_labels(cfg.run.dataset, train=False, data_dir=fleet_data_dir(cfg), seed=cfg.run.seed)
+
+
 def device_profile(cfg: FleetConfig, group: int) -> Profile:
     """The profile of a [[devices]] table (a relative .toml path is relative to the config)."""
     ref = cfg.devices[group].profile
@@ -150,6 +156,7 @@ def device_slot(cfg: FleetConfig, index: int, labels: np.ndarray, split: DeviceS
         generator_tier=p.generator_tier,
         num_samples=len(split.train),
         classes=tuple(int(c) for c in np.unique(labels[split.train])),
+        num_test=len(split.test),
     )
 
 

@@ -26,10 +26,15 @@ from fedge.common.messages import Message
 from fedge.common.rounds import FINAL_PHASE, RoundInfo
 from fedge.common.transport import Inbound
 from fedge.edge.agent import DeviceAgent
+from fedge.errors import ConfigError
 from fedge.fleet.clock import DeviceRound, FleetClock, RoundTime
 from fedge.sim.clocked import Stopwatch
 
 log = logging.getLogger(__name__)
+# Tasks lost in a row, per device of the fleet, after which a run is declared unable to fill a version. Even a
+# task as long as the mean online spell is lost with probability 1 - 1/e (exponential spells): 20 per device in
+# a row, 0.63^(20 N), does not happen by chance.
+LOST_IN_A_ROW_PER_DEVICE = 20
 
 
 @dataclass(order=True)
@@ -55,6 +60,7 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
         self._busy: set[str] = set()
         self._tasks_run: dict[str, int] = {d: 0 for d in self.order}  # jitter stream per device
         self._seq = 0
+        self._lost_in_a_row = 0  # tasks lost to going offline since the last update that arrived
         self._tasks: dict[str, int] = {}
         self._final = False
         self._version: RoundTime | None = None
@@ -102,7 +108,11 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
                 # offline before it finished: nothing arrives; it does the task again once back (module docstring)
                 log.info("version %d: %s's update is lost in virtual time (went offline)", round, arrival.device)
                 self.agents[arrival.device].task_done = None
+                self._lost_in_a_row += 1
+                if self._lost_in_a_row > LOST_IN_A_ROW_PER_DEVICE * len(self.order):
+                    raise self._never_delivered(arrival.timeline)
                 continue
+            self._lost_in_a_row = 0
             self._tasks.pop(arrival.device, None)  # its task is over (the engine accepts or refuses the update)
             for data in arrival.updates:
                 yield Inbound(data)
@@ -118,7 +128,8 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
             before, handled = len(self.bus.updates), len(agent.traffic)
             n = self._tasks_run[dev] = self._tasks_run[dev] + 1
             c = self.clock.devices[dev]
-            agent.timer = Stopwatch(c.train_s(n))
+            version = self._version.round if self._version is not None else None  # whose start it evaluates
+            agent.timer = Stopwatch(c.train_s(n, version))
             agent.step()
             sent = list(self.bus.updates)[before:]  # held back until they arrive
             for _ in sent:
@@ -128,7 +139,7 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
                 # and the device heard each descriptor late here, not when it was published
                 continue
             t = agent.traffic[-1]
-            timing = c.timing(n, bytes_down=t.bytes_down, bytes_up=t.bytes_up, work=c.work)
+            timing = c.timing(n, bytes_down=t.bytes_down, bytes_up=t.bytes_up, work=c.work, eval_round=version)
             start = self.clock.now
             gone = c.availability.online_until(start)
             finish = start + timing.total_s
@@ -136,6 +147,15 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
             rec = DeviceRound(start, timing.download_s, timing.compute_s, timing.upload_s, finish, not lost, lost)
             self._busy.add(dev)
             self._push(dev, sent, rec, at=gone if lost else finish)
+
+    def _never_delivered(self, last: DeviceRound) -> ConfigError:
+        """The run cannot go on: tasks keep outlasting the devices' online spells, so no version would fill."""
+        work = last.download_s + last.compute_s + last.upload_s
+        return ConfigError(
+            f"{self._lost_in_a_row} tasks in a row were lost: each device went offline before its task was done "
+            f"(the last task needed {work:.3g} virtual s), so no update arrives and no version would ever be made",
+            hint="make devices stay online longer than a task takes ([clock] online_mean_s, or the trace), or "
+                 "make a task shorter (fewer local_epochs, a larger eval_every, a smaller model)")
 
     def _push(self, dev: str, updates: list[bytes], rec: DeviceRound, *, at: float | None = None) -> None:
         self._seq += 1

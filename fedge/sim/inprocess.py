@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport, InMemoryDeviceTransport
@@ -42,6 +43,10 @@ def run_inprocess(cfg: FleetConfig, devices: list[SimDevice]) -> tuple[Coordinat
     bus, _, agents = connect_inprocess([(d.method, d.info) for d in devices], fleet=cfg.run.fleet,
                                        eval_every=cfg.run.eval_every)
     clock = fleet_clock(cfg, checked_slots(cfg))
+    for d in devices:  # the test images each device really evaluates (a benchmark may have given it fewer)
+        ctx, c = d.method.ctx, clock.devices[d.info.device_id]
+        tested = len(ctx.local_test.y) + (len(ctx.global_test.y) if ctx.global_test is not None else 0)
+        c.work = dataclasses.replace(c.work, eval_samples=tested)
     if cfg.asynchronous is not None:  # [coordinator] mode = "async": events in virtual time
         return AsyncClockedTransport(bus, agents, clock), agents, lambda: None
     return ClockedCoordinatorTransport(bus, agents, clock, final_round=cfg.run.rounds + 1), agents, lambda: None
