@@ -104,6 +104,7 @@ def test_compose_yaml_carries_the_limits(tmp_path: Path) -> None:
     assert zero["mem_limit"] == "432m" and zero["memswap_limit"] == "432m"
     assert zero["cap_add"] == ["NET_ADMIN"] and zero["volumes"] == ["./devices/rpi-zero-2w-1:/boot/firmware:ro"]
     assert zero["environment"]["FEDGE_UPLINK_KBIT"] == "375"
+    assert zero["environment"]["OMP_WAIT_POLICY"] == "PASSIVE"  # threads that sleep, not spin, under a quota
     # Mosquitto reads its files by the absolute paths `fedge broker config` wrote: mounted at that path.
     assert doc["services"]["broker"]["volumes"] == [f"./broker:{tmp_path}/broker"]
     cmd = doc["services"]["coordinator"]["command"]

@@ -136,6 +136,10 @@ def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: C
             "memswap_limit": f"{lim.mem_limit_mb}m",  # no swap: a Pi without zram/swap runs out, not slows down
             "environment": {
                 "OMP_NUM_THREADS": str(lim.threads),
+                # OpenMP's threads wait for work by spinning: under a CFS quota, on a host whose other containers
+                # keep the cores busy, a 2-thread device then burnt its quota spinning and trained 9x slower
+                # than with waits that sleep (docs/emulate.md); a real device has its cores to itself
+                "OMP_WAIT_POLICY": "PASSIVE",
                 "FEDGE_UPLINK_KBIT": str(lim.uplink_kbit),
                 "FEDGE_DOWNLINK_KBIT": str(lim.downlink_kbit),
                 "FEDGE_DELAY_MS": f"{lim.delay_ms:g}",
