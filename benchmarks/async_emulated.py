@@ -167,7 +167,7 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, until: float | None
         mq.subscribe(rec.topics.base + "/global/#")
         mq.start(wait_s=60)
         try:
-            emu.compose("up", "-d", "--no-build", COORDINATOR)
+            lifecycle.start_coordinator(emu)
             if until is None:
                 code = lifecycle.wait_exited(emu, client, COORDINATOR, timeout=7200)
                 if code != 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -118,13 +119,21 @@ def test_the_page_of_an_emulated_fleet(docker_env: tuple[Any, Images], tmp_path:
     fleet.write_text(FLEET)
     emu = lifecycle.prepare(fleet, tmp_path / "emu", images=images, min_devices=2, deadline_slack=10)
     assert emu.dashboard == f"http://127.0.0.1:{emu.http_port}/"
-    url = emu.dashboard
     token = (emu.out / "http" / "token").read_text().strip()
     secrets = [token] + [p.read_text().strip() for p in (emu.out / "broker").rglob("password")]
     assert len(secrets) >= 2 and all(len(s) >= 16 for s in secrets)
     ids = sorted(emu.devices)
+    # another program binds the port `prepare` picked while the devices boot: the coordinator comes up all the
+    # same, its dashboard on another port, which the emulation's state then names
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", emu.http_port))
+    squatter.listen()
+    taken = emu.http_port
     try:
         lifecycle.start(emu, client, online_timeout=300)
+        assert emu.http_port != taken and type(emu).load(emu.out).http_port == emu.http_port
+        url = emu.dashboard
+        assert url == f"http://127.0.0.1:{emu.http_port}/"
         # the coordinator container serves on the host's loopback, the token on every request
         wait_until("serving", lambda: _answers(url + "healthz", token), 120, emu, client, poll_s=0.5)
         assert fetch(url, None)[0] == 401
@@ -225,6 +234,7 @@ def test_the_page_of_an_emulated_fleet(docker_env: tuple[Any, Images], tmp_path:
         assert [r.round for r in reports] == list(range(1, 12))  # ten rounds and the final evaluation
         assert victim not in reports[-1].accepted and cut in reports[-1].accepted
     finally:
+        squatter.close()
         emu.compose("down", "--remove-orphans", "--timeout", "2", check=False)
     # after the fact: the emulation directory's page, from its files
     page_file = tmp_path / "after.html"

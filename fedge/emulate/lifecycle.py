@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fedge.emulate.compose import (
     BROKER,
     COORDINATOR,
+    HTTP_PORT,
     HTTP_TOKEN,
     NETWORK,
     CoordinatorArgs,
@@ -32,7 +33,7 @@ from fedge.emulate.emulation import Emulation, project_name
 from fedge.emulate.limits import DevicePlan, device_plans, limits_for, oom_message
 from fedge.emulate.status import logs, status
 from fedge.errors import EmulationError, TransportError
-from fedge.mqtt.broker import free_port
+from fedge.mqtt.broker import free_port, port_is_free
 
 if TYPE_CHECKING:
     from fedge.broker.config import BrokerOptions
@@ -147,6 +148,29 @@ def start(emu: Emulation, client: Any, *, online_timeout: float = 600.0) -> None
     """
     emu.compose("up", "-d", "--no-build", BROKER, *emu.devices)
     wait_online(emu, client, timeout=online_timeout)
+    start_coordinator(emu)
+
+
+def start_coordinator(emu: Emulation) -> None:
+    """Start the coordinator's container, its dashboard on a host port that is free now.
+
+    ``prepare`` picked the port when it wrote compose.yaml, and the devices may have taken minutes to come online
+    since: another program on this host may have bound it meanwhile, and Docker would then refuse to start the
+    coordinator ("address already in use"). Such a port is replaced by a free one (a window of milliseconds is
+    left, between this check and Docker's bind)."""
+    old = emu.http_port
+    if old is not None and not port_is_free(old):
+        new = free_port()
+        compose = emu.out / "compose.yaml"
+        mapping = f"127.0.0.1:{old}:{HTTP_PORT}"
+        text = compose.read_text()
+        if mapping not in text:
+            raise EmulationError(f"{compose} does not publish the dashboard on {mapping}",
+                                 hint="it was edited by hand: run `fedge emulate up` again to write it anew")
+        compose.write_text(text.replace(mapping, f"127.0.0.1:{new}:{HTTP_PORT}"))
+        emu.http_port = new
+        emu.save()
+        log.warning("the dashboard's port %d was taken since compose.yaml was written; it is on %d", old, new)
     emu.compose("up", "-d", "--no-build", COORDINATOR)
 
 

@@ -45,6 +45,16 @@ def free_port(host: str = LOOPBACK) -> int:
         return int(s.getsockname()[1])
 
 
+def port_is_free(port: int, host: str = LOOPBACK) -> bool:
+    """Whether ``host:port`` can be bound right now (nothing listens on it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def wait_for_port(host: str, port: int, timeout_s: float = 10.0) -> None:
     """Block until something accepts TCP connections on ``host:port``."""
     end = time.monotonic() + timeout_s
