@@ -230,7 +230,8 @@ def test_an_upload_entry_is_the_json_of_its_arrays() -> None:
     """The entry's text, put together by hand, is the JSON of the entry (names escaped) and loads back."""
     from fedge.coordinator.strategies.running import _array, _entry
 
-    arrays = {'pro"to\\s': np.arange(6, dtype=np.float32).reshape(2, 3), "counts": np.arange(3, dtype=np.int64)}
+    arrays: dict[str, np.ndarray] = {'pro"to\\s': np.arange(6, dtype=np.float32).reshape(2, 3),
+                                     "counts": np.arange(3, dtype=np.int64)}
     e = _entry(arrays, 7)
     assert json.loads(e.text) == json.loads(json.dumps(dict(e)))
     back = json.loads(e.text)
