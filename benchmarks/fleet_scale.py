@@ -398,6 +398,7 @@ def coordinator_main(args: argparse.Namespace) -> None:
         "cpu_seconds_per_update": [c / a for c, a in zip(cpu_train, train, strict=True)],
         "staleness_mean": staleness,
         "main_thread_cpu_seconds": main_cpu,  # over the training rounds, as cpu_seconds_per_round
+        "cpu_seconds_before_rounds": cpu0,  # the process's CPU from its start: imports and registration
     }
     Path(args.out).write_text(json.dumps(result))
 

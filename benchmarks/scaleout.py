@@ -555,6 +555,7 @@ def _run_topology(topology: str, path: Path, fleet: str, n: int, shards: int, ro
         _wait_files([ready], [coord, *relays], 1800, f"{topology}: registration")
         res["register_s"] = time.perf_counter() - t1
         relay_cpu0 = [_proc_cpu(r.pid) for r in relays]
+        res["relay_cpu_before_rounds_s"] = relay_cpu0  # from their start: forwarding and registering the hellos
         Path(str(ready) + ".go").touch()
         if coord.wait(3600) != 0:
             raise RuntimeError(f"the root coordinator of {topology} failed ({coord.returncode}): see {logs}")
