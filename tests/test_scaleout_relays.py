@@ -312,8 +312,8 @@ def test_a_shard_broker_restarted_mid_round_loses_no_accepted_update(brokers: li
 
 def test_a_relay_keeps_what_a_round_still_owes_in_step_with_every_message(brokers: list[MosquittoProcess]) -> None:
     """``Relay.owed()`` (what its completeness check reads after every message) is ``expected()`` less the answered
-    devices at each step — kept up to date per accepted update instead of walking the shard (quadratic in its size),
-    recomputed after a hello or status, and an ``offline`` counts once believable with time alone."""
+    devices at each step — kept up to date per accepted update, hello and status instead of walking the shard
+    (quadratic in its size), and an ``offline`` counts once believable with time alone."""
     root, shard = brokers[0], brokers[1]
     t = FleetTopics(FLEET)
     relay = Relay(shard.settings(), root.settings(), FLEET, PartialAggregator(strategy(), engine_config(), "relay-1"),
@@ -341,7 +341,13 @@ def test_a_relay_keeps_what_a_round_still_owes_in_step_with_every_message(broker
         check({"d1", "d2", "d3"})
         time.sleep(FAST.offline_confirm_s + 0.1)
         check({"d1", "d2"})
-        for d in devs[1:3]:
+        late = device(4)  # connects during the round: its hello and status recheck it alone
+        relay._handle("hello", Inbound(hello(late), "d4"))
+        status(late, b"online")
+        check({"d1", "d2", "d4"})
+        status(devs[3], b"online")  # back
+        check({"d1", "d2", "d3", "d4"})
+        for d in [*devs[1:], late]:
             relay._handle("update", Inbound(honest_update(d, 1), d.device_id))
         check(set())
     finally:

@@ -103,11 +103,14 @@ class Relay:
         # The devices this round still owes (expected() less those answered), kept up to date rather than
         # recomputed after every message: expected() walks every device of the shard, so checking it per update
         # made a round quadratic in the shard's size (1.75 ms per update at 5,000 devices, more than the update's
-        # own gate and accumulation). Recomputed when what it depends on changed (a hello, a status, this
-        # relay's shard connection, a round, a child's partial: ``_owed_stale``) and, while an offline status
-        # waits to become believable (time alone changes StatusBook.offline()), at most every OWED_REFRESH_S.
+        # own gate and accumulation). A hello or a status rechecks its one device (``_owed_changed``, under
+        # ``_book_lock``: statuses arrive on the dispatcher thread) — devices that connect during a round would
+        # otherwise make it quadratic again —; the whole set is recomputed when a round, a child's partial or
+        # this relay's shard connection changed it (``_owed_stale``) and, while an offline status waits to become
+        # believable (time alone changes StatusBook.offline()), at most every OWED_REFRESH_S.
         self._owed: set[str] | None = None
         self._owed_stale = True
+        self._owed_changed: set[str] = set()
         self._owed_at = 0.0
         self._saved = self._load_state()
         self._reasm = Reassembler(self.settings.max_message_bytes)
@@ -220,7 +223,7 @@ class Relay:
                         self._held_offline.pop(t.device_id, None)
                     else:  # forwarded up once believable (_forward_offline)
                         self._held_offline[t.device_id] = m.topic
-                self._owed_stale = True
+                    self._owed_changed.add(t.device_id)
                 if online:
                     self._forward_up(m.topic, m.payload, retain=True)
             return
@@ -270,7 +273,11 @@ class Relay:
         agg = self.aggregator
         if kind == "hello":
             agg.register([arg])
-            self._owed_stale = True
+            if arg.origin is None:
+                self._owed_stale = True
+            else:
+                with self._book_lock:
+                    self._owed_changed.add(arg.origin)
         elif kind == "update":
             if agg.admit(arg):
                 self._last_accept = time.monotonic()
@@ -351,10 +358,23 @@ class Relay:
     def owed(self) -> set[str]:
         """:meth:`expected` less the devices already answered (see ``_owed`` in ``__init__``): cheap per message."""
         now = time.monotonic()
-        if self._owed is None or self._owed_stale or (self._held_offline and now - self._owed_at >= OWED_REFRESH_S):
-            self._owed_stale = False  # before reading: a status arriving meanwhile marks it stale again
+        with self._book_lock:
+            changed, self._owed_changed = self._owed_changed, set()
+            waiting = bool(self._held_offline)
+        if self._owed is None or self._owed_stale or (waiting and now - self._owed_at >= OWED_REFRESH_S):
+            self._owed_stale = False  # before reading: a change arriving meanwhile marks it stale again
             self._owed = self.expected() - self.aggregator.answered
             self._owed_at = now
+            return self._owed
+        if changed:
+            gate, answered = self.aggregator.gate, self.aggregator.answered
+            with self._book_lock:
+                gone = {d for d in changed if self._book.all_offline([d])}
+            for d in changed:  # as expected() decides, for these devices alone
+                if d in gate.devices and d not in gone and gate.sampled(d) and d not in answered:
+                    self._owed.add(d)
+                else:
+                    self._owed.discard(d)
         return self._owed
 
     def expected(self) -> set[str]:
