@@ -317,7 +317,10 @@ def test_a_relay_keeps_what_a_round_still_owes_in_step_with_every_message(broker
     root, shard = brokers[0], brokers[1]
     t = FleetTopics(FLEET)
     relay = Relay(shard.settings(), root.settings(), FLEET, PartialAggregator(strategy(), engine_config(), "relay-1"),
-                  settings=FAST).start()
+                  settings=FAST)
+    # its connections without its own thread: this test plays that thread (the only caller of owed())
+    relay.down.start(FAST.connect_timeout_s)
+    relay.up.start(FAST.connect_timeout_s)
     try:
         devs = [device(i) for i in range(4)]
 
@@ -351,4 +354,5 @@ def test_a_relay_keeps_what_a_round_still_owes_in_step_with_every_message(broker
             relay._handle("update", Inbound(honest_update(d, 1), d.device_id))
         check(set())
     finally:
-        relay.stop()
+        relay.down.stop()
+        relay.up.stop()
