@@ -1,5 +1,5 @@
-"""Scale-out: the root coordinator's CPU per update with 0 and 2 aggregation workers, and the bytes through
-the root broker for a flat fleet and for 2 shards with relays.
+"""Scale-out: the root coordinator's CPU per update with 0 and 2 aggregation workers, the bytes through the root
+broker for a flat fleet and for 2 shards with relays, and N devices over S shards with relay processes.
 
 Built on ``benchmarks.fleet_scale``'s machinery: N protocol devices (``Swarm``, one selector thread) sending
 FedProto-sized updates (2992 bytes) to the real coordinator process (``RoundEngine`` + ``FedProtoStrategy`` +
@@ -12,12 +12,18 @@ the MQTT transport, checkpointing), through Mosquitto on loopback.
 * **shards**: the fleet on one broker, then split over 2 shard brokers with a relay each (in this
   driver process) and the coordinator on a root broker; bytes in + out of the root broker per round from
   Mosquitto's ``$SYS/broker/bytes/*`` counters (``sys_interval 1``), registration excluded.
+* **relays** (``--only relays``, issue 29's target): N devices of a fleet config in S swarm processes, on one
+  broker with the root coordinator reading every update, then over S shard brokers with one real ``fedge
+  relay`` process each; in each topology the floor first (bare paho carrying the same bytes through the same
+  brokers: ``fleet_scale``'s collector, and a bare-paho relay per shard). Reported: round wall time against
+  the floor, the root coordinator's CPU per round and peak RSS, the relays' CPU and RSS.
 
 The machine has 2 cores shared with other work: every process here (devices, brokers, coordinator,
 workers, relays) competes for them, so this measures *where the CPU goes*, not the throughput of 2
 machines.
 
     .venv/bin/python -m benchmarks.scaleout --n 1000 --rounds 3
+    .venv/bin/python -m benchmarks.scaleout --only relays --n 20000 --shards 4 --rounds 3
 """
 
 from __future__ import annotations
@@ -613,14 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge-n", type=int, default=20000, help="devices of the merge measurement (default 20000)")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
-    if args.role == "_worker":
-        worker_main(args)
-        return 0
-    if args.role == "_swarm":
-        swarm_main(args)
-        return 0
-    if args.role == "_floor_relay":
-        floor_relay_main(args)
+    child = {"_worker": worker_main, "_swarm": swarm_main, "_floor_relay": floor_relay_main}.get(args.role or "")
+    if child is not None:  # one of the processes a part starts
+        child(args)
         return 0
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     # every child inherits it: a Mosquitto holds one descriptor per connection (as many as the hard limit allows)
