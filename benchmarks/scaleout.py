@@ -562,9 +562,26 @@ def _run_topology(topology: str, path: Path, fleet: str, n: int, shards: int, ro
         res["register_s"] = time.perf_counter() - t1
         relay_cpu0 = [_proc_cpu(r.pid) for r in relays]
         res["relay_cpu_before_rounds_s"] = relay_cpu0  # from their start: forwarding and registering the hellos
+        # where the CPU goes over time (every 0.5 s from the go): [seconds, root coordinator CPU, each relay's]
+        timeline: list[list[float]] = []
+        res["cpu_timeline"] = timeline
+        sampling = threading.Event()
+
+        def sample(t0: float = time.perf_counter()) -> None:
+            while not sampling.wait(0.5):
+                try:
+                    timeline.append([time.perf_counter() - t0, _proc_cpu(coord.pid),
+                                     *(_proc_cpu(r.pid) for r in relays)])
+                except OSError:  # the coordinator exited
+                    return
+
+        sampler = threading.Thread(target=sample, daemon=True)
         Path(str(ready) + ".go").touch()
+        sampler.start()
         if coord.wait(3600) != 0:
             raise RuntimeError(f"the root coordinator of {topology} failed ({coord.returncode}): see {logs}")
+        sampling.set()
+        sampler.join(5)
         res["relay_cpu_s"] = [_proc_cpu(r.pid) - c for r, c in zip(relays, relay_cpu0, strict=True)]
         res["relay_peak_rss_mb"] = [_proc_hwm_mb(r.pid) for r in relays]
         res["coordinator"] = json.loads(coord_out.read_text())
