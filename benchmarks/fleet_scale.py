@@ -398,6 +398,7 @@ def coordinator_main(args: argparse.Namespace) -> None:
         "cpu_seconds_per_update": [c / a for c, a in zip(cpu_train, train, strict=True)],
         "staleness_mean": staleness,
         "main_thread_cpu_seconds": main_cpu,  # over the training rounds, as cpu_seconds_per_round
+        "cpu_seconds_before_rounds": cpu0,  # the process's CPU from its start: imports and registration
     }
     Path(args.out).write_text(json.dumps(result))
 
@@ -448,22 +449,36 @@ def aggregate_state_bytes(n: int, rule: str, clip: float) -> int:
 
 # -- the floor: bare paho clients, same number and sizes of messages -------------------------------
 
-def run_floor(port: int, n: int, rounds: int, workdir: Path, sz: dict[str, int]) -> dict[str, Any]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    base = f"floor/{n}/{workdir.name}"
-    ids = [f"dev-{i:04d}" for i in range(n)]
-    payloads = [os.urandom(sz["update"]) for _ in range(n)]
-    answered = [-1] * n
+def floor_topics(base: str) -> list[str]:
+    """What a floor device subscribes to: the collector's "go" (a descriptor's size) and "global"."""
+    return [f"{base}/go", f"{base}/global"]
+
+
+def floor_device(base: str, ids: list[str], update_bytes: int) -> Callable[[int, paho.Client, paho.MQTTMessage], None]:
+    """A ``Swarm`` ``on_message`` for floor devices ``ids``: each answers every round's "go" once, with a payload
+    of an update's size on ``BASE/devices/ID/up`` (messages on other topics are ignored, so the same devices can
+    also speak fedge's protocol)."""
+    payloads = [os.urandom(update_bytes) for _ in ids]
+    answered = [-1] * len(ids)
+    go = f"{base}/go"
 
     def on_message(i: int, c: paho.Client, msg: paho.MQTTMessage) -> None:
-        if msg.topic != f"{base}/go":
+        if msg.topic != go:
             return
         rnd = int(json.loads(bytes(msg.payload).rstrip(b" "))["round"])
         if answered[i] != rnd:
             answered[i] = rnd
             c.publish(f"{base}/devices/{ids[i]}/up", payloads[i], qos=1)
 
-    swarm = Swarm(port, ids, on_message, subscribe=[f"{base}/go", f"{base}/global"])
+    return on_message
+
+
+def run_floor(port: int, n: int, rounds: int, workdir: Path, sz: dict[str, int]) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    base = f"floor/{n}/{workdir.name}"
+    ids = [f"dev-{i:04d}" for i in range(n)]
+    on_message = floor_device(base, ids, sz["update"])
+    swarm = Swarm(port, ids, on_message, subscribe=floor_topics(base))
     try:
         swarm.wait_connected()
         out = workdir / f"floor-{n}.json"

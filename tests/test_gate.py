@@ -236,3 +236,29 @@ def test_the_slots_a_coordinator_checks_come_from_the_fleet_config(tmp_path: Pat
         check = checks[dev.info.device_id]
         assert check.fields == SLOT_FIELDS and check.mismatches(dev.info) == []
         assert check.classes is not None and len(check.classes) >= 2
+
+
+def test_the_fleets_embedding_size_is_counted_not_walked_and_a_devices_own_hello_does_not_bind_it() -> None:
+    """The shared-feature check reads counted sizes (registering N devices was quadratic): the first device may
+    change its own size by a new hello while it is alone, the second may not once two share one, and a restored
+    registry counts as hellos would."""
+    from fedge.common.transport import Inbound
+    from fedge.coordinator.gate import UpdateGate
+    from fedge.coordinator.strategies.fedproto import FedProtoStrategy
+
+    def gate() -> UpdateGate:
+        return UpdateGate(FedProtoStrategy(num_classes=CLASSES, rounds=1), EngineConfig(fleet=FLEET, method="fedproto"))
+
+    def say(g: UpdateGate, dev: DeviceInfo) -> list[str]:
+        return g.register([Inbound(hello(dev), dev.device_id)])
+
+    g = gate()
+    assert say(g, device(0)) == ["d0"]
+    assert say(g, device(0, feature_dim=32)) == [] and g.devices["d0"].feature_dim == 32  # alone: its own hello
+    assert say(g, device(1)) == [] and "d1" not in g.devices  # 64 against the fleet's 32: refused
+    assert g.rejections.by_device["d1"] == {"hello-feature_dim": 1}
+    assert say(g, device(1, feature_dim=32)) == ["d1"]
+    assert say(g, device(0)) == [] and g.devices["d0"].feature_dim == 32  # d1 holds the fleet at 32 now
+    restored = gate()
+    restored.restore_devices({"d0": device(0), "d1": device(1)})
+    assert say(restored, device(2, feature_dim=32)) == [] and say(restored, device(2)) == ["d2"]

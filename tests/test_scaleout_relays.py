@@ -26,17 +26,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from gate_helpers import FLEET, device, honest_update
+from gate_helpers import FLEET, device, hello, honest_update
 from scaleout_helpers import FAST, StatsDevice, engine_config, root_engine, start_devices, stop_devices, strategy
 
 from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.common.signing import Signer
+from fedge.common.transport import Inbound
 from fedge.coordinator.aggregator import PartialAggregator
 from fedge.coordinator.engine import RoundEngine
 from fedge.coordinator.report import RoundReport
 from fedge.mqtt.broker import MosquittoProcess
-from fedge.mqtt.client import BrokerSettings, MqttClient
+from fedge.mqtt.client import BrokerSettings, MqttClient, Received
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.relay import Relay
 from fedge.mqtt.topics import FleetTopics
@@ -307,3 +308,51 @@ def test_a_shard_broker_restarted_mid_round_loses_no_accepted_update(brokers: li
     got = engine.globals["prototypes"]
     np.testing.assert_array_equal(got["counts"], want["counts"])
     np.testing.assert_array_max_ulp(got["protos"], want["protos"], maxulp=1)
+
+
+def test_a_relay_keeps_what_a_round_still_owes_in_step_with_every_message(brokers: list[MosquittoProcess]) -> None:
+    """``Relay.owed()`` (what its completeness check reads after every message) is ``expected()`` less the answered
+    devices at each step — kept up to date per accepted update, hello and status instead of walking the shard
+    (quadratic in its size), and an ``offline`` counts once believable with time alone."""
+    root, shard = brokers[0], brokers[1]
+    t = FleetTopics(FLEET)
+    relay = Relay(shard.settings(), root.settings(), FLEET, PartialAggregator(strategy(), engine_config(), "relay-1"),
+                  settings=FAST)
+    # its connections without its own thread: this test plays that thread (the only caller of owed())
+    relay.down.start(FAST.connect_timeout_s)
+    relay.up.start(FAST.connect_timeout_s)
+    try:
+        devs = [device(i) for i in range(4)]
+
+        def status(d: DeviceInfo, word: bytes) -> None:
+            relay._on_child(Received(t.status(d.device_id), word, True, time.time()))
+
+        def check(want: set[str]) -> None:
+            assert relay.owed() == want == relay.expected() - relay.aggregator.answered
+
+        for d in devs:
+            relay._handle("hello", Inbound(hello(d), d.device_id))
+            status(d, b"online")
+        relay.aggregator.begin(1, final=False, descriptor="x" * 32)
+        relay._owed_stale = True  # as _on_round marks it
+        check({d.device_id for d in devs})
+        relay._handle("update", Inbound(honest_update(devs[0], 1), "d0"))
+        check({"d1", "d2", "d3"})
+        relay._handle("update", Inbound(honest_update(devs[1], 1), "d2"))  # spoofed: refused, nothing answered
+        check({"d1", "d2", "d3"})
+        status(devs[3], b"offline")  # believable only once FAST.offline_confirm_s old
+        check({"d1", "d2", "d3"})
+        time.sleep(FAST.offline_confirm_s + 0.1)
+        check({"d1", "d2"})
+        late = device(4)  # connects during the round: its hello and status recheck it alone
+        relay._handle("hello", Inbound(hello(late), "d4"))
+        status(late, b"online")
+        check({"d1", "d2", "d4"})
+        status(devs[3], b"online")  # back
+        check({"d1", "d2", "d3", "d4"})
+        for d in [*devs[1:], late]:
+            relay._handle("update", Inbound(honest_update(d, 1), d.device_id))
+        check(set())
+    finally:
+        relay.down.stop()
+        relay.up.stop()

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -370,8 +371,8 @@ def device_ids(cfg: FleetConfig) -> list[tuple[str, int]]:
     for gi, g in enumerate(cfg.devices):
         prefix = g.id_prefix or g.profile.rsplit("/", 1)[-1].removesuffix(".toml")
         out += [(f"{prefix}-{i + 1}", gi) for i in range(g.count)]
-    ids = [i for i, _ in out]
-    dup = {i for i in ids if ids.count(i) > 1}
+    # counted once (not ids.count per id: that is quadratic, 5 s for a 20,000-device fleet)
+    dup = {i for i, k in Counter(i for i, _ in out).items() if k > 1}
     if dup:
         raise ConfigError(f"{cfg.source}: duplicate device ids {sorted(dup)}", hint="give groups distinct id_prefix")
     return out
