@@ -41,9 +41,13 @@ import numpy as np
 
 from benchmarks.async_ import TARGET, acc_at, time_to
 from benchmarks.common import RESULTS, text_table
+from fedge.common.messages import Message
+from fedge.mqtt.chunking import RetainedAssembler
+from fedge.mqtt.topics import FleetTopics
 
 OUT = RESULTS / "async-emulated"
 PROFILES = ("x86-gateway", "rpi4-4gb", "rpi-zero-2w")
+MAX_GLOBAL_BYTES = 1 << 26  # a reassembled global model (tier-xs on digits: some 100 kB)
 log = logging.getLogger(__name__)
 
 FLEET = """
@@ -88,20 +92,13 @@ class Recorder:
     """Every round descriptor and global model published on the fleet's broker, with the time each arrived."""
 
     def __init__(self, fleet: str) -> None:
-        from fedge.mqtt.chunking import RetainedAssembler
-        from fedge.mqtt.topics import FleetTopics
-
         self.topics = FleetTopics(fleet)
         self.lock = threading.Lock()
         self.rounds: list[tuple[float, int]] = []  # (monotonic time, round or version announced)
         self.globals: list[tuple[float, bytes]] = []  # (monotonic time, the whole global message)
-        self._asm: dict[str, RetainedAssembler] = {}
-        self._max = 1 << 26
-        self._assembler = RetainedAssembler
+        self._asm: dict[str, RetainedAssembler] = {}  # artifact -> its chunks reassembled
 
     def on_message(self, m: Any) -> None:
-        from fedge.common.messages import Message
-
         now = time.monotonic()
         if m.topic == self.topics.round:
             if m.payload:
@@ -112,7 +109,9 @@ class Recorder:
         if rest == m.topic:
             return
         artifact, _, part = rest.partition("/part/")
-        asm = self._asm.setdefault(artifact, self._assembler(self._max))
+        asm = self._asm.get(artifact)
+        if asm is None:
+            asm = self._asm[artifact] = RetainedAssembler(MAX_GLOBAL_BYTES)
         whole = asm.on_part(m.payload) if part else asm.on_root(m.payload)
         if whole is not None:
             with self.lock:
@@ -140,7 +139,6 @@ def observer_account(broker_dir: Path, fleet: str) -> str:
 def run_cell(args: argparse.Namespace, seed: int, mode: str, until: float | None) -> dict[str, Any]:
     """One emulated run; its global models' accuracy against seconds since its first round descriptor
     (asynchronous: stopped ``until`` seconds after it)."""
-    from fedge.common.messages import Message
     from fedge.coordinator.store import REPORTS_FILE, read_reports
     from fedge.emulate import discovery, images, lifecycle, status
     from fedge.emulate.lifecycle import BROKER, COORDINATOR
