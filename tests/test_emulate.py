@@ -230,3 +230,26 @@ def test_a_partitioned_devices_address_is_kept_for_resume(tmp_path: Path) -> Non
     assert faults._partitions(emu, "rpi4-4gb-1") == "10.201.7.3"  # resumed: forgotten
     assert faults._partitions(emu, "rpi4-4gb-1") is None
     assert json.loads((tmp_path / faults.PARTITIONS).read_text()) == {"x86-gateway-1": "10.201.7.4"}
+
+
+def test_a_hand_edited_compose_file_without_the_dashboard_port_is_refused(tmp_path: Path) -> None:
+    """The dashboard's port was taken meanwhile and compose.yaml no longer publishes it as `up` wrote it: the
+    coordinator is not started on a file it cannot fix, and the error says how to get a good one."""
+    import socket
+
+    from fedge.emulate.lifecycle import prepare, start_coordinator
+
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text('[run]\nmethod = "fedproto"\nrounds = 1\ndataset = "digits"\nfleet = "t"\n'
+                     '[[devices]]\nprofile = "rpi4-4gb"\n')
+    rates = {(a, b): 2e9 for a in ("tier-xs", "tier-s", "tier-m", "tier-l", "tier-xl") for b in (8, 16, 32, 64)}
+    emu = prepare(fleet, tmp_path / "emu", images=Images(device="d:1", coordinator="c:1", broker="b:1"), rates=rates)
+    assert emu.http_port is not None
+    compose = tmp_path / "emu" / "compose.yaml"
+    compose.write_text(compose.read_text().replace(f"127.0.0.1:{emu.http_port}:8321", "127.0.0.1:1:8321"))
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", emu.http_port))
+        squatter.listen()
+        with pytest.raises(EmulationError, match="does not publish the dashboard") as info:
+            start_coordinator(emu)
+    assert "fedge emulate up" in (info.value.hint or "")
