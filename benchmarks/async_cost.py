@@ -45,13 +45,16 @@ OUT = RESULTS / "async_cost.json"
 TARGET = 1.2  # issue 27: async CPU per update at most 1.2x sync's
 
 
-def configs(n: int, fractions: list[float], mode: str) -> list[tuple[str, int]]:
-    """(label, buffer size) per configuration run at ``n`` devices (buffer 0: synchronous rounds)."""
-    out: list[tuple[str, int]] = [("sync", 0)] if mode in ("sync", "both") else []
+def configs(n: int, fractions: list[float], mode: str, state: str = "on") -> list[tuple[str, int, bool]]:
+    """(label, buffer size, checkpoints) per configuration run at ``n`` devices (buffer 0: synchronous rounds;
+    ``state`` "off" or "both": also without a state directory, labelled "no state")."""
+    modes: list[tuple[str, int]] = [("sync", 0)] if mode in ("sync", "both") else []
     if mode in ("async", "both"):
         for f in fractions:
             k = max(1, min(n, round(n * f)))
-            out.append((f"async K={k}", k))
+            modes.append((f"async K={k}", k))
+    out = [(label, k, True) for label, k in modes] if state in ("on", "both") else []
+    out += [(f"{label}, no state", k, False) for label, k in modes] if state in ("off", "both") else []
     return out
 
 
@@ -73,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffers", default="0.1,1", help="async buffer sizes as fractions of N (default 0.1,1)")
     p.add_argument("--mode", choices=("sync", "async", "both"), default="both",
                    help="which modes to run (both: side by side, interleaved; the ratio needs both)")
+    p.add_argument("--state", choices=("on", "off", "both"), default="on",
+                   help="the coordinator's state directory (checkpoints, async mode's update log): on (as "
+                        "deployed), off, or both side by side (what durability costs each mode)")
     p.add_argument("--repeat", type=int, default=2, help="interleaved runs per configuration (median and best)")
     p.add_argument("--profile", metavar="DIR", help="write each coordinator's cProfile of its rounds to DIR")
     p.add_argument("--out", default=str(OUT))
@@ -88,18 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="fedge-async-cost-") as tmp:
         for n in (int(x) for x in args.sizes.split(",")):
-            cfgs = configs(n, fractions, args.mode)
-            runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in cfgs}
+            cfgs = configs(n, fractions, args.mode, args.state)
+            runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in cfgs}
             broker = MosquittoProcess(port=None, max_message_bytes=1 << 20)
             broker.config_path.write_text(loopback_config(broker.port, max_message_bytes=1 << 20))
             broker.start()
             try:
                 for rep in range(args.repeat):
                     order = cfgs[rep % len(cfgs):] + cfgs[:rep % len(cfgs)]  # rotated: no mode always first
-                    for label, k in order:
+                    for label, k, state in order:
                         rounds = args.rounds if not k else args.rounds * n // k
                         run = fleet_scale.run_fedge(broker.port, n, rounds, Path(tmp) / f"n{n}-r{rep}", buffer=k,
-                                                    max_staleness=max(10, 2 * n // k) if k else 10)
+                                                    max_staleness=max(10, 2 * n // k) if k else 10, state=state)
                         run["load_average_after"] = os.getloadavg()
                         runs[label].append(run)
                         main = run["main_thread_cpu_seconds"] / sum(run["accepted_per_round"])
@@ -109,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                               file=sys.stderr, flush=True)
             finally:
                 broker.close()
-            for label, k in cfgs:
+            for label, k, state in cfgs:
                 cpu = [per_update(r) for r in runs[label]]
                 wall = [wall_per_update(r) for r in runs[label]]
                 rows.append({
-                    "n": n, "mode": "async" if k else "sync", "label": label, "buffer_size": k,
+                    "n": n, "mode": "async" if k else "sync", "label": label, "buffer_size": k, "state": state,
                     "rounds": args.rounds if not k else args.rounds * n // k,
                     "updates_per_run": sum(runs[label][0]["accepted_per_round"]),
                     "cpu_ms_per_update_median": statistics.median(cpu) * 1e3,
@@ -128,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                     "runs": runs[label],
                 })
     for row in rows:
-        sync = next((r for r in rows if r["n"] == row["n"] and r["mode"] == "sync"), None)
+        sync = next((r for r in rows if r["n"] == row["n"] and r["mode"] == "sync" and r["state"] == row["state"]),
+                    None)  # each against sync with the same durability
         if sync is not None:
             row["ratio_median"] = row["cpu_ms_per_update_median"] / sync["cpu_ms_per_update_median"]
             row["ratio_best"] = row["cpu_ms_per_update_best"] / sync["cpu_ms_per_update_best"]

@@ -232,7 +232,7 @@ def sizes() -> dict[str, int]:
 
 def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = "mean",
               clip: float = 0.0, observe: Path | None = None, buffer: int = 0,
-              max_staleness: int = 10) -> dict[str, Any]:
+              max_staleness: int = 10, state: bool = True) -> dict[str, Any]:
     """One fedge run; ``observe``: the coordinator also serves its dashboard and /metrics (FleetMonitor,
     FleetMetrics, the web server on a free loopback port, whose URL it writes to that file).
 
@@ -243,7 +243,7 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = 
     answers it as in synchronous mode.
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    fleet = f"scale{n}-{workdir.name}" + (f"-k{buffer}" if buffer else "")
+    fleet = f"scale{n}-{workdir.name}" + (f"-k{buffer}" if buffer else "") + ("" if state else "-ns")
     t = FleetTopics(fleet)
     ids = [f"dev-{i:04d}" for i in range(n)]
     # Every update a device will send, encoded and framed (as MqttDeviceTransport.send_update frames it)
@@ -297,6 +297,7 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = 
                "--out", str(out), "--aggregation", aggregation, "--clip", str(clip),
                "--buffer", str(buffer), "--max-staleness", str(max_staleness)]
         cmd += ["--observe", str(observe)] if observe else []
+        cmd += [] if state else ["--no-state"]
         cmd += ["--profile", str(PROFILE_DIR / f"{fleet}.prof")] if PROFILE_DIR is not None else []
         subprocess.run(cmd, check=True, timeout=1800)
         return json.loads(out.read_text())
@@ -325,7 +326,7 @@ def coordinator_main(args: argparse.Namespace) -> None:
     engine = RoundEngine(strat, transport, EngineConfig(fleet=args.fleet, method="fedproto", min_devices=args.n,
                                                        quorum_timeout_s=600, keep_reports=1, aggregation=agg,
                                                        asynchronous=asynchronous),
-                         state_dir=args.state_dir)
+                         state_dir=None if getattr(args, "no_state", False) else args.state_dir)
     if args.observe:
         _serve(engine, transport, args)
     engine.await_quorum()  # registration is not part of a round
@@ -551,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--out", required=True)
     co.add_argument("--fleet", required=True)
     co.add_argument("--state-dir", required=True)
+    co.add_argument("--no-state", action="store_true", help="no checkpoints and no update log (what durability "
+                                                            "costs: benchmarks.async_cost --state both)")
     co.add_argument("--observe", metavar="URLFILE", help="serve the dashboard and /metrics; write the URL here")
     co.add_argument("--workers-mode", action="store_true", help="merge workers' partials, read no updates")
     co.add_argument("--buffer", type=int, default=0, help="async mode's buffer_size K (0: synchronous rounds)")

@@ -5,6 +5,7 @@ topics, a coordinator restart that gets the bad retained hellos again, and a mut
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -287,3 +288,51 @@ def test_fedge_coordinator_run_refuses_a_hello_that_contradicts_its_slot(tmp_pat
         "got 629")
     assert refused.get(good.device_id, b"") == b""  # accepted: a refusal is cleared, never set
     assert f"refused a hello from {bad.device_id} (hello-slot)" in out
+
+
+def test_accepting_a_device_clears_only_a_refusal_the_broker_holds(tmp_path: Path,
+                                                                     mosquitto: MosquittoProcess) -> None:
+    """A new device's acceptance sends nothing on its refused topic (at 20,000 devices that was 20,000 retained
+    clears at the start, each forwarded by every relay); a refusal an earlier process left retained is cleared
+    when that device is accepted, and one this process sends stays until the device is."""
+    t = FleetTopics(FLEET)
+    seen: list[tuple[str, bytes]] = []
+    lock = threading.Lock()
+    spy = new_paho_client("refusal-spy", clean_session=True)
+
+    def on_message(_c: object, _u: object, m: Any, *_: object) -> None:
+        with lock:
+            seen.append((m.topic.rsplit("/", 1)[1], bytes(m.payload)))
+
+    spy.on_message = on_message
+    spy.connect("127.0.0.1", mosquitto.port)
+    spy.loop_start()
+    stale = Message("refused", "coordinator", 0, FLEET, info={"device": "d1", "reason": "slot"}).to_bytes()
+    spy.publish(t.refused("d1"), stale, qos=1, retain=True).wait_for_publish(10)  # an earlier process's
+    for dev in (device(0), device(1)):
+        spy.publish(t.hello(dev.device_id), hello(dev), qos=1, retain=True).wait_for_publish(10)
+    spy.publish(t.hello("d9"), hello(device(9)), qos=1, retain=True).wait_for_publish(10)  # not in the fleet
+    spy.subscribe(f"{t.base}/refused/#", qos=1)
+    transport = MqttCoordinatorTransport(mosquitto.settings(), FLEET).start()
+    cfg = EngineConfig(fleet=FLEET, method="fedproto", min_devices=2, round_timeout_s=20, quorum_timeout_s=20,
+                       allowed_devices=frozenset({"d0", "d1", "d2"}))
+    engine = RoundEngine(FedProtoStrategy(num_classes=CLASSES, rounds=1), transport, cfg)
+    try:
+        assert engine.await_fleet(["d0", "d1", "d9"], 20) == []
+        assert set(engine.devices) == {"d0", "d1"} and engine.gate.refused == {"d9"}
+        # a marker after the coordinator's messages: everything it sent has reached the spy once this has
+        spy.publish(t.refused("zz"), b"end", qos=1).wait_for_publish(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and ("zz", b"end") not in seen:
+            time.sleep(0.05)
+    finally:
+        transport.close()
+        spy.loop_stop()
+        spy.disconnect()
+    with lock:
+        got = [(dev, data) for dev, data in seen if dev != "zz"]
+    # the stale refusal retained before the spy subscribed came first; then d1's clear and d9's refusal only
+    assert got[0] == ("d1", stale)
+    assert sorted((dev, bool(data)) for dev, data in got[1:]) == [("d1", False), ("d9", True)]
+    assert Message.from_bytes(dict(got)["d9"]).info["reason"] == "unauthorized"
+    assert "d0" not in dict(got)  # a newcomer: no message on its topic

@@ -77,6 +77,12 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self.client = MqttClient(broker, client_id or f"fedge-coordinator-{fleet}", clean_session=False,
                                  on_message=self._on_message, on_connect=self._on_connect,
                                  on_disconnect=self._on_disconnect)
+        # Refusals retained on the broker (by this process or an earlier one), so that accepting a device clears
+        # only a refusal that is there: clearing for every newcomer costs a message per device (20,000 at the
+        # start of a 20,000-device fleet, each forwarded by every relay). First in the one SUBSCRIBE sent on
+        # connect, so the broker queues these retained messages before any hello.
+        self._refusals: set[str] = set()
+        self.client.subscribe(self.topics.refused_filter)
         self.client.subscribe(self.topics.device_filter("status"))
         self.client.subscribe(self.topics.device_filter("hello"))
         # Partial aggregates of aggregation workers and relays (fedge.coordinator.merge) ...
@@ -108,6 +114,11 @@ class MqttCoordinatorTransport(CoordinatorTransport):
             account = self.topics.parse_partial(m.topic)
             if account is not None and m.payload:
                 self._on_partial(account, m)
+            refused = self.topics.parse_refused(m.topic)
+            # Only a retained copy (sent on subscribing) tells what the broker holds; our own refusals come back
+            # live, and are already known (refuse()), possibly older than a clear sent since.
+            if refused is not None and m.payload and m.retain:
+                self._refusals.add(refused)
             return
         self.stats.messages_in += 1
         self.stats.bytes_in += len(m.payload)
@@ -261,8 +272,15 @@ class MqttCoordinatorTransport(CoordinatorTransport):
 
     def refuse(self, device_id: str, data: bytes | None) -> None:
         """Tell a device why it was refused (a retained ``refused`` message on its own topic), or clear that
-        (``None``) once it is accepted. Not awaited: the device reads it whenever it is connected."""
+        (``None``) once it is accepted — if one is retained: one this process sent, or one the broker handed
+        over on subscribing (an earlier process's). Not awaited: the device reads it whenever it is connected."""
         topic = self.topics.refused(device_id)
+        if not data:
+            if device_id not in self._refusals:
+                return  # nothing retained to clear
+            self._refusals.discard(device_id)
+        else:
+            self._refusals.add(device_id)
         self.client.publish(topic, self._seal(topic, data) if data else b"", retain=True)
 
     def offline(self) -> set[str]:

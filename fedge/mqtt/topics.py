@@ -137,6 +137,17 @@ class FleetTopics:
         """``fedge/{fleet}/refused/{id}``: the retained reason the coordinator refused a device."""
         return f"{self.base}/refused/{check_name(device_id, 'device id')}"
 
+    @property
+    def refused_filter(self) -> str:
+        return f"{self.base}/refused/+"
+
+    def parse_refused(self, topic: str) -> str | None:
+        """The device id of a ``refused/{id}`` topic of this fleet, else None."""
+        parts = topic.split("/")
+        if len(parts) != 4 or parts[0] != ROOT or parts[1] != self.fleet or parts[2] != "refused":
+            return None
+        return parts[3] if _NAME.match(parts[3]) else None
+
     def global_filter(self, artifact: str) -> str:
         """One subscription that covers the artifact and all its parts (``#`` matches the parent too)."""
         return f"{self.global_(artifact)}/#"
