@@ -81,7 +81,9 @@ from fedge.mqtt.chunking import DEFAULT_CHUNK_BYTES, split
 from fedge.mqtt.client import new_paho_client, no_delay
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
 
-CLASSES, DIM = 10, 64  # FedProto-sized: prototypes (C, p) + counts (C,)
+# FedProto-sized: prototypes (C, p) + counts (C,). FEDGE_BENCH_DIM sets p (benchmarks.scaleout --dim: larger
+# updates for the bytes comparison); child processes inherit it.
+CLASSES, DIM = 10, int(os.environ.get("FEDGE_BENCH_DIM", "64"))
 SAMPLES = 100  # each device's training samples (its hello)
 OUT = RESULTS / "fleet_scale.json"
 MODULE = "benchmarks.fleet_scale"  # the coordinator and the floor's collector run as its child processes

@@ -46,6 +46,7 @@ from typing import Any
 
 import paho.mqtt.client as paho
 
+from benchmarks import fleet_scale
 from benchmarks.common import RESULTS
 from benchmarks.fleet_scale import MODULE as FLEET_SCALE
 from benchmarks.fleet_scale import SAMPLES, Swarm, _cpu, _update_bytes, sizes
@@ -628,6 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true",
                    help="relays part: keep the topologies --out already holds for the same --n, --shards, --rounds")
     p.add_argument("--shard-n", type=int, default=200, help="devices of the bytes comparison (default 200)")
+    p.add_argument("--dim", type=int, default=fleet_scale.DIM,
+                   help=f"prototype size p of every update: C x p float32 (default {fleet_scale.DIM}: 2,992-byte "
+                        "updates); larger updates show the fixed bytes per message shrink against the payload")
     p.add_argument("--rounds", type=int, default=3, help="training rounds per run (default 3)")
     p.add_argument("--only", choices=("workers", "shards", "merge", "relays"),
                    help="run one part: the workers' or the shards' comparison, the root's merge costs, or the relays' "
@@ -640,6 +644,9 @@ def main(argv: list[str] | None = None) -> int:
     if child is not None:  # one of the processes a part starts
         child(args)
         return 0
+    if args.dim != fleet_scale.DIM:  # this process's devices and every child's (coordinator, swarms) alike
+        os.environ["FEDGE_BENCH_DIM"] = str(args.dim)
+        fleet_scale.DIM = args.dim
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     # every child inherits it: a Mosquitto holds one descriptor per connection (as many as the hard limit allows)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard if args.only == "relays" else min(hard, max(soft, 8192)), hard))
@@ -673,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     sz = sizes()
     doc = {"benchmark": "scaleout", "command": " ".join(["python -m benchmarks.scaleout", *(argv or sys.argv[1:])]),
-           "n": args.n, "shard_n": args.shard_n,
+           "n": args.n, "shard_n": args.shard_n, "dim": fleet_scale.DIM,
            "merge_n": args.merge_n, "rounds": args.rounds, "message_bytes": sz, "samples": SAMPLES,
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                        "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()},
