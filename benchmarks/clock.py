@@ -250,16 +250,8 @@ fraction = {fraction}
 
 [train]
 local_epochs = {epochs}
-
-[[devices]]
-profile = "x86-gateway"
-
-[[devices]]
-profile = "rpi4-4gb"
-
-[[devices]]
-profile = "rpi-zero-2w"
-"""
+{devices}"""
+HONEST_PROFILES = ("x86-gateway", "rpi4-4gb", "rpi-zero-2w")
 HONEST_BAND = (0.67, 1.5)
 
 
@@ -292,8 +284,9 @@ def honesty(cfg: Any, reports: list[Any]) -> dict[str, Any]:
 
 
 def honest(rounds: int, work: str, *, dataset: str = "digits", fraction: float = 0.3,
-           eval_every: int = 1, epochs: int = 2) -> dict[str, Any]:
-    """Run the 3-profile fleet in Docker (``fedge emulate``) and compare it with the virtual clock."""
+           eval_every: int = 1, epochs: int = 2, profiles: tuple[str, ...] = HONEST_PROFILES) -> dict[str, Any]:
+    """Run the 3-profile fleet (or ``profiles`` only, one device each) in Docker (``fedge emulate``) and compare it
+    with the virtual clock."""
     from pathlib import Path
 
     from fedge.coordinator.store import REPORTS_FILE, read_reports
@@ -306,7 +299,8 @@ def honest(rounds: int, work: str, *, dataset: str = "digits", fraction: float =
     out.mkdir(parents=True, exist_ok=True)
     fleet = out / "honest.toml"
     fleet.write_text(HONEST_FLEET.format(rounds=rounds, dataset=dataset, fraction=fraction, eval_every=eval_every,
-                                        epochs=epochs))
+                                        epochs=epochs,
+                                        devices="".join(f'\n[[devices]]\nprofile = "{p}"\n' for p in profiles)))
     emu = lifecycle.prepare(fleet, out / "emu", images=tags, device_args=("--keep-running",))
     t0 = time.perf_counter()
     try:
@@ -319,6 +313,7 @@ def honest(rounds: int, work: str, *, dataset: str = "digits", fraction: float =
         lifecycle.down(emu)
     res = honesty(load_fleet(fleet), reports)
     return {"rounds": rounds, "dataset": dataset, "fraction": fraction, "eval_every": eval_every, "epochs": epochs,
+            "profiles": list(profiles),
             "wall_s": time.perf_counter() - t0, "limits": emu.limits, **res}
 
 
@@ -348,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     hp.add_argument("--fraction", type=float, default=0.3, help="share of the training set the 3 devices split")
     hp.add_argument("--eval-every", type=int, default=1, help="rounds between the devices' evaluations")
     hp.add_argument("--epochs", type=int, default=2, help="local epochs per round")
+    hp.add_argument("--profiles", nargs="+", default=list(HONEST_PROFILES), metavar="PROFILE",
+                    help="the devices, one per profile (default: x86 gateway, Pi 4, Pi Zero 2 W); one alone shows "
+                         "its quota without the others competing for the host's cores")
     sp = sub.add_parser("sampling", help="10 % of the fleet per round vs full participation at equal device compute")
     sp.add_argument("--devices", type=int, default=200)
     sp.add_argument("--sample", type=float, default=0.1)
@@ -375,11 +373,12 @@ def main(argv: list[str] | None = None) -> int:
         print_order(res)
     if args.what == "honest":
         res = honest(args.rounds, args.work, dataset=args.dataset, fraction=args.fraction, eval_every=args.eval_every,
-                     epochs=args.epochs)
+                     epochs=args.epochs, profiles=tuple(args.profiles))
         RESULTS.mkdir(parents=True, exist_ok=True)
         default = (args.dataset, args.fraction, args.eval_every, args.epochs) == ("digits", 0.3, 1, 2)
         name = "clock-honest" + ("" if default else
                                  f"-{args.dataset}-f{args.fraction:g}-e{args.eval_every}-ep{args.epochs}")
+        name += "" if tuple(args.profiles) == HONEST_PROFILES else "-" + "-".join(args.profiles)
         (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
         print_honest(res)
     if args.what == "sampling":
