@@ -201,7 +201,7 @@ def _check_layout(layout: list[Shard], devices: list[str], opts: BrokerOptions) 
             raise ConfigError(f"[[shards]] {s.name!r}: broker is {s.scheme}://{s.host}:{s.port} but the brokers are "
                               f"written {'with' if opts.uses_tls else 'without'} TLS",
                               hint=f"write broker = \"{scheme}://{s.host}:{s.port}\" (or HOST:PORT), or "
-                                   f"{'drop' if opts.uses_tls else 'pass'} --tls")
+                                   f"{'drop' if opts.uses_tls else 'pass'} --{'mtls' if opts.mtls else 'tls'}")
     listed = [d for s in layout for d in s.devices]
     if sorted(listed) != sorted(devices):
         raise ConfigError("the shards do not hold every device of the fleet exactly once",
