@@ -438,13 +438,22 @@ def _mqtt5_publish(broker: MosquittoProcess, settings: BrokerSettings, topic: st
 
     import paho.mqtt.client as paho
 
-    seen: dict[str, object] = {}
+    seen: dict[str, str | int] = {}
     done = threading.Event()
     c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"probe-{time.monotonic_ns()}",
                     protocol=paho.MQTTv5)
     c.tls_set(ca_certs=settings.ca_file, certfile=settings.cert_file, keyfile=settings.key_file)
-    c.on_connect = lambda cl, ud, flags, rc, props: (seen.setdefault("connack", str(rc)), done.set())
-    c.on_publish = lambda cl, ud, mid, rc, props: (seen.setdefault("puback", rc.value), done.set())
+
+    def connack(client: paho.Client, userdata: object, flags: object, rc: paho.ReasonCode, props: object) -> None:
+        seen["connack"] = str(rc)
+        done.set()
+
+    def puback(client: paho.Client, userdata: object, mid: int, rc: paho.ReasonCode, props: object) -> None:
+        seen["puback"] = rc.value
+        done.set()
+
+    c.on_connect = connack
+    c.on_publish = puback
     c.connect("localhost", broker.port)
     c.loop_start()
     try:
@@ -455,7 +464,7 @@ def _mqtt5_publish(broker: MosquittoProcess, settings: BrokerSettings, topic: st
     finally:
         c.disconnect()
         c.loop_stop()
-    return str(seen["connack"]), int(seen["puback"])  # type: ignore[call-overload]
+    return str(seen["connack"]), int(seen["puback"])
 
 
 def test_under_mtls_a_device_certificate_publishes_on_its_shard_only(
