@@ -60,13 +60,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="K aggregation worker accounts on the root broker (fedge coordinator worker)")
     c.set_defaults(func=_config)
 
-    for name, helptext in (("revoke", "revoke one device: its certificate into the CRL (or its password removed)"),
-                           ("rotate", "a new certificate (the old one revoked) or password for one device")):
+    for name, helptext in (("revoke", "revoke one device: its certificate into the CRL (or its password removed); "
+                                      "on a sharded tree's root also a relay or worker, in every broker of the tree"),
+                           ("rotate", "a new certificate (the old one revoked) or password for one device; on a "
+                                      "sharded tree's root also a relay or worker")):
         a = bsub.add_parser(name, help=helptext,
                             description=helptext[0].upper() + helptext[1:] + ". Then reload or restart Mosquitto as "
                                         "the command says, and (rotate) flash the device again.")
-        a.add_argument("device", metavar="DEVICE", help="the device id")
-        a.add_argument("--out", required=True, metavar="DIR", help="the broker directory `fedge broker config` wrote")
+        a.add_argument("device", metavar="DEVICE", help="the device id (in a sharded tree: or relay-NAME, worker-K)")
+        a.add_argument("--out", required=True, metavar="DIR",
+                       help="the broker directory `fedge broker config` wrote (a sharded fleet: its root, the --out)")
         if name == "rotate":
             a.add_argument("--cert-days", type=int, default=d.client_days,
                            help=f"validity of the new certificate in days (default {d.client_days})")

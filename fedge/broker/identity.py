@@ -154,9 +154,12 @@ class Issuer:
             write_secret(crt, first[0].read_bytes(), 0o644)
 
     def finish(self, tls_dirs: list[Path]) -> list[Path]:
-        """Save the index and write the one CRL into every broker's ``tls_dirs``."""
+        """Write the one CRL into every broker's ``tls_dirs``, then save the index. In this order, a run cut
+        short between the two is repeated whole (the index does not yet say the revocation happened), never
+        left with a CRL that misses what the index calls revoked."""
+        crls = write_crl(self.ca, self.index, *tls_dirs)
         self.index.save()
-        return write_crl(self.ca, self.index, *tls_dirs)
+        return crls
 
 
 @dataclass(frozen=True)
@@ -283,8 +286,8 @@ def revoke(out: Path, device: str) -> Change:
         if not revoked:
             raise ConfigError(f"{device} has no valid certificate to revoke (already revoked?)",
                               hint=f"issue a new one with `fedge broker rotate {device} --out {out}`")
+        crls = write_crl(ca, index, *[b / "tls" for b in brokers])  # before the index: see Issuer.finish
         index.save()
-        crls = write_crl(ca, index, *[b / "tls" for b in brokers])
         for d in account.dirs:
             for suffix in (".crt", ".key"):
                 (d / f"{account.stem}{suffix}").unlink(missing_ok=True)

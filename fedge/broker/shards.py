@@ -19,13 +19,23 @@ Layout of the output directory::
     bundles/ID/                   every device's bundle, whose broker URL is its shard's (what
                                   ``fedge flash --broker-dir DIR`` copies onto the device)
 
-ACLs: on a shard a device has exactly the flat fleet's rights — and no account at all on another shard
-or on the root, so it can publish into no other shard. On its parent's broker, relay NAME may write the
-``hello`` and ``status`` topics of the devices it reports (its shard's and its child shards') only (it
-forwards them), its own ``partials/relay-NAME`` and ``relays/relay-NAME/status``, and read rounds,
-global state, model packages and its devices' ``refused/{id}`` and OTA orders, and write their OTA
-statuses; on its shard it also writes ``ota/#`` (it forwards ``fedge deploy``'s updates); worker K may
-read updates and hellos (its shared subscription) and rounds, and write ``partials/worker-K`` only.
+With ``--mtls`` every broker of the tree requires a client certificate of the root's one CA (its CN is the user
+name the ACLs name; no ``passwd`` is written): ``client.crt`` + ``client.key`` replace ``password`` in
+``coordinator/``, ``relays/relay-NAME/`` (one certificate, also in ``shards/shard-NAME/coordinator/``) and
+``workers/worker-K/``; ``device.crt`` + ``device.key`` in every bundle. The tree has one certificate index
+(``ca/index.json``) and one CA key, both at the root only (a shard's directory keeps no copy of the key), and one
+CRL, copied into every broker's ``tls/crl.pem``: ``fedge broker revoke/rotate ID --out OUT`` act on all of them
+(:mod:`fedge.broker.identity`).
+
+ACLs (the same with passwords or certificates): on a shard a device has exactly the flat fleet's rights — and no
+account at all on another shard or on the root, so it can publish into no other shard. On its parent's broker,
+relay NAME may write the ``hello`` and ``status`` topics of the devices it reports (its shard's and its child
+shards') only (it forwards them), its own ``partials/relay-NAME`` and ``relays/relay-NAME/status``, and read
+rounds, global state, model packages and its devices' ``refused/{id}`` and OTA orders, and write their OTA
+statuses; on its shard it also writes ``ota/#`` (it forwards ``fedge deploy``'s updates); worker K may read updates
+and hellos (its shared subscription) and rounds, and write ``partials/worker-K`` only. (Under mutual TLS a device's
+certificate does connect to another broker of the tree — Mosquitto checks it against the CA, not against a list of
+accounts — but that broker's ACL names it nowhere: it can publish and read nothing.)
 """
 
 from __future__ import annotations
