@@ -219,7 +219,9 @@ def _sharded(args: argparse.Namespace, fleet: str, ids: list[str], opts: BrokerO
         print(f"  relay: fedge relay --config {args.fleet} --name {shard.relay}"
               f"{creds(shard.relay, out / 'relays' / shard.relay)} --broker {parent} --shard {urls[shard.name]}")
     for w in files.workers:
-        print(f"worker: fedge coordinator worker --config {args.fleet}{creds(w, out / 'workers' / w)} "
+        # an aggregator's name is its account: with a certificate there is no --username to take it from
+        name = f" --name {w}" if opts.mtls else ""
+        print(f"worker: fedge coordinator worker --config {args.fleet}{name}{creds(w, out / 'workers' / w)} "
               f"--broker {root_url}")
     coord = out / "coordinator"
     sign = ""
