@@ -257,8 +257,8 @@ def test_the_command_writes_mtls_workers_and_prints_certificates_for_every_accou
     assert main(["broker", "config", "--fleet", str(flat), "--out", str(out), "--mtls", "--workers", "2"]) == 0
     printed = capsys.readouterr().out
     w2 = out / "workers" / "worker-2"
-    assert f"fedge coordinator worker --config {flat} --name worker-2 --cert {w2 / 'client.crt'} --key {w2 / 'client.key'} " \
-           f"--ca {w2 / 'ca.crt'} --broker mqtts://localhost:8883" in printed
+    assert f"fedge coordinator worker --config {flat} --name worker-2 --cert {w2 / 'client.crt'} " \
+           f"--key {w2 / 'client.key'} --ca {w2 / 'ca.crt'} --broker mqtts://localhost:8883" in printed
     assert f"--cert {out / 'relays/relay-1/client.crt'} --key {out / 'relays/relay-1/client.key'}" in printed
     coord = out / "coordinator"
     assert f"--broker mqtts://localhost:8883 --cert {coord / 'client.crt'} --key {coord / 'client.key'}" in printed
