@@ -211,8 +211,12 @@ def test_broker_config_refusals(tmp_path: Path) -> None:
     path = fleet(tmp_path, TREE.format(pa=2001, pb=2002, pc=2003))
     cfg = load_fleet(path)
     ids = [i for i, _ in device_ids(cfg)]
-    with pytest.raises(ConfigError, match=r"--mtls cannot be combined with --shards, \[\[shards\]\] or --workers"):
+    # mutual TLS with shards whose brokers are written plain mqtt:// (no TLS, hence no certificate)
+    with pytest.raises(ConfigError, match=r"'a': broker is mqtt://127.0.0.1:2001 but the brokers are written "
+                                          r"with TLS") as err:
         write_sharded_config(cfg.run.fleet, ids, tmp_path / "m", BrokerOptions(mtls=True), shards=cfg.shard_layout)
+    assert 'broker = "mqtts://127.0.0.1:2001"' in (err.value.hint or "") and "drop --mtls" in (err.value.hint or "")
+    assert not (tmp_path / "m").exists()  # refused before anything is written
     with pytest.raises(ConfigError, match=r"broker 127.0.0.1:2001 is the root broker's address") as err:
         write_sharded_config(cfg.run.fleet, ids, tmp_path / "p", BrokerOptions(port=2001, hostname="127.0.0.1"),
                              shards=cfg.shard_layout)
@@ -224,7 +228,8 @@ def test_broker_config_refusals(tmp_path: Path) -> None:
     assert "pass --tls" in (err.value.hint or "")
 
 
-def test_the_command_refuses_shards_twice_and_mtls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_refuses_shards_twice_and_mtls_on_plain_shards(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     from fedge.cli import main
 
     path = fleet(tmp_path, TREE.format(pa=2001, pb=2002, pc=2003))
@@ -232,11 +237,7 @@ def test_the_command_refuses_shards_twice_and_mtls(tmp_path: Path, capsys: pytes
     err = capsys.readouterr().err
     assert "--shards 2 and the [[shards]] tables" in err and "drop --shards" in err
     assert main(["broker", "config", "--fleet", str(path), "--out", str(tmp_path / "y"), "--mtls"]) != 0
-    assert "--mtls cannot be combined" in capsys.readouterr().err
-    flat = fleet(tmp_path, "", "flat")
-    assert main(["broker", "config", "--fleet", str(flat), "--out", str(tmp_path / "z"), "--mtls", "--workers",
-                 "2"]) != 0
-    assert "--mtls cannot be combined" in capsys.readouterr().err
+    assert "'a': broker is mqtt://127.0.0.1:2001 but the brokers are written with TLS" in capsys.readouterr().err
     asynchronous = fleet(tmp_path, '[coordinator]\nmode = "async"\n' + TREE.format(pa=2001, pb=2002, pc=2003), "async")
     assert main(["broker", "config", "--fleet", str(asynchronous), "--out", str(tmp_path / "a")]) != 0
     assert 'mode = "async" cannot run with [[shards]]' in capsys.readouterr().err
@@ -245,6 +246,25 @@ def test_the_command_refuses_shards_twice_and_mtls(tmp_path: Path, capsys: pytes
     out = capsys.readouterr().out
     assert "shard c: mosquitto -c" in out and "under shard a" in out
     assert re.search(r"--name relay-c .* --broker mqtt://127.0.0.1:2001 --shard mqtt://127.0.0.1:2003", out), out
+
+
+def test_the_command_writes_mtls_workers_and_prints_certificates_for_every_account(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fedge.cli import main
+
+    flat = fleet(tmp_path, "", "flat")
+    out = tmp_path / "w"
+    assert main(["broker", "config", "--fleet", str(flat), "--out", str(out), "--mtls", "--workers", "2"]) == 0
+    printed = capsys.readouterr().out
+    w2 = out / "workers" / "worker-2"
+    assert f"fedge coordinator worker --config {flat} --name worker-2 --cert {w2 / 'client.crt'} " \
+           f"--key {w2 / 'client.key'} --ca {w2 / 'ca.crt'} --broker mqtts://localhost:8883" in printed
+    assert f"--cert {out / 'relays/relay-1/client.crt'} --key {out / 'relays/relay-1/client.key'}" in printed
+    coord = out / "coordinator"
+    assert f"--broker mqtts://localhost:8883 --cert {coord / 'client.crt'} --key {coord / 'client.key'}" in printed
+    assert "--password-file" not in printed and "--username" not in printed
+    assert f"fedge broker revoke|rotate ID --out {out}" in printed
+    assert not list(out.rglob("password")) and not list(out.rglob("passwd"))
 
 
 def test_flash_puts_the_shard_address_in_the_payload_and_refuses_a_stale_bundle(tmp_path: Path) -> None:
@@ -290,3 +310,173 @@ def test_fedge_relay_finds_its_shard_in_the_fleet_config(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="relay 'relay-x' needs --shard") as err:
         url("relay-x", "mqtt://127.0.0.1:2000")
     assert "--name relay-NAME" in (err.value.hint or "")
+
+
+def _tree(tmp: Path, name: str, **options: object) -> tuple[Path, Path, list[str]]:
+    """(fleet config, broker tree, device ids) of TREE on mqtts:// brokers, written with ``options``."""
+    path = fleet(tmp, TREE.format(pa=2001, pb=2002, pc=2003).replace("mqtt://", "mqtts://"), name)
+    cfg = load_fleet(path)
+    ids = [i for i, _ in device_ids(cfg)]
+    out = tmp / name / "broker"
+    write_sharded_config(cfg.run.fleet, ids, out, BrokerOptions(port=2000, bind="127.0.0.1", hostname="127.0.0.1",
+                                                                iterations=10, **options),  # type: ignore[arg-type]
+                         shards=cfg.shard_layout, workers=1, fleet_config=path)
+    return path, out, ids
+
+
+BROKERS = (".", "shards/shard-a", "shards/shard-b", "shards/shard-c")
+
+
+def _cn(crt: Path) -> str:
+    from fedge.broker.pki import load_cert
+
+    return str(load_cert(crt).subject.rfc4514_string()).removeprefix("CN=")
+
+
+def test_mtls_tree_one_certificate_per_account_one_index_and_the_crl_in_every_broker(tmp_path: Path) -> None:
+    from fedge.broker.pki import CertIndex, load_cert
+
+    _, out, ids = _tree(tmp_path, "m", mtls=True)
+    ca = load_cert(out / "tls/ca.crt")
+    # every broker requires a certificate of the one CA and reads its own copy of the one CRL; no passwords anywhere
+    for b in BROKERS:
+        conf = (out / b / "mosquitto.conf").read_text()
+        assert "require_certificate true" in conf and "use_identity_as_username true" in conf
+        assert f"crlfile {(out / b / 'tls/crl.pem').resolve()}" in conf and "password_file" not in conf
+        assert (out / b / "tls/ca.crt").read_bytes() == (out / "tls/ca.crt").read_bytes()
+    crls = {(out / b / "tls/crl.pem").read_bytes() for b in BROKERS}
+    assert len(crls) == 1 and b"BEGIN X509 CRL" in crls.pop()
+    assert not list(out.rglob("passwd")) and not list(out.rglob("password"))
+    # one index and one CA key, at the root: no shard keeps a copy of the key that signs for the whole tree
+    assert (out / "ca/index.json").is_file() and (out / "ca/ca.key").is_file()
+    assert not list((out / "shards").rglob("index.json")) and not list((out / "shards").rglob("ca.key"))
+    # each account's certificate: issued by the CA, CN = the account; a relay's one certificate is also its
+    # shard's coordinator certificate, the deploy account's the same on every broker, a device's bundle copied
+    accounts = {"fedge-coordinator": out / "coordinator/client.crt", "fedge-deploy": out / "deploy/client.crt",
+                "worker-1": out / "workers/worker-1/client.crt"}
+    accounts.update({f"relay-{s}": out / f"relays/relay-{s}/client.crt" for s in "abc"})
+    shard_of = {d: "a" if d.startswith("rpi4") else "b" if d.startswith("x86") else "c" for d in ids}
+    accounts.update({d: out / f"shards/shard-{shard_of[d]}/bundles/{d}/device.crt" for d in ids})
+    for who, crt in accounts.items():
+        assert _cn(crt) == who
+        load_cert(crt).verify_directly_issued_by(ca)
+        assert (crt.parent / crt.name.replace(".crt", ".key")).stat().st_mode & 0o077 == 0
+    for s in "abc":
+        shard = out / f"shards/shard-{s}"
+        assert (shard / "coordinator/client.crt").read_bytes() == accounts[f"relay-{s}"].read_bytes()
+        assert (shard / "coordinator/client.key").read_bytes() == (out / f"relays/relay-{s}/client.key").read_bytes()
+        assert (shard / "deploy/client.crt").read_bytes() == accounts["fedge-deploy"].read_bytes()
+    for d in ids:
+        assert (out / "bundles" / d / "device.crt").read_bytes() == accounts[d].read_bytes()
+        bundle = tomllib.loads((out / "bundles" / d / "bundle.toml").read_text())
+        assert bundle["broker"] == f"mqtts://127.0.0.1:{ {'a': 2001, 'b': 2002, 'c': 2003}[shard_of[d]] }"
+        assert (bundle["cert_file"], bundle["key_file"], bundle["ca_file"]) == ("device.crt", "device.key", "ca.crt")
+    # the index: exactly one valid certificate per account, the one in its files, none revoked
+    index = CertIndex(out / "ca/index.json")
+    assert sorted(c.cn for c in index.certs) == sorted(accounts) and not index.revoked()
+    assert {c.cn: int(c.serial, 16) for c in index.certs} == {w: load_cert(p).serial_number
+                                                               for w, p in accounts.items()}
+    issued = {w: p.read_bytes() for w, p in accounts.items()}
+    assert (out / "relays/relay-a/ca.crt").read_bytes() == (out / "tls/ca.crt").read_bytes()
+    # the ACLs are the password tree's: the certificate's CN is the user name they name
+    _, pw_out, _ = _tree(tmp_path, "p", tls=True)
+    for b in BROKERS:
+        assert (out / b / "acl").read_text() == (pw_out / b / "acl").read_text(), b
+    # a second run keeps every certificate; --rotate replaces each once (the old ones revoked, the new ones not)
+    _tree(tmp_path, "m", mtls=True)
+    assert {w: p.read_bytes() for w, p in accounts.items()} == issued
+    _tree(tmp_path, "m", mtls=True, rotate=True)
+    index = CertIndex(out / "ca/index.json")
+    valid = {c.cn: int(c.serial, 16) for c in index.certs if c.revoked is None}
+    assert valid == {w: load_cert(p).serial_number for w, p in accounts.items()}
+    assert len(index.revoked()) == len(accounts) and all(p.read_bytes() != issued[w] for w, p in accounts.items())
+    assert len({(out / b / "tls/crl.pem").read_bytes() for b in BROKERS}) == 1
+
+
+def test_revoke_and_rotate_act_on_every_broker_of_an_mtls_tree(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    from fedge.broker.fleetkey import rotate_fleet_key
+    from fedge.cli import main
+    from fedge.flash.payload import prepare
+
+    path, out, _ = _tree(tmp_path, "m", mtls=True)
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    # an unknown id is refused naming it, and so is a shard's directory (the tree's index is at its root)
+    assert main(["broker", "revoke", "rpi4-4gb-9", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"the sharded broker tree {out} has no device, relay or worker 'rpi4-4gb-9'" in err
+    assert "rpi4-4gb-1" in err and "relay-c" in err and "worker-1" in err
+    assert main(["broker", "rotate", "rpi-zero-2w-1", "--out", str(out / "shards/shard-c")]) == 2
+    err = capsys.readouterr().err
+    assert f"is a shard's broker directory of the tree at {out}" in err and f"pass --out {out}" in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+    # revoking a device of shard c (under shard a): the CRL of every broker lists it, its certificate is gone from
+    # both copies of its bundle, and the command names the broker to restart (its shard's) and those to reload
+    serial = x509.load_pem_x509_certificate(files[out / "bundles/rpi-zero-2w-1/device.crt"]).serial_number
+    assert main(["broker", "revoke", "rpi-zero-2w-1", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"restart `mosquitto -c {out / 'shards/shard-c/mosquitto.conf'}` to cut it now" in said
+    assert all(f"`mosquitto -c {out / b / 'mosquitto.conf'}`" in said for b in BROKERS)
+    crls = [x509.load_pem_x509_crl((out / b / "tls/crl.pem").read_bytes()) for b in BROKERS]
+    assert len({c.public_bytes(Encoding.PEM) for c in crls}) == 1
+    assert crls[0].get_revoked_certificate_by_serial_number(serial) is not None
+    for d in (out / "bundles/rpi-zero-2w-1", out / "shards/shard-c/bundles/rpi-zero-2w-1"):
+        assert not (d / "device.crt").exists() and not (d / "device.key").exists()
+    with pytest.raises(ConfigError, match="has no certificate and key for rpi-zero-2w-1"):
+        prepare("rpi-zero-2w-1", path, out)
+    # rotated, it has a new certificate in both copies and flashes again
+    assert main(["broker", "rotate", "rpi-zero-2w-1", "--out", str(out)]) == 0
+    capsys.readouterr()
+    new = out / "shards/shard-c/bundles/rpi-zero-2w-1/device.crt"
+    assert new.read_bytes() == (out / "bundles/rpi-zero-2w-1/device.crt").read_bytes() and _cn(new) == "rpi-zero-2w-1"
+    assert prepare("rpi-zero-2w-1", path, out).broker == "mqtts://127.0.0.1:2003"
+    # a relay's certificate: rotated in relays/ and in its shard's coordinator/, the old one in every CRL; it
+    # has rights on its parent (shard a) and its shard (c): those two are named to restart
+    old = x509.load_pem_x509_certificate((out / "relays/relay-c/client.crt").read_bytes()).serial_number
+    assert main(["broker", "rotate", "relay-c", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert (f"restart `mosquitto -c {out / 'shards/shard-a/mosquitto.conf'}`, "
+            f"`mosquitto -c {out / 'shards/shard-c/mosquitto.conf'}` to cut it now") in said
+    relay_c = (out / "relays/relay-c/client.crt").read_bytes()
+    assert relay_c == (out / "shards/shard-c/coordinator/client.crt").read_bytes()
+    for b in BROKERS:
+        crl = x509.load_pem_x509_crl((out / b / "tls/crl.pem").read_bytes())
+        assert crl.get_revoked_certificate_by_serial_number(old) is not None
+    # the fleet key's rotation reaches every fleet.pub of the tree (root and shard copies of bundles, deploy)
+    old_pub = (out / "coordinator/fleet.pub").read_bytes()
+    pubs = list(out.rglob("fleet.pub"))
+    assert len(pubs) > 10
+    rotate_fleet_key(out, "tree")
+    assert all(p.read_bytes() != old_pub for p in pubs)
+
+
+def test_revoke_and_rotate_of_a_password_tree_change_the_brokers_that_hold_the_account(tmp_path: Path) -> None:
+    """Before, ``revoke`` on a sharded tree edited the root's passwd, where a device has no line: its shard's
+    broker kept accepting it. Now the lines go where the ACLs name the account."""
+    from fedge.cli import main
+
+    _, out, _ = _tree(tmp_path, "p", tls=True)
+
+    def users(b: str) -> set[str]:
+        return {ln.split(":")[0] for ln in (out / b / "passwd").read_text().splitlines()}
+
+    before = {b: (out / b / "passwd").read_bytes() for b in BROKERS}
+    assert main(["broker", "revoke", "x86-gateway-1", "--out", str(out)]) == 0
+    assert "x86-gateway-1" not in users("shards/shard-b") and "x86-gateway-2" in users("shards/shard-b")
+    assert all((out / b / "passwd").read_bytes() == before[b] for b in BROKERS if b != "shards/shard-b")
+    assert not (out / "bundles/x86-gateway-1/password").exists()
+    assert not (out / "shards/shard-b/bundles/x86-gateway-1/password").exists()
+    assert main(["broker", "rotate", "x86-gateway-1", "--out", str(out)]) == 0
+    assert "x86-gateway-1" in users("shards/shard-b")
+    pw = (out / "bundles/x86-gateway-1/password").read_text()
+    assert (out / "shards/shard-b/bundles/x86-gateway-1/password").read_text() == pw
+    # relay-c's one password: its line on its parent (shard a) and on its shard (c) replaced, both copies written
+    old = (out / "relays/relay-c/password").read_text()
+    assert main(["broker", "rotate", "relay-c", "--out", str(out)]) == 0
+    new = (out / "relays/relay-c/password").read_text()
+    assert new != old and (out / "shards/shard-c/coordinator/password").read_text() == new
+    changed = {b for b in BROKERS if (out / b / "passwd").read_bytes() != before[b]}
+    assert changed == {"shards/shard-a", "shards/shard-b", "shards/shard-c"}

@@ -3,11 +3,14 @@
 A device's credential works on its own shard only (on another shard and on the root it has no
 account), a relay can forward the hellos of its own shard's devices and its own partials but not
 another shard's, a worker reads updates through its MQTT 5 shared subscription and may write only its
-own partials, and each device's bundle names its shard's broker.
+own partials, and each device's bundle names its shard's broker. Under ``--mtls`` every account connects with its
+certificate of the tree's one CA: a device's on another shard or the root connects but is refused every publish
+and reads nothing; ``fedge broker revoke`` on the tree cuts a device at its shard once that broker restarted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -15,10 +18,12 @@ import tempfile
 import time
 import tomllib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
+from broker_helpers import wait_until
 from observe_helpers import FLEET_TOML as SMALL_FLEET
 
 from fedge.broker.config import BrokerOptions
@@ -57,15 +62,16 @@ def _free(port: int) -> bool:
     return True
 
 
-@pytest.fixture
-def sharded(mosquitto_bin: str) -> Iterator[tuple[list[MosquittoProcess], Path, int]]:
-    """The root broker and two shard brokers, started from the generated configs (as `mosquitto -c` would be)."""
+@contextmanager
+def _running_tree(opts: BrokerOptions, prefix: str) -> Iterator[tuple[list[MosquittoProcess], Path, int]]:
+    """The root broker and two shard brokers (one worker account) written with ``opts`` on a free run of ports,
+    started from the generated configs as `mosquitto -c` would be: (root, shard 1, shard 2), the tree, base port."""
     base = _ports(2)
-    work = Path(tempfile.mkdtemp(prefix="fedge-shards-test-"))
+    work = Path(tempfile.mkdtemp(prefix=prefix))
     os.chmod(work, 0o755)
     out = work / "broker"
-    files = write_sharded_config(CFG.run.fleet, IDS, out, BrokerOptions(port=base, bind="127.0.0.1"), shards=2,
-                                 workers=1, fleet_config=FLEET_TOML)
+    files = write_sharded_config(CFG.run.fleet, IDS, out, dataclasses.replace(opts, port=base, bind="127.0.0.1"),
+                                 shards=2, workers=1, fleet_config=FLEET_TOML)
     brokers = [MosquittoProcess(f.config.read_text(), port=base + k, workdir=f.out)
                for k, f in enumerate([files.root, *files.shards])]
     try:
@@ -76,6 +82,20 @@ def sharded(mosquitto_bin: str) -> Iterator[tuple[list[MosquittoProcess], Path, 
         for b in brokers:
             b.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture
+def sharded(mosquitto_bin: str) -> Iterator[tuple[list[MosquittoProcess], Path, int]]:
+    """The root broker and two shard brokers with password accounts."""
+    with _running_tree(BrokerOptions(), "fedge-shards-test-") as running:
+        yield running
+
+
+@pytest.fixture
+def mtls_sharded(mosquitto_bin: str) -> Iterator[tuple[list[MosquittoProcess], Path, int]]:
+    """The root broker and two shard brokers written with ``--mtls``: every account connects with its certificate."""
+    with _running_tree(BrokerOptions(mtls=True), "fedge-shards-mtls-") as running:
+        yield running
 
 
 def _client(port: int, user: str, secret: Path, *, got: list[Received] | None = None,
@@ -144,14 +164,12 @@ def test_relays_forward_only_their_shard_and_workers_write_only_their_partials(
             c.stop()
 
 
-def test_a_signing_tls_sharded_fleet_shares_the_roots_key_and_ca_and_mtls_is_refused(mosquitto_bin: str) -> None:
+def test_a_signing_tls_sharded_fleet_shares_the_roots_key_and_ca(mosquitto_bin: str) -> None:
     base = _ports(2)
     work = Path(tempfile.mkdtemp(prefix="fedge-shards-sign-"))
     os.chmod(work, 0o755)
     out = work / "broker"
     try:
-        with pytest.raises(ConfigError, match=r"--mtls cannot be combined with --shards, \[\[shards\]\] or --workers"):
-            write_sharded_config(CFG.run.fleet, IDS, out, BrokerOptions(mtls=True), shards=2, fleet_config=FLEET_TOML)
         files = write_sharded_config(CFG.run.fleet, IDS, out, BrokerOptions(port=base, bind="127.0.0.1", sign=True,
                                                                             tls=True), shards=2, workers=1,
                                      fleet_config=FLEET_TOML)
@@ -393,3 +411,159 @@ def test_a_fleet_sharded_by_its_config_runs_through_the_commands_and_equals_the_
         np.testing.assert_allclose(got["protos"], want["protos"], rtol=1e-5, atol=1e-6)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _cert(out: Path, who: str) -> BrokerSettings:
+    """``who``'s certificate of an ``--mtls`` tree (a device: its bundle; a relay or worker: its directory; the
+    coordinator), for any broker of the tree (the port is set by :func:`_mtls_client`)."""
+    d = (out / "bundles" / who if who in IDS else out / "relays" / who if who.startswith("relay-")
+         else out / "workers" / who if who.startswith("worker-") else out / "coordinator")
+    stem = "device" if who in IDS else "client"
+    return BrokerSettings(host="localhost", tls=True, ca_file=str(out / "tls" / "ca.crt"),
+                          cert_file=str(d / f"{stem}.crt"), key_file=str(d / f"{stem}.key"))
+
+
+def _mtls_client(broker: MosquittoProcess, out: Path, who: str, *, got: list[Received] | None = None,
+                 wait: float = 5) -> MqttClient:
+    settings = dataclasses.replace(_cert(out, who), port=broker.port)
+    return MqttClient(settings, f"t-{who}-{time.monotonic_ns()}", on_message=None if got is None else got.append
+                      ).start(wait)
+
+
+def _mqtt5_publish(broker: MosquittoProcess, settings: BrokerSettings, topic: str) -> tuple[str, int]:
+    """Connect with ``settings``' certificate over MQTT 5 and publish ``topic`` at QoS 1: (the CONNACK's reason,
+    the PUBACK's reason code). MQTT 5 is what makes Mosquitto say why it drops a publish (0x87 not authorized);
+    an MQTT 3.1.1 client — a fedge device — gets a plain PUBACK for a publish the ACL dropped."""
+    import threading
+
+    import paho.mqtt.client as paho
+
+    seen: dict[str, str | int] = {}
+    done = threading.Event()
+    c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"probe-{time.monotonic_ns()}",
+                    protocol=paho.MQTTv5)
+    c.tls_set(ca_certs=settings.ca_file, certfile=settings.cert_file, keyfile=settings.key_file)
+
+    def connack(client: paho.Client, userdata: object, flags: object, rc: paho.ReasonCode, props: object) -> None:
+        seen["connack"] = str(rc)
+        done.set()
+
+    def puback(client: paho.Client, userdata: object, mid: int, rc: paho.ReasonCode, props: object) -> None:
+        seen["puback"] = rc.value
+        done.set()
+
+    c.on_connect = connack
+    c.on_publish = puback
+    c.connect("localhost", broker.port)
+    c.loop_start()
+    try:
+        assert done.wait(5), "no CONNACK"
+        done.clear()
+        c.publish(topic, b"a hello on a foreign broker", qos=1, retain=True)
+        assert done.wait(5), "no PUBACK"
+    finally:
+        c.disconnect()
+        c.loop_stop()
+    return str(seen["connack"]), int(seen["puback"])
+
+
+def test_under_mtls_a_device_certificate_publishes_on_its_shard_only(
+        mtls_sharded: tuple[list[MosquittoProcess], Path, int]) -> None:
+    """A device of shard 1 connects to shard 1 with its certificate (the fedge device transport) and its hello
+    reaches the root through relay-1, which connects to both brokers with its one certificate. The same certificate
+    on shard 2 or on the root connects — Mosquitto checks the certificate against the tree's CA, not a list of
+    accounts — but the ACL grants it nothing there: its publish is refused (MQTT 5: 0x87 not authorized) and
+    reaches no subscriber, and it reads nothing (a retained round another device of shard 2 receives)."""
+    from gate_helpers import device
+    from scaleout_helpers import FAST
+
+    from fedge.common.messages import Message
+    from fedge.coordinator.aggregator import PartialAggregator
+    from fedge.coordinator.config import EngineConfig
+    from fedge.coordinator.strategies.fedproto import FedProtoStrategy
+    from fedge.mqtt.device_transport import MqttDeviceTransport
+    from fedge.mqtt.relay import Relay
+
+    (root, s1, s2), out, _ = mtls_sharded
+    mine, neighbour_2 = IDS[0], IDS[-1]  # shard 1's first device, a device of shard 2
+    relay = Relay(dataclasses.replace(_cert(out, "relay-1"), port=s1.port),
+                  dataclasses.replace(_cert(out, "relay-1"), port=root.port), CFG.run.fleet,
+                  PartialAggregator(FedProtoStrategy(num_classes=10, rounds=1),
+                                    EngineConfig(fleet=CFG.run.fleet, method="fedproto"), "relay-1")).start()
+    at_root: list[Received] = []
+    on_s2: list[Received] = []
+    coord = _mtls_client(root, out, "fedge-coordinator", got=at_root)
+    coord.subscribe(T.device_filter("hello"))
+    relay2 = _mtls_client(s2, out, "relay-2", got=on_s2)  # shard 2's coordinator: reads every device topic there
+    relay2.subscribe(f"{T.base}/devices/#")
+    dev = MqttDeviceTransport(dataclasses.replace(_cert(out, mine), port=s1.port), CFG.run.fleet, mine, FAST).start()
+    try:
+        hello = Message("hello", mine, 0, CFG.run.fleet, info={"device": device(0, device_id=mine).to_dict()}
+                        ).to_bytes()
+        dev.send_hello(hello)
+        assert wait_until(lambda: any(m.topic == T.hello(mine) for m in at_root), 10), at_root
+        assert next(m for m in at_root if m.topic == T.hello(mine)).payload == hello  # relayed unchanged
+        # the same certificate on shard 2 and on the root: connected, every publish refused by the ACL
+        for other in (s2, root):
+            connack, puback = _mqtt5_publish(other, _cert(out, mine), T.hello(mine))
+            assert (connack, puback) == ("Success", 0x87), other.port
+        # shard 2 reads it nowhere: its coordinator (relay-2) saw no hello, and nothing was retained
+        relay2.wait_published([relay2.publish(T.round, b"shard 2's round", retain=True)], 5)
+        got_foreign: list[Received] = []
+        got_local: list[Received] = []
+        foreign = _mtls_client(s2, out, mine, got=got_foreign)
+        local = _mtls_client(s2, out, neighbour_2, got=got_local)
+        try:
+            for c in (foreign, local):
+                c.subscribe(f"{T.base}/#")
+            assert wait_until(lambda: got_local, 5)
+            time.sleep(0.5)  # what else would arrive
+            assert [(m.topic, m.payload) for m in got_local] == [(T.round, b"shard 2's round")]
+            assert got_foreign == [] and foreign.connected
+        finally:
+            foreign.stop()
+            local.stop()
+        assert not any(m.topic == T.hello(mine) for m in on_s2), on_s2
+        assert not any(m.topic == T.hello(mine) and m.payload != hello for m in at_root)
+    finally:
+        dev.close()
+        relay.stop()
+        for c in (coord, relay2):
+            c.stop()
+
+
+def test_under_mtls_revoking_a_device_of_a_tree_cuts_it_at_its_shard_once_restarted(
+        mtls_sharded: tuple[list[MosquittoProcess], Path, int], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``fedge broker revoke`` on the tree's root: the CLI names the device's shard broker to restart and every
+    broker to reload; once shard 1 restarted, the revoked certificate (a copy a thief kept) is refused in the TLS
+    handshake while another device of shard 1 still connects; the root, only reloaded (SIGHUP), refuses it too."""
+    import signal
+
+    from fedge.cli import main
+
+    (root, s1, _), out, _ = mtls_sharded
+    victim, neighbour = IDS[0], IDS[1]  # both on shard 1
+    stolen = tmp_path / "stolen"
+    shutil.copytree(out / "bundles" / victim, stolen)
+    online = _mtls_client(s1, out, victim)  # connected before the revocation
+    assert main(["broker", "revoke", victim, "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    shard1 = out / "shards" / "shard-1" / "mosquitto.conf"
+    assert f"restart `mosquitto -c {shard1}` to cut it now" in said
+    assert f"kill -HUP the pid of each: `mosquitto -c {out / 'mosquitto.conf'}`, `mosquitto -c {shard1}`, " in said
+    stolen_settings = BrokerSettings(host="localhost", tls=True, ca_file=str(stolen / "ca.crt"),
+                                     cert_file=str(stolen / "device.crt"), key_file=str(stolen / "device.key"))
+    s1.restart()  # as the command says: it reads the new CRL and drops the connection the device had
+    with pytest.raises(TransportError, match="certificate revoked"):
+        MqttClient(dataclasses.replace(stolen_settings, port=s1.port), "t-stolen").start(4)
+    assert wait_until(lambda: not online.connected or online.connects > 1, 5)
+    time.sleep(3.5)  # its reconnection back-off had time to try
+    assert online.connects == 1 and "revoked" in str(online.last_error)
+    online.stop()
+    _mtls_client(s1, out, neighbour).stop()  # the other device of the shard is unaffected
+    assert root.proc is not None
+    os.kill(root.proc.pid, signal.SIGHUP)  # the root reloads its copy of the CRL
+    time.sleep(1.0)
+    with pytest.raises(TransportError, match="certificate revoked"):
+        MqttClient(dataclasses.replace(stolen_settings, port=root.port), "t-stolen-root").start(4)

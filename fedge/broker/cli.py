@@ -60,13 +60,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="K aggregation worker accounts on the root broker (fedge coordinator worker)")
     c.set_defaults(func=_config)
 
-    for name, helptext in (("revoke", "revoke one device: its certificate into the CRL (or its password removed)"),
-                           ("rotate", "a new certificate (the old one revoked) or password for one device")):
+    for name, helptext in (("revoke", "revoke one device: its certificate into the CRL (or its password removed); "
+                                      "on a sharded tree's root also a relay or worker, in every broker of the tree"),
+                           ("rotate", "a new certificate (the old one revoked) or password for one device; on a "
+                                      "sharded tree's root also a relay or worker")):
         a = bsub.add_parser(name, help=helptext,
                             description=helptext[0].upper() + helptext[1:] + ". Then reload or restart Mosquitto as "
                                         "the command says, and (rotate) flash the device again.")
-        a.add_argument("device", metavar="DEVICE", help="the device id")
-        a.add_argument("--out", required=True, metavar="DIR", help="the broker directory `fedge broker config` wrote")
+        a.add_argument("device", metavar="DEVICE", help="the device id (in a sharded tree: or relay-NAME, worker-K)")
+        a.add_argument("--out", required=True, metavar="DIR",
+                       help="the broker directory `fedge broker config` wrote (a sharded fleet: its root, the --out)")
         if name == "rotate":
             a.add_argument("--cert-days", type=int, default=d.client_days,
                            help=f"validity of the new certificate in days (default {d.client_days})")
@@ -105,24 +108,31 @@ def _identity(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fedge.broker import identity
+    from fedge.broker.identity import DEVICE_STEM
 
     out = Path(args.out)
     change = (identity.revoke(out, args.device) if args.action == "revoke"
               else identity.rotate(out, args.device, days=args.cert_days))
+    where = ", ".join(str(p) for p in change.changed)
+    if change.tree:
+        print(f"{change.device}: the sharded tree {out.resolve()} ({len(identity.tree_brokers(out.resolve()))} "
+              f"brokers); its {'certificate' if change.mode == 'mtls' else 'password'} lives in "
+              f"{', '.join(str(d) for d in change.secrets)}")
     if change.mode == "mtls":
         for c in change.revoked:
-            print(f"revoked certificate {c.serial} of {c.cn} (valid until {c.not_after[:10]}): listed in "
-                  f"{out / 'tls' / 'crl.pem'}")
+            print(f"revoked certificate {c.serial} of {c.cn} (valid until {c.not_after[:10]}): listed in {where}")
         if change.issued is not None:
             print(f"issued certificate {change.issued.serial} for {change.device}, valid until "
-                  f"{change.issued.not_after[:10]}: {out / 'bundles' / change.device}/device.crt")
+                  f"{change.issued.not_after[:10]}: {change.secrets[0] / change.stem}.crt")
     elif args.action == "revoke":
-        print(f"removed {change.device}'s account from {out / 'passwd'}")
+        print(f"removed {change.device}'s account from {where}")
     else:
-        print(f"new password for {change.device} in {out / 'bundles' / change.device}/password")
+        print(f"new password for {change.device} in {change.secrets[0]}/password (its account in {where})")
     print(f"now {change.reload}")
-    if args.action == "rotate":
+    if args.action == "rotate" and change.stem == DEVICE_STEM:
         print(f"then flash the device again: fedge flash {change.device} --broker-dir {out} ...")
+    elif args.action == "rotate":
+        print(f"then restart {change.device} with its new credentials from {change.secrets[0]}")
     return 0
 
 
@@ -192,6 +202,12 @@ def _sharded(args: argparse.Namespace, fleet: str, ids: list[str], opts: BrokerO
     def ca(d: Path) -> str:
         return f" --ca {d / 'ca.crt'}" if opts.uses_tls else ""
 
+    def creds(user: str, d: Path) -> str:
+        """An account's credentials on the command line: its certificate (--mtls) or its password file."""
+        if opts.mtls:
+            return f" --cert {d / 'client.crt'} --key {d / 'client.key'}{ca(d)}"
+        return f" --username {user} --password-file {d / 'password'}{ca(d)}"
+
     print(f"root broker: mosquitto -c {files.root.config} (coordinator, "
           f"{sum(1 for s in files.layout if s.parent is None)} relay and {len(files.workers)} worker accounts)")
     for shard, written in zip(files.layout, files.shards, strict=True):
@@ -200,20 +216,24 @@ def _sharded(args: argparse.Namespace, fleet: str, ids: list[str], opts: BrokerO
         print(f"shard {shard.name}: mosquitto -c {written.config} ({urls[shard.name]}{below}; {len(members)} devices: "
               f"{members[0]} ... {members[-1]})" if members else f"shard {shard.name}: mosquitto -c {written.config}")
         parent = root_url if shard.parent is None else urls[shard.parent]
-        print(f"  relay: fedge relay --config {args.fleet} --name {shard.relay} --username {shard.relay} "
-              f"--password-file {out / 'relays' / shard.relay / 'password'}{ca(out / 'relays' / shard.relay)} "
-              f"--broker {parent} --shard {urls[shard.name]}")
+        print(f"  relay: fedge relay --config {args.fleet} --name {shard.relay}"
+              f"{creds(shard.relay, out / 'relays' / shard.relay)} --broker {parent} --shard {urls[shard.name]}")
     for w in files.workers:
-        print(f"worker: fedge coordinator worker --config {args.fleet} --username {w} --password-file "
-              f"{out / 'workers' / w / 'password'}{ca(out / 'workers' / w)} --broker {root_url}")
+        # an aggregator's name is its account: with a certificate there is no --username to take it from
+        name = f" --name {w}" if opts.mtls else ""
+        print(f"worker: fedge coordinator worker --config {args.fleet}{name}{creds(w, out / 'workers' / w)} "
+              f"--broker {root_url}")
     coord = out / "coordinator"
     sign = ""
     if files.root.signing_key is not None:
         sign = f" --signing-key {files.root.signing_key}"
         print(f"signing: the fleet key {files.root.signing_key} (keep it secret); relays forward the signed state "
               "unchanged, every bundle holds fleet.pub")
-    print(f"coordinator: fedge coordinator run --config {args.fleet} --broker {root_url} --username "
-          f"{opts.coordinator_user} --password-file {coord / 'password'}{ca(coord)}{sign}"
-          f"{' --workers' if files.workers else ''} --state-dir DIR")
+    print(f"coordinator: fedge coordinator run --config {args.fleet} --broker {root_url}"
+          f"{creds(opts.coordinator_user, coord)}{sign}{' --workers' if files.workers else ''} --state-dir DIR")
     print(f"device bundles (each naming its shard) in {out / 'bundles'}/ID")
+    if opts.mtls:
+        print(f"mutual TLS: every broker requires a certificate of the one CA {files.root.ca}; one certificate index "
+              f"for the tree ({out / 'ca' / 'index.json'}) and its CRL copied into every broker's tls/crl.pem: "
+              f"fedge broker revoke|rotate ID --out {out} acts on them all")
     return 0

@@ -42,11 +42,11 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedge.broker.identity import CLIENT_STEM, CRL_NAME, DEVICE_STEM, ensure_client_cert, write_crl
+from fedge.broker.identity import CLIENT_STEM, CRL_NAME, DEVICE_STEM, Issuer
 from fedge.broker.limits import QueueLimits, largest_model_bytes, queue_limits
 from fedge.broker.options import BrokerOptions
 from fedge.broker.passwords import hash_password, new_password
-from fedge.broker.pki import INDEX_NAME, CertificateAuthority, CertIndex, cert_pem, key_pem, write_secret
+from fedge.broker.pki import CertificateAuthority, cert_pem, key_pem, write_secret
 from fedge.common.atomicfile import write_atomic
 from fedge.common.signing import generate_key, load_private_key, public_pem
 from fedge.errors import ConfigError
@@ -242,6 +242,16 @@ def make_tls(tls_dir: Path, hostname: str, fleet: str, *, ca_dir: Path | None = 
     existing CA is reused so that devices which already trust it keep working (a CA key left in
     ``tls_dir`` by an older fedge is moved there). ``owner``: the broker's account, given the server key.
     """
+    ca = open_ca(tls_dir, fleet, ca_dir=ca_dir)
+    key, crt = ca.issue_server(hostname)
+    write_secret(tls_dir / "server.key", key_pem(key), 0o600, owner=owner)
+    write_secret(tls_dir / "server.crt", cert_pem(crt), 0o644)
+    return ca
+
+
+def open_ca(tls_dir: Path, fleet: str, *, ca_dir: Path | None = None) -> CertificateAuthority:
+    """The fleet CA of a broker directory (created if it has none): its key in ``ca_dir`` (default
+    ``tls_dir/../ca``, 0700), its certificate ``tls_dir/ca.crt`` (0644)."""
     tls_dir.mkdir(parents=True, exist_ok=True)
     ca_dir = ca_dir or tls_dir.parent / "ca"
     ca_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -250,9 +260,6 @@ def make_tls(tls_dir: Path, hostname: str, fleet: str, *, ca_dir: Path | None = 
     if (tls_dir / "ca.key").is_file() and not ca_key.exists():
         os.replace(tls_dir / "ca.key", ca_key)
     ca = CertificateAuthority.load_or_create(ca_key, ca_crt, fleet)
-    key, crt = ca.issue_server(hostname)
-    write_secret(tls_dir / "server.key", key_pem(key), 0o600, owner=owner)
-    write_secret(tls_dir / "server.crt", cert_pem(crt), 0o644)
     os.chmod(ca_crt, 0o644)
     return ca
 
@@ -272,13 +279,15 @@ def _largest_message(opts: BrokerOptions, fleet_config: str | Path | None) -> in
 
 def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: BrokerOptions | None = None, *,
                         fleet_config: str | Path | None = None, queue_devices: int | None = None,
-                        fleet_pub: Path | None = None) -> BrokerFiles:
+                        fleet_pub: Path | None = None, issuer: Issuer | None = None) -> BrokerFiles:
     """Write everything for ``fleet`` with ``devices`` to ``out`` (see the module docstring).
 
     ``queue_devices``: how many devices' messages the queues must hold, when not ``len(devices)`` (a
     sharded fleet's root broker has no device account but carries every device's hello and status).
     ``fleet_pub``: when the fleet signs, the public key to put in the bundles instead of a signing key of
-    this directory's own (a shard's broker: the root coordinator signs)."""
+    this directory's own (a shard's broker: the root coordinator signs).
+    ``issuer``: with ``opts.mtls``, the certificates' issuer of a whole tree (its one CA and index; the caller
+    saves the index and writes every broker's CRL, :meth:`Issuer.finish`) instead of this directory's own."""
     opts = opts or BrokerOptions()
     account = broker_account(opts.run_as)
     check_name(fleet, "fleet name")
@@ -304,12 +313,14 @@ def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: B
                         ca=None if tls_dir is None else tls_dir / "ca.crt", limits=limits)
     if opts.mtls:
         assert ca is not None and tls_dir is not None
-        index = CertIndex(outp / "ca" / INDEX_NAME)
+        own = issuer is None
+        if issuer is None:
+            issuer = Issuer.at(outp, ca, rotate=opts.rotate, days=opts.client_days)
         for user in users:
             stem = CLIENT_STEM if user in (opts.coordinator_user, opts.deploy_user) else DEVICE_STEM
-            ensure_client_cert(ca, index, secrets_dir[user], stem, user, rotate=opts.rotate, days=opts.client_days)
-        index.save()
-        write_crl(ca, index, tls_dir)
+            issuer.ensure(secrets_dir[user], stem, user)
+        if own:
+            issuer.finish([tls_dir])
         files.passwd.unlink(missing_ok=True)  # no passwords under mutual TLS: nothing to leak
     else:
         lines = []

@@ -19,13 +19,23 @@ Layout of the output directory::
     bundles/ID/                   every device's bundle, whose broker URL is its shard's (what
                                   ``fedge flash --broker-dir DIR`` copies onto the device)
 
-ACLs: on a shard a device has exactly the flat fleet's rights — and no account at all on another shard
-or on the root, so it can publish into no other shard. On its parent's broker, relay NAME may write the
-``hello`` and ``status`` topics of the devices it reports (its shard's and its child shards') only (it
-forwards them), its own ``partials/relay-NAME`` and ``relays/relay-NAME/status``, and read rounds,
-global state, model packages and its devices' ``refused/{id}`` and OTA orders, and write their OTA
-statuses; on its shard it also writes ``ota/#`` (it forwards ``fedge deploy``'s updates); worker K may
-read updates and hellos (its shared subscription) and rounds, and write ``partials/worker-K`` only.
+With ``--mtls`` every broker of the tree requires a client certificate of the root's one CA (its CN is the user
+name the ACLs name; no ``passwd`` is written): ``client.crt`` + ``client.key`` replace ``password`` in
+``coordinator/``, ``relays/relay-NAME/`` (one certificate, also in ``shards/shard-NAME/coordinator/``) and
+``workers/worker-K/``; ``device.crt`` + ``device.key`` in every bundle. The tree has one certificate index
+(``ca/index.json``) and one CA key, both at the root only (a shard's directory keeps no copy of the key), and one
+CRL, copied into every broker's ``tls/crl.pem``: ``fedge broker revoke/rotate ID --out OUT`` act on all of them
+(:mod:`fedge.broker.identity`).
+
+ACLs (the same with passwords or certificates): on a shard a device has exactly the flat fleet's rights — and no
+account at all on another shard or on the root, so it can publish into no other shard. On its parent's broker,
+relay NAME may write the ``hello`` and ``status`` topics of the devices it reports (its shard's and its child
+shards') only (it forwards them), its own ``partials/relay-NAME`` and ``relays/relay-NAME/status``, and read
+rounds, global state, model packages and its devices' ``refused/{id}`` and OTA orders, and write their OTA
+statuses; on its shard it also writes ``ota/#`` (it forwards ``fedge deploy``'s updates); worker K may read updates
+and hellos (its shared subscription) and rounds, and write ``partials/worker-K`` only. (Under mutual TLS a device's
+certificate does connect to another broker of the tree — Mosquitto checks it against the CA, not against a list of
+accounts — but that broker's ACL names it nowhere: it can publish and read nothing.)
 """
 
 from __future__ import annotations
@@ -36,7 +46,16 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedge.broker.config import BrokerFiles, BrokerOptions, _password, _write, broker_account, write_broker_config
+from fedge.broker.config import (
+    BrokerFiles,
+    BrokerOptions,
+    _password,
+    _write,
+    broker_account,
+    open_ca,
+    write_broker_config,
+)
+from fedge.broker.identity import CLIENT_STEM, Issuer
 from fedge.broker.passwords import hash_password
 from fedge.common.atomicfile import write_atomic
 from fedge.errors import ConfigError
@@ -105,13 +124,6 @@ def write_sharded_config(fleet: str, devices: list[str], out: str | Path, opts: 
     ``shards``: the fleet config's checked ``[[shards]]`` (:attr:`FleetConfig.shard_layout`), or a count N
     (``--shards N``: :func:`~fedge.fleet.shards.even_shards` on ``opts.hostname``, ports ``opts.port + k``)."""
     opts = opts or BrokerOptions()
-    if opts.mtls:
-        raise ConfigError("--mtls cannot be combined with --shards, [[shards]] or --workers yet: relays and "
-                          "aggregation workers have password accounts only, and `fedge broker revoke/rotate` know "
-                          "one broker",
-                          hint="use --sign (signed state: relays forward it unchanged, devices verify it) with "
-                               "passwords, and --tls for encryption; or a single broker with --mtls (docs/scale.md, "
-                               "'Identity and signed state')")
     outp = Path(out).resolve()
     layout = even_shards(devices, shards, opts.hostname, opts.port) if isinstance(shards, int) else list(shards)
     _check_layout(layout, devices, opts)
@@ -122,31 +134,39 @@ def write_sharded_config(fleet: str, devices: list[str], out: str | Path, opts: 
         raise ConfigError(f"device id(s) {clash[:3]} clash with relay, worker or coordinator accounts",
                           hint="rename those devices (id_prefix) or the shards")
     reports = {s.name: subtree(layout, s.name) for s in layout}  # what each relay reports up
+    # Mutual TLS: one issuer for the whole tree (the root's CA and its one certificate index), so that
+    # `fedge broker revoke/rotate OUT` find every certificate and write one CRL into every broker
+    issuer = (Issuer.at(outp, open_ca(outp / "tls", fleet), rotate=opts.rotate, days=opts.client_days)
+              if opts.mtls else None)
     # the root: the coordinator (no device account), then relay and worker accounts with their ACL lines
     root = write_broker_config(fleet, [], outp, dataclasses.replace(opts, bundles=False), fleet_config=fleet_config,
-                               queue_devices=len(devices))
+                               queue_devices=len(devices), issuer=issuer)
     account = broker_account(opts.run_as)
-    secrets = {r: outp / "relays" / r / "password" for r in relays}
-    secrets.update({w: outp / "workers" / w / "password" for w in worker_names})
-    passwords = {user: _password(path, opts.rotate) for user, path in secrets.items()}
+    secrets = {r: outp / "relays" / r for r in relays}
+    secrets.update({w: outp / "workers" / w for w in worker_names})
+    passwords = _identities(secrets, opts, issuer)
     top = {s.relay: reports[s.name] for s in layout if s.parent is None}
-    _add_accounts(root, {u: passwords[u] for u in [*top, *worker_names]}, root_acl_extra(fleet, top, worker_names),
-                  opts, account)
+    _add_accounts(root, {u: passwords[u] for u in [*top, *worker_names] if u in passwords},
+                  root_acl_extra(fleet, top, worker_names), opts, account)
     root.users += [*top, *worker_names]
     files = ShardedFiles(root, layout=layout, workers=worker_names)
     for shard in layout:
         sdir = outp / "shards" / shard.dirname
-        # the relay's password on its shard is its password on its parent (one account, two brokers)
-        (sdir / "coordinator").mkdir(parents=True, exist_ok=True)
-        _write(sdir / "coordinator" / "password", passwords[shard.relay] + "\n", 0o600)
+        # the relay's password (certificate) on its shard is its password on its parent: one account, two brokers
+        if issuer is None:
+            (sdir / "coordinator").mkdir(parents=True, exist_ok=True)
+            _write(sdir / "coordinator" / "password", passwords[shard.relay] + "\n", 0o600)
         if root.ca is not None:
             _share_ca(outp, sdir)
         written = write_broker_config(fleet, list(shard.devices), sdir, dataclasses.replace(
             opts, port=shard.port, hostname=shard.host, coordinator_user=shard.relay, rotate=False),
             fleet_config=fleet_config, queue_devices=len(reports[shard.name]),
-            fleet_pub=outp / "coordinator" / "fleet.pub" if root.signing_key is not None else None)
+            fleet_pub=outp / "coordinator" / "fleet.pub" if root.signing_key is not None else None, issuer=issuer)
+        # The shard's broker never reads the CA key: its copy was only make_tls's input for the server certificate.
+        # Gone, a shard directory can be copied to its broker's host without the key that signs for the whole tree.
+        shutil.rmtree(sdir / "ca", ignore_errors=True)
         children = {c.relay: reports[c.name] for c in layout if c.parent == shard.name}
-        _add_accounts(written, {u: passwords[u] for u in children},
+        _add_accounts(written, {u: passwords[u] for u in children if u in passwords},
                       shard_acl_extra(fleet, shard.relay) + root_acl_extra(fleet, children, []), opts, account)
         written.users += list(children)
         files.shards.append(written)
@@ -154,12 +174,25 @@ def write_sharded_config(fleet: str, devices: list[str], out: str | Path, opts: 
             target = outp / "bundles" / bundle.name
             shutil.copytree(bundle, target, dirs_exist_ok=True)
             root.bundles.append(target)
+    if issuer is not None:  # one index, and one CRL written into every broker of the tree
+        issuer.finish([outp / "tls", *(f.out / "tls" for f in files.shards)])
     if root.ca is not None:  # the relays' and workers' CA file (one CA for the whole tree)
-        for d in [outp / "relays" / r for r in relays] + [outp / "workers" / w for w in worker_names]:
+        for d in secrets.values():
             shutil.copyfile(root.ca, d / "ca.crt")
-    log.info("wrote a root broker and %d shard brokers for fleet %s (%d devices, %d workers) to %s", len(layout),
-             fleet, len(devices), workers, outp)
+    log.info("wrote a root broker and %d shard brokers for fleet %s (%d devices, %d workers%s) to %s", len(layout),
+             fleet, len(devices), workers, ", mutual TLS" if issuer is not None else "", outp)
     return files
+
+
+def _identities(secrets: dict[str, Path], opts: BrokerOptions, issuer: Issuer | None) -> dict[str, str]:
+    """The relays' and workers' identities, each in its directory of ``secrets``: a password (returned, for the
+    passwd lines), or with ``issuer`` a client certificate (``client.crt``, ``client.key``; no password left)."""
+    if issuer is None:
+        return {user: _password(d / "password", opts.rotate) for user, d in secrets.items()}
+    for user, d in secrets.items():
+        issuer.ensure(d, CLIENT_STEM, user)
+        (d / "password").unlink(missing_ok=True)  # a tree rewritten with --mtls: no password to leak
+    return {}
 
 
 def _check_layout(layout: list[Shard], devices: list[str], opts: BrokerOptions) -> None:
@@ -178,7 +211,7 @@ def _check_layout(layout: list[Shard], devices: list[str], opts: BrokerOptions) 
             raise ConfigError(f"[[shards]] {s.name!r}: broker is {s.scheme}://{s.host}:{s.port} but the brokers are "
                               f"written {'with' if opts.uses_tls else 'without'} TLS",
                               hint=f"write broker = \"{scheme}://{s.host}:{s.port}\" (or HOST:PORT), or "
-                                   f"{'drop' if opts.uses_tls else 'pass'} --tls")
+                                   f"{'drop' if opts.uses_tls else 'pass'} --{'mtls' if opts.mtls else 'tls'}")
     listed = [d for s in layout for d in s.devices]
     if sorted(listed) != sorted(devices):
         raise ConfigError("the shards do not hold every device of the fleet exactly once",
@@ -187,10 +220,12 @@ def _check_layout(layout: list[Shard], devices: list[str], opts: BrokerOptions) 
 
 def _add_accounts(files: BrokerFiles, passwords: dict[str, str], acl: str, opts: BrokerOptions,
                   account: tuple[int, int] | None) -> None:
-    """Relay and worker accounts added to a broker ``write_broker_config`` wrote: passwd lines and ACL lines."""
-    lines = files.passwd.read_text().splitlines()
-    lines += [f"{user}:{hash_password(pw, iterations=opts.iterations)}" for user, pw in passwords.items()]
-    _write(files.passwd, "\n".join(lines) + "\n", 0o600, owner=account)
+    """Relay and worker accounts added to a broker ``write_broker_config`` wrote: passwd lines (none under mutual
+    TLS: the certificate's CN is the user name) and ACL lines."""
+    if not opts.mtls:
+        lines = files.passwd.read_text().splitlines()
+        lines += [f"{user}:{hash_password(pw, iterations=opts.iterations)}" for user, pw in passwords.items()]
+        _write(files.passwd, "\n".join(lines) + "\n", 0o600, owner=account)
     _write(files.acl, files.acl.read_text() + acl, 0o600, owner=account)
 
 
