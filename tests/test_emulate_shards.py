@@ -190,6 +190,12 @@ def test_shards_n_splits_a_flat_fleet_and_a_second_up_starts_afresh(tmp_path: Pa
     assert not (out / "broker" / "shards" / "shard-1" / "data" / "mosquitto.db").exists()
     assert list((out / "relays" / "relay-1").iterdir()) == []
     assert (out / "broker" / "relays" / "relay-1" / "password").read_text() == password  # accounts are kept
+    # a signing fleet: the root's key signs (the coordinator's copy), every device verifies with its public half
+    prepare(fleet, tmp_path / "emu", images=TAGS, rates=RATES, shards=2, sign=True)
+    pub = (out / "broker" / "coordinator" / "fleet.pub").read_bytes()
+    assert (out / "coordinator" / "signing.key").read_bytes() == \
+        (out / "broker" / "coordinator" / "signing.key").read_bytes()
+    assert all((out / "devices" / d / "fedge" / "bundle" / "fleet.pub").read_bytes() == pub for d in emu.devices)
     # and without --shards the same directory is a flat emulation again
     flat = prepare(fleet, tmp_path / "emu", images=TAGS, rates=RATES)
     assert flat.shards == [] and "shards" not in tomllib.loads((out / "fleet.toml").read_text())

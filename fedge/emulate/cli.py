@@ -22,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     up = esub.add_parser("up", help="write compose.yaml, flash the devices, build images if missing, start",
                          description="Write DIR/compose.yaml, the broker config and each device's flashed "
                                      "payload, build the images that are missing, start broker, coordinator "
-                                     "and devices.")
+                                     "and devices; a sharded fleet ([[shards]] or --shards N) also gets a broker "
+                                     "and a relay container per shard, each device on its shard's broker.")
     up.add_argument("fleet", metavar="FLEET.toml", help="the fleet config")
     up.add_argument("--out", default=DEFAULT_DIR, metavar="DIR", help=f"emulation directory (default {DEFAULT_DIR})")
     up.add_argument("--arch", default="amd64", choices=("amd64", "arm64"),
