@@ -14,6 +14,9 @@ starting it. The FedProto test, first in this file, then drives its own fleet th
 OOM fleet boots, trains and is killed beside it; the OOM test asserts on what that run did and left. Every
 device is throttled to a few percent of a core, so the two fleets hardly compete, and the module takes the
 FedProto test's time rather than the sum of both. Either order passes; this one is the fast one.
+
+The third test, on its own fleet, runs a sharded fleet (``--shards 2``: a broker and a relay container per
+shard) through a relay killed mid-run: about 30 s once the images exist.
 """
 
 from __future__ import annotations
@@ -414,3 +417,82 @@ def test_limits_reach_the_containers_and_an_over_memory_plan_is_oom_killed(
     assert any("rpi-zero-2w-1" in r["missing"] for r in reports), reports
     text = format_status(list(rows.values()), emu, client)
     assert "OOM-killed" in text and "ran out of memory" in text
+
+
+SHARDED_FLEET = """
+[run]
+method = "fedavg"
+rounds = 2
+dataset = "digits"
+fleet = "shards"
+seed = 0
+
+[train]
+local_epochs = 10
+
+# a round waits at least this long for a shard whose relay was killed (it ends as soon as every update is in)
+[coordinator]
+min_round_s = 60
+
+[[devices]]
+profile = "x86-gateway"
+count = 2
+arch = "tier-xs"
+
+[[devices]]
+profile = "rpi4-4gb"
+count = 2
+arch = "tier-xs"
+"""
+
+
+def _connected(log_text: str) -> set[str]:
+    """The accounts Mosquitto logged a connection of ("New client connected from IP:PORT as ID (..., u'USER')")."""
+    return set(re.findall(r"New client connected from \S+ as \S+ \(.*u'([^']+)'\)", log_text))
+
+
+def test_a_sharded_fleet_runs_each_device_on_its_shards_broker_and_survives_a_killed_relay(
+        docker_env: tuple[Any, Images], emulation: list[Emulation], tmp_path: Path) -> None:
+    """``--shards 2``: four devices on two shard brokers, a relay container each, the coordinator on the root
+    broker. relay-1 is killed (SIGKILL) as round 2 starts and started again 2 s later; every round, the final
+    evaluation included, aggregates all four devices' updates, each through its own shard's relay, and no device
+    ever connected to another broker than its shard's."""
+    client, tags = docker_env
+    emu = lifecycle.prepare(_write(tmp_path, "fleet.toml", SHARDED_FLEET), tmp_path / "emu", images=tags, shards=2)
+    emulation.append(emu)
+    shard = {"1": ["x86-gateway-1", "x86-gateway-2"], "2": ["rpi4-4gb-1", "rpi4-4gb-2"]}
+    assert {s["name"]: s["devices"] for s in emu.shards} == shard
+    lifecycle.start(emu, client, online_timeout=180)
+    _wait_reports(emu, client, 1, timeout=180)  # round 1 done: round 2 is announced
+    before = _started_at(emu, client, "relay-1")
+    assert faults.fault(emu, client, "kill", "relay-1", duration=2) == "killed relay-1 for 2 s, then undid it"
+    assert _started_at(emu, client, "relay-1") != before
+    # the run was not over: the killed relay's shard owes it round 2 (and the final evaluation)
+    assert status.service_state(emu, client, "coordinator") == "running", status.logs(emu, client, "coordinator")
+    code = lifecycle.wait_exited(emu, client, "coordinator", timeout=240)
+    log_text = status.logs(emu, client, "coordinator")
+    assert code == 0, log_text[-3000:]
+    reports = _reports(emu)
+    assert [r["round"] for r in reports] == [1, 2, 3]  # two rounds and the final evaluation
+    for r in reports:  # every device's update, counted once, through its own shard's relay
+        assert sorted(r["accepted"]) == sorted(emu.devices) and r["missing"] == [], (r, log_text[-3000:])
+        assert r["partials"] == {"relay-1": 2, "relay-2": 2}, r
+        assert set(r["bytes_up"]) == set(emu.devices) and min(r["bytes_up"].values()) > 0, r  # --detail partials
+    relay_log = status.logs(emu, client, "relay-1")
+    assert relay_log.count("relay relay-1 of fleet 'shards': shard mqtt://broker-1:1883 -> parent "
+                           "mqtt://broker:1883") == 2, relay_log  # started twice: before and after the kill
+    # Who connected where, from each broker's own log: devices to their shard's broker only, the relays to
+    # theirs and the root, the coordinator (and `up`'s wait for the fleet, with its account) to the root only.
+    assert _connected(status.logs(emu, client, "broker")) == {"fedge-coordinator", "relay-1", "relay-2"}
+    for name, devices in shard.items():
+        assert _connected(status.logs(emu, client, f"broker-{name}")) == {f"relay-{name}", *devices}
+        # the relay's own record of the devices it counted, round by round: its shard's only
+        lines = (emu.out / "relays" / f"relay-{name}" / "rounds.jsonl").read_text().splitlines()
+        assert lines and all(set(json.loads(line)["devices"]) <= set(devices) for line in lines), lines
+    text = format_status(status.status(emu, client, sample=False), emu, client)
+    assert "shard 1: broker-1: running   relay-1: running (up to broker)   devices: x86-gateway-1, " \
+           "x86-gateway-2" in text, text
+    rows = {r.device_id: r for r in status.status(emu, client, sample=False)}
+    assert all(rows[d].round == 3 and rows[d].sent_bytes > 0 for d in emu.devices), rows
+    lifecycle.down(emu)
+    assert emu.containers(client) == {}

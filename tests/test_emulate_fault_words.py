@@ -9,9 +9,10 @@ import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
+from emulate_helpers import Client, Container
 
 from fedge.cli import main
 from fedge.emulate import faults
@@ -19,74 +20,6 @@ from fedge.emulate.compose import NETWORK, Images
 from fedge.emulate.discovery import PROJECT_LABEL, SERVICE_LABEL, docker_sdk
 from fedge.emulate.emulation import Emulation
 from fedge.errors import EmulationError
-
-
-class Container:
-    """A stand-in container: its State as the engine reports it; the operations change it."""
-
-    def __init__(self, status: str, exit_code: int = 0, networks: tuple[str, ...] = ("p_fleet",)) -> None:
-        self.name = "dev-1"
-        self.status = status
-        self.exit_code = exit_code
-        self.networks = set(networks)
-        self.calls: list[str] = []
-
-    @property
-    def attrs(self) -> dict[str, Any]:
-        return {"State": {"Status": self.status, "Running": self.status in ("running", "paused"),
-                          "Paused": self.status == "paused", "ExitCode": self.exit_code,
-                          "FinishedAt": "2026-12-01T04:47:51.215Z", "OOMKilled": False},
-                "NetworkSettings": {"Networks": {n: {"IPAddress": "10.200.0.5"} for n in self.networks}},
-                "HostConfig": {"NanoCpus": 0}}
-
-    def reload(self) -> None:
-        pass
-
-    def kill(self) -> None:
-        self.calls.append("kill")
-        self.status, self.exit_code = "exited", 137
-
-    def start(self) -> None:
-        self.calls.append("start")
-        self.status = "running"
-
-    def pause(self) -> None:
-        self.calls.append("pause")
-        self.status = "paused"
-
-    def unpause(self) -> None:
-        self.calls.append("unpause")
-        self.status = "running"
-
-    def exec_run(self, cmd: list[str], user: str = "") -> tuple[int, bytes]:
-        return 0, b""
-
-
-class Network:
-    name = "p_fleet"
-
-    def disconnect(self, c: Container) -> None:
-        c.networks.discard(self.name)
-
-    def connect(self, c: Container, aliases: list[str], ipv4_address: str | None = None) -> None:
-        c.networks.add(self.name)
-
-
-class Client:
-    def __init__(self, c: Container) -> None:
-        self.c = c
-        self.networks = self
-        self.containers = self
-
-    def get(self, name: str) -> Network:
-        return Network()
-
-    def list(self, all: bool = False, filters: dict[str, str] | None = None) -> list[Container]:
-        return [self.c]
-
-
-class Labelled(Container):
-    labels: ClassVar[dict[str, str]] = {SERVICE_LABEL: "dev-1"}
 
 
 def emulation(out: Path, project: str = "p") -> Emulation:
@@ -106,7 +39,7 @@ def emulation(out: Path, project: str = "p") -> Emulation:
     ("paused", "pause", "dev-1 is already paused"),
 ])
 def test_a_fault_the_state_rules_out_says_why(tmp_path: Path, status: str, action: str, words: str) -> None:
-    c = Labelled(status, 137)
+    c = Container(status, 137)
     with pytest.raises(EmulationError) as err:
         faults.fault(emulation(tmp_path), Client(c), action, "dev-1")
     assert err.value.message.startswith(words)
@@ -117,7 +50,7 @@ def test_a_fault_the_state_rules_out_says_why(tmp_path: Path, status: str, actio
 
 def test_partitioning_twice_and_resuming_say_what_they_did(tmp_path: Path) -> None:
     emu = emulation(tmp_path)
-    c = Labelled("running")
+    c = Container("running")
     client = Client(c)
     assert faults.fault(emu, client, "partition", "dev-1") == "cut dev-1 off the fleet network"
     with pytest.raises(EmulationError, match="already cut off the fleet network"):
@@ -126,14 +59,15 @@ def test_partitioning_twice_and_resuming_say_what_they_did(tmp_path: Path) -> No
     assert faults.fault(emu, client, "resume", "dev-1") == "dev-1 is running and connected: nothing to resume"
     assert faults.fault(emu, client, "kill", "dev-1") == "killed dev-1"
     assert faults.fault(emu, client, "resume", "dev-1") == "started dev-1 again"  # a killed device boots again
-    assert c.calls == ["kill", "start"]
+    # reconnected, its link was shaped again; then killed and started
+    assert c.calls == ["exec /bin/sh /usr/local/bin/fedge-shape-link", "kill", "start"]
 
 
 def test_an_engine_refusal_becomes_words(tmp_path: Path) -> None:
     """A race (the container exits between the check and the kill): the engine's 409 in words."""
     errors = docker_sdk().errors
 
-    class Racing(Labelled):
+    class Racing(Container):
         def kill(self) -> None:
             raise errors.APIError("409 Client Error: Conflict", explanation="Container abc is not running")
 

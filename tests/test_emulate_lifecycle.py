@@ -129,3 +129,19 @@ def test_no_broker_is_an_emulation_error(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(EmulationError, match="did not accept connections in 1 s") as err:
         wait_online(emu, FakeClient([FakeContainer(BROKER)]), timeout=1)
     assert "fedge emulate logs broker" in (err.value.hint or "")
+
+
+def test_a_relay_that_exits_while_the_fleet_boots_is_named_with_its_log(tmp_path: Path,
+                                                                       broker_port: MosquittoProcess) -> None:
+    """A sharded fleet's devices are online on the root broker only through their relay: one that died is named,
+    with its log's end, rather than its devices timing out."""
+    emu = _emulation(tmp_path, ["d1", "d2"])
+    emu.shards = [{"name": "1", "parent": None, "broker": "broker-1", "relay": "relay-1", "up": "broker",
+                   "devices": ["d1", "d2"]}]
+    dead = FakeContainer("relay-1", running=False, exit_code=2, log=b"fedge: error: no such account\n")
+    client = FakeClient([FakeContainer(BROKER), FakeContainer("broker-1"), dead, FakeContainer("d1"),
+                         FakeContainer("d2")])
+    with pytest.raises(EmulationError, match=r"relay-1 exited \(2\) before the devices came online") as err:
+        wait_online(emu, client, timeout=20)
+    assert "fedge: error: no such account" in err.value.message
+    assert err.value.hint == f"fedge emulate logs relay-1 --dir {tmp_path}"

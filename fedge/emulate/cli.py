@@ -22,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     up = esub.add_parser("up", help="write compose.yaml, flash the devices, build images if missing, start",
                          description="Write DIR/compose.yaml, the broker config and each device's flashed "
                                      "payload, build the images that are missing, start broker, coordinator "
-                                     "and devices.")
+                                     "and devices; a sharded fleet ([[shards]] or --shards N) also gets a broker "
+                                     "and a relay container per shard, each device on its shard's broker.")
     up.add_argument("fleet", metavar="FLEET.toml", help="the fleet config")
     up.add_argument("--out", default=DEFAULT_DIR, metavar="DIR", help=f"emulation directory (default {DEFAULT_DIR})")
     up.add_argument("--arch", default="amd64", choices=("amd64", "arm64"),
@@ -41,6 +42,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     help="the fleet signs (fedge broker config --sign): devices verify round descriptors and global "
                          "state and accept `fedge deploy` updates (broker/coordinator/signing.key, the broker/deploy "
                          "account) into their model stores")
+    up.add_argument("--shards", type=int, metavar="N",
+                    help="emulate the fleet sharded: N shard brokers of contiguous devices (fleet order), each with "
+                         "its relay (fedge relay) in a container under the root broker, the coordinator's. A fleet "
+                         "config's [[shards]] tables do the same with their own devices and tree, without this flag "
+                         "(docs/emulate.md, 'Sharded fleets')")
     up.add_argument("--no-start", action="store_true", help="write and build, start nothing")
     up.add_argument("--wait", action="store_true", help="wait for the coordinator to finish, then print status")
     up.add_argument("--timeout", type=float, default=3600.0, help="with --wait: give up after S seconds")
@@ -52,9 +58,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         p.add_argument("--dir", default=DEFAULT_DIR, help=f"emulation directory (default {DEFAULT_DIR})")
         p.set_defaults(func=_status if name == "status" else _down)
 
-    lg = esub.add_parser("logs", help="a container's log", description="Print a device's, the broker's or the "
-                                                                        "coordinator's log.")
-    lg.add_argument("service", help="device id, broker or coordinator")
+    lg = esub.add_parser("logs", help="a container's log", description="Print a device's, the broker's, the "
+                                                                        "coordinator's, a shard broker's or a "
+                                                                        "relay's log.")
+    lg.add_argument("service", help="device id, broker, coordinator, broker-NAME or relay-NAME (shard NAME)")
     lg.add_argument("--tail", type=int, help="last N lines")
     lg.add_argument("--dir", default=DEFAULT_DIR)
     lg.set_defaults(func=_logs)
@@ -63,9 +70,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         description="kill DEVICE (SIGKILL; --for S starts it again: a reboot), pause DEVICE "
                                     "(freeze), partition DEVICE (disconnect from the fleet network), resume DEVICE "
                                     "(undo pause/partition; start a killed device again), restart broker|coordinator. "
+                                    "In a sharded fleet each shard's broker-NAME and relay-NAME take all five. "
                                     "A fault the device's state rules out (killing an exited device) says so.")
     f.add_argument("action", choices=("kill", "pause", "partition", "resume", "restart"))
-    f.add_argument("target", help="device id, or broker/coordinator for restart")
+    f.add_argument("target", help="device id, or broker/coordinator for restart; broker-NAME or relay-NAME (shard "
+                                  "NAME) for any")
     f.add_argument("--for", dest="duration", type=float, metavar="S", help="undo the fault after S seconds")
     f.add_argument("--dir", default=DEFAULT_DIR)
     f.set_defaults(func=_fault)
@@ -78,13 +87,17 @@ def _up(args: argparse.Namespace) -> int:
     from fedge.emulate.status import status
 
     images.check_arch(args.arch)
+    _check_shards(args.fleet, args.shards)  # a layout that does not fit, before minutes of image building
     client = docker_client()
     tags = images.ensure_images(client, args.arch, base=args.base_image)
     emu = prepare(args.fleet, args.out, arch=args.arch, images=tags, loss_pct=args.loss, sign=args.sign,
-                         min_devices=args.min_devices, deadline_slack=args.deadline_slack,
-                         subnet=args.subnet)
+                  min_devices=args.min_devices, deadline_slack=args.deadline_slack, subnet=args.subnet,
+                  shards=args.shards)
     print(f"wrote {emu.out / 'compose.yaml'} ({len(emu.devices)} devices; images {tags.device}, "
           f"{tags.coordinator}, {tags.broker})")
+    for s in emu.shards:
+        print(f"  shard {s['name']}: {s['broker']} and {s['relay']} (up to {s['up']}), {len(s['devices'])} devices: "
+              f"{', '.join(s['devices'])}")
     for dev, lim in emu.limits.items():
         plan = emu.plans[dev]
         print(f"  {dev:<18} {lim['profile']:<13} cpus {lim['cpus']:<6g} mem {lim['mem_limit_mb']} MiB  "
@@ -109,6 +122,15 @@ def _up(args: argparse.Namespace) -> int:
         print(format_status(status(emu, client), emu, client))
         return 0 if code == 0 else 1
     return 0
+
+
+def _check_shards(fleet: str, count: int | None) -> None:
+    """``--shards`` or ``[[shards]]`` that cannot be emulated: refused (ConfigError) before anything is built."""
+    from fedge.emulate.shards import emulated_layout
+    from fedge.fleet.config import device_ids, load_fleet
+
+    cfg = load_fleet(fleet)
+    emulated_layout(cfg, [i for i, _ in device_ids(cfg)], count)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -159,6 +181,9 @@ def format_status(rows: list[DeviceStatus], emu: Emulation, client: Any) -> str:
     from fedge.emulate.status import service_state
 
     lines = [f"broker: {service_state(emu, client, BROKER)}   coordinator: {service_state(emu, client, COORDINATOR)}"]
+    for s in emu.shards:  # a sharded fleet: each shard's broker and relay, and the broker the relay reports to
+        lines.append(f"shard {s['name']}: {s['broker']}: {service_state(emu, client, s['broker'])}   {s['relay']}: "
+                     f"{service_state(emu, client, s['relay'])} (up to {s['up']})   devices: {', '.join(s['devices'])}")
     # sent: update bytes the coordinator accepted from the device (kept after it exits); net tx: what its
     # container sent on the fleet network, MQTT overhead included (only while the container runs).
     head = (f"{'device':<18} {'profile':<13} {'state':<12} {'round':>5} {'cpu':>6} {'mem MiB':>13} {'sent':>10} "

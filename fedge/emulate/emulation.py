@@ -2,12 +2,15 @@
 
 Layout of the emulation directory::
 
-    compose.yaml          broker, coordinator, one service per device, with their limits
-    emulation.json        project name, images, per-device plan and limits, calibration
-    fleet.toml            the fleet config the coordinator runs
-    broker/               `fedge broker config --hostname broker` (accounts, ACL, bundles)
+    compose.yaml          broker, coordinator, one service per device, with their limits (sharded: a
+                          broker-NAME and a relay-NAME service per shard too)
+    emulation.json        project name, images, per-device plan and limits, calibration, shards
+    fleet.toml            the fleet config the coordinator runs (sharded: [[shards]] naming the containers)
+    broker/               `fedge broker config --hostname broker` (accounts, ACL, bundles; sharded: the root
+                          broker, shards/shard-NAME/ and relays/relay-NAME/password)
     devices/ID/           the flashed payload each device boots from (mounted at /boot/firmware)
     coordinator/          the coordinator's state (reports.jsonl, globals, state.json)
+    relays/relay-NAME/    a relay's state (relay-state.json, rounds.jsonl: each device it counted per round)
     calibration.json      this host's training rates (reused)
 """
 
@@ -52,6 +55,9 @@ class Emulation:
     limits: dict[str, dict[str, Any]]
     messages: dict[str, str] = field(default_factory=dict)
     http_port: int | None = None  # the coordinator's dashboard on the host's loopback (token in http/token)
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    """A sharded fleet's shards, in ``[[shards]]`` order: {"name", "parent" (None: the root), "broker" and "relay"
+    (their services), "up" (the broker service the relay reports to), "devices"}."""
 
     @property
     def dashboard(self) -> str | None:
@@ -61,7 +67,7 @@ class Emulation:
     def save(self) -> None:
         doc = {"project": self.project, "arch": self.arch, "fleet": self.fleet, "images": self.images.__dict__,
                "plans": self.plans, "limits": self.limits, "oom_messages": self.messages,
-               "http_port": self.http_port}
+               "http_port": self.http_port, "shards": self.shards}
         (self.out / STATE).write_text(json.dumps(doc, indent=1) + "\n")
 
     @classmethod
@@ -73,11 +79,21 @@ class Emulation:
                                  hint="pass the --dir that `fedge emulate up --out` wrote")
         d = json.loads(f.read_text())
         return cls(p, d["project"], d["arch"], d["fleet"], Images(**d["images"]), d["plans"], d["limits"],
-                   d.get("oom_messages", {}), d.get("http_port"))
+                   d.get("oom_messages", {}), d.get("http_port"), d.get("shards", []))
 
     @property
     def devices(self) -> list[str]:
         return list(self.limits)
+
+    @property
+    def shard_services(self) -> list[str]:
+        """Each shard's broker and relay services (``broker-NAME``, ``relay-NAME``), shard by shard."""
+        return [str(s[k]) for s in self.shards for k in ("broker", "relay")]
+
+    @property
+    def services(self) -> list[str]:
+        """Every service of the compose project: broker, coordinator, the shards' brokers and relays, devices."""
+        return [BROKER, COORDINATOR, *self.shard_services, *self.devices]
 
     def compose(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = [*compose_command(), "-p", self.project, "-f", str(self.out / "compose.yaml"), *args]
@@ -95,7 +111,7 @@ class Emulation:
         return project_containers(client, self.project)
 
     def container(self, client: Any, service: str) -> Any:
-        known = [BROKER, COORDINATOR, *self.devices]
+        known = self.services
         if service not in known:
             raise ConfigError(f"no device or service {service!r} in this emulation",
                               hint=f"use one of {', '.join(known)}")

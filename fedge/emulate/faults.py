@@ -2,7 +2,8 @@
 
 ``kill`` (SIGKILL; undone by starting the container again: a device that reboots), ``pause`` (the
 cgroup freezer), ``partition`` (disconnect from the fleet network), ``resume`` (undo pause and
-partition now) and ``restart`` of the broker or the coordinator.
+partition now) of a device — or, in a sharded fleet, of a shard's broker or relay (``broker-NAME``,
+``relay-NAME``) — and ``restart`` of the broker, the coordinator, a shard's broker or a relay.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def fault(emu: Emulation, client: Any, action: str, target: str, *, duration: fl
     kill: SIGKILL the container (with ``duration``: start it again, a device that reboots);
     pause: freeze its processes (cgroup freezer); partition: disconnect it from the fleet network;
     resume: undo pause/partition now, or start a killed device again; restart: restart the broker or
-    the coordinator. A fault that makes no sense in the container's state (killing an exited device,
-    pausing a paused one) is an :class:`EmulationError` in words, and so is whatever else the engine
-    refuses: an operator command never answers with a traceback.
+    the coordinator. A sharded fleet's shard brokers and relays take every one of them. A fault that makes
+    no sense in the container's state (killing an exited device, pausing a paused one) is an
+    :class:`EmulationError` in words, and so is whatever else the engine refuses: an operator command never
+    answers with a traceback.
     """
     try:
         return _fault(emu, client, action, target, duration)
@@ -62,16 +64,20 @@ def container_state(c: Any) -> tuple[str, str]:
 
 
 def _fault(emu: Emulation, client: Any, action: str, target: str, duration: float | None) -> str:
+    shard = emu.shard_services  # a sharded fleet's shard brokers and relays (none: a flat fleet)
+    listed = f"; shard brokers and relays: {', '.join(shard)}" if shard else ""
     if action == "restart":
-        if target not in (BROKER, COORDINATOR):
-            raise ConfigError(f"fault restart takes broker or coordinator, not {target!r}",
-                              hint="to reboot a device: fedge emulate fault kill DEVICE --for S")
+        if target not in (BROKER, COORDINATOR, *shard):
+            takes = "broker, coordinator, a shard broker or a relay" if shard else "broker or coordinator"
+            raise ConfigError(f"fault restart takes {takes}, not {target!r}",
+                              hint=f"to reboot a device: fedge emulate fault kill DEVICE --for S{listed}")
         emu.container(client, target).restart(timeout=5)
         return f"restarted {target}"
     if action not in ("kill", "pause", "partition", "resume"):
         raise ConfigError(f"unknown fault {action!r}", hint="kill, pause, partition, resume or restart")
-    if target not in emu.devices:
-        raise ConfigError(f"{target!r} is not a device of this emulation", hint=f"devices: {', '.join(emu.devices)}")
+    if target not in (*emu.devices, *shard):
+        raise ConfigError(f"{target!r} is not a device{', shard broker or relay' if shard else ''} of this emulation",
+                          hint=f"devices: {', '.join(emu.devices)}{listed}")
     c = emu.container(client, target)
     status, words = container_state(c)
     again = f"fedge emulate fault resume {target} --dir {emu.out}"
@@ -100,7 +106,7 @@ def _fault(emu: Emulation, client: Any, action: str, target: str, duration: floa
         done = f"cut {target} off the fleet network"
 
         def undo() -> None:
-            _reconnect(net, c, target, _partitions(emu, target))
+            _reconnect(net, c, target, _partitions(emu, target), shape=target in emu.devices)
     if duration is not None:
         time.sleep(duration)
         undo()
@@ -121,7 +127,7 @@ def _resume(emu: Emulation, client: Any, c: Any, target: str, status: str) -> st
     net = client.networks.get(f"{emu.project}_{NETWORK}")
     c.reload()
     if net.name not in c.attrs["NetworkSettings"]["Networks"]:
-        _reconnect(net, c, target, _partitions(emu, target))
+        _reconnect(net, c, target, _partitions(emu, target), shape=target in emu.devices)
         done.append("reconnected to the fleet network")
     if not done:
         return f"{target} is running and connected: nothing to resume"
@@ -172,13 +178,14 @@ def _pause(client: Any, c: Any) -> None:
             set_cpus(client, c, nano / 1e9)
 
 
-def _reconnect(net: Any, c: Any, device: str, address: str | None = None) -> None:
-    """Connect a partitioned device again, with its old ``address`` if given, and shape its link again.
+def _reconnect(net: Any, c: Any, device: str, address: str | None = None, *, shape: bool = True) -> None:
+    """Connect a partitioned device again, with its old ``address`` if given, and (``shape``) shape its link again.
 
     The engine gives the container a new interface (a new veth pair, eth1 after eth0) without the qdiscs
     and the ingress redirect the boot script put on the old one: unshaped, the device would upload at the
     host's speed. Without ``address`` the engine may hand it another one (one a killed or restarted
-    container freed): its MQTT connection then hangs until the keep-alive runs out.
+    container freed): its MQTT connection then hangs until the keep-alive runs out. A shard's broker or relay
+    (``shape`` False) has no shaped link; its service name is its alias again, so its clients find it.
     """
     try:
         net.connect(c, aliases=[device], ipv4_address=address)
@@ -189,6 +196,8 @@ def _reconnect(net: Any, c: Any, device: str, address: str | None = None) -> Non
         log.warning("%s: reconnecting with another address than %s (%s): its MQTT connection hangs until the "
                     "keep-alive runs out", device, address, exc)
         net.connect(c, aliases=[device])
+    if not shape:
+        return
     code, out = c.exec_run(["/bin/sh", SHAPE_LINK], user="root")
     if code != 0:
         log.warning("%s is reconnected but its link is not shaped again (%s exited %s): %s", device, SHAPE_LINK,

@@ -31,7 +31,7 @@ from fedge.emulate.compose import (
 )
 from fedge.emulate.emulation import Emulation, project_name
 from fedge.emulate.limits import DevicePlan, device_plans, limits_for, oom_message
-from fedge.emulate.status import logs, status
+from fedge.emulate.status import logs, service_state, status
 from fedge.errors import EmulationError, TransportError
 from fedge.mqtt.broker import free_port, port_is_free
 
@@ -52,8 +52,13 @@ def _broker_options(sign: bool = False) -> BrokerOptions:
 def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", images: Images,
             rates: dict[tuple[str, int], float] | None = None, loss_pct: float = 0.0,
             min_devices: int | None = None, deadline_slack: float = 3.0,
-            device_args: tuple[str, ...] = (), subnet: str | None = None, sign: bool = False) -> Emulation:
+            device_args: tuple[str, ...] = (), subnet: str | None = None, sign: bool = False,
+            shards: int | None = None) -> Emulation:
     """Write the emulation directory (broker config, flashed devices, compose.yaml); start nothing.
+
+    A fleet config with ``[[shards]]``, or ``shards`` = N (``--shards N``: N even shards under the root), is
+    emulated sharded (:mod:`fedge.emulate.shards`): a broker and a relay container per shard, each device on
+    its shard's broker; a layout that does not fit is refused before anything is written.
 
     ``sign``: the fleet signs (``fedge broker config --sign``): every bundle carries ``fleet.pub``, so each device
     verifies the round descriptors and global state and accepts over-the-air updates (``fedge deploy``, with
@@ -67,6 +72,7 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     """
     from fedge.broker.config import write_broker_config
     from fedge.emulate.calibrate import calibrate
+    from fedge.emulate.shards import emulated_layout, shard_records, sharded_fleet_text, write_shard_brokers
     from fedge.flash.flash import flash
     from fedge.fleet.config import device_ids, load_fleet
     from fedge.fleet.devices import load_fleet_data
@@ -74,7 +80,9 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     outp = Path(out).resolve()
     cfg = load_fleet(fleet_path)
     ids = [i for i, _ in device_ids(cfg)]
-    subnet = check_subnet(subnet, len(ids)) if subnet else fleet_subnet(project_name(outp))
+    layout = emulated_layout(cfg, ids, shards)
+    fleet_text = sharded_fleet_text(Path(fleet_path).read_text(), layout, source=str(fleet_path)) if layout else ""
+    subnet = check_subnet(subnet, len(ids), len(layout)) if subnet else fleet_subnet(project_name(outp))
     outp.mkdir(parents=True, exist_ok=True)
     data = load_fleet_data(cfg)
     samples = {dev: len(split.train) for dev, split in zip(ids, data.splits, strict=True)}
@@ -93,9 +101,13 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     if sum(lim.cpus for lim in limits) > cores:
         log.warning("the devices' CPU quotas add up to %.2f cores, more than this host's %d: devices that train "
                     "at the same time run slower than their profiles", sum(lim.cpus for lim in limits), cores)
-    shutil.copyfile(fleet_path, outp / "fleet.toml")
     shutil.rmtree(outp / "broker" / "data", ignore_errors=True)
-    write_broker_config(cfg.run.fleet, ids, outp / "broker", _broker_options(sign), fleet_config=outp / "fleet.toml")
+    if layout:
+        write_shard_brokers(fleet_text, outp, layout, _broker_options(sign))
+    else:
+        shutil.copyfile(fleet_path, outp / "fleet.toml")
+        write_broker_config(cfg.run.fleet, ids, outp / "broker", _broker_options(sign),
+                            fleet_config=outp / "fleet.toml")
     for p in plans:
         # The payload `fedge flash DEVICE --to DIR` writes (no first-boot hook: the container's entry point,
         # docker/device-boot.sh, runs its install.sh), so the emulation boots what a real card would carry.
@@ -120,15 +132,17 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
                             deadline_slack=deadline_slack, http_port=http_port)
     # No `platform:` key: an image made by `docker import` on a 20.10 engine is labelled with the host's
     # architecture whatever its binaries are, and binfmt_misc runs them regardless.
-    doc = compose_dict(outp, images, limits, coord, device_args=device_args, subnet=subnet)
-    header = (f"fedge emulation of {fleet_path} ({len(ids)} devices, {arch}), written by `fedge emulate up`.\n"
+    doc = compose_dict(outp, images, limits, coord, device_args=device_args, subnet=subnet, shards=layout)
+    sharded = f", {len(layout)} shards with a broker and a relay each" if layout else ""
+    header = (f"fedge emulation of {fleet_path} ({len(ids)} devices{sharded}, {arch}), written by `fedge emulate up`.\n"
               "Each device's cpus, mem_limit and FEDGE_* link settings come from its profile (docs/emulate.md).\n"
               f"Run it by hand: docker-compose -p {project_name(outp)} -f compose.yaml up -d")
     (outp / "compose.yaml").write_text(to_yaml(doc, header))
     emu = Emulation(outp, project_name(outp), arch, cfg.run.fleet, images,
                     plans={p.device_id: _plan_dict(p) for p in plans},
                     limits={lim.device_id: lim.to_dict() for lim in limits},
-                    messages={p.device_id: oom_message(p) for p in plans}, http_port=http_port)
+                    messages={p.device_id: oom_message(p) for p in plans}, http_port=http_port,
+                    shards=shard_records(layout))
     emu.save()
     return emu
 
@@ -141,12 +155,14 @@ def _plan_dict(p: DevicePlan) -> dict[str, Any]:
 
 
 def start(emu: Emulation, client: Any, *, online_timeout: float = 600.0) -> None:
-    """Start broker and devices, wait until every device is online, then start the coordinator.
+    """Start the brokers (a sharded fleet's shard brokers and relays too) and the devices, wait until every device
+    is online, then start the coordinator.
 
     The coordinator starts last so that it finds every device's retained hello at once and round 1
-    runs with the whole fleet, as ``fedge simulate`` does.
+    runs with the whole fleet, as ``fedge simulate`` does. A sharded fleet's devices are online on the root
+    broker once their relay has forwarded their statuses, so the wait covers the relays too.
     """
-    emu.compose("up", "-d", "--no-build", BROKER, *emu.devices)
+    emu.compose("up", "-d", "--no-build", BROKER, *emu.shard_services, *emu.devices)
     wait_online(emu, client, timeout=online_timeout)
     start_coordinator(emu)
 
@@ -184,7 +200,8 @@ def broker_address(emu: Emulation, client: Any) -> str:
 
 
 def wait_online(emu: Emulation, client: Any, *, timeout: float) -> None:
-    """Wait until every device's retained status is "online" (read with the coordinator's account)."""
+    """Wait until every device's retained status is "online" (read with the coordinator's account on the root
+    broker: a sharded fleet's statuses come through the relays)."""
     from fedge.mqtt.client import DEFAULT_PORT, BrokerSettings, MqttClient, Received
     from fedge.mqtt.topics import STATUS_ONLINE, FleetTopics
 
@@ -216,6 +233,7 @@ def wait_online(emu: Emulation, client: Any, *, timeout: float) -> None:
             if time.monotonic() > next_check:
                 # A device that exited while booting never comes online: say so now, with its log's end.
                 next_check = time.monotonic() + 2.0
+                _check_shard_services(emu, client)
                 gone = [s for s in status(emu, client, sample=False)
                         if s.device_id not in online and s.state not in ("running", "paused")]
                 if gone:
@@ -227,12 +245,24 @@ def wait_online(emu: Emulation, client: Any, *, timeout: float) -> None:
             if time.monotonic() > end:
                 dead = [s.device_id + " " + s.state for s in status(emu, client, sample=False)
                         if s.device_id not in online]
+                relays = " (or their shard's relay-NAME, which forwards it)" if emu.shards else ""
                 raise EmulationError(f"devices not online after {timeout:g} s: {', '.join(dead)}",
-                                     hint=f"fedge emulate logs DEVICE --dir {emu.out}")
+                                     hint=f"fedge emulate logs DEVICE --dir {emu.out}{relays}")
             time.sleep(0.5)
     finally:
         mq.stop()
     log.info("all %d devices online", len(emu.devices))
+
+
+def _check_shard_services(emu: Emulation, client: Any) -> None:
+    """A shard's broker or relay that exited while the fleet boots: an error naming it, with its log's end."""
+    for svc in emu.shard_services:
+        state = service_state(emu, client, svc)
+        if state != "running":
+            tail = logs(emu, client, svc, tail=5).strip() if state != "missing" else ""
+            raise EmulationError(f"{svc} {state} before the devices came online"
+                                 + (f"; its log ends:\n{tail}" if tail else ""),
+                                 hint=f"fedge emulate logs {svc} --dir {emu.out}")
 
 
 def wait_exited(emu: Emulation, client: Any, service: str, timeout: float) -> int:
