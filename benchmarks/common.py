@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -124,3 +125,14 @@ def run_sampled(cmd: Sequence[str], sample: Callable[[int], None], *, every: flo
         done.set()
         sampler.join()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def child_command(sub: Any, name: str, ints: Sequence[str] = (), strs: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """A benchmark's child-process subcommand ``name`` (``sub``: ``add_subparsers()``): required integer options
+    ``ints`` and required string options ``strs``."""
+    cmd: argparse.ArgumentParser = sub.add_parser(name)
+    for a in ints:
+        cmd.add_argument(a, type=int, required=True)
+    for a in strs:
+        cmd.add_argument(a, required=True)
+    return cmd

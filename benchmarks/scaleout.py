@@ -47,7 +47,7 @@ from typing import Any
 import paho.mqtt.client as paho
 
 from benchmarks import fleet_scale
-from benchmarks.common import RESULTS
+from benchmarks.common import RESULTS, child_command
 from benchmarks.fleet_scale import MODULE as FLEET_SCALE
 from benchmarks.fleet_scale import SAMPLES, Swarm, _cpu, _update_bytes, sizes
 from fedge.common.messages import Message
@@ -609,21 +609,9 @@ def _run_topology(topology: str, path: Path, fleet: str, n: int, shards: int, ro
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="role")
-    wk = sub.add_parser("_worker")
-    for a in ("--port", "--rounds"):
-        wk.add_argument(a, type=int, required=True)
-    for a in ("--fleet", "--name", "--out"):
-        wk.add_argument(a, required=True)
-    sw = sub.add_parser("_swarm")
-    for a in ("--port", "--first", "--count"):
-        sw.add_argument(a, type=int, required=True)
-    for a in ("--config", "--base", "--ready", "--out"):
-        sw.add_argument(a, required=True)
-    fr = sub.add_parser("_floor_relay")
-    for a in ("--root-port", "--shard-port", "--n", "--partial-bytes"):
-        fr.add_argument(a, type=int, required=True)
-    for a in ("--base", "--name"):
-        fr.add_argument(a, required=True)
+    child_command(sub, "_worker", ("--port", "--rounds"), ("--fleet", "--name", "--out"))
+    child_command(sub, "_swarm", ("--port", "--first", "--count"), ("--config", "--base", "--ready", "--out"))
+    child_command(sub, "_floor_relay", ("--root-port", "--shard-port", "--n", "--partial-bytes"), ("--base", "--name"))
     p.add_argument("--n", type=int, default=1000, help="devices of the workers' and the relays' parts (default 1000)")
     p.add_argument("--shards", type=int, default=4, help="shard brokers of the relays part (default 4)")
     p.add_argument("--resume", action="store_true",

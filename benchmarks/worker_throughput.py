@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS
+from benchmarks.common import RESULTS, child_command
 from benchmarks.fleet_scale import CLASSES, _cpu, _device_info, _update_bytes, sizes
 from benchmarks.scaleout import _broker
 from fedge.common.messages import Message
@@ -174,11 +174,7 @@ def worker_main(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="role")
-    wk = sub.add_parser("_worker")
-    for a in ("--port", "--n"):
-        wk.add_argument(a, type=int, required=True)
-    for a in ("--fleet", "--name", "--out"):
-        wk.add_argument(a, required=True)
+    child_command(sub, "_worker", ("--port", "--n"), ("--fleet", "--name", "--out"))
     p.add_argument("--n", type=int, default=5000, help="updates in the backlog, one per device (default 5000)")
     p.add_argument("--repeat", type=int, default=3, help="alternating runs of 1 and 2 workers (default 3)")
     p.add_argument("--out", default=str(OUT))

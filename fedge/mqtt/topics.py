@@ -143,8 +143,12 @@ class FleetTopics:
 
     def parse_refused(self, topic: str) -> str | None:
         """The device id of a ``refused/{id}`` topic of this fleet, else None."""
+        return self._leaf(topic, "refused")
+
+    def _leaf(self, topic: str, kind: str) -> str | None:
+        """NAME of ``fedge/{fleet}/{kind}/NAME`` (a valid name), else None."""
         parts = topic.split("/")
-        if len(parts) != 4 or parts[0] != ROOT or parts[1] != self.fleet or parts[2] != "refused":
+        if len(parts) != 4 or parts[0] != ROOT or parts[1] != self.fleet or parts[2] != kind:
             return None
         return parts[3] if _NAME.match(parts[3]) else None
 
@@ -193,10 +197,7 @@ class FleetTopics:
 
     def parse_partial(self, topic: str) -> str | None:
         """The account of a partial's topic of this fleet, else None."""
-        parts = topic.split("/")
-        if len(parts) != 4 or parts[0] != ROOT or parts[1] != self.fleet or parts[2] != "partials":
-            return None
-        return parts[3] if _NAME.match(parts[3]) else None
+        return self._leaf(topic, "partials")
 
     # -- parsing --------------------------------------------------------------------------
     def parse_device(self, topic: str) -> DeviceTopic | None:
