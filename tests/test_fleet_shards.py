@@ -427,6 +427,14 @@ def test_revoke_and_rotate_act_on_every_broker_of_an_mtls_tree(tmp_path: Path,
         assert not (d / "device.crt").exists() and not (d / "device.key").exists()
     with pytest.raises(ConfigError, match="has no certificate and key for rpi-zero-2w-1"):
         prepare("rpi-zero-2w-1", path, out)
+    # a copy of the revoked certificate put back into the shard's bundle is refused from the shard's directory too:
+    # it has no index of its own, the tree's (at its root) says revoked, and the fix names the root
+    shard_c = out / "shards/shard-c"
+    for name in ("device.crt", "device.key"):
+        (shard_c / "bundles/rpi-zero-2w-1" / name).write_bytes(files[out / "bundles/rpi-zero-2w-1" / name])
+    with pytest.raises(ConfigError, match=r"the certificate of rpi-zero-2w-1 cannot connect: .*revoked") as exc:
+        prepare("rpi-zero-2w-1", path, shard_c)
+    assert exc.value.hint == f"issue a new one: fedge broker rotate rpi-zero-2w-1 --out {out}"
     # rotated, it has a new certificate in both copies and flashes again
     assert main(["broker", "rotate", "rpi-zero-2w-1", "--out", str(out)]) == 0
     capsys.readouterr()

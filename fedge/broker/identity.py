@@ -189,6 +189,14 @@ def tree_brokers(out: Path) -> list[Path]:
     return [out, *sorted(d for d in shards.iterdir() if (d / "mosquitto.conf").is_file())]
 
 
+def tree_root(out: Path) -> Path | None:
+    """The root of the sharded broker tree whose shard directory (``ROOT/shards/shard-NAME``) ``out`` is, else
+    None: the tree's certificate index and CA key live at its root only."""
+    if out.parent.name == SHARDS_DIR and (out.parent.parent / "mosquitto.conf").is_file():
+        return out.parent.parent
+    return None
+
+
 @dataclass(frozen=True)
 class _Account:
     """Where one identity lives in a broker directory or tree."""
@@ -209,9 +217,9 @@ def _account(out: Path, name: str) -> tuple[_Account, list[Path]]:
     check_name(name, "device id")
     if not out.is_dir():
         raise ConfigError(f"broker directory {out} does not exist", hint="pass the --out of `fedge broker config`")
-    if out.parent.name == SHARDS_DIR and (out.parent.parent / "mosquitto.conf").is_file():
+    root = tree_root(out)
+    if root is not None:
         # a shard's directory alone would miss the tree's index, the other brokers' CRLs and the bundle copies
-        root = out.parent.parent
         raise ConfigError(f"{out} is a shard's broker directory of the tree at {root}: the tree has one certificate "
                           "index and CA key, at its root", hint=f"pass --out {root}: revoke and rotate act on every "
                                                                 "broker of the tree")

@@ -158,10 +158,10 @@ def check_shard_broker(layout: list[Shard], device_id: str, broker: str, bdir: P
 def check_certificate(broker_dir: Path, bdir: Path, device_id: str, bundle: dict[str, Any]) -> None:
     """A mutual-TLS bundle's certificate: present, issued by the fleet CA for this device, not expired, not
     revoked (``ca/index.json``); flashing a card the broker would refuse is an error naming the fix."""
-    from fedge.broker.identity import cert_problem
+    from fedge.broker.identity import cert_problem, tree_root
     from fedge.broker.pki import INDEX_NAME, CertIndex, load_cert
 
-    rotate = f"fedge broker rotate {device_id} --out {broker_dir}"
+    rotate = f"fedge broker rotate {device_id} --out {tree_root(broker_dir) or broker_dir}"
     crt, key = bdir / str(bundle.get("cert_file")), bdir / str(bundle.get("key_file", "device.key"))
     if not crt.is_file() or not key.is_file():
         raise ConfigError(f"{bdir} has no certificate and key for {device_id} ({crt.name}, {key.name}): was it "
@@ -169,7 +169,8 @@ def check_certificate(broker_dir: Path, bdir: Path, device_id: str, bundle: dict
     ca = bdir / str(bundle.get("ca_file", "ca.crt"))
     if not ca.is_file():
         raise ConfigError(f"{ca} is missing", hint=f"rewrite the bundle: fedge broker config --mtls --out {broker_dir}")
-    index_path = broker_dir / "ca" / INDEX_NAME
+    # a shard's directory of a sharded tree has no index: the tree's one, at its root, says what is revoked
+    index_path = (tree_root(broker_dir) or broker_dir) / "ca" / INDEX_NAME
     problem = cert_problem(load_cert(crt), load_cert(ca), device_id,
                            CertIndex(index_path) if index_path.is_file() else None)
     if problem is not None:
