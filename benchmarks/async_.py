@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import time
 from typing import Any
@@ -154,17 +155,21 @@ def cell(args: argparse.Namespace, seed: int, mode: str, churn: bool = False, un
 
 def spread(args: argparse.Namespace, seed: int) -> dict[str, float]:
     """Each profile's time for one round of its work on the virtual clock (no jitter): download and upload of
-    its fp32 model, and its training; from the clock's model alone, nothing trained."""
-    from fedge.fleet.clock import fleet_clock
+    its fp32 model, its training and, in a round that starts with one, its evaluation over the test images the
+    run gives it (its local split and the same global images as in :func:`run_cell`, not the whole test set);
+    from the clock's model alone, nothing trained."""
+    from fedge.fleet.clock import fleet_clock, global_test_size
     from fedge.fleet.config import parse_fleet
     from fedge.fleet.slots import checked_slots
 
     cfg = parse_fleet(fleet_config(args, seed, "sync", False), source="benchmarks/async_.py")
     slots = checked_slots(cfg)
     clock = fleet_clock(cfg, slots)
+    shown = min(200 if args.method == "fedavg" else args.eval_images, global_test_size(cfg))  # as run_cell
     out: dict[str, list[float]] = {}
     for slot in slots:
         c = clock.devices[slot.device_id]
+        c.work = dataclasses.replace(c.work, eval_samples=slot.num_test + shown)
         size = 4 * slot.spec.num_params()
         out.setdefault(slot.profile, []).append(c.timing(1, bytes_down=size, bytes_up=size, work=c.work).total_s)
     return {p: float(np.mean(v)) for p, v in out.items()}
