@@ -188,7 +188,7 @@ def test_the_page_of_an_emulated_fleet(docker_env: tuple[Any, Images], tmp_path:
         # device; and Mosquitto 2.0 looks for such clients only every 5-6 s (its keepalive check runs when
         # `last_check + 5 < now`), so up to 6 s later than that after the cut. The page's: the offline status
         # confirmed (offline_confirm_s, 1 s), one refresh (2 s), slack for a loaded host. One bound over the sum
-        # (1.5 keep-alives from the cut + 2 + 5, which left out Mosquitto's check interval) failed 2 of 5
+        # (1.5 keep-alives from the cut + 2 + 5, which left out Mosquitto's check interval) failed 2 of 6
         # clean-clone runs by 0.3-0.4 s; split, a run here showed the will 25.4 s after the cut, the page 2.7 s later.
         row = next(d for d in json.loads(fetch(url + "api/state", token)[1])["devices"] if d["device"] == cut)
         assert row["state"] == "offline" and row["last_seen"] <= cut_at + 1, row
