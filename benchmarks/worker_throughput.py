@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,7 @@ def _progress(out: Path) -> tuple[int, float]:
         return 0, 0.0
 
 
-def _wait(cond: Any, procs: list[subprocess.Popen[bytes]], timeout_s: float, what: str) -> None:
+def _wait(cond: Callable[[], bool], procs: list[subprocess.Popen[bytes]], timeout_s: float, what: str) -> None:
     end = time.monotonic() + timeout_s
     while not cond():
         if any(p.poll() is not None for p in procs):

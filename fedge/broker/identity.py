@@ -288,14 +288,12 @@ def revoke(out: Path, device: str) -> Change:
     account, brokers = _account(out, device)
     tree = len(brokers) > 1
     if is_mtls(out):
-        ca = _load_ca(out)
-        index = CertIndex(out / "ca" / INDEX_NAME)
-        revoked = index.revoke(device)
+        issuer = Issuer.at(out, _load_ca(out))
+        revoked = issuer.index.revoke(device)
         if not revoked:
             raise ConfigError(f"{device} has no valid certificate to revoke (already revoked?)",
                               hint=f"issue a new one with `fedge broker rotate {device} --out {out}`")
-        crls = write_crl(ca, index, *[b / "tls" for b in brokers])  # before the index: see Issuer.finish
-        index.save()
+        crls = issuer.finish([b / "tls" for b in brokers])
         for d in account.dirs:
             for suffix in (".crt", ".key"):
                 (d / f"{account.stem}{suffix}").unlink(missing_ok=True)
