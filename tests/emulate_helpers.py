@@ -27,7 +27,7 @@ class Container:
                           "Paused": self.status == "paused", "ExitCode": self.exit_code,
                           "FinishedAt": "2026-12-01T04:47:51.215Z", "OOMKilled": False},
                 "NetworkSettings": {"Networks": {n: {"IPAddress": "10.200.0.5"} for n in self.networks}},
-                "HostConfig": {"NanoCpus": 0}}
+                "HostConfig": {"CpuPeriod": 0, "CpuQuota": 0}}
 
     def reload(self) -> None:
         pass

@@ -17,7 +17,14 @@ import yaml
 from fedge.common.archs import arch_by_name
 from fedge.emulate import images
 from fedge.emulate.compose import CoordinatorArgs, Images, check_subnet, compose_dict, fleet_subnet, to_yaml
-from fedge.emulate.limits import OS_SHARE_MB, compose_cpus, device_plans, limits_for, oom_message
+from fedge.emulate.limits import (
+    MIN_CPU_SLICE_US,
+    OS_SHARE_MB,
+    cpu_period_us,
+    device_plans,
+    limits_for,
+    oom_message,
+)
 from fedge.errors import ConfigError, EmulationError
 from fedge.fleet.config import parse_fleet
 from fedge.profiles.speed import speed_model
@@ -51,14 +58,23 @@ def test_cpu_quota_follows_the_speed_model() -> None:
     assert capped.cpus == 2.0 and capped.cpus_wanted > 2 and capped.threads == 2
 
 
-def test_cpu_quotas_are_whole_nano_cpus_for_docker_compose() -> None:
-    # docker-compose 1.29 refuses cpus: 0.067 (0.067 x 10^9 = 67000000.00000001 in floats); a Pi 4 at
-    # 0.067 of this host's core stopped `fedge emulate up`. Every quota the calibration can give is moved
-    # to the nearest accepted value, by less than 0.2 %.
-    assert compose_cpus(0.25) == 0.25 and compose_cpus(0.067) in (0.0669, 0.0671)
-    for k in range(1, 4001):
-        got = compose_cpus(k / 1000)
-        assert (got * 1_000_000_000).is_integer() and abs(got - k / 1000) <= 0.002 * k / 1000, k
+def test_a_small_quota_gets_a_longer_cfs_period_with_slices_of_at_least_20_ms() -> None:
+    # At 100 ms a Zero's 0.069 cores were 6.9 ms slices, and a deployed device burnt 2.15x the CPU per round
+    # it burnt unthrottled; the period grows so that every slice is at least 20 ms, up to the kernel's 1 s.
+    assert cpu_period_us(1.0) == 100_000 and cpu_period_us(0.2) == 100_000  # 20 ms slices already
+    assert cpu_period_us(0.069) == 289_856  # ceil(20 ms / 0.069)
+    assert cpu_period_us(0.01) == 1_000_000  # 10 ms slices: the kernel allows no longer period
+    for k in range(10, 4001):
+        cpus = k / 1000
+        period = cpu_period_us(cpus)
+        assert 100_000 <= period <= 1_000_000, cpus
+        assert cpus * period >= MIN_CPU_SLICE_US - 1 or period == 1_000_000, cpus
+    with pytest.raises(ValueError, match="cpus must be positive"):
+        cpu_period_us(0.0)
+    zero = next(p for p in _plans() if p.device_id == "rpi-zero-2w-1")
+    lim = limits_for(zero, 12e9, host_cores=2)
+    assert lim.cpu_quota_us == round(lim.cpus * lim.cpu_period_us) and lim.cpu_quota_us >= MIN_CPU_SLICE_US - 1
+    assert lim.to_dict()["cpu_period_us"] == lim.cpu_period_us
 
 
 def test_memory_and_link_come_from_the_profile() -> None:
@@ -100,7 +116,8 @@ def test_compose_yaml_carries_the_limits(tmp_path: Path) -> None:
 
     doc = yaml.safe_load(_compose(tmp_path).read_text())
     zero = doc["services"]["rpi-zero-2w-1"]
-    assert zero["cpus"] == pytest.approx(_zero_cpus())
+    period = cpu_period_us(_zero_cpus())
+    assert (zero["cpu_period"], zero["cpu_quota"]) == (period, round(_zero_cpus() * period)) and "cpus" not in zero
     assert zero["mem_limit"] == "432m" and zero["memswap_limit"] == "432m"
     assert zero["cap_add"] == ["NET_ADMIN"] and zero["volumes"] == ["./devices/rpi-zero-2w-1:/boot/firmware:ro"]
     assert zero["environment"]["FEDGE_UPLINK_KBIT"] == "375"
@@ -123,7 +140,9 @@ def test_compose_yaml_passes_docker_compose_config(tmp_path: Path) -> None:
     resolved = yaml.safe_load(proc.stdout)
     assert set(resolved["services"]) == {"broker", "coordinator", "x86-gateway-1", "rpi4-4gb-1", "rpi-zero-2w-1",
                                          "rpi-zero-2w-2"}
-    assert resolved["services"]["rpi-zero-2w-1"]["cpus"] == pytest.approx(_zero_cpus())
+    zero = resolved["services"]["rpi-zero-2w-1"]
+    period = cpu_period_us(_zero_cpus())
+    assert (zero["cpu_period"], zero["cpu_quota"]) == (period, round(_zero_cpus() * period))
 
 
 def test_prepare_flashes_every_device_with_fedge_flash(tmp_path: Path) -> None:

@@ -382,7 +382,7 @@ def test_limits_reach_the_containers_and_an_over_memory_plan_is_oom_killed(
     started = fleets.oom_start.result()  # lifecycle.start's error, if it failed, is raised here
     for dev, lim in emu.limits.items():
         hc = started.host_config[dev]
-        assert hc["NanoCpus"] == round(lim["cpus"] * 1e9), dev
+        assert (hc["CpuPeriod"], hc["CpuQuota"]) == (lim["cpu_period_us"], lim["cpu_quota_us"]), dev
         assert hc["Memory"] == lim["mem_limit_mb"] * 2**20, dev
         assert hc["MemorySwap"] == lim["mem_limit_mb"] * 2**20, dev
         assert "NET_ADMIN" in (hc["CapAdd"] or []), dev

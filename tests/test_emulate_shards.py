@@ -126,7 +126,9 @@ def test_a_shards_tree_becomes_a_broker_and_a_relay_per_shard_with_each_device_o
     for dev, shard in home.items():
         svc = services[dev]
         assert svc["depends_on"] == [f"broker-{shard}"]
-        assert svc["cpus"] == emu.limits[dev]["cpus"] and svc["mem_limit"] == f"{emu.limits[dev]['mem_limit_mb']}m"
+        lim = emu.limits[dev]
+        assert (svc["cpu_period"], svc["cpu_quota"]) == (lim["cpu_period_us"], lim["cpu_quota_us"])
+        assert svc["mem_limit"] == f"{emu.limits[dev]['mem_limit_mb']}m"
         # the flashed bundle names its shard's container, and its password is good there and nowhere else
         bundle = out / "devices" / dev / "fedge" / "bundle"
         assert tomllib.loads((bundle / "bundle.toml").read_text())["broker"] == f"mqtt://broker-{shard}:1883"

@@ -112,13 +112,18 @@ class DeviceAgent:
         return evaluates_at(info.round, self.eval_every, final=info.is_final)
 
     def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:
-        started = self.timer()  # info.train_s: this round's work on the device's own clock
         down = descriptor_bytes
-        artifacts = {}
+        fetched = {}
         for name in self.method.needed_artifacts(info):
             data = self.transport.fetch_global(name)
-            if data is None:
-                continue  # nothing aggregated yet (first round)
+            if data is not None:  # None: nothing aggregated yet (first round)
+                fetched[name] = data
+        # info.train_s: this round's work on the device's own clock, from here. The fetches above wait on the
+        # link (a subscription's round trip, then the bytes), which the virtual clock counts as the download,
+        # not as the device's compute; decoding the global state is the device's work and counts.
+        started = self.timer()
+        artifacts = {}
+        for name, data in fetched.items():
             down += len(data)
             msg = Message.from_bytes(data)
             artifacts[name] = msg.tensors

@@ -100,7 +100,9 @@ def _up(args: argparse.Namespace) -> int:
               f"{', '.join(s['devices'])}")
     for dev, lim in emu.limits.items():
         plan = emu.plans[dev]
-        print(f"  {dev:<18} {lim['profile']:<13} cpus {lim['cpus']:<6g} mem {lim['mem_limit_mb']} MiB  "
+        slices = (f" ({lim['cpu_quota_us'] / 1000:g} ms per {lim['cpu_period_us'] / 1000:g} ms)"
+                  if "cpu_period_us" in lim else "")
+        print(f"  {dev:<18} {lim['profile']:<13} cpus {lim['cpus']:g}{slices}  mem {lim['mem_limit_mb']} MiB  "
               f"up {lim['uplink_kbit']} / down {lim['downlink_kbit']} kbit/s  delay {lim['delay_ms']:g} ms each way  "
               f"plan {plan['arch']} batch {plan['batch_size']}, est. {plan['round_time_s']:.1f} s/round")
     if args.no_start:

@@ -152,7 +152,9 @@ def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: C
             "volumes": [f"./devices/{lim.device_id}:/boot/firmware:ro"],
             # tc inside the container shapes its own link (docker/shape-link.sh).
             "cap_add": ["NET_ADMIN"],
-            "cpus": lim.cpus,
+            # the quota as CPU time per period: a small one gets a longer period (fedge.emulate.limits.cpu_period_us)
+            "cpu_period": lim.cpu_period_us,
+            "cpu_quota": lim.cpu_quota_us,
             "mem_limit": f"{lim.mem_limit_mb}m",
             "memswap_limit": f"{lim.mem_limit_mb}m",  # no swap: a Pi without zram/swap runs out, not slows down
             "environment": {

@@ -146,18 +146,11 @@ def _partitions(emu: Emulation, device: str, address: str | None = None) -> str 
     return address if address is not None else old
 
 
-def set_cpus(client: Any, container: Any, cpus: float) -> None:
-    """Change a running container's CPU quota (``--cpus``). docker-py's ``Container.update`` has no
-    NanoCpus, and the engine refuses a CpuQuota on a container created with NanoCpus: the API takes it."""
-    client.api._post_json(client.api._url("/containers/{0}/update", container.id),
-                          data={"NanoCpus": round(cpus * 1e9)})
-
-
 def _pause(client: Any, c: Any) -> None:
     """Freeze a device's processes; with its CPU quota lifted for the moment of freezing if need be.
 
     runc's cgroup-v1 freezer gives the tasks a few milliseconds to reach the frozen state and else fails
-    ("unable to freeze"); a device throttled to a few percent of a core sleeps ~94 ms of every 100 ms CFS
+    ("unable to freeze"); a device throttled to a few percent of a core sleeps most of every CFS
     period, so a busy one often cannot freeze in time. The quota is restored as soon as it is frozen
     (a frozen container uses no CPU).
     """
@@ -169,13 +162,15 @@ def _pause(client: Any, c: Any) -> None:
             raise
         log.info("%s did not freeze under its CPU quota (%s); pausing it with the quota lifted", c.name, exc)
     c.reload()
-    nano = c.attrs["HostConfig"].get("NanoCpus") or 0
-    set_cpus(client, c, len(os.sched_getaffinity(0)))
+    hc = c.attrs["HostConfig"]
+    period, quota = hc.get("CpuPeriod") or 0, hc.get("CpuQuota") or 0
+    if quota > 0:
+        c.update(cpu_period=period or None, cpu_quota=len(os.sched_getaffinity(0)) * (period or 100_000))
     try:
         c.pause()
     finally:
-        if nano:
-            set_cpus(client, c, nano / 1e9)
+        if quota > 0:
+            c.update(cpu_period=period or None, cpu_quota=quota)
 
 
 def _reconnect(net: Any, c: Any, device: str, address: str | None = None, *, shape: bool = True) -> None:

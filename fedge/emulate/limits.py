@@ -4,7 +4,9 @@
   gives the device's training multiply-accumulates per second on its own model and batch. The
   emulator measures how many training MACs per second one core of *this host* reaches on the same
   model and batch (:mod:`fedge.emulate.calibrate`) and gives the container that fraction of a core, so
-  the container trains at the model's speed for the profile: ``cpus = device MAC/s ÷ host MAC/s``.
+  the container trains at the model's speed for the profile: ``cpus = device MAC/s ÷ host MAC/s``,
+  handed out by the kernel's CFS as ``cpus × period`` of CPU time per period, the period long enough
+  that each slice is at least :data:`MIN_CPU_SLICE_US` (:func:`cpu_period_us`).
 * **Memory.** The profile's RAM less :data:`OS_SHARE_MB`, the share of a Raspberry Pi OS Lite that
   the container does not run (the kernel and system services idle near 80 MB; see
   :data:`fedge.profiles.schema.RUNTIME_RESERVE_MB`). Python, torch and training must fit in the
@@ -34,6 +36,24 @@ MIB = 2**20
 OS_SHARE_MB = 80
 # Docker refuses a CPU quota below 1 ms per 100 ms period.
 MIN_CPUS = 0.01
+# CFS gives a container ``cpus × period`` of CPU time per period and then stops it until the next. At the
+# default 100 ms period a Pi Zero 2 W's 0.069 of a host core is a 6.9 ms slice per 100 ms, and a deployed
+# device (`fedge edge run` over Mosquitto, FedProto on digits, tier-s) then used 2.15x the CPU time per
+# round it used unthrottled (0.215 against 0.100 host CPU-s): each stop and restart costs the process
+# milliseconds. 20.7 ms slices (a 300 ms period) took 0.138 s, 69 ms slices (1 s) 0.140 s
+# (docs/emulate.md, "CPU slices"). So a small quota gets a longer period, up to the kernel's 1 s: the same
+# share of a core in fewer, longer slices.
+MIN_CPU_SLICE_US = 20_000
+DEFAULT_CPU_PERIOD_US = 100_000
+MAX_CPU_PERIOD_US = 1_000_000  # the kernel's largest cfs_period_us
+
+
+def cpu_period_us(cpus: float) -> int:
+    """The CFS period for a quota of ``cpus`` host cores: 100 ms, or longer (up to 1 s) so that each slice,
+    ``cpus × period``, is at least :data:`MIN_CPU_SLICE_US`."""
+    if cpus <= 0 or not math.isfinite(cpus):
+        raise ValueError(f"cpus must be positive, got {cpus}")
+    return min(MAX_CPU_PERIOD_US, max(DEFAULT_CPU_PERIOD_US, math.ceil(MIN_CPU_SLICE_US / cpus)))
 
 
 @dataclass(frozen=True)
@@ -95,7 +115,7 @@ class DeviceLimits:
     device_id: str
     profile: str
     cpus: float
-    """Fraction of host cores (Docker's ``cpus``: CFS quota ÷ period)."""
+    """Fraction of host cores: CFS quota ÷ period (:attr:`cpu_quota_us`, :attr:`cpu_period_us`)."""
     cpus_wanted: float
     """What the profile's speed needs; more than ``cpus`` when the host has too few cores."""
     threads: int
@@ -112,33 +132,21 @@ class DeviceLimits:
 
     @property
     def cpu_period_us(self) -> int:
-        return 100_000
+        """The CFS period (:func:`cpu_period_us`)."""
+        return cpu_period_us(self.cpus)
 
     @property
     def cpu_quota_us(self) -> int:
+        """CPU time per period: ``cpus × period``."""
         return round(self.cpus * self.cpu_period_us)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "cpu_period_us": self.cpu_period_us, "cpu_quota_us": self.cpu_quota_us}
 
 
 def container_memory_mb(profile: Profile) -> int:
     """The container's memory limit: the profile's RAM less the OS share it does not emulate."""
     return profile.hardware.ram_mb - OS_SHARE_MB
-
-
-def compose_cpus(cpus: float) -> float:
-    """``cpus`` itself, or the nearest value with at most 4 decimals that Debian's docker-compose 1.29
-    accepts: it refuses a ``cpus`` whose float product with 10^9 is not a whole number of nano-CPUs
-    ("cpus must have nine or less digits after decimal point"), which 0.067 (0.067 x 10^9 =
-    67000000.00000001) and about 1 in 40 three-decimal values are. The change is below 0.2 %."""
-    if (cpus * 1_000_000_000).is_integer():
-        return cpus
-    for step in range(1, 100):
-        for cand in (round(cpus - step * 1e-4, 4), round(cpus + step * 1e-4, 4)):
-            if cand > 0 and (cand * 1_000_000_000).is_integer():
-                return cand
-    raise ValueError(f"no docker-compose-safe CPU quota near {cpus}")  # not reached for 3-decimal values
 
 
 def limits_for(dp: DevicePlan, host_mac_rate: float, *, host_cores: int, loss_pct: float = 0.0) -> DeviceLimits:
@@ -151,7 +159,7 @@ def limits_for(dp: DevicePlan, host_mac_rate: float, *, host_cores: int, loss_pc
         raise ValueError(f"host MAC rate must be positive, got {host_mac_rate}")
     rate = dp.mac_rate
     wanted = max(MIN_CPUS, round(rate / host_mac_rate, 3))
-    cpus = compose_cpus(min(wanted, float(host_cores)))
+    cpus = min(wanted, float(host_cores))
     net = dp.profile.network
     return DeviceLimits(
         device_id=dp.device_id, profile=dp.profile.name, cpus=cpus, cpus_wanted=wanted,
