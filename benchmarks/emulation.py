@@ -215,7 +215,7 @@ def _upload(c: Any, nbytes: int, sndbuf: int = 0, timer: str = "publish") -> dic
     return dict(json.loads(out.decode().strip().splitlines()[-1]))
 
 
-def upload_decomposition(client: Any, c: Any, nbytes: int, *, host_cores: int) -> dict[str, Any]:
+def upload_decomposition(c: Any, nbytes: int, *, host_cores: int) -> dict[str, Any]:
     """One update's upload four ways, in the device container after its run:
 
     * ``quota``: as the device is (its CPU quota, default socket buffer, the agent's socket options), on
@@ -231,7 +231,7 @@ def upload_decomposition(client: Any, c: Any, nbytes: int, *, host_cores: int) -
     """
     runs = {"quota": _upload(c, nbytes), "quota_old_timer": _upload(c, nbytes, timer="old"),
             "quota_big_sndbuf": _upload(c, nbytes, BIG_SNDBUF)}
-    faults.set_cpus(client, c, host_cores)
+    faults.set_cpus(c, host_cores)
     runs["unthrottled"] = _upload(c, nbytes)
     return runs
 
@@ -261,7 +261,7 @@ def run_profile(client: Any, tags: Any, profile: str, work: Path, *, rounds: int
         stats = c.stats(stream=False)
         cg_peak = stats.get("memory_stats", {}).get("max_usage", 0) / 2**20
         nbytes = plan["params"] * UPLOAD_BYTES[plan["upload_precision"]]
-        uploads = upload_decomposition(client, c, nbytes, host_cores=len(os.sched_getaffinity(0)))
+        uploads = upload_decomposition(c, nbytes, host_cores=len(os.sched_getaffinity(0)))
         upload = uploads["quota"]
         globals_path = emu.out / "coordinator" / "globals.safetensors"
         protos = None

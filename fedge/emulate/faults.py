@@ -165,12 +165,19 @@ def _pause(client: Any, c: Any) -> None:
     hc = c.attrs["HostConfig"]
     period, quota = hc.get("CpuPeriod") or 0, hc.get("CpuQuota") or 0
     if quota > 0:
-        c.update(cpu_period=period or None, cpu_quota=len(os.sched_getaffinity(0)) * (period or 100_000))
+        set_cpus(c, len(os.sched_getaffinity(0)))
     try:
         c.pause()
     finally:
         if quota > 0:
             c.update(cpu_period=period or None, cpu_quota=quota)
+
+
+def set_cpus(c: Any, cpus: float) -> None:
+    """Give a running container ``cpus`` host cores: its CFS quota per its period (100 ms if it has none)."""
+    c.reload()
+    period = c.attrs["HostConfig"].get("CpuPeriod") or 100_000
+    c.update(cpu_period=period, cpu_quota=round(cpus * period))
 
 
 def _reconnect(net: Any, c: Any, device: str, address: str | None = None, *, shape: bool = True) -> None:
