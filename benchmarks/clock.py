@@ -18,6 +18,12 @@ Pi Zero 2 W): each device's measured time per round (its ``train_s`` in the coor
 quota) against the virtual clock's compute time for the same rounds, and each round's wall time against the clock's
 round, both within 0.67-1.5x. The same reports timed by :func:`fedge.sim.clocked.replay_clock`.
 
+``deployed``: the same devices as ``honest``, each deployed on this host without a quota (``fedge coordinator
+run`` and ``fedge edge run`` on one thread over a Mosquitto on loopback): the device process's CPU seconds per round
+(the difference between a long and a short run, from ``/proc``) against what the virtual clock's compute time for
+that round is in host CPU seconds (× the device's speed-model rate ÷ the host core's measured rate on its model, as
+``fedge emulate`` sets its quota). What the clock's model misses on the host itself, with no CFS quota in between.
+
 ``sampling``: 10 % of a 200-device fleet per round against full participation at equal device compute
 (the same number of device-rounds of training), accuracy and bytes per round.
 
@@ -25,6 +31,7 @@ round, both within 0.67-1.5x. The same reports timed by :func:`fedge.sim.clocked
     python -m benchmarks.clock order                      # the built-ins' speeds and their emulation quotas
     python -m benchmarks.clock sampling [--devices 200] [--sample 0.1] [--rounds 3] [--equal-rounds]
     python -m benchmarks.clock honest [--rounds 4]        # needs Docker: emulated time vs the virtual clock
+    python -m benchmarks.clock deployed [--rounds 2 12]   # needs Mosquitto: a deployed device's CPU vs the clock
 
 Writes benchmarks/results/clock-curve.json / clock-sampling.json and prints a table.
 """
@@ -317,6 +324,96 @@ def honest(rounds: int, work: str, *, dataset: str = "digits", fraction: float =
             "wall_s": time.perf_counter() - t0, "limits": emu.limits, **res}
 
 
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _deployed_cpu(fleet: Any, device_id: str, port: int, work: Any) -> float:
+    """Run ``fleet`` with a coordinator and one device process on this host; the device's CPU seconds at the end."""
+    state = work / f"state-{fleet.stem}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    broker = f"mqtt://127.0.0.1:{port}"
+    with open(work / f"{fleet.stem}-coordinator.log", "w") as clog, open(work / f"{fleet.stem}-edge.log", "w") as elog:
+        coord = subprocess.Popen([sys.executable, "-m", "fedge", "coordinator", "run", "--config", str(fleet),
+                                  "--state-dir", str(state), "--broker", broker], stdout=clog, stderr=clog)
+        edge = subprocess.Popen([sys.executable, "-m", "fedge", "edge", "run", "--config", str(fleet), "--device-id",
+                                 device_id, "--broker", broker, "--keep-running", "--heartbeat", "0"], env=env,
+                                stdout=elog, stderr=elog)
+    try:
+        if coord.wait(timeout=1800) != 0:
+            raise SystemExit(f"the coordinator of {fleet} failed: see {work / f'{fleet.stem}-coordinator.log'}")
+        time.sleep(0.5)
+        return _proc_cpu_s(edge.pid)
+    finally:
+        for p in (edge, coord):
+            p.kill()
+            p.wait()
+
+
+def deployed(rounds: tuple[int, int], work: str, *, fraction: float = 0.3, eval_every: int = 1, epochs: int = 2,
+             profiles: tuple[str, ...] = HONEST_PROFILES) -> dict[str, Any]:
+    """Each profile's device deployed alone on this host: CPU per round against the clock in host CPU seconds."""
+    import shutil
+    import socket
+    from pathlib import Path
+
+    from fedge.emulate.calibrate import host_mac_rate
+    from fedge.fleet.clock import fleet_clock
+    from fedge.fleet.config import load_fleet
+    from fedge.fleet.slots import checked_slots, device_profile
+    from fedge.profiles.speed import speed_model
+
+    exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    out = Path(work).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conf = out / "mosquitto.conf"
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\n")
+    broker = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    res: dict[str, Any] = {"rounds": list(rounds), "fraction": fraction, "eval_every": eval_every, "epochs": epochs,
+                           "devices": {}}
+    try:
+        time.sleep(0.5)
+        for profile in profiles:
+            cpu = []
+            for r in rounds:
+                fleet = out / f"{profile}-r{r}.toml"
+                fleet.write_text(HONEST_FLEET.format(rounds=r, dataset="digits", fraction=fraction,
+                                                    eval_every=eval_every, epochs=epochs,
+                                                    devices=f'\n[[devices]]\nprofile = "{profile}"\n')
+                                 .replace('fleet = "honest"', f'fleet = "deployed-{profile}-r{r}"'))
+                cfg = load_fleet(fleet)
+                (slot,) = checked_slots(cfg)
+                cpu.append(_deployed_cpu(fleet, slot.device_id, port, out))
+            # the clock's compute for the rounds the long run has beyond the short one
+            dev = fleet_clock(cfg, [slot]).devices[slot.device_id]
+            virtual = [dev.train_s(n) for n in range(rounds[0] + 1, rounds[1] + 1)]
+            device_rate = speed_model(device_profile(cfg, slot.group)).mac_rate(slot.spec, dev.work.batch)
+            host_rate = host_mac_rate(slot.spec.name, dev.work.batch, embed_dim=cfg.run.embed_dim)
+            per_round = (cpu[1] - cpu[0]) / (rounds[1] - rounds[0])
+            model = statistics.mean(virtual) * device_rate / host_rate
+            res["devices"][slot.device_id] = {
+                "arch": slot.spec.name, "batch": dev.work.batch, "cpu_s": cpu, "cpu_per_round_s": per_round,
+                "virtual_per_round_s": statistics.mean(virtual), "host_mac_rate": host_rate,
+                "device_mac_rate": device_rate, "model_host_s": model, "ratio": per_round / model}
+    finally:
+        broker.kill()
+        broker.wait()
+    return res
+
+
+def print_deployed(res: dict[str, Any]) -> None:
+    rows = [[d, f"{v['arch']}@{v['batch']}", f"{v['cpu_per_round_s']:.3f}", f"{v['virtual_per_round_s']:.2f}",
+             f"{v['model_host_s']:.3f}", f"{v['ratio']:.2f}"] for d, v in res["devices"].items()]
+    print(text_table(["device", "model", "CPU s per round (deployed)", "clock s per round",
+                      "clock in host CPU s", "deployed / clock"], rows))
+
+
 def print_honest(res: dict[str, Any]) -> None:
     rows = [[d, ", ".join(f"{x:.2f}" for x in v["ratios"]),
              ", ".join(f"{m:.1f}/{s:.1f}" for m, s in v.get("seconds", [])), f"{v['median']:.2f}",
@@ -346,6 +443,15 @@ def main(argv: list[str] | None = None) -> int:
     hp.add_argument("--profiles", nargs="+", default=list(HONEST_PROFILES), metavar="PROFILE",
                     help="the devices, one per profile (default: x86 gateway, Pi 4, Pi Zero 2 W); one alone shows "
                          "its quota without the others competing for the host's cores")
+    dp = sub.add_parser("deployed", help="each device deployed on this host without a quota: CPU per round vs the "
+                                         "clock (needs Mosquitto)")
+    dp.add_argument("--rounds", type=int, nargs=2, default=[2, 12], metavar=("SHORT", "LONG"),
+                    help="the two runs whose difference is timed")
+    dp.add_argument("--work", default="runs/bench-clock-deployed")
+    dp.add_argument("--fraction", type=float, default=0.3)
+    dp.add_argument("--eval-every", type=int, default=1)
+    dp.add_argument("--epochs", type=int, default=2)
+    dp.add_argument("--profiles", nargs="+", default=list(HONEST_PROFILES), metavar="PROFILE")
     sp = sub.add_parser("sampling", help="10 % of the fleet per round vs full participation at equal device compute")
     sp.add_argument("--devices", type=int, default=200)
     sp.add_argument("--sample", type=float, default=0.1)
@@ -381,6 +487,14 @@ def main(argv: list[str] | None = None) -> int:
         name += "" if tuple(args.profiles) == HONEST_PROFILES else "-" + "-".join(args.profiles)
         (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
         print_honest(res)
+    if args.what == "deployed":
+        res = deployed((args.rounds[0], args.rounds[1]), args.work, fraction=args.fraction,
+                       eval_every=args.eval_every, epochs=args.epochs, profiles=tuple(args.profiles))
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        default = (args.fraction, args.eval_every, args.epochs) == (0.3, 1, 2)
+        name = "clock-deployed" + ("" if default else f"-f{args.fraction:g}-e{args.eval_every}-ep{args.epochs}")
+        (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1))
+        print_deployed(res)
     if args.what == "sampling":
         res = sampling(args)
         RESULTS.mkdir(parents=True, exist_ok=True)

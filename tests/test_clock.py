@@ -20,7 +20,7 @@ from fedge.sim.simulate import simulate
 
 TWO = """
 [run]
-method = "fedavg"
+method = "{method}"
 rounds = 2
 dataset = "digits"
 seed = 1
@@ -48,9 +48,11 @@ arch = "tier-xs"
 DIGITS_TEST = 450  # scikit-learn's digits: 1,797 images, a quarter held out as the test split
 
 
-def test_two_device_fleet_clock_equals_the_hand_computation(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("method", "statistics_passes"), [("fedavg", 0), ("fedproto", 1)])
+def test_two_device_fleet_clock_equals_the_hand_computation(tmp_path: Path, method: str,
+                                                             statistics_passes: int) -> None:
     path = tmp_path / "two.toml"
-    path.write_text(TWO.format(clock=""))
+    path.write_text(TWO.format(clock="", method=method))
     res = simulate(load_fleet(path), out_dir=None)
     doc = build_results(res)
     macs = 195_200  # tier-xs forward MACs per sample (fedge.common.archs)
@@ -63,10 +65,12 @@ def test_two_device_fleet_clock_equals_the_hand_computation(tmp_path: Path) -> N
         for d in doc["devices"]:
             peak, up, down, rtt = hw[d["id"]]
             samples, i = d["num_train"], r - 1
-            # training (3 x forward MACs per sample, 2 epochs) and the evaluation every round starts with
-            # (eval_every = 1): one forward pass over its local test split and the 450 digits test images
+            # training (3 x forward MACs per sample, 2 epochs), FedProto's pass over the training samples for its
+            # prototypes, and the evaluation every round starts with (eval_every = 1): one forward pass over its
+            # local test split and the 450 digits test images
             tested = d["num_local_test"] + DIGITS_TEST
-            compute = (3 * macs * samples * 2 + macs * tested) / (peak * 1e9 * xs16)
+            work = 3 * macs * samples * 2 + macs * samples * statistics_passes + macs * tested
+            compute = work / (peak * 1e9 * xs16)
             t_down = rtt / 2000 + d["bytes_down"][i] * 8 / (down * 1000)
             t_up = rtt / 2000 + d["bytes_up"][i] * 8 / (up * 1000)
             v = d["virtual"][i]
@@ -223,7 +227,7 @@ def test_churn_in_process_repeats_exactly_and_offline_devices_do_nothing(tmp_pat
     seed gives the same virtual times, participants and accuracies."""
     clock = "[clock]\navailability = \"onoff\"\nonline_mean_s = 2.0\noffline_mean_s = 2.0\njitter = 0.1\n"
     path = tmp_path / "churn.toml"
-    path.write_text(TWO.format(clock=clock).replace("rounds = 2", "rounds = 4"))
+    path.write_text(TWO.format(method="fedavg", clock=clock).replace("rounds = 2", "rounds = 4"))
     runs = [build_results(simulate(load_fleet(path))) for _ in range(2)]
     a, b = runs
     assert [r.get("virtual_end_s") for r in a["rounds_log"]] == [r.get("virtual_end_s") for r in b["rounds_log"]]
@@ -246,7 +250,7 @@ def test_churn_in_process_repeats_exactly_and_offline_devices_do_nothing(tmp_pat
 
 def test_availability_needs_the_in_process_transport(tmp_path: Path) -> None:
     path = tmp_path / "churn.toml"
-    path.write_text(TWO.format(clock='[clock]\navailability = "onoff"\noffline_mean_s = 5.0\n'))
+    path.write_text(TWO.format(method="fedavg", clock='[clock]\navailability = "onoff"\noffline_mean_s = 5.0\n'))
     with pytest.raises(ConfigError, match="availability = 'onoff' needs --transport inprocess"):
         simulate(load_fleet(path), transport="mqtt")  # refused before a broker starts or a model is built
 
@@ -256,3 +260,13 @@ def test_the_clock_example_loads() -> None:
     assert cfg.sampling is not None and cfg.sampling.count == 6 and cfg.sampling.selection == "balanced"
     assert (cfg.clock.availability, cfg.clock.deadline_s) == ("onoff", 2.0)
     assert cfg.clock.online_mean_s / (cfg.clock.online_mean_s + cfg.clock.offline_mean_s) == pytest.approx(0.7)
+
+
+def test_statistics_passes_are_the_forward_passes_a_method_makes_besides_training() -> None:
+    from fedge.fleet.registry import method_entry
+
+    assert method_entry("fedavg").parse({}).statistics_passes(5) == 0
+    assert method_entry("fedproto").parse({}).statistics_passes(5) == 1  # its prototypes, after the epochs
+    # FedVTC refreshes its prototypes and σ before each decoder epoch: every alternation unless decoder_epochs
+    assert method_entry("fedvtc").parse({}).statistics_passes(3) == 3
+    assert method_entry("fedvtc").parse({"decoder_epochs": 1}).statistics_passes(3) == 1

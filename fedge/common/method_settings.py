@@ -97,6 +97,10 @@ class FedProtoSettings(PersonalSettings):
     shares_features: ClassVar[bool] = True
     private_stats: ClassVar[tuple[str, ...]] = ("protos",)
 
+    def statistics_passes(self, local_epochs: int) -> int:
+        """One: the prototypes, over the training samples after the epochs."""
+        return 1
+
     lam: float = setting(1.0, "λ, the weight of ‖g(x) − c_y‖² toward the global prototypes", key="lambda")
     inference: str = setting("head", "how a device classifies: its local head, or the nearest global prototype "
                                      "as in the paper", choices=("head", "prototype"))
@@ -244,4 +248,8 @@ class FedVTCSettings(GuardedSettings):
     def decoder_epochs_or(self, local_epochs: int) -> int:
         """``decoder_epochs`` if set, else every alternation (``local_epochs``)."""
         return self.decoder_epochs if self.decoder_epochs is not None else local_epochs
+
+    def statistics_passes(self, local_epochs: int) -> int:
+        """The prototypes and σ, refreshed before each decoder epoch (the decoder's own epochs are not counted)."""
+        return self.decoder_epochs_or(local_epochs)
 

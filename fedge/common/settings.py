@@ -76,6 +76,11 @@ class MethodSettings:
     # Why the method cannot run in asynchronous mode ([coordinator] mode = "async"); None: it can (docs/async.md).
     async_refusal: ClassVar[str | None] = None
 
+    def statistics_passes(self, local_epochs: int) -> int:
+        """Forward passes over its training samples a device makes per round besides training (the class
+        statistics it uploads), for the virtual clock (:class:`fedge.fleet.clock.TrainWork`); 0 here."""
+        return 0
+
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):

@@ -4,7 +4,9 @@ Per device (:class:`DeviceClock`), for one round's work:
 
 * **download** — the descriptor and the global state it fetched: ``RTT/2 + bytes × 8 ÷ downlink``;
 * **compute** — its local training, ``3 × MACs × samples × epochs ÷`` the speed model's rate for its
-  model and batch (:mod:`fedge.profiles.speed`, or the profile's ``[measured]`` rates), plus, in a round
+  model and batch (:mod:`fedge.profiles.speed`, or the profile's ``[measured]`` rates), plus the forward
+  passes over its training samples its method makes for the statistics it uploads (FedProto's prototypes:
+  one; :meth:`fedge.common.settings.MethodSettings.statistics_passes`) at the same rate, plus, in a round
   whose start the device evaluates (``[run] eval_every``, :func:`fedge.common.rounds.evaluates_at`), one
   forward pass over its test images (its local test split and the global test set) at the same rate;
 * **upload** — its update: ``RTT/2 + bytes × 8 ÷ uplink``;
@@ -48,19 +50,23 @@ _PARTS = {"download": 1, "compute": 2, "upload": 3}  # jitter streams
 
 @dataclass(frozen=True)
 class TrainWork:
-    """One round of local training: ``epochs`` passes over ``samples`` samples of ``spec`` at ``batch``; and
-    an evaluation, when the round has one, of ``eval_samples`` test images (one forward pass each)."""
+    """One round of local training: ``epochs`` passes over ``samples`` samples of ``spec`` at ``batch``, then
+    ``statistics_passes`` forward passes over them (the method's class statistics); and an evaluation, when the
+    round has one, of ``eval_samples`` test images (one forward pass each)."""
 
     spec: ArchSpec
     batch: int
     samples: int
     epochs: int
     eval_samples: int = 0
+    statistics_passes: int = 0
 
     @property
     def macs(self) -> float:
-        """Training multiply-accumulates: 3 × forward MACs per sample × samples × epochs."""
-        return float(TRAIN_MACS_FACTOR * self.spec.macs() * self.samples * self.epochs)
+        """Training multiply-accumulates, 3 × forward MACs per sample × samples × epochs, and the statistics'
+        forward MACs × samples × statistics passes."""
+        per_sample = self.spec.macs() * self.samples
+        return float(TRAIN_MACS_FACTOR * per_sample * self.epochs + per_sample * self.statistics_passes)
 
     @property
     def eval_macs(self) -> float:
@@ -272,8 +278,10 @@ class FleetClock:
 
 def _work(cfg: FleetConfig, slot: DeviceSlot, global_test: int) -> TrainWork:
     p = slot.plan
-    return TrainWork(slot.spec, cfg.train.batch_size or p.batch_size, max(1, slot.num_samples),
-                     cfg.train.local_epochs or p.local_epochs, eval_samples=slot.num_test + global_test)
+    epochs = cfg.train.local_epochs or p.local_epochs
+    return TrainWork(slot.spec, cfg.train.batch_size or p.batch_size, max(1, slot.num_samples), epochs,
+                     eval_samples=slot.num_test + global_test,
+                     statistics_passes=cfg.method_config.statistics_passes(epochs))
 
 
 def global_test_size(cfg: FleetConfig) -> int:
