@@ -248,7 +248,7 @@ HONEST_FLEET = """
 method = "fedproto"
 rounds = {rounds}
 dataset = "{dataset}"
-fleet = "honest"
+fleet = "{fleet}"
 seed = 0
 eval_every = {eval_every}
 
@@ -305,8 +305,8 @@ def honest(rounds: int, work: str, *, dataset: str = "digits", fraction: float =
     out = Path(work).resolve()
     out.mkdir(parents=True, exist_ok=True)
     fleet = out / "honest.toml"
-    fleet.write_text(HONEST_FLEET.format(rounds=rounds, dataset=dataset, fraction=fraction, eval_every=eval_every,
-                                        epochs=epochs,
+    fleet.write_text(HONEST_FLEET.format(fleet="honest", rounds=rounds, dataset=dataset, fraction=fraction,
+                                        eval_every=eval_every, epochs=epochs,
                                         devices="".join(f'\n[[devices]]\nprofile = "{p}"\n' for p in profiles)))
     emu = lifecycle.prepare(fleet, out / "emu", images=tags, device_args=("--keep-running",))
     t0 = time.perf_counter()
@@ -383,10 +383,9 @@ def deployed(rounds: tuple[int, int], work: str, *, fraction: float = 0.3, eval_
             cpu = []
             for r in rounds:
                 fleet = out / f"{profile}-r{r}.toml"
-                fleet.write_text(HONEST_FLEET.format(rounds=r, dataset="digits", fraction=fraction,
-                                                    eval_every=eval_every, epochs=epochs,
-                                                    devices=f'\n[[devices]]\nprofile = "{profile}"\n')
-                                 .replace('fleet = "honest"', f'fleet = "deployed-{profile}-r{r}"'))
+                fleet.write_text(HONEST_FLEET.format(fleet=f"deployed-{profile}-r{r}", rounds=r, dataset="digits",
+                                                    fraction=fraction, eval_every=eval_every, epochs=epochs,
+                                                    devices=f'\n[[devices]]\nprofile = "{profile}"\n'))
                 cfg = load_fleet(fleet)
                 (slot,) = checked_slots(cfg)
                 cpu.append(_deployed_cpu(fleet, slot.device_id, port, out))
