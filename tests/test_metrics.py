@@ -9,6 +9,7 @@ import json
 import logging
 import secrets
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -108,6 +109,35 @@ def test_an_idle_connection_is_closed_and_the_server_still_answers() -> None:
         assert get(server.url + "/") == (200, b"<p>page</p>")
     finally:
         server.stop()
+
+
+def test_stopping_lets_a_response_under_way_finish_and_refuses_new_ones() -> None:
+    """The coordinator stops its server as the run ends; a page being built then (a last scrape) still arrives
+    whole: a process that exited mid-response cut a client's read short (http.client.IncompleteRead)."""
+    building, release = threading.Event(), threading.Event()
+    body = "x" * 200_000
+
+    def slow_page(_: bool) -> str:
+        building.set()
+        release.wait(10)
+        return body
+
+    server = DashboardServer(Routes(page=slow_page, fragment=lambda _: "", state=dict),
+                             Endpoint("127.0.0.1", 0)).start()
+    got: list[tuple[int, bytes]] = []
+    client = threading.Thread(target=lambda: got.append(get(server.url + "/")))
+    client.start()
+    assert building.wait(10)
+    stopper = threading.Thread(target=server.stop)
+    stopper.start()
+    time.sleep(1.5)  # shutdown() itself takes up to one poll interval (0.5 s)
+    assert stopper.is_alive()  # stop() waits for the response under way
+    release.set()
+    stopper.join(10)
+    client.join(10)
+    assert not stopper.is_alive() and got == [(200, body.encode())]
+    with pytest.raises(urllib.error.URLError):  # the socket is closed: nothing new is served
+        urllib.request.urlopen(server.url + "/healthz", timeout=5)
 
 
 def test_the_coordinator_command_refuses_a_public_address_without_a_token(tmp_path: Path,

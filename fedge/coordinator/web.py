@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,6 +40,7 @@ TOKEN_ENV = "FEDGE_HTTP_TOKEN"
 MIN_TOKEN_CHARS = 16
 DEFAULT_PORT = 8321
 REQUEST_TIMEOUT_S = 30.0  # a connection idle this long is closed
+DRAIN_S = 5.0  # how long stop() lets responses already being written finish
 SECURITY_HEADERS = {
     # the page loads its one script from this server and draws SVG inline; nothing else is allowed
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
@@ -163,6 +164,11 @@ class DashboardServer:
                               hint="pick another port (--http HOST:PORT; port 0 takes any free one)") from exc
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
+        # Responses being computed or written. Request threads are daemons (a stalled client must not keep the
+        # coordinator alive), so stop() waits for these itself: a process that exits mid-response would cut a
+        # client's read short (the run's last /metrics scrape, a page being loaded).
+        self._busy = 0
+        self._idle = threading.Condition()
 
     @property
     def url(self) -> str:
@@ -178,11 +184,27 @@ class DashboardServer:
                  ", token required" if self._token else "")
         return self
 
-    def stop(self) -> None:
+    def stop(self, drain_s: float = DRAIN_S) -> None:
+        """Stop accepting, let responses already under way finish (up to ``drain_s``), close the socket."""
         self.httpd.shutdown()
         self.httpd.server_close()
         if self._thread is not None:
             self._thread.join(5.0)
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._busy == 0, timeout=drain_s):
+                log.warning("stopped with %d response(s) still being written", self._busy)
+
+    @contextlib.contextmanager
+    def responding(self) -> Iterator[None]:
+        """Count a response as under way (see :meth:`stop`)."""
+        with self._idle:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()
 
     def authorized(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries the token (always true without a token)."""
@@ -226,6 +248,10 @@ def _handler(server: DashboardServer, request_timeout_s: float) -> type[BaseHTTP
             self.do_GET()
 
         def do_GET(self) -> None:
+            with server.responding():
+                self._get()
+
+        def _get(self) -> None:
             server.requests += 1
             if not server.authorized(self.headers.get("Authorization")):
                 self._send(HTTPStatus.UNAUTHORIZED, b"a token is required\n", "text/plain; charset=utf-8",
