@@ -35,11 +35,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Two passes. The tests marked mqtt, docker, sshd or slow (tests/conftest.py) run in one process: they time
-# things (keep-alives, CPU quotas, the clock against containers) and share a broker and the Docker images.
-# The rest is CPU-bound and independent, so it runs on every core first (pytest-xdist; a test file stays on
-# one worker, its module fixtures built once): ~95 s instead of ~150 s on the 2-core machine.
-SERIAL = mqtt or docker or sshd or slow
+# Two passes. The tests marked mqtt, docker or sshd (tests/conftest.py) run in one process: they time things
+# (keep-alives, CPU quotas, containers) and share a broker and the Docker images. The rest, slow training
+# included, is CPU-bound and independent, so it runs on every core first (pytest-xdist; a test file stays on
+# one worker, its module fixtures built once).
+SERIAL = mqtt or docker or sshd
 pytest: $(STAMP)
 	$(BIN)/pytest -q -n auto --dist loadfile -m "not ($(SERIAL))"
 	$(BIN)/pytest -q -m "$(SERIAL)"
