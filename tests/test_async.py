@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from pathlib import Path
@@ -237,6 +238,22 @@ def test_an_update_from_another_phase_is_stale_and_its_device_gets_a_new_task() 
     seen: list[int] = []
     fresh = Message("update", "d0", 3, "default", info={"metrics": {}, "bytes_down": 0, "num_samples": 0})
     assert gate.admit(Inbound(fresh.to_bytes()), lambda up: seen.append(up.staleness)) and seen == [1]
+
+
+def test_a_device_refused_as_stale_gets_its_next_task_at_once_in_virtual_time(tmp_path: Path) -> None:
+    """max_staleness = 0: the second Pi 4's update arrives a version late and is refused. Its task is over and its
+    work unusable, so it trains again from the moment of the refusal, not once the version being built fills
+    (which left it idle for a whole version: 0.106 virtual s of every 0.214 here)."""
+    path = _write(tmp_path, rounds=6)
+    path.write_text(path.read_text().replace("max_staleness = 4", "max_staleness = 0"))
+    res = simulate(load_fleet(path))
+    refused = {d for r in res.reports[:-1] for d in r.rejected_by_device}
+    assert refused == {"rpi4-4gb-2"}
+    assert res.clock is not None
+    tasks = [rt.devices["rpi4-4gb-2"] for rt in res.clock.rounds if "rpi4-4gb-2" in rt.devices]
+    assert len(tasks) >= 4
+    for done, then in itertools.pairwise(tasks):
+        assert not then.lost and then.start_s == done.finish_s, (done, then)
 
 
 def test_a_device_resends_only_to_a_new_coordinator_session_still_listing_its_task() -> None:

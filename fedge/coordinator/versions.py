@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from typing import Any, Protocol
 
 from fedge.common.messages import Message
@@ -55,13 +56,20 @@ class RoundEngine(Protocol):
     def _notify(self, event: str, *args: Any) -> None: ...
 
 
-def assign(engine: RoundEngine, rnd: int, online: set[str]) -> list[str]:
-    """Ask idle online devices to train from version ``rnd`` until ``concurrency`` online devices have a task."""
+def assign(engine: RoundEngine, rnd: int, online: set[str], done: Collection[str] = ()) -> list[str]:
+    """Ask idle online devices to train from version ``rnd`` until ``concurrency`` online devices have a task.
+
+    Those in ``done`` (their update is in version ``rnd`` already) wait for the next version while another
+    device can take the work — unless nobody online would be training otherwise (few devices online, a buffer
+    larger than they are): then they train from ``rnd`` again, or the version would never fill."""
     a = engine.config.asynchronous
     assert a is not None
     busy = sum(1 for d in engine.tasks if d in online)
-    idle = sorted(online - set(engine.tasks))
-    started = a.choose(rnd, idle, max(0, a.workers - busy))
+    free = max(0, a.workers - busy)
+    idle = online - set(engine.tasks)
+    started = a.choose(rnd, sorted(idle - set(done)), free)
+    if not started and not busy:
+        started = a.choose(rnd, sorted(idle), free)
     for d in started:
         engine.tasks[d] = rnd
     return started
@@ -103,7 +111,7 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
     while len(report.accepted) < a.buffer_size:
         engine.await_quorum()
         online = engine.online_devices()
-        started = assign(engine, rnd, online)
+        started = assign(engine, rnd, online, report.accepted)
         if started or not announced:
             info = RoundInfo(round=rnd, phase=phase, method=engine.config.method,
                              config=engine.strategy.round_config(rnd), assigned=dict(engine.tasks))
@@ -131,10 +139,15 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
                     "async", "a partial aggregate during an asynchronous version: workers and relays aggregate "
                              "synchronous rounds only (docs/async.md)"))
                 continue
+            tasks_before = len(engine.tasks)
             if engine.gate.admit(item, accept, engine.transport.hellos):
                 pending.discard(report.accepted[-1])
                 if len(report.accepted) >= a.buffer_size:
                     break
+            elif len(engine.tasks) < tasks_before:
+                # the refusal ended its device's task (stale: too old, or trained in the stage before): that
+                # device is idle now, and gets a new task at once rather than when this version is full
+                break
         timed_out = bool(deadline) and time.time() >= deadline and len(report.accepted) == before
         if timed_out or (not received and not started):
             # nobody delivered within round_timeout_s, or the transport has nothing more to wait for from them

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections import deque
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +65,9 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
         self._tasks: dict[str, int] = {}
         self._final = False
         self._version: RoundTime | None = None
+        # updates that arrived and are not handed to the engine yet: the engine may stop reading between two
+        # (a full buffer, a refusal that ended a task), and the next collect hands on the rest first
+        self._ready: deque[bytes] = deque()
         bus.pump = None  # devices are stepped here, in virtual time
 
     # -- what the engine asks ---------------------------------------------------------------
@@ -96,6 +100,8 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
             yield from self._evaluate_all()
             return
         while True:
+            while self._ready:
+                yield Inbound(self._ready.popleft())
             self._start_ready()
             if not self._arrivals:
                 return
@@ -114,8 +120,7 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
                 continue
             self._lost_in_a_row = 0
             self._tasks.pop(arrival.device, None)  # its task is over (the engine accepts or refuses the update)
-            for data in arrival.updates:
-                yield Inbound(data)
+            self._ready.extend(arrival.updates)
 
     # -- the devices ------------------------------------------------------------------------
     def _start_ready(self) -> None:
