@@ -35,14 +35,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Two passes. The tests marked mqtt, docker or sshd (tests/conftest.py) run in one process: they time things
-# (keep-alives, CPU quotas, containers) and share a broker and the Docker images. The rest, slow training
-# included, is CPU-bound and independent, so it runs on every core first (pytest-xdist; a test file stays on
-# one worker, its module fixtures built once).
-SERIAL = mqtt or docker or sshd
+# Two passes, each on pytest-xdist workers (a test file stays on one worker, its module fixtures built once).
+# First what is CPU-bound and independent, slow training included, on every core; then the tests marked
+# mqtt, docker or sshd (tests/conftest.py) on two workers: they mostly wait (on brokers, containers, a browser),
+# each starts its own broker on a free port, and the Docker images are built once under a file lock.
+WAITING = mqtt or docker or sshd
 pytest: $(STAMP)
-	$(BIN)/pytest -q -n auto --dist loadfile -m "not ($(SERIAL))"
-	$(BIN)/pytest -q -m "$(SERIAL)"
+	$(BIN)/pytest -q -n auto --dist loadfile -m "not ($(WAITING))"
+	$(BIN)/pytest -q -n 2 --dist loadfile -m "$(WAITING)"
 
 # --quick: the first pass of make test alone; the second pass's tests are skipped, each saying why.
 pytest-quick: $(STAMP)

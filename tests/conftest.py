@@ -38,6 +38,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -258,12 +259,28 @@ def _docker_cli_missing() -> bool:
     return shutil.which("docker-compose") is None and shutil.which("docker") is None
 
 
+def _ensure_images(client: Any) -> Any:
+    """``images.ensure_images`` under a file lock: under pytest-xdist (make test) each worker may run Docker tests,
+    and the first builds what is missing while the others wait, then find it built."""
+    import fcntl
+
+    from fedge.emulate import images
+
+    with open(Path(tempfile.gettempdir()) / "fedge-test-images.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return images.ensure_images(client, "amd64")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
+    # Under xdist every worker collects every test: one (gw0) starts the build early, any other waits in
+    # docker_env for the lock of _ensure_images.
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return
     if session.config.option.collectonly or _docker_cli_missing() or not any(
             item.get_closest_marker("docker") is not None and item.get_closest_marker("skip") is None
             for item in session.items):
         return
-    from fedge.emulate import discovery, images
+    from fedge.emulate import discovery
     from fedge.errors import EmulationError
 
     try:
@@ -275,7 +292,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     def build() -> None:
         try:
-            built.set_result(images.ensure_images(client, "amd64"))
+            built.set_result(_ensure_images(client))
         except BaseException as exc:  # raised again by docker_env, in the tests that need the images
             built.set_exception(exc)
 
@@ -290,7 +307,7 @@ def docker_env(request: pytest.FixtureRequest) -> tuple[Any, Any]:
 
     Without an engine every test using it is skipped with the reason (``.ci/run`` starts one).
     """
-    from fedge.emulate import discovery, images
+    from fedge.emulate import discovery
     from fedge.errors import EmulationError
 
     if _docker_cli_missing():
@@ -301,4 +318,4 @@ def docker_env(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     except EmulationError as exc:
         pytest.skip(f"Docker tests need a running engine: {exc.message} ({exc.hint})")
     building = request.config.stash.get(_IMAGES, None)
-    return client, (building.result() if building is not None else images.ensure_images(client, "amd64"))
+    return client, (building.result() if building is not None else _ensure_images(client))
