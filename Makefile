@@ -44,7 +44,7 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q -n auto --dist loadfile -m "not ($(WAITING))"
 	$(BIN)/pytest -q -n 2 --dist loadfile -m "$(WAITING)"
 
-# --quick: the first pass of make test alone; the second pass's tests are skipped, each saying why.
+# --quick: the first pass of make test without its slow tests; those and the second pass's are skipped, each saying why.
 pytest-quick: $(STAMP)
 	$(BIN)/pytest -q --quick -n auto --dist loadfile
 
