@@ -1,30 +1,55 @@
-"""Writing a file atomically, with its mode (and owner) set before any byte is in it.
+"""Replacing a file atomically: the one helper every module that rewrites a file uses.
 
-Secrets (passwords, private keys, the replay guard) must never exist, even for an instant, with the umask's
-mode, and a crash must never leave half a file: the bytes go to a new temporary file created with the final
-mode, are fsync'd, and the file is renamed over the target.
+A crash must never leave half a file, and secrets (passwords, private keys, the replay guard) must never exist,
+even for an instant, with the umask's mode: the bytes go to a new temporary file beside the target, created
+with the final mode (and owner), and the temporary file is renamed over the target. With ``durable`` (the
+default) the file's bytes are ``fsync``-ed before the rename and the directory after it, so that once
+:func:`write_atomic` returns the new content survives a power cut (a checkpoint, a key, a relay's state); a
+file that is only a convenience (a status file, one part of a resumable download) may pass ``durable=False``.
+Plain Python: the runtime and the coordinator use it too.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o644,
-                 owner: tuple[int, int] | None = None) -> None:
-    """Write ``data`` to ``path`` atomically and durably, created with ``mode`` (never the umask's) and ``owner``."""
+                 owner: tuple[int, int] | None = None, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically, created with ``mode`` (never the umask's) and ``owner``;
+    ``durable``: ``fsync`` the file before the rename and its directory after it."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    # one temporary name per process and thread: two writers of the same file never share one
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
-        os.fchmod(fd, mode)  # the umask may have cleared bits of ``mode``
-        if owner is not None:
-            os.fchown(fd, *owner)
-        os.write(fd, data)
+        try:
+            os.fchmod(fd, mode)  # the umask may have cleared bits of ``mode``
+            if owner is not None:
+                os.fchown(fd, *owner)
+            view = memoryview(data)
+            while view:  # os.write may write less than asked (a large buffer, a signal)
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no temporary file behind
+        raise
+    if durable:
+        fsync_dir(target.parent)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """``fsync`` directory ``path``, so that a rename or a new entry in it is on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, target)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fedge.common import boundedjson
+from fedge.common.atomicfile import write_atomic
 from fedge.coordinator.strategy import LogDoc
 from fedge.errors import CheckpointError, FedgeError
 
@@ -175,25 +176,13 @@ class StateLogs:
             new.set_size(key, len(line))
             lines.append(line)
         data = b"".join(lines)
-        atomic_write(self.dir / new.name, data)
+        write_atomic(self.dir / new.name, data, FILE_MODE)
         new.pending = len(data)
         self._logs[stem] = new
         if cur is not None:
             log.debug("%s: %s rewritten as %s (%d bytes for %d bytes of live lines)", self.dir, cur.name, new.name,
                       len(data), new.live)
         return new
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` (mode 0600): written to a temporary file, ``fsync``-ed, renamed."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, FILE_MODE)  # an older tmp file may have had another mode
-    os.replace(tmp, path)
 
 
 def _line(key: str, doc: LogDoc, encode: Callable[[Any], str]) -> bytes:

@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from fedge.common.atomicfile import write_atomic
 from fedge.common.rounds import DeviceInfo
 from fedge.common.tensorcodec import Payload, decode, encode
 from fedge.coordinator.report import RoundReport
 from fedge.coordinator.statelog import FILE_MODE, StateLogs, is_ref
-from fedge.coordinator.statelog import atomic_write as _atomic_write
 from fedge.coordinator.strategy import JsonDoc, LogDoc
 from fedge.errors import CheckpointError, FedgeError
 
@@ -52,6 +52,11 @@ REPORTS_FILE = "reports.jsonl"  # one line per completed round, appended (state.
 BUFFER_DIR = "buffer"  # asynchronous mode: the accepted updates of the version being built
 LOG_SUFFIX = ".updates"  # buffer/<version>.updates: the version's accepted updates, appended
 RECORD = struct.Struct("<QI")  # an accepted update's record in the log: its length and CRC-32, then its bytes
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Replace one of the coordinator's files (its own: mode 0600), durably."""
+    write_atomic(path, data, FILE_MODE)
 
 
 class StateMismatchError(CheckpointError):

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from fedge.common.atomicfile import write_atomic
 from fedge.common.rounds import RoundInfo
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.data.local import LocalData, Scan
@@ -119,10 +120,8 @@ def write_status(path: str | os.PathLike[str], status: dict[str, Any]) -> None:
     """Replace the status file ``path`` with ``status`` (JSON) in one step; a failure is only logged."""
     target = Path(path)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(json.dumps(status, indent=2) + "\n")
-        os.replace(tmp, target)
+        # a convenience for whoever watches the device: replaced whole, never fsync-ed
+        write_atomic(target, (json.dumps(status, indent=2) + "\n").encode(), durable=False)
     except OSError as exc:  # a status file is a convenience: never a reason to stop training
         log.warning("cannot write the status file %s: %s", target, exc)
 

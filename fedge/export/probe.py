@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from fedge.common.archs import TIERS, tier_arch
+from fedge.common.atomicfile import write_atomic
 from fedge.errors import ConfigError, ExportError
 from fedge.runtime.manifest import QUANTS
 
@@ -254,8 +255,5 @@ def write_measured_profile(result: ProbeResult, out: str | os.PathLike[str], *, 
 
     text = dump_profile(measured_profile(result, base=base, name=name), comment=probe_comment(result, base=base))
     path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, text.encode("utf-8"))
     return path

@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import queue
 import shutil
 import threading
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fedge.common import boundedjson
+from fedge.common.atomicfile import write_atomic
 from fedge.common.signing import SignatureError, Signer, Verifier
 from fedge.errors import FedgeError, PayloadError
 from fedge.mqtt.chunking import ChunkError, FrameHeader, chunk_frames, frame_kind, parse_frame
@@ -264,9 +264,7 @@ class OtaDevice:
         self.parts_received += 1
         self._download_bytes += len(payload)
         path = self.incoming / manifest.transfer_id / str(header.seq)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        write_atomic(path, data, durable=False)  # a part lost to a power cut is fetched again
         self.client.unsubscribe(topic)
         with self._lock:
             self._wanted.discard(header.seq)

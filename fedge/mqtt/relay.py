@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedge.common.atomicfile import write_atomic
 from fedge.common.messages import Message, new_msg_id
 from fedge.common.rounds import FINAL_PHASE
 from fedge.common.signing import unwrap
@@ -452,7 +453,4 @@ class Relay:
     def _save_state(self) -> None:
         if self.state_path is None:
             return
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._saved))
-        os.replace(tmp, self.state_path)
+        write_atomic(self.state_path, json.dumps(self._saved).encode())

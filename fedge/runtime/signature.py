@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fedge.common.atomicfile import write_atomic
 from fedge.common.signing import SignatureError, Signer, Verifier
 from fedge.errors import ExportError
 from fedge.runtime.manifest import MANIFEST_NAME, read_manifest_json
@@ -45,9 +46,7 @@ def sign_manifest(model_dir: str | os.PathLike[str], signer: Signer) -> dict[str
     record = signer.sign_detached(canonical(data))
     data[SIGNATURE] = record
     path = root / MANIFEST_NAME
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
     return record
 
 

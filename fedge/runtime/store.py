@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedge.common.atomicfile import fsync_dir, write_atomic
 from fedge.errors import ExportError, FedgeError
 from fedge.runtime.manifest import read_manifest, verify_files
 from fedge.runtime.package import ModelPackage
@@ -91,14 +92,6 @@ def _alive(pid: str) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ModelStore:
@@ -176,11 +169,11 @@ class ModelStore:
                 os.chmod(stage / name, 0o444)
             manifest = read_manifest(stage)
             verify_files(stage, manifest)
-            _fsync_dir(stage)
+            fsync_dir(stage)
             if final.exists():  # an earlier install of it that was never switched in
                 shutil.rmtree(final)
             os.rename(stage, final)
-            _fsync_dir(self.versions)
+            fsync_dir(self.versions)
         except ExportError as exc:
             raise StoreError(f"model version {package.version} is not a whole export: {exc.message}",
                              hint="re-export the model and deploy it again") from exc
@@ -210,9 +203,7 @@ class ModelStore:
     def _save(self, event: dict[str, Any]) -> None:
         self.state.history = [*self.state.history[-49:], {"time": time.time(), **event}]
         path = self.root / STATE_NAME
-        tmp = path.with_name(f".{STATE_NAME}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(self.state), indent=1) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, (json.dumps(asdict(self.state), indent=1) + "\n").encode())
 
     def activate(self, version: int) -> None:
         """Switch ``versions/{version}`` in (the one in use becomes ``previous``) and put it on trial."""
@@ -222,7 +213,7 @@ class ModelStore:
         if old is not None:
             self._point("previous", old)
         self._point("current", version)  # the switch: one rename
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self.state.trial = Trial(version) if old is not None else None
         self._save({"event": "switched", "version": version, "from": old})
         self._prune(keep={version, old})
@@ -249,7 +240,7 @@ class ModelStore:
         if cur is None or prev is None or not self.path(prev).is_dir():
             raise StoreError(f"model store {self.root} has no previous version to roll back to")
         self._point("current", prev)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self._point("previous", None)
         self.state.trial = None
         self.state.rolled_back[str(cur)] = reason

@@ -24,6 +24,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from fedge.common.atomicfile import write_atomic
 from fedge.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,8 @@ def save_checkpoint(module: nn.Module, path: str | os.PathLike[str],
     }
     meta.update(extra or {})
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
     state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
-    safetensors.torch.save_file(state, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    write_atomic(path, safetensors.torch.save(state, metadata=meta))
     return path
 
 
