@@ -123,7 +123,7 @@ def test_evaluation_is_cached_until_the_model_changes(monkeypatch: pytest.Monkey
     assert len(passes) == 2  # local split and global test set
     assert method.evaluate() == first and len(passes) == 2  # unchanged model: served from the cache
     # A BatchNorm running statistic is state too: changing only it must invalidate the cache.
-    bn = method.ctx.model.extractor[1]
+    bn = method.ctx.model.get_submodule("extractor.1")
     assert isinstance(bn, torch.nn.BatchNorm2d) and bn.running_mean is not None
     bn.running_mean.add_(0.5)
     assert method._eval_cache is not None

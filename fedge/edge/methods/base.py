@@ -18,7 +18,7 @@ from fedge.common.privacy import Mechanism
 from fedge.common.rounds import RoundInfo
 from fedge.common.settings import MethodName, MethodSettings
 from fedge.edge.data.datasets import Dataset
-from fedge.edge.models.zoo import FedgeNet
+from fedge.edge.models.split import SplitNet
 from fedge.edge.training import TrainConfig, accuracy
 
 Arrays = dict[str, np.ndarray]
@@ -78,7 +78,7 @@ class DeviceContext:
     """Everything a device method may use: its model, its data, its plan's settings."""
 
     device_id: str
-    model: FedgeNet
+    model: SplitNet
     train: Dataset
     local_test: Dataset
     train_cfg: TrainConfig

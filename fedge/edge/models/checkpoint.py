@@ -39,9 +39,11 @@ def register_builder(name: str, builder: Callable[..., nn.Module]) -> None:
 
 def _ensure_builtin_builders() -> None:
     if "FedgeNet" not in _BUILDERS:
+        from fedge.edge.models.families import rebuild_family_net
         from fedge.edge.models.zoo import build_fedgenet
 
         register_builder("FedgeNet", build_fedgenet)
+        register_builder("FamilyNet", rebuild_family_net)
 
 
 def save_checkpoint(module: nn.Module, path: str | os.PathLike[str],

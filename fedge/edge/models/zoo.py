@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from fedge.common.archs import STEM_CHANNELS, ArchSpec, arch_by_name
+from fedge.common.families import FamilyArch, ModelSpec, spec_by_name
 from fedge.common.initseeds import InitSeeds
-
-# Parameter-name prefixes, used by methods that share parts of the network.
-EXTRACTOR = "extractor."
-BODY = "body."
-EMBED = "embed."
-HEAD = "head."
+from fedge.edge.models.split import BODY as BODY
+from fedge.edge.models.split import EMBED as EMBED
+from fedge.edge.models.split import EXTRACTOR as EXTRACTOR
+from fedge.edge.models.split import HEAD as HEAD
+from fedge.edge.models.split import SplitNet
 
 
 def _block(cin: int, cout: int, batchnorm: bool) -> list[nn.Module]:
@@ -25,8 +25,12 @@ def _block(cin: int, cout: int, batchnorm: bool) -> list[nn.Module]:
     return layers
 
 
-class FedgeNet(nn.Module):
-    """``head ∘ embed ∘ body ∘ extractor`` (see :mod:`fedge.common.archs`)."""
+class FedgeNet(SplitNet):
+    """The GeFL CNN family: ``head ∘ embed ∘ body ∘ extractor`` (see :mod:`fedge.common.archs`)."""
+
+    spec: ArchSpec
+    extractor: nn.Sequential
+    body: nn.Sequential
 
     def __init__(self, spec: ArchSpec) -> None:
         super().__init__()
@@ -51,17 +55,6 @@ class FedgeNet(nn.Module):
             nn.Linear(spec.flat_dim, spec.embed_dim) if spec.embed_dim is not None else nn.Identity()
         )  # (B, flat) -> (B, p)
         self.head = nn.Linear(spec.feature_dim, spec.num_classes)  # (B, p) -> (B, classes)
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """Embedding g(x) of shape (B, p)."""
-        return self.embed(self.body(self.extractor(x)))
-
-    def from_stem(self, z: torch.Tensor) -> torch.Tensor:
-        """Logits from extractor output (B, 3, 16, 16): used by feature-level methods."""
-        return self.head(self.embed(self.body(z)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
 
     def build_args(self) -> dict[str, Any]:
         """Arguments that rebuild this module (stored in checkpoints)."""
@@ -96,10 +89,19 @@ def reinit(module: nn.Module, seed: int) -> None:
                 reset()
 
 
-def build_seeded(arch: str | ArchSpec, seeds: InitSeeds) -> FedgeNet:
+def build_network(spec: ModelSpec, *, seed: int | None = None) -> SplitNet:
+    """The network of any family: a GeFL CNN (:class:`FedgeNet`) or a family's :class:`FamilyNet`."""
+    if isinstance(spec, FamilyArch):
+        from fedge.edge.models.families import build_family_net
+
+        return build_family_net(spec, seed=seed)
+    return build_model(spec, seed=seed)
+
+
+def build_seeded(arch: str | ModelSpec, seeds: InitSeeds) -> SplitNet:
     """A device's network from its :class:`~fedge.common.initseeds.InitSeeds`: the whole network from
     ``seeds.model``, then each shared part (``"extractor."``) re-initialised from its own seed."""
-    model = build_model(arch, seed=seeds.model)
+    model = build_network(spec_by_name(arch) if isinstance(arch, str) else arch, seed=seeds.model)
     for prefix, seed in seeds.parts:
         reinit(model.get_submodule(prefix.rstrip(".")), seed)
     return model
