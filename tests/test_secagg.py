@@ -85,12 +85,13 @@ def test_any_threshold_shares_recover_the_secret_and_fewer_do_not() -> None:
 # -- primitives ---------------------------------------------------------------------------------------------------
 def test_both_ends_agree_and_no_third_party_opens_a_share() -> None:
     a, b, c = (crypto.new_private_key() for _ in range(3))
-    ab = crypto.agree(a, crypto.public_key(b), "share", "1|g|a|b")
-    assert ab == crypto.agree(b, crypto.public_key(a), "share", "1|g|a|b")
-    assert ab != crypto.agree(a, crypto.public_key(b), "mask", "1|g|a|b")  # purposes never share a key
+    ka, kb, kc = (crypto.private_key(k) for k in (a, b, c))
+    ab = crypto.agree(ka, crypto.public_key(b), "share", "1|g|a|b")
+    assert ab == crypto.agree(kb, crypto.public_bytes(ka), "share", "1|g|a|b")
+    assert ab != crypto.agree(ka, crypto.public_key(b), "mask", "1|g|a|b")  # purposes never share a key
     sealed = crypto.seal(ab, b"share", crypto.share_context(1, "g", "a", "b"))
     assert crypto.open_sealed(ab, sealed, crypto.share_context(1, "g", "a", "b")) == b"share"
-    ac = crypto.agree(c, crypto.public_key(a), "share", "1|g|a|b")  # c tries with its own key
+    ac = crypto.agree(kc, crypto.public_key(a), "share", "1|g|a|b")  # c tries with its own key
     for key, ctx in ((ac, crypto.share_context(1, "g", "a", "b")), (ab, crypto.share_context(2, "g", "a", "b")),
                      (ab, crypto.share_context(1, "g", "b", "a"))):
         with pytest.raises(crypto.DecryptError):

@@ -44,11 +44,21 @@ def public_key(private: bytes) -> bytes:
     return X25519PrivateKey.from_private_bytes(private).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
-def agree(private: bytes, peer_public: bytes, purpose: str, context: str) -> bytes:
+def private_key(raw: bytes) -> X25519PrivateKey:
+    """The key object of 32 raw bytes (made once per key: building it costs more than an agreement)."""
+    return X25519PrivateKey.from_private_bytes(raw)
+
+
+def public_bytes(private: X25519PrivateKey) -> bytes:
+    """The 32-byte public key of a key object."""
+    return private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def agree(private: X25519PrivateKey, peer_public: bytes, purpose: str, context: str) -> bytes:
     """A 32-byte key both ends of an X25519 pair derive: HKDF over the shared secret, labelled by ``purpose``
     (``mask`` or ``share``) and ``context`` (round, group and the pair, in an order both ends agree on)."""
     try:
-        shared = X25519PrivateKey.from_private_bytes(private).exchange(X25519PublicKey.from_public_bytes(peer_public))
+        shared = private.exchange(X25519PublicKey.from_public_bytes(peer_public))
     except ValueError as exc:  # a low-order point (all-zero shared secret) or a malformed key
         raise PayloadError(f"key agreement failed: {exc}") from exc
     hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,

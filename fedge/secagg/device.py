@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedge.secagg import crypto, graph, shamir
 from fedge.secagg import messages as msg
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 COORDINATOR = "coordinator"  # the sender a device expects the coordinator's stage messages from
 
 
-def pairwise_mask(setup: RoundSetup, private: bytes, me: str, peer: str, peer_public: bytes) -> np.ndarray:
+def pairwise_mask(setup: RoundSetup, private: X25519PrivateKey, me: str, peer: str, peer_public: bytes) -> np.ndarray:
     """The mask the pair (``me``, ``peer``) shares: PRG of their agreed seed, as ``me`` adds it (its sign
     applied: + when ``me`` sorts before ``peer``; the words' two's complement otherwise)."""
     seed = crypto.agree(private, peer_public, "mask", crypto.pair_context(setup.round, setup.group, me, peer))
@@ -70,10 +71,11 @@ class SecAggDevice:
     def advertise(self) -> bytes:
         """Stage 1: the ``keys`` message (fresh key pairs, kept for this round only)."""
         self._expect("keys")
-        self.c_sk, self.s_sk = crypto.new_private_key(), crypto.new_private_key()
+        self.s_raw = crypto.new_private_key()  # raw: it is Shamir-shared
+        self.c_sk, self.s_sk = crypto.private_key(crypto.new_private_key()), crypto.private_key(self.s_raw)
         self.stage = "roster"
-        return msg.encode(self.setup, "keys", self.id, {"c_pk": msg.b64(crypto.public_key(self.c_sk)),
-                                                        "s_pk": msg.b64(crypto.public_key(self.s_sk))})
+        return msg.encode(self.setup, "keys", self.id, {"c_pk": msg.b64(crypto.public_bytes(self.c_sk)),
+                                                        "s_pk": msg.b64(crypto.public_bytes(self.s_sk))})
 
     def share_keys(self, roster: bytes) -> bytes:
         """Stage 2: the ``shares`` message, given the coordinator's ``roster`` of this device's neighbours."""
@@ -94,7 +96,7 @@ class SecAggDevice:
         self.b = os.urandom(shamir.SECRET_BYTES)
         holders = [*sorted(self.peers), self.id]
         xs = [self.setup.number(h) for h in holders]
-        s_shares = shamir.split(self.s_sk, self.setup.threshold, xs)
+        s_shares = shamir.split(self.s_raw, self.setup.threshold, xs)
         b_shares = shamir.split(self.b, self.setup.threshold, xs)
         sealed = {}
         for holder, (_, s_y), (_, b_y) in zip(holders, s_shares, b_shares, strict=True):

@@ -15,6 +15,7 @@ coordinator's robust aggregation that survives masking (docs/security.md#secure-
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ class FieldPlan:
         raw = ((1 << self.bits) - 1) // self.group_size
         return raw - (raw >> 40)
 
-    @property
+    @functools.cached_property
     def length(self) -> int:
         """Words in the encoded vector."""
         return sum(s.size for s in self.segments)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from fedge.secagg.fixedpoint import FieldPlan, Segment
 
 VERSION = 1
 STAGES = ("keys", "roster", "shares", "inbox", "masked", "unmask-request", "unmask")
-# Every reason a stage message is refused for, as counted (docs/protocol.md#secure-aggregation).
+# Every reason a stage message is refused for, as counted (docs/security.md#secure-aggregation).
 REASONS = ("oversize", "malformed", "version", "stage", "round", "spoofed", "unknown-sender", "duplicate", "shape",
            "late", "forged", "inconsistent")
 MAX_DEPTH = 4
@@ -63,7 +64,16 @@ class RoundSetup:
 
     def number(self, device: str) -> int:
         """The Shamir share number of ``device`` (1-based)."""
-        return self.members.index(device) + 1
+        return self._numbers[device]
+
+    @functools.cached_property
+    def _numbers(self) -> dict[str, int]:
+        return {m: i + 1 for i, m in enumerate(self.members)}
+
+    @functools.cached_property
+    def _id_bytes(self) -> float:
+        """Mean bytes a member's id takes in a JSON object (quotes, colon, comma, escaping slack)."""
+        return sum(len(m.encode()) + 8 for m in self.members) / max(len(self.members), 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {"v": VERSION, "round": self.round, "group": self.group, "members": list(self.members),
@@ -92,7 +102,7 @@ class RoundSetup:
 
     def limit(self, stage: str) -> int:
         """The most bytes a valid ``stage`` message of this setup can have (headers and base64 included)."""
-        ids = sum(len(m.encode()) + 8 for m in self.members) / max(len(self.members), 1)
+        ids = self._id_bytes
         per_peer = {"keys": 0, "roster": 2 * 48, "shares": math.ceil(_SEALED_SHARE * 4 / 3),
                     "inbox": math.ceil(_SEALED_SHARE * 4 / 3), "unmask-request": 0,
                     "unmask": math.ceil(shamir.VALUE_BYTES * 4 / 3) + 8}

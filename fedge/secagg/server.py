@@ -157,11 +157,12 @@ class SecAggServer:
             seed = self._recover(dev, 0)
             total -= crypto.expand(seed, plan.length, plan.bits)
         for gone in sorted(set(self.shares) - set(self.masked)):
-            s_sk = self._recover(gone, 1)
-            if crypto.public_key(s_sk) != self.keys[gone][1]:
+            s_raw = self._recover(gone, 1)
+            if crypto.public_key(s_raw) != self.keys[gone][1]:
                 self.stage = "abandoned"
                 raise Abandoned(f"group {setup.group!r} round {setup.round}: the key shares of {gone!r} do not "
                                 "recover the key it advertised (forged shares); the round's sum is abandoned")
+            s_sk = crypto.private_key(s_raw)
             for peer in sorted(self.graph[gone] & set(self.masked)):
                 # the peer added ±PRG(s_{peer,gone}); derive it from the dropped device's side and remove it
                 total += pairwise_mask(setup, s_sk, gone, peer, self.keys[peer][1])

@@ -8,6 +8,7 @@ M521, so a share's value fits 66 bytes; the polynomial's coefficients come from 
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 
@@ -51,14 +52,20 @@ def combine(shares: Sequence[Share], threshold: int) -> bytes:
     if len(distinct) < threshold:
         raise PayloadError(f"{len(distinct)} shares cannot recover a secret shared {threshold}-of-n")
     points = list(distinct.items())[:threshold]
+    # Lagrange at 0: secret = Σ y_i · Π_{j≠i} x_j / (x_j − x_i). Share numbers are small, so each product is
+    # taken exactly and reduced once; one modular inverse serves all denominators (Montgomery's trick).
+    xs = [x for x, _ in points]
+    nums = [math.prod(xj for xj in xs if xj != xi) % PRIME for xi in xs]
+    dens = [math.prod(xj - xi for xj in xs if xj != xi) % PRIME for xi in xs]
+    prefix = [1]
+    for d in dens:
+        prefix.append(prefix[-1] * d % PRIME)
+    inv = pow(prefix[-1], -1, PRIME)
     secret = 0
-    for i, (xi, yi) in enumerate(points):
-        num, den = 1, 1
-        for j, (xj, _) in enumerate(points):
-            if i != j:
-                num = num * (-xj) % PRIME
-                den = den * (xi - xj) % PRIME
-        secret = (secret + yi * num * pow(den, -1, PRIME)) % PRIME
+    for i in range(len(points) - 1, -1, -1):
+        inv_i = inv * prefix[i] % PRIME  # 1 / dens[i]
+        inv = inv * dens[i] % PRIME  # 1 / (dens[0] … dens[i-1])
+        secret = (secret + points[i][1] * nums[i] % PRIME * inv_i) % PRIME
     if secret >> (8 * SECRET_BYTES):
         raise PayloadError("the shares do not recover a 32-byte secret (mixed or altered shares)")
     return secret.to_bytes(SECRET_BYTES, "big")
