@@ -1,14 +1,18 @@
 """Running the generative benchmark's cells: one simulation per (row, seed, precision), saved as JSON
-under ``benchmarks/results/generative/`` as soon as it finishes, so an interrupted run resumes."""
+under ``benchmarks/results/generative/`` as soon as it finishes, so an interrupted run resumes. A cell
+checkpoints after every round (:mod:`benchmarks.generative.checkpoint`), so an interrupted cell resumes
+at the round where it stopped."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS, cached_cell, load_cell
+from benchmarks.generative.checkpoint import checkpoint_dir, discard, run_resumable
 from benchmarks.generative.rows import Method
 from fedge.fleet.config import FleetConfig
 from fedge.sim.report import GUARD_KINDS, build_results
@@ -39,12 +43,29 @@ def init_of(cfg: FleetConfig) -> str:
     return cfg.method_config.shared_start().describe()
 
 
-def run_cell(cfg: FleetConfig, precision: str | None = None) -> dict[str, Any]:
-    """Simulate one cell and keep what the tables report (accuracies, bytes, the accuracy curve, wall time)."""
+def run_cell(cfg: FleetConfig, precision: str | None = None, *, checkpoint: Path | None = None,
+             expect: dict[str, Any] | None = None, after_round: Callable[[int], None] | None = None,
+             ) -> dict[str, Any]:
+    """Simulate one cell and keep what the tables report (accuracies, bytes, the accuracy curve, wall time).
+
+    With ``checkpoint`` (a directory) the cell checkpoints there after every round and resumes from it
+    (``expect``: the settings the checkpoint must have been written under; ``after_round``: called after each
+    round's checkpoint); the checkpoint is removed once the cell's figures are made. ``wall_seconds`` is then
+    the sum over the sessions, and ``sessions`` says which rounds each one ran.
+    """
     t0 = time.perf_counter()
-    res = simulate(with_precision(cfg, precision))
+    sessions: dict[str, Any] = {}
+    if checkpoint is None:
+        res = simulate(with_precision(cfg, precision))
+        wall = time.perf_counter() - t0
+    else:
+        res, sessions = run_resumable(with_precision(cfg, precision), checkpoint, expect or {},
+                                      after_round=after_round)
+        wall = res.seconds
     out = build_results(res)
     rounds = cfg.run.rounds
+    if checkpoint is not None:
+        discard(checkpoint)
     return {
         "method": cfg.run.method, "config": cfg.method, "seed": cfg.run.seed, "rounds": rounds,
         "init": init_of(cfg),
@@ -58,8 +79,9 @@ def run_cell(cfg: FleetConfig, precision: str | None = None) -> dict[str, Any]:
         "acc_curve": [sum(x for x in col if x is not None) / max(1, sum(x is not None for x in col))
                       if any(x is not None for x in col) else None
                       for col in zip(*(d["acc_global"] for d in out["devices"]), strict=True)],
-        "wall_seconds": time.perf_counter() - t0,
+        "wall_seconds": wall,
         "seconds_per_round": out["seconds_per_round"],
+        **sessions,
         # Per device (issue 17): both accuracies, and with a personal head or the guard their decisions.
         "per_device": {d["id"]: {k: d.get(k) for k in (
             "final_acc_local", "final_acc_global", "final_acc_local_generic", "final_acc_global_personal",
@@ -92,10 +114,12 @@ def collect(table: str, methods: dict[str, Method], keys: list[str], seeds: list
                 elif "init" in expect and (old := load_cell(path, _without(expect, "init"))) is not None:
                     before.setdefault(key, []).append({**old, BEFORE_SHARED_START: True})
                 continue
+            ckpt = checkpoint_dir(path)
+
             def compute(c: FleetConfig = cfg, p: str | None = prec, label: str = f"{table} {key}{tag} seed {seed}",
-                        ) -> dict[str, Any]:
+                        ckpt: Path = ckpt, e: dict[str, Any] = expect) -> dict[str, Any]:
                 print(f"[{time.strftime('%H:%M:%S')}] {label} ...", flush=True)  # only cells actually run
-                return run_cell(c, p)
+                return run_cell(c, p, checkpoint=ckpt, expect=e)
 
             cells.setdefault(key, []).append(cached_cell(path, compute, force=force, expect=expect))
     # A row not yet re-measured since issue 25 is shown from its old cells, marked; a row with any new

@@ -1,0 +1,182 @@
+"""Per-round checkpoints of a generative benchmark cell, so a long cell survives the end of a session (issue 43).
+
+A cell is one sequential in-process simulation (:func:`fedge.sim.simulate.simulate`'s default path). After every
+round :func:`run_resumable` writes one file, ``checkpoint.pt`` in the cell's checkpoint directory, atomically
+(written beside it, then renamed), holding everything the next round depends on:
+
+* the coordinator: the engine's state as its own store keeps it (:class:`~fedge.coordinator.store.EngineState`:
+  rounds completed, registered devices, the strategy's state, published artifacts, run id, every round's report —
+  the accuracies and bytes the cell's JSON is made of);
+* every device: its method half's attributes (model, generator, the generator's optimizers and any other state a
+  method keeps between rounds, its caches), its numpy and torch generators, its agent's round bookkeeping;
+* the process: torch's, numpy's and Python's global random states; the virtual clock's time and rounds;
+* the wall seconds spent so far and which rounds each session ran.
+
+Re-run with the same settings, the cell builds its fleet as usual, loads the file, puts every piece back and runs
+the remaining rounds: the results equal an uninterrupted run's, figure for figure (tests/test_generative_resume.py).
+A checkpoint written under other settings (its ``expect``) is set aside and the cell starts over. The file is
+pickled Python objects, so it is for the same code: resume with the checkout that wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedge.coordinator.engine import RoundEngine, RoundReport
+from fedge.coordinator.store import EngineState
+from fedge.edge.agent import DeviceAgent
+from fedge.fleet.config import FleetConfig
+from fedge.fleet.devices import SimDevice
+from fedge.fleet.slots import checked_slots
+from fedge.sim.clocked import ClockedCoordinatorTransport
+from fedge.sim.parallel import sequential_run
+from fedge.sim.simulate import SimResult, _engine, build_fleet
+from fedge.sim.transports import transport_runner
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "checkpoint.pt"
+PROGRESS_FILE = "progress.json"  # a readable summary of the checkpoint: where the cell stands
+# A method's attributes not saved: its context (restored piece by piece) and its parsed [method] settings,
+# which the rebuilt fleet has from the config (the same, as ``expect`` checks).
+NOT_SAVED = ("ctx", "settings")
+# The agent's bookkeeping between rounds (the rest of a DeviceAgent is its wiring to the transport).
+AGENT_STATE = ("last_round", "model_round", "traffic", "trained_runs", "_ignored_run", "task_done")
+
+
+def checkpoint_dir(cell_json: Path) -> Path:
+    """Where the cell saved as ``cell_json`` keeps its checkpoint: ``ckpt/<cell name>/`` beside it."""
+    return cell_json.parent / "ckpt" / cell_json.stem
+
+
+def run_resumable(cfg: FleetConfig, ckpt_dir: Path, expect: dict[str, Any], *,
+                  after_round: Callable[[int], None] | None = None) -> tuple[SimResult, dict[str, Any]]:
+    """Simulate ``cfg`` (sequential, in process), checkpointing into ``ckpt_dir`` after every round and resuming
+    from it; returns the result and the sessions' record (``{"sessions": [{"from": r0, "to": r1}, ...]}``).
+
+    ``expect`` identifies the settings (a checkpoint written under others is set aside). ``after_round(rnd)``
+    is called once round ``rnd``'s checkpoint is on disk (a test stops the run there).
+    """
+    if cfg.simulation.parallel:
+        raise ValueError("a resumable cell runs sequentially: set [simulation] backend = \"sequential\"")
+    t0 = time.perf_counter()
+    devices, strat = build_fleet(cfg)
+    coord, agents, cleanup = transport_runner("inprocess")(cfg, devices)
+    try:
+        engine = _engine(cfg, strat, coord, checked_slots(cfg))
+        saved = _load(ckpt_dir, expect)
+        spent, sessions = 0.0, []
+        if saved is not None:
+            _restore(saved, engine, devices, agents, coord)
+            spent, sessions = saved["wall_seconds"], saved["sessions"]
+            log.info("%s: resuming after round %d", ckpt_dir, engine.completed)
+        sessions.append({"from": engine.completed + 1, "to": engine.completed})
+        bias = spent - t0  # wall seconds of the cell so far = time.perf_counter() + bias
+
+        def on_round(report: RoundReport) -> None:
+            sessions[-1]["to"] = report.round
+            _save(ckpt_dir, expect, engine, devices, agents, coord, time.perf_counter() + bias, sessions)
+            if after_round is not None:
+                after_round(report.round)
+
+        engine.run(on_round=on_round)
+    finally:
+        cleanup()
+    clock = getattr(coord, "clock", None)
+    result = SimResult(cfg, devices, agents, engine.reports, time.perf_counter() + bias,
+                       {"simulation": sequential_run(devices)}, [], engine.globals, clock)
+    return result, {"sessions": sessions}
+
+
+def discard(ckpt_dir: Path) -> None:
+    """Remove a finished cell's checkpoint (its JSON holds the results; the file can be hundreds of MB)."""
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def _device_state(d: SimDevice, agent: DeviceAgent) -> dict[str, Any]:
+    m = d.method
+    # One pickle for the method's attributes and its context's model: objects shared between them (a
+    # generator and its trainer's optimizers, a head over the model's layers) stay shared when loaded.
+    return {"method": {k: v for k, v in vars(m).items() if k not in NOT_SAVED}, "model": m.ctx.model,
+            "rng": m.ctx.rng, "torch_gen": m.ctx.torch_gen.get_state(),
+            "agent": {k: getattr(agent, k) for k in AGENT_STATE}}
+
+
+def _save(ckpt_dir: Path, expect: dict[str, Any], engine: RoundEngine, devices: list[SimDevice],
+          agents: list[DeviceAgent], coord: Any, wall: float, sessions: list[dict[str, int]]) -> None:
+    clock = getattr(coord, "clock", None)
+    state = {
+        "expect": expect,
+        "completed": engine.completed,
+        "engine": EngineState(completed=engine.completed, method=engine.config.method, fleet=engine.config.fleet,
+                              devices=dict(engine.devices), strategy=engine.strategy.state_dict(),
+                              run_id=engine.run_id, global_rounds=dict(engine.global_rounds),
+                              latency=engine.latency, globals=dict(engine.globals), reports=list(engine.reports)),
+        "devices": {d.info.device_id: _device_state(d, a) for d, a in zip(devices, agents, strict=True)},
+        "clock": None if clock is None else {"now": clock.now, "rounds": clock.rounds},
+        "next_round": getattr(coord, "_next_round", None),
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        "wall_seconds": wall,
+        "sessions": sessions,
+    }
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_dir / (CHECKPOINT_FILE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, ckpt_dir / CHECKPOINT_FILE)
+    accs = [m["acc_global"] for r in engine.reports for m in r.metrics.values() if "acc_global" in m]
+    last = next((r for r in reversed(engine.reports) if r.metrics), None)
+    progress = {"completed": engine.completed, "total": engine.strategy.total_rounds(),
+                "phase": engine.reports[-1].phase,
+                "wall_seconds": round(wall, 1), "sessions": sessions, "expect": expect,
+                "mean_acc_global_last_eval": (float(np.mean([m["acc_global"] for m in last.metrics.values()
+                                                             if "acc_global" in m])) if last and accs else None),
+                "last_eval_round": last.round if last else None}
+    (ckpt_dir / PROGRESS_FILE).write_text(json.dumps(progress, indent=1))
+
+
+def _load(ckpt_dir: Path, expect: dict[str, Any]) -> dict[str, Any] | None:
+    path = ckpt_dir / CHECKPOINT_FILE
+    if not path.is_file():
+        return None
+    # our own file, holding pickled fedge objects (not only tensors): weights_only cannot load it
+    saved: dict[str, Any] = torch.load(path, weights_only=False)
+    if saved.get("expect") != expect:
+        stale = ckpt_dir.with_name(ckpt_dir.name + ".stale")
+        shutil.rmtree(stale, ignore_errors=True)
+        ckpt_dir.rename(stale)
+        print(f"{path}: written under other settings; moved to {stale}, the cell starts over", flush=True)
+        return None
+    return saved
+
+
+def _restore(saved: dict[str, Any], engine: RoundEngine, devices: list[SimDevice], agents: list[DeviceAgent],
+             coord: Any) -> None:
+    engine._resume(saved["engine"])  # the engine's own restart path (as from its state directory)
+    for d, agent in zip(devices, agents, strict=True):
+        s = saved["devices"][d.info.device_id]
+        ctx = d.method.ctx
+        vars(d.method).update(s["method"])
+        ctx.model, ctx.rng = s["model"], s["rng"]
+        ctx.torch_gen.set_state(s["torch_gen"])
+        for k, v in s["agent"].items():
+            setattr(agent, k, v)
+    clock = getattr(coord, "clock", None)
+    if clock is not None and saved["clock"] is not None:
+        clock.now, clock.rounds = saved["clock"]["now"], saved["clock"]["rounds"]
+    if isinstance(coord, ClockedCoordinatorTransport) and saved["next_round"] is not None:
+        coord._next_round = saved["next_round"]
+    rng = saved["rng"]
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
