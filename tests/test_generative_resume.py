@@ -42,7 +42,9 @@ def tiny_cell(tmp_path: Path, run: str, method: str) -> FleetConfig:
 
 
 def without_timing(cell: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in cell.items() if k not in TIMING}
+    out = {k: v for k, v in cell.items() if k not in TIMING}
+    out["synthetic_accuracy"] = {k: v for k, v in out["synthetic_accuracy"].items() if k != "seconds"}
+    return out
 
 
 @pytest.mark.parametrize(("run", "method"), [GEFLF, GEFL_DCGAN], ids=["geflf-cvae", "gefl-dcgan"])
@@ -74,6 +76,12 @@ def test_a_cell_resumed_after_round_k_ends_as_an_uninterrupted_one(tmp_path: Pat
     # the accuracy moved over the run (a cell that learned nothing would match trivially)
     curve = [a for a in whole["acc_curve"] if a is not None]
     assert curve[-1] > curve[0] + 0.05
+    # the generator's samples scored by a probe trained on them (benchmarks/generative/quality.py)
+    q = whole["synthetic_accuracy"]
+    assert q["level"] == ("feature" if "geflf" in run else "image") and q["samples"] == sum(
+        whole["per_device"][d]["num_train"] for d in whole["per_device"])
+    assert q["acc_real"] > 0.5  # CNN-1 on the fleet's real digits
+    assert q["ratio"] == pytest.approx(q["acc_synthetic"] / q["acc_real"])
 
 
 def test_a_checkpoint_written_under_other_settings_is_set_aside(tmp_path: Path,

@@ -2,7 +2,7 @@
 
 A cell is one sequential in-process simulation (:func:`fedge.sim.simulate.simulate`'s default path). After every
 round :func:`run_resumable` writes one file, ``checkpoint.pt`` in the cell's checkpoint directory, atomically
-(written beside it, then renamed), holding everything the next round depends on:
+(:func:`~fedge.common.atomicfile.write_atomic`), holding everything the next round depends on:
 
 * the coordinator: the engine's state as its own store keeps it (:class:`~fedge.coordinator.store.EngineState`:
   rounds completed, registered devices, the strategy's state, published artifacts, run id, every round's report —
@@ -20,9 +20,9 @@ pickled Python objects, so it is for the same code: resume with the checkout tha
 
 from __future__ import annotations
 
+import io
 import json
 import logging
-import os
 import random
 import shutil
 import time
@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedge.common.atomicfile import write_atomic
 from fedge.coordinator.engine import RoundEngine, RoundReport
 from fedge.coordinator.store import EngineState
 from fedge.edge.agent import DeviceAgent
@@ -130,10 +131,10 @@ def _save(ckpt_dir: Path, expect: dict[str, Any], engine: RoundEngine, devices: 
         "wall_seconds": wall,
         "sessions": sessions,
     }
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt_dir / (CHECKPOINT_FILE + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, ckpt_dir / CHECKPOINT_FILE)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    write_atomic(ckpt_dir / CHECKPOINT_FILE, buf.getvalue())
+    del buf
     accs = [m["acc_global"] for r in engine.reports for m in r.metrics.values() if "acc_global" in m]
     last = next((r for r in reversed(engine.reports) if r.metrics), None)
     progress = {"completed": engine.completed, "total": engine.strategy.total_rounds(),
@@ -142,7 +143,7 @@ def _save(ckpt_dir: Path, expect: dict[str, Any], engine: RoundEngine, devices: 
                 "mean_acc_global_last_eval": (float(np.mean([m["acc_global"] for m in last.metrics.values()
                                                              if "acc_global" in m])) if last and accs else None),
                 "last_eval_round": last.round if last else None}
-    (ckpt_dir / PROGRESS_FILE).write_text(json.dumps(progress, indent=1))
+    write_atomic(ckpt_dir / PROGRESS_FILE, json.dumps(progress, indent=1).encode(), durable=False)
 
 
 def _load(ckpt_dir: Path, expect: dict[str, Any]) -> dict[str, Any] | None:

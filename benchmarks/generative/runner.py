@@ -13,6 +13,7 @@ from typing import Any
 
 from benchmarks.common import RESULTS, cached_cell, load_cell
 from benchmarks.generative.checkpoint import checkpoint_dir, discard, run_resumable
+from benchmarks.generative.quality import synthetic_accuracy
 from benchmarks.generative.rows import Method
 from fedge.fleet.config import FleetConfig
 from fedge.sim.report import GUARD_KINDS, build_results
@@ -64,6 +65,7 @@ def run_cell(cfg: FleetConfig, precision: str | None = None, *, checkpoint: Path
         wall = res.seconds
     out = build_results(res)
     rounds = cfg.run.rounds
+    quality = synthetic_accuracy(res.devices, seed=cfg.run.seed)
     if checkpoint is not None:
         discard(checkpoint)
     return {
@@ -82,6 +84,8 @@ def run_cell(cfg: FleetConfig, precision: str | None = None, *, checkpoint: Path
         "wall_seconds": wall,
         "seconds_per_round": out["seconds_per_round"],
         **sessions,
+        # the generator's samples: a fresh CNN-1 trained on them, scored on real test data (quality.py)
+        **({"synthetic_accuracy": quality} if quality is not None else {}),
         # Per device (issue 17): both accuracies, and with a personal head or the guard their decisions.
         "per_device": {d["id"]: {k: d.get(k) for k in (
             "final_acc_local", "final_acc_global", "final_acc_local_generic", "final_acc_global_personal",

@@ -1,0 +1,96 @@
+"""How good a cell's generator is: classifier accuracy on synthetic data (issue 43).
+
+Trained on generated samples, tested on real ones (the "classification accuracy score" of generative-model
+evaluation): a fresh network of one architecture learns from ``n`` samples of the fleet's generator (labels
+uniform over the classes) and is scored on the real test set; the same network from the same start trained on
+as many real training samples (the fleet's own shares) is the reference, so ``ratio`` = synthetic / real says how
+much of the real data's worth the samples carry. Image level (GeFL): the whole network on generated images.
+Feature level (GeFL-F): the head (everything after the common extractor) on generated features, tested on the real
+test images through the fleet's frozen extractor — what GeFL-F's head stage learns from.
+
+Every device holds the same averaged generator (and GeFL-F the same extractor), so the first device's are used.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedge.edge.generators.train import sample_dataset
+from fedge.edge.methods.gefl import GeFLDevice, GenerativeMixin
+from fedge.edge.methods.geflf import GeFLFDevice, stem_features
+from fedge.edge.models.zoo import EXTRACTOR, FedgeNet, build_model
+from fedge.edge.training import TrainConfig, accuracy, train_epochs
+from fedge.fleet.devices import SimDevice
+
+# The probe: CNN-1 (one conv block and a linear layer on the stem), trained like a device (SGD, batch 64).
+PROBE_ARCH = "cnn1"
+PROBE_EPOCHS = 10
+PROBE_TRAIN = TrainConfig(lr=0.1, batch_size=64, local_epochs=PROBE_EPOCHS)
+
+
+def synthetic_accuracy(devices: list[SimDevice], *, samples: int = 6000, seed: int = 0,
+                       arch: str = PROBE_ARCH, epochs: int = PROBE_EPOCHS) -> dict[str, Any] | None:
+    """Accuracy on the real test set of ``arch`` trained on ``samples`` generated samples and on as many real
+    ones (None: the cell has no generator, or it was never averaged)."""
+    method = devices[0].method
+    if not isinstance(method, GenerativeMixin) or not method.generator_loaded or method.ctx.global_test is None:
+        return None
+    t0 = time.perf_counter()
+    test = method.ctx.global_test
+    real_x = np.concatenate([d.method.ctx.train.x for d in devices])
+    real_y = np.concatenate([d.method.ctx.train.y for d in devices])
+    pick = np.random.default_rng(seed).permutation(len(real_y))[:samples]
+    real_x, real_y = real_x[pick], real_y[pick]
+    gen_x, gen_y = sample_dataset(method.generator, len(real_y), np.arange(method.ctx.num_classes),
+                                  torch.Generator().manual_seed(seed))
+    if isinstance(method, GeFLFDevice):
+        level = "feature"
+        model = method.ctx.model  # the fleet's extractor: frozen since the warm-up
+        test_x, real_x = stem_features(model, test.x), stem_features(model, real_x)
+    elif isinstance(method, GeFLDevice):
+        level = "image"
+        test_x, gen_x = test.x, method.from_gen_space(gen_x)
+    else:
+        return None
+    scores = {}
+    for name, (x, y) in (("synthetic", (gen_x, gen_y)), ("real", (real_x, real_y))):
+        scores[name] = _probe_accuracy(x, y, test_x, test.y, level=level, arch=arch, epochs=epochs, seed=seed)
+    return {"level": level, "arch": arch, "epochs": epochs, "samples": len(real_y),
+            "acc_synthetic": scores["synthetic"], "acc_real": scores["real"],
+            "ratio": scores["synthetic"] / scores["real"] if scores["real"] else None,
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _probe_accuracy(x: np.ndarray, y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, *, level: str,
+                    arch: str, epochs: int, seed: int) -> float:
+    """A fresh ``arch`` (seed ``seed``) trained on (x, y), its accuracy on (test_x, test_y); at the feature
+    level only its head trains and both sets are stem features."""
+    model = build_model(arch, seed=seed)
+    rng = np.random.default_rng(seed)
+    if level == "image":
+        train_epochs(model, x, y, PROBE_TRAIN, rng, epochs=epochs)
+        return accuracy(model, test_x, test_y)
+    head = _Head(model)
+    params = [p for n, p in model.named_parameters() if not n.startswith(EXTRACTOR)]
+
+    def forward(zb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model.from_stem(zb)
+        return logits, logits
+
+    train_epochs(model, x, y, PROBE_TRAIN, rng, epochs=epochs, params=params, forward=forward)
+    return accuracy(head, test_x, test_y)
+
+
+class _Head(torch.nn.Module):
+    """A network from its stem's output on: what GeFL-F's head stage trains."""
+
+    def __init__(self, model: FedgeNet) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.model.from_stem(z)
