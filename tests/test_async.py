@@ -272,6 +272,11 @@ def test_a_device_resends_only_to_a_new_coordinator_session_still_listing_its_ta
     assert not resend_async(answered, descriptor("s2", {"d0": 5}))  # a new task: the old one is done
     assert not resend_async(answered, descriptor("s2", {"d0": 2}, run="r2"))  # another run
     assert async_answer(descriptor("s1", {"d1": 3}), "d0") is None  # no task of its own: nothing to resend
+    # the same process re-announcing after a reconnection (the broker may have crashed with the update): resend
+    recovered = {**descriptor("s1", {"d0": 2}), "recovery": True}
+    assert resend_async(answered, recovered)
+    assert not resend_async(answered, {**recovered, "round": {"round": 3, "assigned": {"d0": 5}}})  # task done
+    assert not resend_async(answered, {**recovered, "run": "r2"})
 
 
 def test_fedproto_sums_by_version_as_it_would_device_by_device(tmp_path: Path) -> None:

@@ -198,6 +198,21 @@ def test_after_a_reconnection_every_global_then_the_round_under_a_fresh_id() -> 
                                                                                           descriptor.msg_id)
 
 
+def test_an_async_version_is_re_announced_with_its_tasks_and_the_recovery_flag() -> None:
+    """Asynchronous mode (issue 47): the re-announcement after a reconnection names the outstanding tasks and carries
+    ``recovery``, which makes devices whose task it lists resend within the same coordinator session; the
+    announcements the engine makes itself do not carry it."""
+    state = RetainedState(TOPICS, CHUNK)
+    info = {"run": "r1", "session": "s1", "round": {"round": 4, "assigned": {"d1": 3, "d2": 4}}}
+    state.set_round(Message("round", "coordinator", 4, fleet="f1", info=info).to_bytes())
+    again = state.after_reconnect()
+    assert (again.round_number, again.tasks) == (4, {"d1": 3, "d2": 4})
+    assert again.round is not None and Message.from_bytes(again.round).info == {**info, "recovery": True}
+    synchronous = RetainedState(TOPICS, CHUNK)
+    synchronous.set_round(Message("round", "coordinator", 2, info={"run": "r1"}).to_bytes())
+    assert synchronous.after_reconnect().tasks is None
+
+
 def test_no_round_is_re_announced_after_the_run_ended_or_when_unreadable() -> None:
     state = RetainedState(TOPICS, CHUNK)
     state.set_global("a", b"a")

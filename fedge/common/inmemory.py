@@ -91,6 +91,12 @@ def descriptor_tasks(info: Mapping[str, Any]) -> dict[str, int] | None:
     return {str(k): v for k, v in assigned.items() if isinstance(v, int)}
 
 
+# The flag (true) in the info of a descriptor the coordinator re-announced after reconnecting to the broker
+# (fedge.mqtt.retained): a device whose task it still lists cannot know whether its update reached the coordinator
+# (a broker that crashed may have acknowledged it and lost it), so it sends its cached update again; a copy that
+# had arrived is refused as a replay. The other announcements of a version (new tasks handed out) do not carry it.
+RECOVERY_KEY = "recovery"
+
 AsyncAnswer = tuple[str, str, str, int]  # (run, session, device, task) an asynchronous update answered
 
 
@@ -103,15 +109,17 @@ def async_answer(info: Mapping[str, Any], device: str) -> AsyncAnswer | None:
 
 
 def resend_async(answered: AsyncAnswer | None, info: Mapping[str, Any]) -> bool:
-    """Whether a device's cached asynchronous update must be sent again on a new descriptor (its ``info``): one
-    from a new coordinator process (``session``) of the same run that still lists the task the update answered
-    (the old process died before accepting it). Within one process a listed task is only an update on its way."""
+    """Whether a device's cached asynchronous update must be sent again on a new descriptor (its ``info``) of the
+    same run that still lists the task the update answered: one from a new coordinator process (``session``: the
+    old one died before accepting it), or one the coordinator re-announced after reconnecting to the broker
+    (``recovery``: a broker that crashed may have acknowledged the update and lost it). Otherwise, within one
+    process, a listed task is only an update on its way."""
     if answered is None:
         return False
     run, session, device, task = answered
     tasks = descriptor_tasks(info)
-    return (tasks is not None and str(info.get("run", "")) == run and str(info.get("session", "")) != session
-            and tasks.get(device) == task)
+    return (tasks is not None and str(info.get("run", "")) == run and tasks.get(device) == task
+            and (str(info.get("session", "")) != session or info.get(RECOVERY_KEY) is True))
 
 
 class InMemoryDeviceTransport(DeviceTransport):

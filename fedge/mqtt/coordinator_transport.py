@@ -230,7 +230,12 @@ class MqttCoordinatorTransport(CoordinatorTransport):
             self.client.publish(topic, payload, retain=True)
         if again.round is not None:
             self.client.publish(self.topics.round, self._seal(self.topics.round, again.round), retain=True)
-            log.info("re-announced round %d after reconnecting", again.round_number)
+            if again.tasks is None:
+                log.info("re-announced round %d after reconnecting", again.round_number)
+            else:  # asynchronous mode: the devices it lists send their update again, or train if they never had it
+                log.info("re-announced version %d after reconnecting (session present: %s), with the %d outstanding "
+                         "task(s) of %s", again.round_number, session_present, len(again.tasks),
+                         ", ".join(sorted(again.tasks)) or "nobody")
 
     def _seal(self, topic: str, data: bytes) -> bytes:
         """``data`` signed for ``topic`` when this coordinator signs, else as it is."""

@@ -183,6 +183,10 @@ class MqttDeviceTransport(DeviceTransport):
         with self._cond:
             if msg.msg_id == self._round_id:
                 return  # the same descriptor again (retained redelivery after a reconnect)
+            if self._outdated_task(key, msg.info):
+                log.info("%s: ignored an older descriptor of version %d (a restarted broker's retained copy)",
+                         self.device_id, key[1])
+                return
             self._round_raw, self._round_id, self._round_key = raw, msg.msg_id, key
             self._want = {str(k): int(v) for k, v in want.items()} if isinstance(want, dict) else None
             self._round_info = msg.info
@@ -196,8 +200,22 @@ class MqttDeviceTransport(DeviceTransport):
             self.changes += 1
             self._cond.notify_all()
         if resend is not None:
-            log.info("%s: round %d was re-announced; sending the cached update again", self.device_id, key[1])
+            log.info("%s: %s %d was re-announced; sending the cached update again", self.device_id,
+                     "version" if self._last_task is not None else "round", key[1])
             self._send_again(resend)
+
+    def _outdated_task(self, key: tuple[str, int], info: dict[str, Any]) -> bool:
+        """Asynchronous mode: whether a descriptor of the run this device follows is older than what it has seen —
+        an earlier version, or a task of this device older than the one its last update answered. A broker
+        restarted after a crash hands its retained copy from its last autosave over before the coordinator
+        re-announces; training on it would only make an update the coordinator refuses (called under _cond)."""
+        tasks = descriptor_tasks(info)
+        if tasks is None or self._round_key is None or key[0] != self._round_key[0]:
+            return False
+        if key[1] < self._round_key[1]:
+            return True
+        answered, mine = self._last_task, tasks.get(self.device_id)
+        return answered is not None and answered[0] == key[0] and mine is not None and mine < answered[3]
 
     def _on_resend(self, raw: bytes) -> None:
         """A relay asks for the cached update again (it restarted, or its shard's broker did). A relay forwards

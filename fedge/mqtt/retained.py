@@ -4,7 +4,8 @@ publish again after a reconnection.
 A broker that restarted may have lost every retained message (all of them without persistence, the
 latest ones with it), so after each reconnection the coordinator publishes every global state again,
 then the round descriptor under a fresh message id, which tells devices that already answered this
-round to send their cached update again. This module decides *what* to publish, in which order; the
+round to send their cached update again (in asynchronous mode: the devices whose task it still lists, told by
+the descriptor's ``recovery`` flag). This module decides *what* to publish, in which order; the
 transport (:mod:`fedge.mqtt.coordinator_transport`) publishes it. No paho, no broker and no lock (the
 transport holds its own around every call).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fedge.common.inmemory import RECOVERY_KEY, descriptor_tasks
 from fedge.common.messages import Message
 from fedge.errors import PayloadError
 from fedge.mqtt.chunking import chunk_frames
@@ -39,6 +41,8 @@ class Republish:
     round: bytes | None
     """The current round descriptor under a fresh message id (None: no round, or an unreadable one)."""
     round_number: int | None
+    tasks: dict[str, int] | None = None
+    """Asynchronous mode: the outstanding tasks (device -> version) the re-announced descriptor lists."""
 
 
 class RetainedState:
@@ -87,5 +91,8 @@ class RetainedState:
         except PayloadError:
             return Republish(published, None, None)
         msg.msg_id = Message("round", msg.sender, msg.round).msg_id
+        tasks = descriptor_tasks(msg.info)
+        if tasks is not None:  # asynchronous mode: within one session only this flag makes devices resend
+            msg.info[RECOVERY_KEY] = True
         self.round = msg.to_bytes()
-        return Republish(published, self.round, msg.round)
+        return Republish(published, self.round, msg.round, tasks)
