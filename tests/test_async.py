@@ -43,7 +43,8 @@ FLEET: dict[str, Any] = {"run": {"method": "fedavg", "rounds": 2}, "devices": [{
     ({"mode": "async", "concurrency": 9}, "fedavg", "concurrency = 9: more than the fleet's 4", "at most 4"),
     ({"mode": "async", "buffer_size": 3, "concurrency": 2}, "fedavg", "buffer_size = 3 > concurrency = 2",
      "buffer_size <= concurrency"),
-    ({"mode": "async", "staleness_exponent": "half"}, "fedavg", "staleness_exponent = 'half'", "exponent"),
+    ({"mode": "async", "staleness_exponent": "half"}, "fedavg", "'staleness_exponent' = 'half' is not float",
+     "exponent"),
     ({"mode": "asynchronous"}, "fedavg", "mode = 'asynchronous': unknown mode", '"async"'),
     ({"buffer_size": 2}, "fedavg", "buffer_size is a setting of asynchronous mode", 'add mode = "async"'),
     ({"mode": "async", "sample": 2}, "fedavg", "sample is for synchronous rounds", "concurrency"),
@@ -68,7 +69,7 @@ def test_privacy_is_refused_in_async_mode() -> None:
 def test_fleet_config_carries_the_async_settings() -> None:
     cfg = parse_fleet({**FLEET, "coordinator": {"mode": "async", "buffer_size": 2, "staleness_weight": "hinge"}})
     assert cfg.asynchronous == AsyncSettings(buffer_size=2, staleness_weight="hinge", fleet_size=4)
-    assert cfg.asynchronous.workers == 4 and parse_fleet(FLEET).asynchronous is None
+    assert cfg.asynchronous.concurrent_devices == 4 and parse_fleet(FLEET).asynchronous is None
     default = parse_fleet({**FLEET, "coordinator": {"mode": "async"}}).asynchronous
     assert default is not None and default.buffer_size == 4  # FedBuff's 10, at most the fleet
 

@@ -55,7 +55,7 @@ class AsyncSettings:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ConfigError(f"[coordinator] {key} = {v!r}: must be an integer >= {low}",
-                                  hint=_HINTS[key])
+                                  hint=ASYNC_HINTS[key])
 
         whole("buffer_size", 1)
         whole("max_staleness", 0)
@@ -76,11 +76,11 @@ class AsyncSettings:
         for key in ("staleness_exponent", "hinge_a", "hinge_b"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                raise ConfigError(f"[coordinator] {key} = {v!r}: must be a number >= 0", hint=_HINTS[key])
+                raise ConfigError(f"[coordinator] {key} = {v!r}: must be a number >= 0", hint=ASYNC_HINTS[key])
 
     @property
-    def workers(self) -> int:
-        """Devices training at once."""
+    def concurrent_devices(self) -> int:
+        """Devices training at once (``concurrency``, else every device; "workers" are aggregation workers)."""
         return self.concurrency or self.fleet_size
 
     def weight(self, staleness: int) -> float:
@@ -102,7 +102,7 @@ class AsyncSettings:
         return sorted(pool[i] for i in rng.choice(len(pool), size=k, replace=False))
 
 
-_HINTS = {
+ASYNC_HINTS = {
     "buffer_size": "buffer_size = K: updates per new global version, e.g. 10",
     "max_staleness": "max_staleness: versions an update may lag behind, e.g. 10 (0: fresh updates only)",
     "concurrency": "concurrency: devices training at once, e.g. 30 (0: every device)",
@@ -135,9 +135,9 @@ def parse_async(table: Mapping[str, Any], *, fleet_size: int, seed: int, source:
         raise ConfigError(f"{where}[coordinator] sample is for synchronous rounds; async mode has concurrency",
                           hint="drop sample and selection; set concurrency = devices training at once")
     values = {k: table[k] for k in given}
-    if "buffer_size" not in values:  # FedBuff's K = 10, or every worker in a smaller fleet
-        workers = values.get("concurrency") or fleet_size
-        values["buffer_size"] = min(10, workers, fleet_size or workers) if isinstance(workers, int) and workers > 0 \
+    if "buffer_size" not in values:  # FedBuff's K = 10, or every device training at once in a smaller fleet
+        at_once = values.get("concurrency") or fleet_size
+        values["buffer_size"] = min(10, at_once, fleet_size or at_once) if isinstance(at_once, int) and at_once > 0 \
             else 10
     try:
         return AsyncSettings(**values, fleet_size=fleet_size, seed=seed)

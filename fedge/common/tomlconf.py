@@ -72,7 +72,8 @@ def build(cls: type[T], data: Any, *, source: str, section: str = "") -> T:
     if not isinstance(data, dict):
         raise ConfigError(f"{where} expected a table, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    # a field computed from the others (init=False) is not a key: naming it in the table is refused too
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = unknown[0]
@@ -83,8 +84,6 @@ def build(cls: type[T], data: Any, *, source: str, section: str = "") -> T:
         )
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
-        if not f.init:
-            continue
         tp = hints[name]
         key = f"{section}.{name}" if section else name
         if name not in data:
@@ -97,7 +96,9 @@ def build(cls: type[T], data: Any, *, source: str, section: str = "") -> T:
             kwargs[name] = build(tp, value, source=source, section=key)
             continue
         if not _type_ok(value, tp):
-            raise ConfigError(f"{where} key {name!r} = {value!r} is not {_describe(tp)}")
+            # a class may say what each key means (KEY_HINTS): the fix names an example
+            hint = getattr(cls, "KEY_HINTS", {}).get(name, "")
+            raise ConfigError(f"{where} key {name!r} = {value!r} is not {_describe(tp)}", hint=hint)
         if get_origin(tp) is tuple or (isinstance(value, list) and tuple in
                                        (get_origin(a) for a in get_args(tp))):
             value = tuple(value)

@@ -15,43 +15,19 @@
 
 Strategies ask for accumulators with :func:`mean`, :class:`GroupedMean` or
 :class:`ClassMean`, passing their ``aggregation``; the rule is chosen in the
-fleet config's ``[coordinator]`` table (see :mod:`fedge.coordinator.config`).
+fleet config's ``[coordinator]`` table (:mod:`fedge.common.coordinator_section`, where :class:`Aggregation`
+lives: the fleet config checks it when it loads).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from fedge.errors import ConfigError
-
-RULES: tuple[str, ...] = ("mean", "trimmed", "median")
-
-
-@dataclass(frozen=True)
-class Aggregation:
-    """How a round's updates are combined (``[coordinator] aggregation``, ``trim``, ``clip``)."""
-
-    rule: str = "mean"  # one of RULES
-    trim: float = 0.2  # trimmed: fraction of the devices cut at each end of every coordinate
-    clip: float = 0.0  # > 0: clip each update's distance from the median to clip x the median distance
-
-    def __post_init__(self) -> None:
-        if self.rule not in RULES:
-            raise ConfigError(f"unknown aggregation {self.rule!r}", hint=f"use one of {', '.join(RULES)}")
-        if not 0 <= self.trim < 0.5:
-            raise ConfigError(f"trim must be in [0, 0.5), got {self.trim}")
-        if self.clip < 0:
-            raise ConfigError(f"clip must be >= 0 (0: off), got {self.clip}")
-
-    @property
-    def robust(self) -> bool:
-        """Whether updates must be kept until the round ends (anything but a plain mean)."""
-        return self.rule != "mean" or self.clip > 0
+from fedge.common.coordinator_section import Aggregation
 
 
 class Accumulator(Protocol):

@@ -14,11 +14,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# Defaults of the scheduling settings when neither a flag nor the fleet's [coordinator] table sets them.
-SCHEDULING_DEFAULTS: dict[str, float] = {
-    "min_devices": 1, "quorum": 0.5, "quorum_timeout_s": 600.0, "deadline_slack": 2.0, "round_timeout_s": 300.0,
-    "min_round_s": 5.0, "max_round_s": 3600.0, "max_update_bytes": 64 * 1024 * 1024,
-}
 # flag dest -> [coordinator] key
 _FLAG_KEYS = {"min_devices": "min_devices", "quorum": "quorum", "quorum_timeout": "quorum_timeout_s",
               "deadline_slack": "deadline_slack", "round_timeout": "round_timeout_s", "min_round": "min_round_s",
@@ -26,17 +21,19 @@ _FLAG_KEYS = {"min_devices": "min_devices", "quorum": "quorum", "quorum_timeout"
               "trim": "trim", "clip": "clip"}
 
 
-def coordinator_settings(args: argparse.Namespace, table: dict[str, Any], source: str) -> Any:
-    """The fleet config's ``[coordinator]`` table with every flag that was given applied over it."""
-    from fedge.common.tomlconf import build
-    from fedge.coordinator.config import CoordinatorSection
+def coordinator_settings(args: argparse.Namespace, section: Any, source: str) -> Any:
+    """The fleet config's ``[coordinator]`` table (a ``CoordinatorSection``) with every flag given applied over it."""
+    from fedge.errors import ConfigError
 
-    merged = dict(table)
-    merged.update({key: getattr(args, dest) for dest, key in _FLAG_KEYS.items() if getattr(args, dest) is not None})
-    return build(CoordinatorSection, merged, source=source, section="coordinator")
+    flags = {key: getattr(args, dest) for dest, key in _FLAG_KEYS.items() if getattr(args, dest, None) is not None}
+    try:
+        return section.override(**flags)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: [coordinator] with the flags: {exc.message}", hint=exc.hint) from exc
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from fedge.coordinator.config import DEFAULT_MAX_UPDATE_BYTES, SERVICE_DEFAULTS
     from fedge.mqtt.flags import add_broker_arguments
 
     c = sub.add_parser("coordinator", help="run the coordinator against an MQTT broker",
@@ -53,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="amqtt (in this process, default) or a mosquitto child process")
     e.add_argument("--port", type=int, default=1883, help="loopback port of the embedded broker (0: any free port)")
     s = r.add_argument_group("scheduling (flags override the fleet config's [coordinator] table)")
-    d = SCHEDULING_DEFAULTS
+    d = SERVICE_DEFAULTS
     s.add_argument("--min-devices", type=int, help=f"devices online before a round starts (default {d['min_devices']})")
     s.add_argument("--quorum", type=float, metavar="FRACTION",
                    help=f"fraction of the fleet's devices online before a round starts (default {d['quorum']})")
@@ -78,8 +75,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     g.add_argument("--clip", type=float, help="clip updates to CLIP x the median distance from the median (0: off)")
     w = r.add_argument_group("wire")
     w.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
-    w.add_argument("--max-update-bytes", type=int, help="refuse larger updates (default 64 MiB; each update is "
-                                                        "also bounded by what its device owes)")
+    w.add_argument("--max-update-bytes", type=int,
+                   help=f"refuse larger updates (default {DEFAULT_MAX_UPDATE_BYTES // 2**20} MiB; each update is "
+                        "also bounded by what its device owes)")
     r.add_argument("--signing-key", metavar="FILE",
                    help="the fleet's Ed25519 key (`fedge broker config --sign` or --mtls: coordinator/signing.key): "
                         "every round descriptor, global state and refusal is signed with it (default: "
@@ -203,32 +201,14 @@ def load_fleet_for(args: argparse.Namespace) -> Any:
 
 def _engine_parts(args: argparse.Namespace, cfg: Any, *, any_device: bool) -> tuple[Any, Any]:
     """The EngineConfig and the strategy a fleet config (and the command's flags) describe."""
-    from fedge.coordinator.config import EngineConfig, slot_checks
+    from fedge.coordinator.config import engine_config
     from fedge.coordinator.service import KEEP_REPORTS
-    from fedge.fleet.config import device_ids
     from fedge.fleet.registry import method_entry
     from fedge.fleet.slots import checked_slots, fleet_classes
 
-    ids = [i for i, _ in device_ids(cfg)]
-    for dest in _FLAG_KEYS:
-        if not hasattr(args, dest):
-            setattr(args, dest, None)
-    section = coordinator_settings(args, cfg.coordinator, cfg.source)
-    d = SCHEDULING_DEFAULTS
-
-    def pick(key: str) -> Any:
-        value = getattr(section, key)
-        return d[key] if value is None else value
-
-    engine_cfg = EngineConfig(
-        fleet=cfg.run.fleet, method=cfg.run.method, expected_devices=len(ids),
-        allowed_devices=None if any_device else frozenset(ids), max_update_bytes=int(pick("max_update_bytes")),
-        min_devices=int(pick("min_devices")), quorum_fraction=pick("quorum"), quorum_timeout_s=pick("quorum_timeout_s"),
-        deadline_slack=pick("deadline_slack"), round_timeout_s=pick("round_timeout_s"), min_round_s=pick("min_round_s"),
-        max_round_s=pick("max_round_s"), keep_reports=KEEP_REPORTS, aggregation=section.aggregation_rule(),
-        # every hello is checked against its device's slot (arch, precision, samples, embedding size)
-        slots=slot_checks(checked_slots(cfg), own_data=cfg.own_data), privacy=cfg.privacy_mechanism,
-        sampling=cfg.sampling, asynchronous=cfg.asynchronous)
+    engine_cfg = engine_config(coordinator_settings(args, cfg.coordinator, cfg.source), fleet=cfg.run.fleet,
+                               method=cfg.run.method, slots=checked_slots(cfg), own_data=cfg.own_data,
+                               privacy=cfg.privacy_mechanism, any_device=any_device, keep_reports=KEEP_REPORTS)
     strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
                                                          rounds=cfg.run.rounds)
     return engine_cfg, strat

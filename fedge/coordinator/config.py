@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from fedge.common.asyncmode import AsyncSettings
+from fedge.common.coordinator_section import DEADLINE_KEYS, QUORUM_KEYS, Aggregation, CoordinatorSection
 from fedge.common.privacy import Mechanism
 from fedge.common.rounds import DeviceInfo
 from fedge.common.sampling import Sampling
-from fedge.coordinator.aggregate import Aggregation
 from fedge.errors import ConfigError
 
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
@@ -123,44 +123,42 @@ class EngineConfig:
             raise ConfigError(f"keep_reports must be >= 0, got {self.keep_reports}")
 
 
-@dataclass(frozen=True)
-class CoordinatorSection:
-    """The fleet config's optional ``[coordinator]`` table; ``fedge coordinator run`` flags override it.
+# `fedge coordinator run`'s waits when neither a flag nor the fleet's [coordinator] table sets them.
+SERVICE_DEFAULTS: dict[str, float] = {
+    "min_devices": 1, "quorum": 0.5, "quorum_timeout_s": 600.0, "deadline_slack": 2.0, "round_timeout_s": 300.0,
+    "min_round_s": 5.0, "max_round_s": 3600.0,
+}
 
-    Unset keys fall back to the command's defaults. Example::
 
-        [coordinator]
-        aggregation = "trimmed"   # mean | trimmed | median
-        trim = 0.2                # trimmed: fraction of the devices cut at each end of every coordinate
-        clip = 2.0                # clip each update to 2 x the median distance from the median (0: off)
-        quorum = 0.8
-        deadline_slack = 3.0
+def engine_config(section: CoordinatorSection, *, fleet: str, method: str, slots: Collection[Slot], own_data: bool,
+                  privacy: Mechanism | None = None, simulated: bool = False, always_online: bool = True,
+                  any_device: bool = False, keep_reports: int = 0) -> EngineConfig:
+    """The round engine's configuration from a fleet config's ``[coordinator]`` table (``section``, flags
+    applied) and its devices' ``slots``: one factory for ``fedge coordinator run`` and ``fedge simulate``, so
+    that aggregation, clipping, the size limit, sampling and asynchronous mode mean the same in both.
+
+    ``simulated``: ``fedge simulate``, whose rounds run on the virtual clock: a deadline or quorum key is refused
+    naming why (:meth:`CoordinatorSection.refuse_in_simulation`), every round waits for every device it expects
+    (the clock's ``deadline_s`` cuts them instead), and with ``always_online`` False (``[clock] availability``)
+    it starts once one device is online. Otherwise the service's waits: the table's, else
+    :data:`SERVICE_DEFAULTS`; ``any_device``: hellos from devices not in ``slots`` are accepted too.
     """
-
-    aggregation: str = "mean"
-    trim: float = 0.2
-    clip: float = 0.0
-    min_devices: int | None = None
-    quorum: float | None = None
-    quorum_timeout_s: float | None = None
-    deadline_slack: float | None = None
-    round_timeout_s: float | None = None
-    min_round_s: float | None = None
-    max_round_s: float | None = None
-    max_update_bytes: int | None = None
-    # client sampling (fedge.common.sampling; the fleet config checks them when it loads)
-    sample: float | None = None
-    selection: str = "available"
-    # asynchronous mode (fedge.common.asyncmode; the fleet config checks them when it loads)
-    mode: str = "sync"
-    buffer_size: int | None = None
-    max_staleness: int | None = None
-    staleness_weight: str | None = None
-    staleness_exponent: float | None = None
-    hinge_a: float | None = None
-    hinge_b: float | None = None
-    concurrency: int | None = None
-
-    def aggregation_rule(self) -> Aggregation:
-        """The :class:`Aggregation` this table selects (validated)."""
-        return Aggregation(self.aggregation, self.trim, self.clip)
+    ids = [s.device_id for s in slots]
+    if simulated:
+        section.refuse_in_simulation()
+        waits: dict[str, Any] = {"min_devices": 0 if always_online else 1}
+    else:
+        given = section.given(DEADLINE_KEYS + QUORUM_KEYS)
+        picked = {k: given.get(k, default) for k, default in SERVICE_DEFAULTS.items()}
+        waits = {"min_devices": int(picked["min_devices"]), "quorum_fraction": picked["quorum"],
+                 "quorum_timeout_s": picked["quorum_timeout_s"], "deadline_slack": picked["deadline_slack"],
+                 "round_timeout_s": picked["round_timeout_s"], "min_round_s": picked["min_round_s"],
+                 "max_round_s": picked["max_round_s"], "expected_devices": len(ids),
+                 "allowed_devices": None if any_device else frozenset(ids)}
+    return EngineConfig(
+        fleet=fleet, method=method, **waits,
+        max_update_bytes=section.max_update_bytes or DEFAULT_MAX_UPDATE_BYTES, keep_reports=keep_reports,
+        aggregation=section.aggregation_rule(),
+        # every hello is checked against its device's slot (arch, precision, samples, embedding size)
+        slots=slot_checks(slots, own_data=own_data), privacy=privacy,
+        sampling=section.sampling, asynchronous=section.asynchronous)

@@ -65,7 +65,7 @@ def assign(engine: RoundEngine, rnd: int, online: set[str], done: Collection[str
     a = engine.config.asynchronous
     assert a is not None
     busy = sum(1 for d in engine.tasks if d in online)
-    free = max(0, a.workers - busy)
+    free = max(0, a.concurrent_devices - busy)
     idle = online - set(engine.tasks)
     started = a.choose(rnd, sorted(idle - set(done)), free)
     if not started and not busy:

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fedge.common.asyncmode import AsyncSettings, parse_async
+from fedge.common.asyncmode import AsyncSettings
 from fedge.common.catalog import DATASETS, NUM_CLASSES
+from fedge.common.coordinator_section import CoordinatorSection
 from fedge.common.preprocess import NORMALIZATION, Normalization
 from fedge.common.privacy import Mechanism, PrivacySettings
-from fedge.common.sampling import Sampling, parse_sampling
+from fedge.common.sampling import Sampling
 from fedge.common.settings import MethodSettings
 from fedge.common.tensorcodec import PRECISIONS
 from fedge.common.tomlconf import build, read_toml
@@ -276,7 +277,8 @@ class FleetConfig:
     partition: PartitionSection = field(default_factory=PartitionSection)
     train: TrainSection = field(default_factory=TrainSection)
     method: dict[str, Any] = field(default_factory=dict)
-    coordinator: dict[str, Any] = field(default_factory=dict)  # parsed by fedge.coordinator.config
+    # [coordinator], typed; sampling and asynchronous mode resolved against the fleet when it loads
+    coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
     data: DataSection = field(default_factory=DataSection)
     privacy: PrivacySettings = field(default_factory=PrivacySettings)  # fedge.common.privacy (issue 18)
     clock: ClockSection = field(default_factory=ClockSection)  # fedge simulate's virtual clock (issue 27)
@@ -290,6 +292,15 @@ class FleetConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method_config", method_entry(self.run.method).parse(self.method))
+        if self.coordinator.mode == "async" and self.privacy.enabled:
+            raise ConfigError('[privacy] with [coordinator] mode = "async": the privacy ledger accounts synchronous '
+                              "rounds, in which a device contributes once per release",
+                              hint='drop mode = "async", or [privacy]')
+        # sampling and asynchronous mode need the fleet's size and seed and its method: resolved here, once
+        # (and again by dataclasses.replace, e.g. another seed)
+        object.__setattr__(self, "coordinator", self.coordinator.resolve(
+            fleet_size=self.num_devices, seed=self.run.seed, async_refusal=self.method_config.async_refusal,
+            method=self.run.method))
 
     @functools.cached_property
     def privacy_mechanism(self) -> Mechanism | None:
@@ -302,10 +313,10 @@ class FleetConfig:
                               hint="leave [privacy] out for this method (docs/privacy.md)")
         return self.privacy.mechanism(stats=stats, num_classes=self.num_classes, rounds=self.run.rounds)
 
-    @functools.cached_property
+    @property
     def sampling(self) -> Sampling | None:
         """``[coordinator] sample`` / ``selection`` (None: every device trains every round); checked at load."""
-        return parse_sampling(self.coordinator, fleet_size=self.num_devices, seed=self.run.seed, source=self.source)
+        return self.coordinator.sampling
 
     @functools.cached_property
     def shard_layout(self) -> list[Shard]:
@@ -314,15 +325,10 @@ class FleetConfig:
             return []
         return resolve_shards(self.shards, [i for i, _ in device_ids(self)], source=self.source)
 
-    @functools.cached_property
+    @property
     def asynchronous(self) -> AsyncSettings | None:
         """``[coordinator] mode = "async"`` and its settings (None: synchronous rounds); checked at load."""
-        if self.coordinator.get("mode") == "async" and self.privacy.enabled:
-            raise ConfigError(f'{self.source}: [privacy] with [coordinator] mode = "async": the privacy ledger '
-                              "accounts synchronous rounds, in which a device contributes once per release",
-                              hint='drop mode = "async", or [privacy]')
-        return parse_async(self.coordinator, fleet_size=self.num_devices, seed=self.run.seed, source=self.source,
-                           refusal=self.method_config.async_refusal, method=self.run.method)
+        return self.coordinator.asynchronous
 
     def check_backend(self) -> None:
         """``[simulation] backend`` against ``[coordinator] mode``: an asynchronous fleet is simulated by the
@@ -393,9 +399,7 @@ def parse_fleet(data: dict[str, Any], *, source: str = "<memory>") -> FleetConfi
                           hint="write one [[shards]] table per broker shard (docs/scale.md)")
     shards = tuple(build(ShardSection, t, source=source, section=f"shards[{i}]") for i, t in enumerate(shard_tables))
     cfg = build(FleetConfig, {**data, "devices": devices, "shards": shards, "source": source}, source=source)
-    cfg.sampling  # noqa: B018  (a bad sample or selection fails now, at load time)
-    cfg.asynchronous  # noqa: B018  (so do bad async settings, and async with a method that cannot run it)
-    cfg.check_backend()  # and async with a parallel simulation backend
+    cfg.check_backend()  # async with a parallel simulation backend fails now, at load time
     cfg.shard_layout  # noqa: B018  (overlapping, unassigned or unknown devices, cycles: refused now)
     if "privacy" in data:
         if not cfg.privacy.enabled:

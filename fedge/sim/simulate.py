@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedge.common.transport import CoordinatorTransport
-from fedge.coordinator.config import slot_checks
-from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
+from fedge.coordinator.config import engine_config
+from fedge.coordinator.engine import RoundEngine, RoundReport
 from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.edge.agent import DeviceAgent
 from fedge.edge.models.checkpoint import save_checkpoint
@@ -113,14 +113,13 @@ def _clock_of(cfg: FleetConfig, coord: CoordinatorTransport, slots: list[DeviceS
 
 
 def _engine(cfg: FleetConfig, strat: Strategy, coord: CoordinatorTransport, slots: list[DeviceSlot]) -> RoundEngine:
-    """The round engine of a simulation; the devices' hellos are checked against the fleet config's
-    slots, as ``fedge coordinator run`` does."""
-    checks = slot_checks(slots, own_data=cfg.own_data)
-    # with availability, a round waits until one device is online (the clock moves to its return)
-    quorum = 0 if cfg.clock.availability == "always" else 1
-    return RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method, slots=checks,
-                                                  privacy=cfg.privacy_mechanism, sampling=cfg.sampling,
-                                                  asynchronous=cfg.asynchronous, min_devices=quorum))
+    """The round engine of a simulation, configured by the factory ``fedge coordinator run`` uses: the same
+    aggregation, clipping, size limit, sampling and asynchronous mode, and the devices' hellos checked
+    against the fleet config's slots. With availability, a round waits until one device is online (the clock
+    moves to its return)."""
+    return RoundEngine(strat, coord, engine_config(
+        cfg.coordinator, fleet=cfg.run.fleet, method=cfg.run.method, slots=slots, own_data=cfg.own_data,
+        privacy=cfg.privacy_mechanism, simulated=True, always_online=cfg.clock.availability == "always"))
 
 
 def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | Path | None = None,
@@ -140,6 +139,7 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
             hint='use backend = "sequential" with --transport mqtt, or --transport inprocess with the '
                  f'{sim.backend} backend (real devices in separate processes: `fedge edge run`, docs/mqtt.md)')
     check_transport(cfg.clock.availability, transport)
+    cfg.coordinator.refuse_in_simulation(cfg.source)  # a wall-clock deadline or quorum: before any work
     cfg.check_backend()  # asynchronous mode: sequential only (again: --backend may have changed it since the load)
     if sim.parallel and (cfg.clock.availability != "always" or cfg.clock.deadline_s):
         key = (f"availability = {cfg.clock.availability!r}" if cfg.clock.availability != "always"
