@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.generative.checkpoint import CHECKPOINT_FILE, PROGRESS_FILE
+from benchmarks.generative.checkpoint import CHECKPOINT_FILE, PROGRESS_FILE, Fork, kept_path
 from benchmarks.generative.runner import run_cell
 from fedge.fleet.config import FleetConfig, load_fleet
 
@@ -98,3 +98,30 @@ def test_a_checkpoint_written_under_other_settings_is_set_aside(tmp_path: Path,
     assert cell["sessions"] == [{"from": 1, "to": 4}]  # started over, not resumed after round 1
     assert "written under other settings" in capsys.readouterr().out
     assert (tmp_path / "cell.stale" / CHECKPOINT_FILE).is_file()
+
+
+def test_a_head_stage_ablation_forked_from_the_base_cell_equals_one_run_from_round_1(tmp_path: Path) -> None:
+    """GeFL-F rows differing only in head-round settings share the warm-up and generator rounds: started from
+    the base cell's kept checkpoint of round 2 (its last shared round), the ablation ends as if run whole."""
+    base = tiny_cell(tmp_path, *GEFLF)
+    base_expect = {"config": dict(base.method), "rounds": 3}
+    base_cell = run_cell(base, checkpoint=tmp_path / "base", expect=base_expect, keep=[2])
+    kept = kept_path(tmp_path / "base", 2)
+    assert kept.is_file() and not (tmp_path / "base").exists()  # the kept round outlives the finished cell
+
+    x3 = tiny_cell(tmp_path, GEFLF[0], GEFLF[1] + "synthetic_ratio = 3.0\n")
+    expect = {"config": dict(x3.method), "rounds": 3}
+    whole = run_cell(x3, checkpoint=tmp_path / "whole", expect=expect)
+    trained: list[int] = []
+    forked = run_cell(x3, checkpoint=tmp_path / "forked", expect=expect, fork=Fork(kept, base_expect),
+                      after_round=trained.append)
+    assert trained == [3, 4]
+    assert forked["sessions"][0]["forked_from"] == kept.name
+    assert without_timing(forked) == without_timing(whole)
+    # ... and the ablation is not the base cell: 3x synthetic samples changed the head rounds
+    assert forked["acc_curve"][:3] == base_cell["acc_curve"][:3] and forked["acc_curve"] != base_cell["acc_curve"]
+    # a kept checkpoint of other settings is not used: the cell starts at round 1
+    trained.clear()
+    run_cell(x3, checkpoint=tmp_path / "other", expect=expect, fork=Fork(kept, {"config": {}}),
+             after_round=trained.append)
+    assert trained == [1, 2, 3, 4]

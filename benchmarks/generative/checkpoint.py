@@ -26,7 +26,8 @@ import logging
 import random
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,8 @@ PROGRESS_FILE = "progress.json"  # a readable summary of the checkpoint: where t
 # A method's attributes not saved: its context (restored piece by piece) and its parsed [method] settings,
 # which the rebuilt fleet has from the config (the same, as ``expect`` checks).
 NOT_SAVED = ("ctx", "settings")
+# A forked cell's method attributes taken from its own settings, not the checkpoint (GeFL's head-stage knobs).
+FORK_FRESH = ("synthetic_epochs", "real_epochs", "synthetic_ratio")
 # The agent's bookkeeping between rounds (the rest of a DeviceAgent is its wiring to the transport).
 AGENT_STATE = ("last_round", "model_round", "traffic", "trained_runs", "_ignored_run", "task_done")
 
@@ -61,13 +64,31 @@ def checkpoint_dir(cell_json: Path) -> Path:
     return cell_json.parent / "ckpt" / cell_json.stem
 
 
-def run_resumable(cfg: FleetConfig, ckpt_dir: Path, expect: dict[str, Any], *,
-                  after_round: Callable[[int], None] | None = None) -> tuple[SimResult, dict[str, Any]]:
+@dataclass(frozen=True)
+class Fork:
+    """Start a cell from another cell's kept checkpoint (``path``, written under ``expect``) instead of round 1:
+    for a row whose settings differ from that cell's only in what the rounds after it use (rows.py checks)."""
+
+    path: Path
+    expect: dict[str, Any]
+
+
+def kept_path(ckpt_dir: Path, rnd: int) -> Path:
+    """Where a cell keeps its round-``rnd`` checkpoint for forks: beside its checkpoint directory, so it stays
+    when the cell finishes."""
+    return ckpt_dir.with_name(f"{ckpt_dir.name}@r{rnd}.pt")
+
+
+def run_resumable(cfg: FleetConfig, ckpt_dir: Path, expect: dict[str, Any], *, keep: Collection[int] = (),
+                  fork: Fork | None = None, after_round: Callable[[int], None] | None = None,
+                  ) -> tuple[SimResult, dict[str, Any]]:
     """Simulate ``cfg`` (sequential, in process), checkpointing into ``ckpt_dir`` after every round and resuming
     from it; returns the result and the sessions' record (``{"sessions": [{"from": r0, "to": r1}, ...]}``).
 
-    ``expect`` identifies the settings (a checkpoint written under others is set aside). ``after_round(rnd)``
-    is called once round ``rnd``'s checkpoint is on disk (a test stops the run there).
+    ``expect`` identifies the settings (a checkpoint written under others is set aside). The checkpoints of the
+    rounds in ``keep`` are also kept (:func:`kept_path`); with no checkpoint of its own, a cell starts from
+    ``fork``'s if there is one. ``after_round(rnd)`` is called once round ``rnd``'s checkpoint is on disk (a test
+    stops the run there).
     """
     if cfg.simulation.parallel:
         raise ValueError("a resumable cell runs sequentially: set [simulation] backend = \"sequential\"")
@@ -76,18 +97,23 @@ def run_resumable(cfg: FleetConfig, ckpt_dir: Path, expect: dict[str, Any], *,
     coord, agents, cleanup = transport_runner("inprocess")(cfg, devices)
     try:
         engine = _engine(cfg, strat, coord, checked_slots(cfg))
-        saved = _load(ckpt_dir, expect)
+        saved = _load(ckpt_dir / CHECKPOINT_FILE, expect)
+        forked = saved is None and fork is not None and (saved := _load(fork.path, fork.expect)) is not None
         spent, sessions = 0.0, []
         if saved is not None:
-            _restore(saved, engine, devices, agents, coord)
+            _restore(saved, engine, devices, agents, coord, forked=forked)
             spent, sessions = saved["wall_seconds"], saved["sessions"]
-            log.info("%s: resuming after round %d", ckpt_dir, engine.completed)
+            if forked:
+                sessions = [{**sessions[0], "forked_from": fork.path.name if fork else ""}, *sessions[1:]]
+            log.info("%s: resuming after round %d%s", ckpt_dir, engine.completed, " (forked)" if forked else "")
         sessions.append({"from": engine.completed + 1, "to": engine.completed})
         bias = spent - t0  # wall seconds of the cell so far = time.perf_counter() + bias
 
         def on_round(report: RoundReport) -> None:
             sessions[-1]["to"] = report.round
             _save(ckpt_dir, expect, engine, devices, agents, coord, time.perf_counter() + bias, sessions)
+            if report.round in keep:
+                shutil.copyfile(ckpt_dir / CHECKPOINT_FILE, kept_path(ckpt_dir, report.round))
             if after_round is not None:
                 after_round(report.round)
 
@@ -135,39 +161,42 @@ def _save(ckpt_dir: Path, expect: dict[str, Any], engine: RoundEngine, devices: 
     torch.save(state, buf)
     write_atomic(ckpt_dir / CHECKPOINT_FILE, buf.getvalue())
     del buf
-    accs = [m["acc_global"] for r in engine.reports for m in r.metrics.values() if "acc_global" in m]
-    last = next((r for r in reversed(engine.reports) if r.metrics), None)
+    evals = [(r.round, [m["acc_global"] for m in r.metrics.values() if "acc_global" in m]) for r in engine.reports]
+    last = next(((rnd, accs) for rnd, accs in reversed(evals) if accs), None)
     progress = {"completed": engine.completed, "total": engine.strategy.total_rounds(),
-                "phase": engine.reports[-1].phase,
-                "wall_seconds": round(wall, 1), "sessions": sessions, "expect": expect,
-                "mean_acc_global_last_eval": (float(np.mean([m["acc_global"] for m in last.metrics.values()
-                                                             if "acc_global" in m])) if last and accs else None),
-                "last_eval_round": last.round if last else None}
+                "phase": engine.reports[-1].phase, "wall_seconds": round(wall, 1), "sessions": sessions,
+                "expect": expect, "last_eval_round": last[0] if last else None,
+                "mean_acc_global_last_eval": float(np.mean(last[1])) if last else None}
     write_atomic(ckpt_dir / PROGRESS_FILE, json.dumps(progress, indent=1).encode(), durable=False)
 
 
-def _load(ckpt_dir: Path, expect: dict[str, Any]) -> dict[str, Any] | None:
-    path = ckpt_dir / CHECKPOINT_FILE
+def _load(path: Path, expect: dict[str, Any]) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     # our own file, holding pickled fedge objects (not only tensors): weights_only cannot load it
     saved: dict[str, Any] = torch.load(path, weights_only=False)
     if saved.get("expect") != expect:
-        stale = ckpt_dir.with_name(ckpt_dir.name + ".stale")
+        if path.name != CHECKPOINT_FILE:  # another cell's kept checkpoint: not ours to move
+            print(f"{path}: written under other settings; not used", flush=True)
+            return None
+        stale = path.parent.with_name(path.parent.name + ".stale")
         shutil.rmtree(stale, ignore_errors=True)
-        ckpt_dir.rename(stale)
+        path.parent.rename(stale)
         print(f"{path}: written under other settings; moved to {stale}, the cell starts over", flush=True)
         return None
     return saved
 
 
 def _restore(saved: dict[str, Any], engine: RoundEngine, devices: list[SimDevice], agents: list[DeviceAgent],
-             coord: Any) -> None:
+             coord: Any, *, forked: bool = False) -> None:
     engine._resume(saved["engine"])  # the engine's own restart path (as from its state directory)
     for d, agent in zip(devices, agents, strict=True):
         s = saved["devices"][d.info.device_id]
         ctx = d.method.ctx
+        # a fork keeps the settings its own config gave the method (those it may change: rows.FORKABLE)
+        fresh = {k: getattr(d.method, k) for k in FORK_FRESH if forked and hasattr(d.method, k)}
         vars(d.method).update(s["method"])
+        vars(d.method).update(fresh)
         ctx.model, ctx.rng = s["model"], s["rng"]
         ctx.torch_gen.set_state(s["torch_gen"])
         for k, v in s["agent"].items():

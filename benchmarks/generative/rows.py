@@ -31,6 +31,23 @@ class Method:
     config: dict[str, Any]
     rounds: int
     shares_features: bool = False
+    # A row that shares its first rounds with another (its key): it may start from that row's checkpoint of
+    # the last shared round (issue 43; ``fork_round`` checks that only later rounds differ).
+    fork: str | None = None
+
+
+# [method] keys that only GeFL-F's head rounds read: rows differing in nothing else share every earlier round.
+FORKABLE = ("synthetic_ratio", "synthetic_epochs", "real_epochs")
+
+
+def fork_round(m: Method, base: Method) -> int:
+    """The last round row ``m`` shares with ``base``: GeFL-F's warm-up and generator rounds, when the two
+    differ only in :data:`FORKABLE` keys and their round counts; else :class:`ValueError`."""
+    differ = {k for k in {*m.config, *base.config} if m.config.get(k) != base.config.get(k)}
+    if m.method != "geflf" or base.method != "geflf" or m.rounds != base.rounds or not differ <= set(FORKABLE):
+        raise ValueError(f"row {m.key} cannot fork from {base.key}: only GeFL-F rows with the same rounds that "
+                         f"differ in {', '.join(FORKABLE)} can (they differ in {sorted(differ)})")
+    return int(m.config.get("warmup_rounds", 20)) + int(m.config.get("gen_rounds", 100))
 
 
 def table1_methods(published: bool, quick: bool = False) -> dict[str, Method]:
@@ -73,7 +90,7 @@ def _table1_rows(published: bool, quick: bool = False) -> dict[str, Method]:
         # federated CVAE-F: +0.9 over 1×; docs/methods.md).
         Method("geflf-cvae-x3", "GeFL-F, CVAE-F (small), 3× synthetic", "geflf",
                {"generator": "cvae", "generator_tier": "small", "warmup_rounds": warm, "gen_rounds": gen_r,
-                "gen_epochs": gen_e, "synthetic_ratio": 3.0}, warm + gen_r + train),
+                "gen_epochs": gen_e, "synthetic_ratio": 3.0}, warm + gen_r + train, fork="geflf-cvae"),
         Method("fedvtc", f"FedVTC (VTC {vtc['generator_tier']}, p = 64)", "fedvtc", vtc, train,
                shares_features=True),
         # Issue 43's ablations of GeFL-F (one knob each against geflf-cvae): the paper-size CVAE-F (≈ 5.6 M
@@ -81,7 +98,8 @@ def _table1_rows(published: bool, quick: bool = False) -> dict[str, Method]:
         # epochs in the head stage, a warm-up twice as long.
         *(Method(f"geflf-cvae-{suffix}", f"GeFL-F, CVAE-F ({tier}), {label}", "geflf",
                  {"generator": "cvae", "generator_tier": tier, "warmup_rounds": w, "gen_rounds": gen_r,
-                  "gen_epochs": gen_e, **extra}, w + gen_r + train)
+                  "gen_epochs": gen_e, **extra}, w + gen_r + train,
+                 fork="geflf-cvae" if set(extra) <= set(FORKABLE) and extra else None)
           for suffix, tier, label, w, extra in (
               ("paper", "paper", "5.6 M parameters", warm, {}),
               ("ts2", "small", "T_s = 2", warm, {"synthetic_epochs": 2}),

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS, cached_cell, load_cell
-from benchmarks.generative.checkpoint import checkpoint_dir, discard, run_resumable
+from benchmarks.generative.checkpoint import Fork, checkpoint_dir, discard, kept_path, run_resumable
 from benchmarks.generative.quality import synthetic_accuracy
-from benchmarks.generative.rows import Method
+from benchmarks.generative.rows import Method, fork_round
 from fedge.fleet.config import FleetConfig
 from fedge.sim.report import GUARD_KINDS, build_results
 from fedge.sim.simulate import simulate
@@ -45,13 +45,14 @@ def init_of(cfg: FleetConfig) -> str:
 
 
 def run_cell(cfg: FleetConfig, precision: str | None = None, *, checkpoint: Path | None = None,
-             expect: dict[str, Any] | None = None, after_round: Callable[[int], None] | None = None,
-             ) -> dict[str, Any]:
+             expect: dict[str, Any] | None = None, keep: Collection[int] = (), fork: Fork | None = None,
+             after_round: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Simulate one cell and keep what the tables report (accuracies, bytes, the accuracy curve, wall time).
 
     With ``checkpoint`` (a directory) the cell checkpoints there after every round and resumes from it
     (``expect``: the settings the checkpoint must have been written under; ``after_round``: called after each
-    round's checkpoint); the checkpoint is removed once the cell's figures are made. ``wall_seconds`` is then
+    round's checkpoint; ``keep``, ``fork``: :func:`~benchmarks.generative.checkpoint.run_resumable`'s); the
+    checkpoint is removed once the cell's figures are made. ``wall_seconds`` is then
     the sum over the sessions, and ``sessions`` says which rounds each one ran.
     """
     t0 = time.perf_counter()
@@ -60,8 +61,8 @@ def run_cell(cfg: FleetConfig, precision: str | None = None, *, checkpoint: Path
         res = simulate(with_precision(cfg, precision))
         wall = time.perf_counter() - t0
     else:
-        res, sessions = run_resumable(with_precision(cfg, precision), checkpoint, expect or {},
-                                      after_round=after_round)
+        res, sessions = run_resumable(with_precision(cfg, precision), checkpoint, expect or {}, keep=keep,
+                                      fork=fork, after_round=after_round)
         wall = res.seconds
     out = build_results(res)
     rounds = cfg.run.rounds
@@ -101,29 +102,44 @@ def collect(table: str, methods: dict[str, Method], keys: list[str], seeds: list
             make: Make, *, tag: str = "", force: bool = False,
             report_only: bool = False) -> dict[str, list[dict]]:
     """Every (method, seed) cell of a table: loaded if saved with the same settings, else computed
-    (``report_only``: skipped). ``make`` gives a row's fleet config and upload precision for a seed."""
+    (``report_only``: skipped). ``make`` gives a row's fleet config and upload precision for a seed.
+
+    A row with ``fork`` starts from its base row's checkpoint of the last round they share, when the base
+    cell has kept one (it keeps the rounds any row of ``methods`` forks at), else from round 1."""
     cells: dict[str, list[dict]] = {}
     before: dict[str, list[dict]] = {}  # report only: cells of averaging rows measured before issue 25
-    for key in keys:
+
+    def cell(key: str, seed: int) -> tuple[Path, FleetConfig, str | None, dict[str, Any]]:
         m = methods[key]
+        cfg, prec = make(m, seed)
+        expect = {"config": dict(cfg.method), "rounds": cfg.run.rounds, "precision": prec or "plan"}
+        if cfg.method_config.shared_start().shared:
+            expect["init"] = init_of(cfg)  # cells of averaging rows measured before issue 25 are stale
+        return OUT / table / f"{key}{tag}-s{seed}-r{m.rounds}.json", cfg, prec, expect
+
+    for key in keys:
+        keep = [fork_round(f, methods[key]) for f in methods.values() if f.fork == key]
         for seed in seeds:
-            path = OUT / table / f"{key}{tag}-s{seed}-r{m.rounds}.json"
-            cfg, prec = make(m, seed)
-            expect = {"config": dict(cfg.method), "rounds": cfg.run.rounds, "precision": prec or "plan"}
-            if cfg.method_config.shared_start().shared:
-                expect["init"] = init_of(cfg)  # cells of averaging rows measured before issue 25 are stale
+            path, cfg, prec, expect = cell(key, seed)
             if report_only:
-                if (cell := load_cell(path, expect)) is not None:
-                    cells.setdefault(key, []).append(cell)
+                if (done := load_cell(path, expect)) is not None:
+                    cells.setdefault(key, []).append(done)
                 elif "init" in expect and (old := load_cell(path, _without(expect, "init"))) is not None:
                     before.setdefault(key, []).append({**old, BEFORE_SHARED_START: True})
                 continue
+            fork = None
+            if (base := methods[key].fork) is not None:
+                base_path, _, _, base_expect = cell(base, seed)
+                fork = Fork(kept_path(checkpoint_dir(base_path), fork_round(methods[key], methods[base])),
+                            base_expect)
+
             ckpt = checkpoint_dir(path)
 
             def compute(c: FleetConfig = cfg, p: str | None = prec, label: str = f"{table} {key}{tag} seed {seed}",
-                        ckpt: Path = ckpt, e: dict[str, Any] = expect) -> dict[str, Any]:
+                        ckpt: Path = ckpt, e: dict[str, Any] = expect, k: list[int] = keep,
+                        f: Fork | None = fork) -> dict[str, Any]:
                 print(f"[{time.strftime('%H:%M:%S')}] {label} ...", flush=True)  # only cells actually run
-                return run_cell(c, p, checkpoint=ckpt, expect=e)
+                return run_cell(c, p, checkpoint=ckpt, expect=e, keep=k, fork=f)
 
             cells.setdefault(key, []).append(cached_cell(path, compute, force=force, expect=expect))
     # A row not yet re-measured since issue 25 is shown from its old cells, marked; a row with any new
