@@ -106,9 +106,7 @@ def test_the_dashboard_of_a_live_fleet_in_chromium(tmp_path: Path, mosquitto: Mo
         runner.start()
         assert gate.reached.wait(180), "round 2 never finished"
         # the live page, held after round 2: rpi4-2gb-2 was killed after round 1, x86-gateway-1 refused
-        t0 = time.perf_counter()
-        browser.get(server.url + "/")
-        load_s = time.perf_counter() - t0
+        browser.get(server.url + "/")  # how fast it loads is a benchmark's question, not this test's
         first_version = browser.find_element(By.ID, "live").get_attribute("data-version")
         deadline = time.time() + 30
         while time.time() < deadline:  # heartbeats (1 s after start) and the killed device's last-will
@@ -123,7 +121,6 @@ def test_the_dashboard_of_a_live_fleet_in_chromium(tmp_path: Path, mosquitto: Mo
         png = browser.get_screenshot_as_png()
         (screenshot_dir(tmp_path) / "dashboard_live.png").write_bytes(png)
         assert_not_blank(png)
-        assert load_s < 5
         # it refreshes itself: the next heartbeats (every 10 s) change the view, and the page shows the new one
         deadline = time.time() + 25
         def version() -> str:

@@ -30,6 +30,7 @@ from fedge.edge.methods.fedavg import FedAvgDevice
 from fedge.errors import ConfigError, FedgeError
 from fedge.fleet.config import FleetConfig, parse_fleet
 from fedge.fleet.registry import METHODS, MethodEntry, register_method
+from fedge.sim.parallel import RoundTiming
 from fedge.sim.report import build_results
 from fedge.sim.simulate import SimResult, simulate
 
@@ -384,15 +385,25 @@ def test_a_misplaced_fleet_is_rebalanced_by_measured_seconds(sequential_fedavg: 
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """An estimate that is badly off (device 1 as costly as the rest together) puts one device on worker 0
     and three on worker 1; after round 1 the driver places them again by the seconds each took, moves
-    devices with their whole state, and every figure still equals the sequential run's."""
+    devices with their whole state, and every figure still equals the sequential run's. The seconds are
+    injected (one CPU second per device): what the machine measures under load decides nothing here."""
     monkeypatch.setattr("fedge.sim.parallel.estimated_cost", lambda cfg, slot: 100.0 if slot.index == 0 else 1.0)
+    measured: list[dict[str, float | None]] = []
+
+    def one_second_each(timing: RoundTiming) -> dict[str, float | None]:
+        measured.append(dict(timing.device_cpu_s))
+        return dict.fromkeys(timing.device_cpu_s, 1.0)
+
+    monkeypatch.setattr("fedge.sim.parallel.measured_costs", one_second_each)
     par = simulate(on(fleet(), "process"))
     sim = build_results(par)["simulation"]
     ids = [d.info.device_id for d in sequential_fedavg.devices]
     assert sim["placement"] == [ids[:1], ids[1:]]
     (m,) = sim["migrations"]  # once for the training phase, before round 2
     assert m["before_round"] == 2 and m["moved"] and m["bytes"] > 0
-    assert m["predicted_cpu_s"] < m["busiest_worker_cpu_s"]
+    # three devices of one second on worker 1 before, two per worker after
+    assert (m["busiest_worker_cpu_s"], m["predicted_cpu_s"]) == (3.0, 2.0)
+    assert len(measured) == 1 and sorted(measured[0]) == sorted(ids)  # the workers measured every device
     assert sorted(len(p) for p in sim["final_placement"]) == [2, 2]
     assert_identical(sequential_fedavg, par)
 

@@ -87,6 +87,12 @@ def place(costs: list[float], workers: int) -> list[list[int]]:
     return [sorted(p) for p in pinned if p]
 
 
+def measured_costs(timing: RoundTiming) -> dict[str, float | None]:
+    """What a rebalance places the devices by, from a round's timing: the CPU seconds each device took in it
+    (None: not measured). The one place the decision reads a clock, so a test passes its own seconds."""
+    return dict(timing.device_cpu_s)
+
+
 def rebalance(costs: dict[int, float], placement: list[list[int]], live: list[int], *,
               min_gain: float = MIN_GAIN) -> list[list[int]] | None:
     """The live workers' devices placed again by ``costs`` (device index -> seconds it took), or None
@@ -310,7 +316,8 @@ class ParallelFleet:
             return
         self._phases_balanced.add(phase)
         live = self._live_workers()
-        costs = {i: last.device_cpu_s.get(self.slots[i].device_id) for w in live for i in self.placement[w]}
+        seconds = measured_costs(last)
+        costs = {i: seconds.get(self.slots[i].device_id) for w in live for i in self.placement[w]}
         if len(live) < 2 or any(c is None for c in costs.values()):
             return
         measured = {i: float(c) for i, c in costs.items() if c is not None}
