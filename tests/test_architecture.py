@@ -113,3 +113,60 @@ def test_no_module_imports_a_circle() -> None:
         if module not in state:
             visit(module, [module])
     assert circles == [], "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+# -- the package table names every module -----------------------------------------------------------------------
+
+def table_rows(text: str) -> dict[str, set[str]]:
+    """docs/architecture.md's package table: package -> every name its row writes in backticks (``models``,
+    ``strategies/`` and ``fedge.x.y``'s last part too)."""
+    rows: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        m = re.match(r"\| `(fedge\.\w+)` \| (.*) \|$", line)
+        if m:
+            names = set(re.findall(r"`([\w./]+)`", m.group(2)))
+            rows[m.group(1)] = names | {n.rstrip("/").rsplit(".", 1)[-1] for n in names}
+    return rows
+
+
+def package_modules(root: Path) -> dict[str, set[str]]:
+    """Every package directly under ``root`` (fedge/): its modules and sub-packages, by name."""
+    return {f"fedge.{pkg.name}": {p.stem for p in pkg.glob("*.py") if p.stem != "__init__"}
+            | {p.name for p in pkg.iterdir() if (p / "__init__.py").is_file()}
+            for pkg in sorted(root.iterdir()) if (pkg / "__init__.py").is_file()}
+
+
+def unnamed(rows: dict[str, set[str]], packages: dict[str, set[str]]) -> list[str]:
+    """The packages without a row, and the modules their row does not name."""
+    out = [f"{pkg} (no row)" for pkg in packages if pkg not in rows]
+    out += [f"{pkg}.{m}" for pkg, mods in packages.items() if pkg in rows for m in sorted(mods - rows[pkg])]
+    return out
+
+
+def test_the_package_table_names_every_module() -> None:
+    rows = table_rows((ROOT / "docs" / "architecture.md").read_text())
+    packages = package_modules(ROOT / "fedge")
+    assert len(packages) > 10 and len(rows) > 10  # the parsers found the real thing
+    missing = unnamed(rows, packages)
+    assert missing == [], ("docs/architecture.md's package table does not name " + ", ".join(missing)
+                           + ": add each to its package's row, with what it holds")
+
+
+def test_the_table_check_fails_for_a_missing_module(tmp_path: Path) -> None:
+    for name in ("alpha.py", "beta.py", "__init__.py", "sub/__init__.py"):
+        (tmp_path / "pkg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pkg" / name).write_text("")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "__init__.py").write_text("")
+    packages = package_modules(tmp_path)
+    assert packages == {"fedge.other": set(), "fedge.pkg": {"alpha", "beta", "sub"}}
+    rows = table_rows("| package | holds |\n|---|---|\n| `fedge.pkg` | `alpha` (a), `fedge.pkg.sub` (s) |\n")
+    assert unnamed(rows, packages) == ["fedge.other (no row)", "fedge.pkg.beta"]
+
+
+def test_the_readme_layout_names_every_package() -> None:
+    readme = (ROOT / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    listed = set(re.findall(r"fedge/(\w+)/", layout))
+    missing = sorted(set(p.removeprefix("fedge.") for p in package_modules(ROOT / "fedge")) - listed)
+    assert missing == [], f"README's layout does not list fedge/{{{', '.join(missing)}}}/"
