@@ -56,6 +56,13 @@ class PrivacySettings:
     sigma_clip: float = 1.0
     budget: float | None = None
     on_budget: Literal["stop", "warn"] = "stop"
+    # Secure aggregation (fedge.secagg, docs/security.md#secure-aggregation): the coordinator learns only each
+    # group's sum. 0 for threshold, neighbours and field_bits: chosen from each group's size.
+    secure_aggregation: bool = False
+    threshold: int = 0  # shares that recover a device's secrets (0: a majority of its neighbours + itself)
+    neighbours: int = 0  # per device (0: 8 ⌈log2 n⌉, capped at n − 1)
+    clipping_range: float = 8.0  # every summed value is clipped to [-clipping_range, clipping_range] on the device
+    field_bits: int = 0  # the sum is taken mod 2^field_bits (0: 32 or 64, from the group size)
 
     def __post_init__(self) -> None:
         if self.noise_multiplier is not None and self.epsilon is not None:
@@ -78,6 +85,19 @@ class PrivacySettings:
                                   hint="the L2 bound of each uploaded vector (see docs/privacy.md for typical norms)")
         if self.budget is not None and not (math.isfinite(self.budget) and self.budget > 0):
             raise ConfigError(f"[privacy] budget must be a finite number > 0, got {self.budget}")
+        for key in ("threshold", "neighbours"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"[privacy] {key} must be >= 0 (0: chosen from the group size), "
+                                  f"got {getattr(self, key)}")
+        if self.threshold == 1:
+            raise ConfigError("[privacy] threshold = 1 would let any one share reveal a device's secrets",
+                              hint="use 0 (a majority of each neighbourhood) or at least 2")
+        if not (math.isfinite(self.clipping_range) and self.clipping_range > 0):
+            raise ConfigError(f"[privacy] clipping_range must be a finite number > 0, got {self.clipping_range}",
+                              hint="each summed value is clipped to ±clipping_range on the device; the default is 8")
+        if self.field_bits != 0 and not 16 <= self.field_bits <= 64:
+            raise ConfigError(f"[privacy] field_bits must be 0 (chosen from the group size) or in [16, 64], "
+                              f"got {self.field_bits}")
 
     @property
     def enabled(self) -> bool:

@@ -52,6 +52,14 @@ class WeightedMean:
             self.sums[k] = contrib if acc is None else acc + contrib
         self.weight += weight
 
+    def add_sum(self, sums: Mapping[str, np.ndarray], weight: float) -> None:
+        """Fold in arrays already summed with their weights (a secure group sum): ``sums[k]`` = Σ w_i x_i and
+        ``weight`` = Σ w_i."""
+        for k, v in sums.items():
+            acc = self.sums.get(k)
+            self.sums[k] = np.array(v, dtype=np.float64) if acc is None else acc + v
+        self.weight += weight
+
     def __bool__(self) -> bool:
         return self.weight > 0
 
@@ -165,6 +173,14 @@ class GroupedMean:
         if acc is None:
             acc = self.groups[group] = mean(self.aggregation)
         acc.add(arrays, weight)
+
+    def add_sum(self, group: str, sums: Mapping[str, np.ndarray], weight: float) -> None:
+        """Fold a group's secure sum in (:meth:`WeightedMean.add_sum`; a plain mean only)."""
+        acc = self.groups.get(group)
+        if acc is None:
+            acc = self.groups[group] = mean(self.aggregation)
+        assert isinstance(acc, WeightedMean), "a robust rule needs every device's update, not a sum"
+        acc.add_sum(sums, weight)
 
     def results(self) -> dict[str, dict[str, np.ndarray]]:
         return {g: m.result() for g, m in self.groups.items() if m}

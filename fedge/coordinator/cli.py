@@ -203,8 +203,14 @@ def _engine_parts(args: argparse.Namespace, cfg: Any, *, any_device: bool) -> tu
     """The EngineConfig and the strategy a fleet config (and the command's flags) describe."""
     from fedge.coordinator.config import engine_config
     from fedge.coordinator.service import KEEP_REPORTS
+    from fedge.errors import ConfigError
     from fedge.fleet.registry import method_entry
     from fedge.fleet.slots import checked_slots, fleet_classes
+
+    if cfg.privacy.secure_aggregation:
+        raise ConfigError(f"{cfg.source}: [privacy] secure_aggregation runs in `fedge simulate` (in-process) only; "
+                          "over MQTT it is not built yet, and a coordinator must not run it as a plain round",
+                          hint="leave secure_aggregation out of this fleet config (docs/security.md)")
 
     engine_cfg = engine_config(coordinator_settings(args, cfg.coordinator, cfg.source), fleet=cfg.run.fleet,
                                method=cfg.run.method, slots=checked_slots(cfg), own_data=cfg.own_data,

@@ -232,7 +232,7 @@ class RoundEngine:
         self._notify("round_started", info, frozenset(expected), pending)
 
         def accept(up: Admitted) -> None:
-            if not info.is_final:
+            if not info.is_final and not self.strategy.secure_sums:  # secure: accumulate_group_sum instead
                 self.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
             record_admitted(report, up)
 

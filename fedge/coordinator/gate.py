@@ -353,7 +353,8 @@ class UpdateGate:
         if msg.msg_id in self._recent_ids or msg.msg_id in self._previous_ids or msg.msg_id in self._async_ids:
             raise Rejected("replay", f"{msg.sender} reused message id {msg.msg_id}")
         device = self.devices[msg.sender]
-        spec = {} if self._final else self.strategy.expected_update(device, rnd)
+        # final rounds and secure rounds (the values travel as a secure group sum, fedge.secagg): metrics only
+        spec = {} if self._final or self.strategy.secure_sums else self.strategy.expected_update(device, rnd)
         if spec is None:
             raise Rejected("schema", f"the {self.config.method} coordinator declares no update schema for "
                                      f"{msg.sender} in round {rnd}")

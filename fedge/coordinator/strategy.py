@@ -12,6 +12,7 @@ from fedge.common.asyncmode import AsyncSettings
 from fedge.common.rounds import TRAIN_PHASE, DeviceInfo
 from fedge.common.settings import MethodName, MethodSettings
 from fedge.coordinator.aggregate import Aggregation
+from fedge.errors import ConfigError
 
 Arrays = dict[str, np.ndarray]
 
@@ -85,6 +86,9 @@ class Strategy(ABC):
     # round can be aggregated in parts (aggregation workers, relays) and merged exactly
     # (fedge.coordinator.partial). None: this method's coordinator half cannot be split.
     partial_fields: ClassVar[tuple[str, ...] | None] = None
+    # Secure aggregation ([privacy] secure_aggregation, fedge.secagg): when set, the round's updates carry metrics
+    # only (the engine does not call accumulate) and each group's unmasked sum arrives in accumulate_group_sum.
+    secure_sums: bool = False
 
     def __init__(self, settings: MethodSettings | None = None, *, num_classes: int, rounds: int) -> None:
         self.settings = self.settings_type.given(settings, type(self).__name__)
@@ -109,6 +113,12 @@ class Strategy(ABC):
     @abstractmethod
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
         """Fold one validated update into the running aggregate."""
+
+    def accumulate_group_sum(self, group: str, sums: Arrays) -> None:
+        """Fold in one group's secure sum: the terms of :mod:`fedge.secagg.terms` summed over the devices whose
+        masked input arrived. The one place a strategy receives what secure aggregation unmasks."""
+        raise ConfigError(f"method {self.name!r} cannot aggregate secure sums",
+                          hint="leave [privacy] secure_aggregation out for this method (docs/security.md)")
 
     @abstractmethod
     def finish_round(self, rnd: int) -> dict[str, Arrays]:

@@ -36,6 +36,7 @@ from fedge.common.tomlconf import build, read_toml
 from fedge.errors import ConfigError
 from fedge.fleet.registry import method_entry
 from fedge.fleet.shards import Shard, ShardSection, resolve_shards
+from fedge.secagg.terms import refusal as secure_refusal
 
 
 @dataclass(frozen=True)
@@ -402,10 +403,17 @@ def parse_fleet(data: dict[str, Any], *, source: str = "<memory>") -> FleetConfi
     cfg.check_backend()  # async with a parallel simulation backend fails now, at load time
     cfg.shard_layout  # noqa: B018  (overlapping, unassigned or unknown devices, cycles: refused now)
     if "privacy" in data:
-        if not cfg.privacy.enabled:
+        if not cfg.privacy.enabled and not cfg.privacy.secure_aggregation:
             raise ConfigError(f"{source}: [privacy] sets neither noise_multiplier nor epsilon",
-                              hint="add `epsilon = 4` (total ε of the run) or `noise_multiplier = 1.0`")
+                              hint="add `epsilon = 4` (total ε of the run), `noise_multiplier = 1.0`, or "
+                                   "`secure_aggregation = true`")
         cfg.privacy_mechanism  # noqa: B018  (a method without statistics fails now, at load time)
+        if cfg.privacy.secure_aggregation:  # what cannot run on masked sums is refused now (fedge.secagg.terms)
+            why = secure_refusal(cfg.run.method, robust=cfg.coordinator.aggregation_rule().robust,
+                                 asynchronous=cfg.coordinator.mode == "async")
+            if why:
+                raise ConfigError(f"{source}: [privacy] secure_aggregation: {why}",
+                                  hint="leave secure_aggregation out, or change what the message names")
     return cfg
 
 

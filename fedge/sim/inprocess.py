@@ -49,4 +49,9 @@ def run_inprocess(cfg: FleetConfig, devices: list[SimDevice]) -> tuple[Coordinat
         c.work = dataclasses.replace(c.work, eval_samples=tested)
     if cfg.asynchronous is not None:  # [coordinator] mode = "async": events in virtual time
         return AsyncClockedTransport(bus, agents, clock), agents, lambda: None
+    if cfg.privacy.secure_aggregation:  # each group's values summed securely (fedge.sim.secure)
+        from fedge.sim.secure import SecureClockedTransport
+
+        return (SecureClockedTransport(bus, agents, clock, final_round=cfg.run.rounds + 1, method=cfg.run.method,
+                                       settings=cfg.privacy, seed=cfg.run.seed), agents, lambda: None)
     return ClockedCoordinatorTransport(bus, agents, clock, final_round=cfg.run.rounds + 1), agents, lambda: None

@@ -90,6 +90,9 @@ def _run_rounds(cfg: FleetConfig, devices: list[SimDevice], strat: Strategy, *, 
         check_transport(cfg.clock.availability, transport)
         connect = transport_runner(transport)
     coord, agents, cleanup = connect(cfg, devices)
+    bind = getattr(coord, "bind_strategy", None)  # secure aggregation: the group sums go to the strategy
+    if bind is not None:
+        bind(strat)
     try:
         slots = checked_slots(cfg)
         engine = _engine(cfg, strat, coord, slots)
@@ -140,6 +143,11 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
                  f'{sim.backend} backend (real devices in separate processes: `fedge edge run`, docs/mqtt.md)')
     check_transport(cfg.clock.availability, transport)
     cfg.coordinator.refuse_in_simulation(cfg.source)  # a wall-clock deadline or quorum: before any work
+    if cfg.privacy.secure_aggregation and (transport != "inprocess" or sim.parallel):
+        raise ConfigError(f"[privacy] secure_aggregation runs in the in-process simulation with the sequential "
+                          f"backend only (here: --transport {transport}, backend {sim.backend!r}); over MQTT and in "
+                          "worker processes it is not built yet",
+                          hint='use --transport inprocess and [simulation] backend = "sequential"')
     cfg.check_backend()  # asynchronous mode: sequential only (again: --backend may have changed it since the load)
     if sim.parallel and (cfg.clock.availability != "always" or cfg.clock.deadline_s):
         key = (f"availability = {cfg.clock.availability!r}" if cfg.clock.availability != "always"

@@ -33,6 +33,9 @@ class FedAvgStrategy(Strategy):
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
         self.groups.add(device.group, arrays, float(max(device.num_samples, 1)) * self.update_weight)
 
+    def accumulate_group_sum(self, group: str, sums: Arrays) -> None:
+        self.groups.add_sum(group, {k: v for k, v in sums.items() if k != "weight"}, float(sums["weight"][0]))
+
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
         return {group_artifact(g): a for g, a in self.groups.results().items()}
 

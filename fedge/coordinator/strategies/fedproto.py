@@ -33,6 +33,10 @@ class FedProtoStrategy(Strategy):
             return
         self.protos.add(arrays["protos"], arrays["counts"])
 
+    def accumulate_group_sum(self, group: str, sums: Arrays) -> None:
+        counts = np.rint(sums["counts"])  # exact: the field's error on a count sum is far below 0.5
+        self.protos.add_sums(sums["sums"], counts, counts.astype(np.int64))
+
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
         a = self.asynchronous
         if a is not None and self.aggregation.robust:  # every device's rows, each with its own weight

@@ -56,6 +56,11 @@ class FedVTCStrategy(Strategy):
             return
         self._add(arrays, 1.0)
 
+    def accumulate_group_sum(self, group: str, sums: Arrays) -> None:
+        self.n += np.rint(sums["counts"])  # exact: the field's error on a count sum is far below 0.5
+        self.s1 = sums["s1"] if self.s1 is None else self.s1 + sums["s1"]
+        self.s2 = sums["s2"] if self.s2 is None else self.s2 + sums["s2"]
+
     def _add(self, arrays: Arrays, weight: float) -> None:
         """Fold one device's statistics in, its class counts weighted by ``weight``."""
         counts = np.asarray(arrays["counts"], dtype=np.float64) * weight  # (C,)
