@@ -48,6 +48,7 @@ from fedge.broker.options import BrokerOptions
 from fedge.broker.passwords import hash_password, new_password
 from fedge.broker.pki import CertificateAuthority, cert_pem, key_pem, write_secret
 from fedge.common.atomicfile import write_atomic
+from fedge.common.families import GEFL_FAMILY
 from fedge.common.signing import generate_key, load_private_key, public_pem
 from fedge.errors import ConfigError
 from fedge.mqtt.topics import DEVICE_KINDS, FleetTopics, check_name
@@ -274,7 +275,13 @@ def _largest_message(opts: BrokerOptions, fleet_config: str | Path | None) -> in
 
     cfg = load_fleet(fleet_config)
     archs = [a for g in cfg.devices for a in ((g.arch,) if g.arch or not g.archs else g.archs)]
-    return largest_message_bytes(archs, cfg.run.method, embed_dim=cfg.run.embed_dim)
+    family = None
+    if cfg.model.family != GEFL_FAMILY:
+        from fedge.fleet.slots import family_specs
+
+        specs = family_specs(cfg) or {}  # measured: needs the device side (fedge.edge.models) loaded
+        family = max(s.num_params() for s in specs.values())
+    return largest_message_bytes(archs, cfg.run.method, embed_dim=cfg.run.embed_dim, family_params=family)
 
 
 def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: BrokerOptions | None = None, *,

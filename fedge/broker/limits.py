@@ -32,15 +32,20 @@ ENVELOPE_BYTES = 64 * 1024
 SMALL_PER_DEVICE = 4
 
 
-def largest_model_bytes(archs: list[str | None], *, embed_dim: int = 64) -> int:
-    """fp32 bytes of the largest model among ``archs`` (None: the planner picks, so the largest tier)."""
+def largest_model_bytes(archs: list[str | None], *, embed_dim: int = 64, family_params: int | None = None) -> int:
+    """fp32 bytes of the largest model among ``archs`` (None: the planner picks, so the largest tier).
+    ``family_params``: the largest tier's parameters of a ``[model] family`` other than the GeFL CNNs
+    (measured; its devices' ``archs`` then name its tiers)."""
+    if family_params is not None:
+        return family_params * 4
     names = [a if a else f"tier-{TIERS[-1]}" for a in archs] or [f"tier-{TIERS[-1]}"]
     # the fleet's embedding size applies to the size tiers; a cnnK keeps its own (or its -pN suffix)
     return max(arch_by_name(n, embed_dim=embed_dim if n.startswith("tier-") else None).num_params() * 4
                for n in names)
 
 
-def largest_message_bytes(archs: list[str | None], method: str, *, embed_dim: int = 64) -> int:
+def largest_message_bytes(archs: list[str | None], method: str, *, embed_dim: int = 64,
+                          family_params: int | None = None) -> int:
     """The largest update (or global state) a fleet of ``archs`` running ``method`` sends, at fp32.
 
     Every method's update is at most the device's whole model (FedAvg); generative
@@ -49,7 +54,7 @@ def largest_message_bytes(archs: list[str | None], method: str, *, embed_dim: in
     less. This is a bound, not an estimate: the broker and the coordinator refuse
     what exceeds it (with headroom). An unknown ``method`` is a :class:`ConfigError`.
     """
-    model = largest_model_bytes(archs, embed_dim=embed_dim)
+    model = largest_model_bytes(archs, embed_dim=embed_dim, family_params=family_params)
     factor = 2 if method_entry(method).settings.generative else 1
     return factor * model + ENVELOPE_BYTES
 

@@ -94,6 +94,11 @@ class ArchSpec:
 
     # -- shapes ---------------------------------------------------------------
     @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """One sample's shape (C, H, W)."""
+        return (self.in_channels, self.image_size, self.image_size)
+
+    @property
     def stem_shape(self) -> tuple[int, int, int]:
         """Extractor output (C, H, W): the common feature space."""
         s = self.image_size // 2

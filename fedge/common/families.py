@@ -136,6 +136,11 @@ class FamilyArch:
     def activation_elems(self) -> int:
         return self.sizes.activation_elems
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: what rebuilds it, its name and its measured figures (an export's manifest records it)."""
+        return {**self.build_args(), "name": self.name, "params": self.sizes.params, "macs": self.sizes.macs,
+                "activation_elems": self.sizes.activation_elems}
+
     def build_args(self) -> dict[str, Any]:
         """What rebuilds the network (the sizes are measured again)."""
         return {"family": self.family, "tier": self.tier, "in_channels": self.in_channels,

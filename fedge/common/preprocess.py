@@ -1,4 +1,4 @@
-"""The one preprocessing path: raw images → normalized float32 (N, C, 32, 32).
+"""The one preprocessing path: raw images → normalized float32 (N, C, S, S), S the model's input size.
 
 Numpy only, because the on-device ONNX runtime uses it too (it must not import
 torch). Training, evaluation, calibration and inference all call
@@ -81,6 +81,8 @@ def preprocess(images: np.ndarray, norm: Normalization, *, max_value: float = 25
     if x.shape[1] == 3 and norm.channels == 1:
         # ITU-R 601 luma, as PIL's convert("L").
         x = (0.299 * x[:, 0:1] + 0.587 * x[:, 1:2] + 0.114 * x[:, 2:3]).astype(np.float32)
+    if x.shape[1] == 1 and norm.channels == 3:
+        x = np.repeat(x, 3, axis=1)  # a grey image for an RGB model: the same grey in each channel
     if x.shape[1] != norm.channels:
         raise PayloadError(
             f"images have {x.shape[1]} channels, the model expects {norm.channels}",

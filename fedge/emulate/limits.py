@@ -23,8 +23,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fedge.common.archs import arch_by_name
 from fedge.fleet.config import FleetConfig, device_ids
+from fedge.fleet.slots import device_arch_spec, family_specs
 from fedge.profiles import load_profile
 from fedge.profiles.planner import plan, train_memory_mb
 from fedge.profiles.schema import RUNTIME_RESERVE_MB, Profile
@@ -85,6 +85,7 @@ def device_plans(cfg: FleetConfig, samples: dict[str, int]) -> list[DevicePlan]:
     """
     out = []
     ids = device_ids(cfg)
+    specs = family_specs(cfg)  # the tiers of [model] family, measured (None: the GeFL CNN tiers)
     for idx, (dev_id, gi) in enumerate(ids):
         group = cfg.devices[gi]
         k = sum(1 for _, g in ids[:idx] if g == gi)
@@ -93,9 +94,9 @@ def device_plans(cfg: FleetConfig, samples: dict[str, int]) -> list[DevicePlan]:
             ref = str(cfg.base_dir / ref)
         profile = load_profile(ref)
         n = max(1, samples.get(dev_id, 1))
-        p = plan(profile, embed_dim=cfg.run.embed_dim, samples=n)
+        p = plan(profile, embed_dim=cfg.run.embed_dim, samples=n, specs=specs)
         arch = group.arch or (group.archs[k % len(group.archs)] if group.archs else p.arch)
-        spec = arch_by_name(arch, embed_dim=cfg.run.embed_dim if arch.startswith("tier-") else None)
+        spec = device_arch_spec(cfg, arch)
         batch = cfg.train.batch_size or p.batch_size
         epochs = cfg.train.local_epochs or p.local_epochs
         speed = speed_model(profile)

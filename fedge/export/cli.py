@@ -35,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--dataset", help="data set to calibrate and verify on (default: the one recorded)")
     ex.add_argument("--data-dir", help="directory of the data set files")
     ex.add_argument("--calibration", metavar="FILE.npy",
-                    help="preprocessed calibration inputs (N, C, 32, 32), e.g. a generator's samples")
+                    help="preprocessed calibration inputs (N, C, S, S) at the model's input size, e.g. a "
+                         "generator's samples")
     ex.add_argument("--calib-samples", type=int, default=DEFAULT_CALIBRATION_SAMPLES,
                     help=f"calibration samples for int8-static (default {DEFAULT_CALIBRATION_SAMPLES})")
     ex.add_argument("--test-samples", type=int, help="verify on the first N test images only (default: all)")
@@ -58,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     inf.add_argument("inputs", nargs="*", metavar="INPUT",
                      help="image files, .npy arrays, or directories (each image and .npy array directly in them)")
     inf.add_argument("--preprocessed", action="store_true",
-                     help=".npy files already hold model inputs (N, C, 32, 32), not raw pixels")
+                     help=".npy files already hold model inputs (N, C, S, S) at the model's size, not raw pixels")
     inf.add_argument("--top", type=int, default=1, help="show the K most likely classes (default 1)")
     inf.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inf.add_argument("--out", metavar="FILE.csv|FILE.json",

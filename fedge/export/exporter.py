@@ -8,6 +8,7 @@ half-written in the output directory.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -25,10 +26,10 @@ import numpy as np
 import torch
 
 from fedge import __version__
-from fedge.common.archs import ArchSpec
+from fedge.common.families import ModelSpec
 from fedge.common.preprocess import NORMALIZATION
 from fedge.edge.data.datasets import Dataset
-from fedge.edge.models.zoo import FedgeNet
+from fedge.edge.models.split import SplitNet
 from fedge.errors import ExportError
 from fedge.export import verify
 from fedge.export.decide import QuantRequest, settle
@@ -99,15 +100,15 @@ def _quant_request(quant: str | QuantRequest) -> QuantRequest:
     return QuantRequest.explicit(quant) if isinstance(quant, str) else quant
 
 
-def _check_fits(net: FedgeNet, test: Dataset) -> None:
-    """Refuse what cannot be exported and verified: not a FedgeNet, or a test set it does not take."""
-    if not isinstance(net, FedgeNet):
-        raise ExportError(f"can only export FedgeNet models, got {type(net).__name__}")
+def _check_fits(net: SplitNet, test: Dataset) -> None:
+    """Refuse what cannot be exported and verified: not a fedge network, or a test set it does not take."""
+    if not isinstance(net, SplitNet):
+        raise ExportError(f"can only export fedge networks (FedgeNet, FamilyNet), got {type(net).__name__}")
     spec = net.spec
-    if (test.norm.channels, test.norm.size) != (spec.in_channels, spec.image_size):
+    if (test.norm.channels, test.norm.size, test.norm.size) != spec.input_shape:
         raise ExportError(
             f"{test.name} images are {test.norm.channels}x{test.norm.size}x{test.norm.size}, "
-            f"but {spec.name} takes {spec.in_channels}x{spec.image_size}x{spec.image_size}",
+            f"but {spec.name} takes {'x'.join(map(str, spec.input_shape))}",
             hint="export with the data set the model was trained on",
         )
     if test.num_classes != spec.num_classes:
@@ -118,8 +119,11 @@ def _check_fits(net: FedgeNet, test: Dataset) -> None:
 
 
 def _normalization(test: Dataset) -> dict[str, Any]:
-    """The manifest's preprocessing entry: the test set's normalization, which must be the shared one."""
+    """The manifest's preprocessing entry: the test set's normalization, which must be the shared one (at the
+    model's input size and channels)."""
     ref = NORMALIZATION.get(test.name)
+    if ref is not None:
+        ref = dataclasses.replace(ref, size=test.norm.size, channels=test.norm.channels)
     if ref is not None and ref != test.norm:
         raise ExportError(f"{test.name} was normalized with {test.norm}, not the shared {ref}",
                           hint="load data through fedge.edge.data.load_dataset")
@@ -170,7 +174,7 @@ class Shipped:
     provider: str
 
 
-def _export_fp32(net: FedgeNet, work: Path, opt: ExportOptions) -> dict[str, Path]:
+def _export_fp32(net: SplitNet, work: Path, opt: ExportOptions) -> dict[str, Path]:
     """Step 1: the extractor, head and fused model as fp32 ONNX graphs in ``work``, compacted."""
     fp32 = export_graphs(net, work, opset=opt.opset, exporter=opt.exporter)
     for p in fp32.values():
@@ -178,7 +182,7 @@ def _export_fp32(net: FedgeNet, work: Path, opt: ExportOptions) -> dict[str, Pat
     return fp32
 
 
-def _check_fp32(net: FedgeNet, fp32: dict[str, Path], test: Dataset, opt: ExportOptions) -> Fp32Graphs:
+def _check_fp32(net: SplitNet, fp32: dict[str, Path], test: Dataset, opt: ExportOptions) -> Fp32Graphs:
     """Step 2: parity with PyTorch on the fixed batch, the fp32 accuracy and its agreement with PyTorch."""
     fixed = test.x[:PARITY_BATCH]
     parity = verify.check_fp32_parity(net, fp32, fixed, tol=opt.fp32_tolerance)
@@ -255,13 +259,13 @@ def _ship(request: QuantRequest, fp32: Fp32Graphs, candidate: Candidate, out: Pa
     return Shipped(shipped, paths, decision, calib_meta, latency, hw_cpu, provider)
 
 
-def _manifest(spec: ArchSpec, test: Dataset, norm: dict[str, Any], fp32: Fp32Graphs, candidate: Candidate,
+def _manifest(spec: ModelSpec, test: Dataset, norm: dict[str, Any], fp32: Fp32Graphs, candidate: Candidate,
               shipped: Shipped, fp32_bytes: dict[str, int], *, profile: str | None, plan: dict[str, Any] | None,
               opt: ExportOptions) -> Manifest:
     """Step 6: the manifest: files, graphs, figures and the decision."""
     import onnxruntime
 
-    image_shape = (spec.in_channels, spec.image_size, spec.image_size)
+    image_shape = tuple(spec.input_shape)
     return Manifest(
         arch=spec.name,
         quant=shipped.quant,
@@ -302,7 +306,7 @@ def _manifest(spec: ArchSpec, test: Dataset, norm: dict[str, Any], fp32: Fp32Gra
 
 
 def export_into(
-    net: FedgeNet,
+    net: SplitNet,
     out: Path,
     *,
     quant: str | QuantRequest,
@@ -325,7 +329,7 @@ def export_into(
     norm = _normalization(test)
     net = copy.deepcopy(net).eval()
     spec = net.spec
-    image_shape = (spec.in_channels, spec.image_size, spec.image_size)
+    image_shape = tuple(spec.input_shape)
     with tempfile.TemporaryDirectory(prefix="fedge-export-") as work_dir:
         fp32_paths = _export_fp32(net, Path(work_dir), opt)
         fp32 = _check_fp32(net, fp32_paths, test, opt)
@@ -340,7 +344,7 @@ def export_into(
     return manifest
 
 
-def export_model(net: FedgeNet, out: str | os.PathLike[str], *, quant: str | QuantRequest, test: Dataset,
+def export_model(net: SplitNet, out: str | os.PathLike[str], *, quant: str | QuantRequest, test: Dataset,
                  calibration: CalibrationSource | None = None, calibration_label: str = "caller-supplied inputs",
                  profile: str | None = None, plan: dict[str, Any] | None = None,
                  options: ExportOptions | None = None, overwrite: bool = False) -> Manifest:

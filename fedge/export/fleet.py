@@ -22,7 +22,7 @@ import numpy as np
 
 from fedge.edge.data.datasets import Dataset, load_dataset
 from fedge.edge.models.checkpoint import load_checkpoint, read_checkpoint_meta
-from fedge.edge.models.zoo import FedgeNet
+from fedge.edge.models.split import SplitNet
 from fedge.errors import ConfigError, ExportError, FedgeError, ProfileError
 from fedge.export.decide import request_quant
 from fedge.export.exporter import ExportOptions, export_into, staged_output
@@ -61,8 +61,9 @@ def resolve_profile(ref: str) -> Target:
     return Target(str(getattr(prof, "name", ref)), str(p.inference_quant), getattr(p, "arch", None), d)
 
 
-def load_net(checkpoint: str | os.PathLike[str]) -> tuple[FedgeNet, dict[str, str]]:
-    """A :class:`FedgeNet` and the checkpoint's metadata; anything else is an :class:`ExportError`."""
+def load_net(checkpoint: str | os.PathLike[str]) -> tuple[SplitNet, dict[str, str]]:
+    """A fedge network (:class:`FedgeNet` or a family's :class:`FamilyNet`) and the checkpoint's metadata;
+    anything else is an :class:`ExportError`."""
     meta = read_checkpoint_meta(checkpoint)
     # Decided from the metadata before anything is built: a generator's builder is not
     # registered here, and "unknown builder 'CVAE'" would not say what went wrong.
@@ -70,7 +71,7 @@ def load_net(checkpoint: str | os.PathLike[str]) -> tuple[FedgeNet, dict[str, st
     if builder is None:
         raise ExportError(f"{checkpoint} records no fedge.builder: not a checkpoint written by fedge",
                           hint="export a device model checkpoint (RUN/checkpoints/<device id>.safetensors)")
-    if builder != "FedgeNet":
+    if builder not in ("FedgeNet", "FamilyNet"):
         from fedge.edge.generators.modules import GENERATOR_BUILDERS
 
         if builder in GENERATOR_BUILDERS:
@@ -83,13 +84,22 @@ def load_net(checkpoint: str | os.PathLike[str]) -> tuple[FedgeNet, dict[str, st
         raise ExportError(f"{checkpoint} holds a {builder}, not a classifier (FedgeNet)",
                           hint="export a device model checkpoint (RUN/checkpoints/<device id>.safetensors)")
     net = load_checkpoint(checkpoint)
-    if not isinstance(net, FedgeNet):
+    if not isinstance(net, SplitNet):
         raise ExportError(f"{checkpoint} holds a {type(net).__name__}, not a classifier (FedgeNet)",
                           hint="export a device model checkpoint, not a generator's")
     return net, meta
 
 
-def check_arch(net: FedgeNet, expected: str | None, *, source: str, why: str) -> None:
+def input_of(net: SplitNet) -> dict[str, int]:
+    """``load_dataset``'s image size and channels for ``net``'s input (what it was trained on)."""
+    shape = tuple(net.spec.input_shape)
+    if len(shape) != 3 or shape[1] != shape[2]:
+        raise ExportError(f"{net.spec.name} takes {'x'.join(map(str, shape))} inputs, not square images: the "
+                          "benchmark data sets cannot test it", hint="export it with your own test data (export_into)")
+    return {"channels": int(shape[0]), "image_size": int(shape[1])}
+
+
+def check_arch(net: SplitNet, expected: str | None, *, source: str, why: str) -> None:
     """The checkpoint must hold the architecture the device is meant to run."""
     if expected is not None and net.spec.name != expected:
         raise ExportError(
@@ -145,12 +155,12 @@ def export_checkpoint(
     dataset = dataset or meta.get("fedge.dataset")
     if not dataset:
         raise ConfigError(f"{checkpoint} does not record its data set", hint="pass --dataset NAME (fmnist, digits, …)")
-    test = load_dataset(dataset, train=False, data_dir=data_dir)
+    test = load_dataset(dataset, train=False, data_dir=data_dir, **input_of(net))
     if test_samples is not None:
         test = test.subset(np.arange(min(test_samples, len(test))))
     label = "caller-supplied inputs"
     if calibration is None and request.quant == "int8-static":
-        train = load_dataset(dataset, train=True, data_dir=data_dir)
+        train = load_dataset(dataset, train=True, data_dir=data_dir, **input_of(net))
         calibration = _subsample(train.x, opt.calibration_samples, opt.seed)
         label = f"{dataset} training split ({len(train)} images, {len(calibration)} sampled)"
     with staged_output(out, overwrite=overwrite) as stage:
@@ -196,7 +206,9 @@ class _DeviceData:
             from fedge.fleet.slots import fleet_data_dir, fleet_splits
 
             cfg = load_fleet(str(config))
-            train = load_dataset(cfg.run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=cfg.run.seed)
+            channels, size, _ = cfg.input_shape
+            train = load_dataset(cfg.run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=cfg.run.seed,
+                                 image_size=size, channels=channels)
             return {dev: train.x[split.train]
                     for (dev, _), split in zip(device_ids(cfg), fleet_splits(cfg, train.y), strict=True)}
         except (FedgeError, ImportError, OSError, AttributeError, TypeError, ValueError) as exc:
@@ -238,9 +250,15 @@ def export_run(
     dataset = dataset or results.get("dataset")
     if not dataset:
         raise ConfigError(f"{root / 'results.json'} does not name its data set", hint="pass --dataset NAME")
-    test = load_dataset(str(dataset), train=False, data_dir=data_dir)
-    if test_samples is not None:
-        test = test.subset(np.arange(min(test_samples, len(test))))
+    tests: dict[tuple[int, ...], Dataset] = {}  # one per input shape (a fleet's family has one)
+
+    def test_for(net: SplitNet) -> Dataset:
+        shape = tuple(net.spec.input_shape)
+        if shape not in tests:
+            t = load_dataset(str(dataset), train=False, data_dir=data_dir, **input_of(net))
+            tests[shape] = t if test_samples is None else t.subset(np.arange(min(test_samples, len(t))))
+        return tests[shape]
+
     shares = _DeviceData(results, data_dir)
     train: Dataset | None = None
     manifests: dict[str, Manifest] = {}
@@ -269,13 +287,13 @@ def export_run(
                 if calibration is not None:
                     label = f"device {dev_id}'s own training share ({len(calibration)} images)"
                 else:
-                    train = train or load_dataset(str(dataset), train=True, data_dir=data_dir)
+                    train = train or load_dataset(str(dataset), train=True, data_dir=data_dir, **input_of(net))
                     calibration = train.x
                     label = f"{dataset} training split (the device's own share was not available)"
             (stage / dev_id).mkdir()
             try:
                 manifests[dev_id] = export_into(
-                    net, stage / dev_id, quant=request, test=test, calibration=calibration,
+                    net, stage / dev_id, quant=request, test=test_for(net), calibration=calibration,
                     calibration_label=label, profile=profile or None, plan=plan, options=opt)
             except FedgeError as exc:
                 raise type(exc)(f"device {dev_id}: {exc.message}", hint=exc.hint) from exc

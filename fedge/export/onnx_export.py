@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from fedge.edge.models.zoo import FedgeNet
+from fedge.edge.models.split import SplitNet
 from fedge.errors import ExportError
 from fedge.runtime.manifest import GRAPHS
 
@@ -42,7 +42,7 @@ Exporter = Literal["torchscript", "dynamo"]
 class _Extractor(nn.Module):
     """``FedgeNet.features`` as a module of its own: image → embedding."""
 
-    def __init__(self, net: FedgeNet) -> None:
+    def __init__(self, net: SplitNet) -> None:
         super().__init__()
         self.net = net
 
@@ -50,10 +50,10 @@ class _Extractor(nn.Module):
         return self.net.features(x)
 
 
-def graph_modules(net: FedgeNet) -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
+def graph_modules(net: SplitNet) -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
     """Graph name → (module, example input shape without the batch axis)."""
     spec = net.spec
-    image = (spec.in_channels, spec.image_size, spec.image_size)
+    image = tuple(spec.input_shape)
     return {
         "model": (net, image),
         "extractor": (_Extractor(net), image),
@@ -118,7 +118,7 @@ def check_onnx(path: str | os.PathLike[str]) -> None:
         raise ExportError(f"{path} uses opset {opset}, fedge needs >= {OPSET}")
 
 
-def export_graphs(net: FedgeNet, out_dir: str | os.PathLike[str], *, opset: int = OPSET,
+def export_graphs(net: SplitNet, out_dir: str | os.PathLike[str], *, opset: int = OPSET,
                   exporter: Exporter = "torchscript") -> dict[str, Path]:
     """Write ``model.onnx``, ``extractor.onnx`` and ``head.onnx`` (fp32) into ``out_dir``."""
     if opset < OPSET:

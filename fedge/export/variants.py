@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedge.edge.models.zoo import FedgeNet
+from fedge.edge.models.split import SplitNet
 from fedge.export.onnx_export import OPSET, torch_to_onnx
 from fedge.export.quantize import compact, quantize_file
 from fedge.runtime.manifest import GRAPHS, QUANTS
@@ -21,7 +21,7 @@ from fedge.runtime.manifest import GRAPHS, QUANTS
 log = logging.getLogger(__name__)
 
 
-def model_variants(net: FedgeNet, work_dir: str | os.PathLike[str], *, quants: Sequence[str] = QUANTS,
+def model_variants(net: SplitNet, work_dir: str | os.PathLike[str], *, quants: Sequence[str] = QUANTS,
                    calib: np.ndarray | None = None, opset: int = OPSET) -> dict[str, Path]:
     """Write ``<quant>.onnx`` of the fused model for each of ``quants`` into ``work_dir``.
 
@@ -32,7 +32,7 @@ def model_variants(net: FedgeNet, work_dir: str | os.PathLike[str], *, quants: S
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     spec = net.spec
-    example = torch.zeros(2, spec.in_channels, spec.image_size, spec.image_size)
+    example = torch.zeros(2, *spec.input_shape)
     input_name, output_name = GRAPHS["model"]
     fp32 = torch_to_onnx(net.eval(), example, work / "fp32.onnx", input_name=input_name,
                          output_name=output_name, opset=opset)

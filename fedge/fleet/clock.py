@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from fedge.common.archs import ArchSpec
+from fedge.common.families import ModelSpec
 from fedge.common.rounds import evaluates_at
 from fedge.errors import ConfigError
 from fedge.fleet.availability import Availability, OnOff, read_trace
@@ -54,7 +54,7 @@ class TrainWork:
     ``statistics_passes`` forward passes over them (the method's class statistics); and an evaluation, when the
     round has one, of ``eval_samples`` test images (one forward pass each)."""
 
-    spec: ArchSpec
+    spec: ModelSpec
     batch: int
     samples: int
     epochs: int

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from fedge.common.asyncmode import AsyncSettings
 from fedge.common.catalog import DATASETS, NUM_CLASSES
 from fedge.common.coordinator_section import CoordinatorSection
+from fedge.common.families import GEFL_FAMILY
 from fedge.common.preprocess import NORMALIZATION, Normalization
 from fedge.common.privacy import Mechanism, PrivacySettings
 from fedge.common.sampling import Sampling
@@ -231,8 +232,25 @@ class SimulationSection:
         return self.backend != "sequential"
 
 
-# The model zoo's networks take 1x32x32 inputs (fedge.common.archs.ArchSpec's defaults).
+# The GeFL CNN family's networks take 1x32x32 inputs (fedge.common.archs.ArchSpec's defaults).
 ZOO_INPUT = (1, 32)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """``[model] family``: what network every device trains (docs/models.md).
+
+    ``"gefl-cnn"`` (the GeFL CNNs and ``tier-*``), a built-in family (``mobilenet``, ``resnet8``, ``dscnn``),
+    the user's ``"my_family.py:build"`` (a path relative to the fleet config) or ``"package.module:build"``,
+    or an entry point of the group ``fedge.families``. The planner picks each device's tier of it;
+    ``[[devices]] arch``/``archs`` may name a tier of it instead.
+    """
+
+    family: str = GEFL_FAMILY
+
+    def __post_init__(self) -> None:
+        if not self.family.strip():
+            raise ConfigError("[model] family is empty", hint=f'use "{GEFL_FAMILY}" or "my_family.py:build"')
 
 
 @dataclass(frozen=True)
@@ -246,7 +264,7 @@ class DataSection:
     """
 
     classes: tuple[str, ...] = ()
-    size: int = 32
+    image_size: int = 32
     channels: int = 1
     mean: float | None = None
     std: float | None = None
@@ -261,10 +279,12 @@ class DataSection:
             raise ConfigError(f"[data] classes lists {dup} twice", hint="list each class once")
         if self.classes and len(self.classes) < 2:
             raise ConfigError("[data] classes needs at least two classes")
-        if (self.channels, self.size) != ZOO_INPUT:
-            raise ConfigError(f"[data] channels = {self.channels}, size = {self.size}: the model zoo takes "
-                              f"{ZOO_INPUT[0]}x{ZOO_INPUT[1]}x{ZOO_INPUT[1]} inputs",
-                              hint="set channels = 1 and size = 32 (RGB images are converted to grey)")
+        if self.channels not in (1, 3):
+            raise ConfigError(f"[data] channels = {self.channels}: images are grey (1) or RGB (3)",
+                              hint="set channels = 1 (RGB is converted to grey) or 3")
+        if not 8 <= self.image_size <= 1024:
+            raise ConfigError(f"[data] image_size = {self.image_size}: must be 8 .. 1024 pixels",
+                              hint="96 is MLPerf Tiny's visual-wake-words size; 32 the GeFL protocol's")
         if self.std is not None and self.std <= 0:
             raise ConfigError(f"[data] std must be > 0, got {self.std}")
 
@@ -281,6 +301,7 @@ class FleetConfig:
     # [coordinator], typed; sampling and asynchronous mode resolved against the fleet when it loads
     coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
     data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
     privacy: PrivacySettings = field(default_factory=PrivacySettings)  # fedge.common.privacy (issue 18)
     clock: ClockSection = field(default_factory=ClockSection)  # fedge simulate's virtual clock (issue 27)
     simulation: SimulationSection = field(default_factory=SimulationSection)  # fedge simulate only (issue 30)
@@ -302,6 +323,26 @@ class FleetConfig:
         object.__setattr__(self, "coordinator", self.coordinator.resolve(
             fleet_size=self.num_devices, seed=self.run.seed, async_refusal=self.method_config.async_refusal,
             method=self.run.method))
+        d = self.data
+        if self.model.family == GEFL_FAMILY and (d.channels, d.image_size) != ZOO_INPUT:
+            raise ConfigError(f"{self.source}: [data] channels = {d.channels}, image_size = {d.image_size}: the "
+                              f"GeFL CNN family takes {ZOO_INPUT[0]}x{ZOO_INPUT[1]}x{ZOO_INPUT[1]} inputs",
+                              hint='set channels = 1 and image_size = 32, or pick a family that takes any size: '
+                                   '[model] family = "mobilenet" (docs/models.md)')
+
+    @property
+    def family(self) -> str:
+        """``[model] family``, a relative ``.py`` path resolved against the config's directory."""
+        fam = self.model.family
+        ref, sep, func = fam.rpartition(":")
+        if sep and ref.endswith(".py") and not Path(ref).is_absolute():
+            return f"{(self.base_dir / ref).resolve()}:{func}"
+        return fam
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of every device's model input: ``[data] channels`` and ``image_size``."""
+        return (self.data.channels, self.data.image_size, self.data.image_size)
 
     @functools.cached_property
     def privacy_mechanism(self) -> Mechanism | None:
@@ -369,7 +410,7 @@ class FleetConfig:
         base = NORMALIZATION[self.run.dataset]
         d = self.data
         return Normalization(base.mean if d.mean is None else d.mean, base.std if d.std is None else d.std,
-                             size=d.size, channels=d.channels)
+                             size=d.image_size, channels=d.channels)
 
 
 def device_ids(cfg: FleetConfig) -> list[tuple[str, int]]:

@@ -48,8 +48,11 @@ class SimDevice:
 def load_fleet_data(cfg: FleetConfig) -> FleetData:
     """Load the data set and partition it over the fleet, deterministically by seed."""
     run = cfg.run
-    train = load_dataset(run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=run.seed)
-    test = load_dataset(run.dataset, train=False, data_dir=fleet_data_dir(cfg), seed=run.seed)
+    channels, size, _ = cfg.input_shape
+    train = load_dataset(run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=run.seed, image_size=size,
+                         channels=channels)
+    test = load_dataset(run.dataset, train=False, data_dir=fleet_data_dir(cfg), seed=run.seed, image_size=size,
+                        channels=channels)
     return FleetData(train, test, fleet_splits(cfg, train.y))
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedge.common.archs import ArchSpec, arch_by_name
+from fedge.common.archs import arch_by_name
 from fedge.common.catalog import CLASS_NAMES
+from fedge.common.families import GEFL_FAMILY, FamilyArch, ModelSpec, family_arch, family_tiers
 from fedge.common.rounds import DeviceInfo
 from fedge.edge.data.datasets import load_labels
 from fedge.edge.data.partition import DeviceSplit, dirichlet, iid_fraction, local_splits, shards
@@ -39,7 +40,7 @@ class DeviceSlot:
     group: int  # index of its [[devices]] table
     profile: str  # the profile's name
     plan: Plan
-    spec: ArchSpec  # its model, sized for the fleet's classes
+    spec: ModelSpec  # its model, sized for the fleet's classes (and input, for a family other than the GeFL CNNs)
     upload_precision: str
     generator_tier: str
     num_samples: int  # local training samples
@@ -126,8 +127,55 @@ def device_profile(cfg: FleetConfig, group: int) -> Profile:
     return load_profile(ref)
 
 
-def device_arch_spec(cfg: FleetConfig, arch_name: str) -> ArchSpec:
-    """The architecture ``arch_name`` as a device of ``cfg`` builds it (the fleet's embedding and classes)."""
+def family_spec(cfg: FleetConfig, tier: str) -> FamilyArch:
+    """The network of ``[model] family`` at ``tier`` for the fleet's input, classes and embedding (measured)."""
+    channels, *size = cfg.input_shape
+    return family_arch(cfg.family, tier, in_channels=channels, input_size=tuple(size),
+                       num_classes=len(fleet_classes(cfg)), embed_dim=cfg.run.embed_dim)
+
+
+def family_specs(cfg: FleetConfig) -> dict[str, ModelSpec] | None:
+    """Tier -> network of the fleet's family, what the planner chooses among (None: the GeFL CNN tiers)."""
+    if cfg.model.family == GEFL_FAMILY:
+        return None
+    specs: dict[str, ModelSpec] = {t: family_spec(cfg, t) for t in family_tiers(cfg.family)}
+    check_family_fits_method(cfg, specs)
+    return specs
+
+
+def check_family_fits_method(cfg: FleetConfig, specs: dict[str, ModelSpec]) -> None:
+    """Refuse at load a family the method cannot run on, naming why (docs/models.md, "What each method needs")."""
+    method = cfg.method_config
+    level = getattr(method, "level", None)
+    if level == "image" or cfg.run.method == "fedvtc":
+        for spec in specs.values():
+            spec.image_size  # noqa: B018  (raises, naming the fix, for an input that is not a square image)
+    shares_stem = cfg.run.method in ("lgfedavg", "geflf") or level == "feature"
+    stems = {t: s.stem_shape for t, s in specs.items()}
+    if level == "feature" and any(len(s) != 3 for s in stems.values()):
+        raise ConfigError(f"{cfg.source}: method {cfg.run.method}'s feature generator imitates a (C, H, W) stem "
+                          f"output, but family {cfg.model.family!r}'s stem gives {stems}",
+                          hint="use fedavg, lgfedavg or fedproto with a 1-D family")
+    if shares_stem and len(set(stems.values())) > 1:
+        raise ConfigError(f"{cfg.source}: method {cfg.run.method} shares the stem (extractor) across the fleet, but "
+                          f"family {cfg.model.family!r}'s stem output differs across tiers: {stems}",
+                          hint="make the extractor identical at every tier (widen or deepen only body), or use a "
+                               "method that shares no stem (fedavg, fedproto)")
+
+
+def device_arch_spec(cfg: FleetConfig, arch_name: str) -> ModelSpec:
+    """The architecture ``arch_name`` as a device of ``cfg`` builds it (the fleet's embedding and classes).
+
+    With a ``[model] family`` other than the GeFL CNNs, ``arch_name`` is a tier of it (``"s"``) or the
+    name the plan gave (``"mobilenet-s-96"``)."""
+    if cfg.model.family != GEFL_FAMILY:
+        tiers = family_tiers(cfg.family)
+        tier = arch_name if arch_name in tiers else next(
+            (t for t in tiers if family_spec(cfg, t).name == arch_name), None)
+        if tier is None:
+            raise ConfigError(f"{cfg.source}: arch {arch_name!r} is not a tier of [model] family "
+                              f"{cfg.model.family!r}", hint=f"use one of {', '.join(tiers)}")
+        return family_spec(cfg, tier)
     # GeFL CNNs carry their embedding in the name (cnn3 = published sizes, cnn3-p64 = shared p).
     spec = arch_by_name(arch_name, embed_dim=cfg.run.embed_dim if arch_name.startswith("tier-") else None)
     return dataclasses.replace(spec, num_classes=len(fleet_classes(cfg)))
@@ -149,15 +197,17 @@ class SlotParts:
         self.starts = list(itertools.accumulate((g.count for g in cfg.devices[:-1]), initial=0))
         self.profiles = [device_profile(cfg, gi) for gi in range(len(cfg.devices))]
         self._plans: dict[tuple[int, int], Plan] = {}
-        self._specs: dict[str, ArchSpec] = {}
+        self._specs: dict[str, ModelSpec] = {}
+        self.family = family_specs(cfg)
 
     def plan(self, group: int, samples: int) -> Plan:
         key = (group, samples)
         if key not in self._plans:
-            self._plans[key] = plan(self.profiles[group], embed_dim=self.cfg.run.embed_dim, samples=samples)
+            self._plans[key] = plan(self.profiles[group], embed_dim=self.cfg.run.embed_dim, samples=samples,
+                                    specs=self.family)
         return self._plans[key]
 
-    def spec(self, arch_name: str) -> ArchSpec:
+    def spec(self, arch_name: str) -> ModelSpec:
         if arch_name not in self._specs:
             self._specs[arch_name] = device_arch_spec(self.cfg, arch_name)
         return self._specs[arch_name]

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from fedge.common.archs import DEFAULT_EMBED_DIM, TIERS, ArchSpec, tier_arch
+from fedge.common.archs import DEFAULT_EMBED_DIM, TIERS, tier_arch
+from fedge.common.families import ModelSpec
 from fedge.errors import ProfileError
 from fedge.profiles.schema import INFERENCE_QUANTS, Profile
 from fedge.profiles.speed import TRAIN_MACS_FACTOR as TRAIN_MACS_FACTOR  # re-exported: the training cost
@@ -95,7 +96,7 @@ GENERATOR_COPIES = 4  # Adam: weights, gradients, first and second moments
 GENERATOR_BATCH = 64
 
 
-def train_memory_mb(spec: ArchSpec, batch_size: int) -> float:
+def train_memory_mb(spec: ModelSpec, batch_size: int) -> float:
     """Estimated peak memory of training ``spec`` at ``batch_size``, MiB.
 
     ``params × 4 B × 3`` (weights, gradients, optimizer buffer)
@@ -115,13 +116,13 @@ def generator_memory_mb(tier: str) -> float:
     return tensors / MIB + WORKSPACE_MB
 
 
-def round_time_s(spec: ArchSpec, speed: SpeedModel, *, samples: int, epochs: int, batch: int = DEFAULT_BATCH) -> float:
+def round_time_s(spec: ModelSpec, speed: SpeedModel, *, samples: int, epochs: int, batch: int = DEFAULT_BATCH) -> float:
     """Estimated seconds of local training: ``3 × MACs × samples × epochs ÷`` the device's training MAC/s
     for ``spec`` at ``batch`` (:meth:`fedge.profiles.speed.SpeedModel.mac_rate`)."""
     return speed.train_seconds(spec, batch, samples=samples, epochs=epochs)
 
 
-def fit_batch(spec: ArchSpec, budget_mb: float) -> int | None:
+def fit_batch(spec: ModelSpec, budget_mb: float) -> int | None:
     """Largest batch in 64, 32, 16, 8 whose memory estimate fits ``budget_mb`` (None: none fits)."""
     batch = DEFAULT_BATCH
     while batch >= MIN_BATCH:
@@ -165,11 +166,13 @@ def _mb(x: float) -> str:
     return f"{x:.1f} MiB"
 
 
-def _choose_tier(profile: Profile, specs: dict[str, ArchSpec], samples: int) -> tuple[str, int, int, dict[str, str]]:
+def _choose_tier(profile: Profile, specs: Mapping[str, ModelSpec],
+                 samples: int) -> tuple[str, int, int, dict[str, str]]:
     """Model tier, batch size, local epochs and their reasons."""
     budget_mb, budget_s = profile.budgets.train_memory_mb, profile.budgets.round_time_s
     speed = speed_model(profile)
-    by_size = sorted(TIERS, key=lambda t: specs[t].num_params())
+    by_size = sorted(specs, key=lambda t: specs[t].num_params())  # the family's tiers
+    nm = {t: s.name for t, s in specs.items()}  # tier-m, or mobilenet-m-96
     # Batch that fits the memory budget, for the tiers where one does.
     batch = {t: b for t in by_size if (b := fit_batch(specs[t], budget_mb)) is not None}
     secs = {t: round_time_s(specs[t], speed, samples=samples, epochs=MAX_EPOCHS, batch=batch.get(t, MIN_BATCH))
@@ -179,7 +182,7 @@ def _choose_tier(profile: Profile, specs: dict[str, ArchSpec], samples: int) -> 
         need = train_memory_mb(specs[by_size[0]], MIN_BATCH)
         raise ProfileError(
             f"profile {profile.name!r}: no model tier fits budgets.train_memory_mb = {budget_mb:g} "
-            f"(tier-{by_size[0]} at batch {MIN_BATCH} needs {_mb(need)})",
+            f"({nm[by_size[0]]} at batch {MIN_BATCH} needs {_mb(need)})",
             hint=f"raise budgets.train_memory_mb to at least {math.ceil(need)}",
         )
     feasible = [t for t in fits_memory if secs[t] <= budget_s]
@@ -188,12 +191,12 @@ def _choose_tier(profile: Profile, specs: dict[str, ArchSpec], samples: int) -> 
         tier = feasible[-1]
         bigger = by_size[by_size.index(tier) + 1:]
         if not bigger:
-            why_not = f"tier-{tier} is the largest tier"
+            why_not = f"{nm[tier]} is the largest tier"
         elif bigger[0] not in batch:
-            why_not = (f"tier-{bigger[0]} would need {_mb(train_memory_mb(specs[bigger[0]], MIN_BATCH))}"
+            why_not = (f"{nm[bigger[0]]} would need {_mb(train_memory_mb(specs[bigger[0]], MIN_BATCH))}"
                        f" even at batch {MIN_BATCH}")
         else:
-            why_not = f"tier-{bigger[0]} would need {secs[bigger[0]]:.1f} s"
+            why_not = f"{nm[bigger[0]]} would need {secs[bigger[0]]:.1f} s"
         tier_reason = (
             f"largest tier that fits {profile.budgets.train_memory_mb:g} MiB of training memory "
             f"(est. {_mb(train_memory_mb(specs[tier], batch[tier]))} at batch {batch[tier]}) and a "
@@ -208,20 +211,20 @@ def _choose_tier(profile: Profile, specs: dict[str, ArchSpec], samples: int) -> 
         epochs = min(MAX_EPOCHS, int(budget_s // one))
         if epochs < 1:
             raise ProfileError(
-                f"profile {profile.name!r}: even tier-{tier} needs {one:.1f} s for one epoch over {samples} samples, "
+                f"profile {profile.name!r}: even {nm[tier]} needs {one:.1f} s for one epoch over {samples} samples, "
                 f"more than budgets.round_time_s = {budget_s:g}",
                 hint=f"raise budgets.round_time_s to at least {math.ceil(one * 10) / 10:g}, or train on fewer samples",
             )
         tier_reason = (f"smallest tier: no tier fits a {budget_s:g} s round at {MAX_EPOCHS} epochs "
-                       f"(tier-{tier} would need {secs[tier]:.1f} s)")
-        epochs_reason = (f"reduced from {MAX_EPOCHS} so tier-{tier} fits the {budget_s:g} s round "
+                       f"({nm[tier]} would need {secs[tier]:.1f} s)")
+        epochs_reason = (f"reduced from {MAX_EPOCHS} so {nm[tier]} fits the {budget_s:g} s round "
                          f"(est. {one * epochs:.1f} s for {samples} samples × {epochs} epochs)")
     b = batch[tier]
     if b == DEFAULT_BATCH:
-        batch_reason = (f"the default (GeFL's {DEFAULT_BATCH}): tier-{tier} needs "
+        batch_reason = (f"the default (GeFL's {DEFAULT_BATCH}): {nm[tier]} needs "
                         f"{_mb(train_memory_mb(specs[tier], b))} of {profile.budgets.train_memory_mb:g} MiB")
     else:
-        batch_reason = (f"halved from {DEFAULT_BATCH} until tier-{tier} fit {profile.budgets.train_memory_mb:g} MiB "
+        batch_reason = (f"halved from {DEFAULT_BATCH} until {nm[tier]} fit {profile.budgets.train_memory_mb:g} MiB "
                         f"(batch {b * 2} would need {_mb(train_memory_mb(specs[tier], b * 2))}); "
                         f"the batch shrinks (to {MIN_BATCH} at least) before the tier drops")
     tier_reason += f"; speed: {speed.describe()}"
@@ -297,7 +300,7 @@ def inference_quant_for(profile: Profile, tier: str) -> tuple[str, str]:
     return _choose_quant(profile, tier)
 
 
-def _choose_upload(profile: Profile, params: int, tier: str) -> tuple[str, str]:
+def _choose_upload(profile: Profile, params: int, name: str) -> tuple[str, str]:
     up = profile.network.uplink_kbps
     if up >= UPLINK_FP32_KBPS:
         prec, rule = "fp32", f"uplink {up:,.0f} kbit/s >= {UPLINK_FP32_KBPS:,} kbit/s"
@@ -307,7 +310,7 @@ def _choose_upload(profile: Profile, params: int, tier: str) -> tuple[str, str]:
         prec, rule = "int8", f"uplink {up:,.0f} kbit/s < {UPLINK_FP16_KBPS:,} kbit/s"
     nbytes = params * UPLOAD_BYTES[prec]
     secs = nbytes * 8 / (up * 1000)
-    return prec, f"{rule}: a full tier-{tier} update is {nbytes / 1000:,.0f} kB, {secs:.2f} s at {prec}"
+    return prec, f"{rule}: a full {name} update is {nbytes / 1000:,.0f} kB, {secs:.2f} s at {prec}"
 
 
 def _choose_generator(profile: Profile) -> tuple[str, str]:
@@ -328,25 +331,33 @@ def _choose_generator(profile: Profile) -> tuple[str, str]:
                   f"devices average generators within a tier")
 
 
-def plan(profile: Profile, *, embed_dim: int = DEFAULT_EMBED_DIM, samples: int = DEFAULT_SAMPLES) -> Plan:
+def plan(profile: Profile, *, embed_dim: int = DEFAULT_EMBED_DIM, samples: int = DEFAULT_SAMPLES,
+         specs: Mapping[str, ModelSpec] | None = None) -> Plan:
     """Turn a profile into a :class:`Plan`.
 
     ``samples`` is the number of local training samples (GeFL: 600); it scales the
-    round-time estimate. Raises :class:`ProfileError` when no model fits the
-    memory budget, or when one epoch of the smallest model misses the round budget.
+    round-time estimate. ``specs``: tier -> network of the fleet's model family, measured
+    (:func:`fedge.common.families.family_arch`); by default the GeFL CNN family's ``tier-*``.
+    Raises :class:`ProfileError` when no model fits the memory budget, or when one epoch of the
+    smallest model misses the round budget.
     """
     if samples < 1:
         raise ProfileError(f"samples = {samples}: must be at least 1", hint="pass the device's local sample count")
-    specs = {t: tier_arch(t, embed_dim=embed_dim) for t in TIERS}
+    if specs is None:
+        specs = {t: tier_arch(t, embed_dim=embed_dim) for t in TIERS}
     tier, batch, epochs, reasons = _choose_tier(profile, specs, samples)
     spec = specs[tier]
-    quant, reasons["inference_quant"] = _choose_quant(profile, tier)
-    upload, reasons["upload_precision"] = _choose_upload(profile, spec.num_params(), tier)
+    if spec.name == f"tier-{tier}":
+        quant, reasons["inference_quant"] = _choose_quant(profile, tier)
+    else:  # [measured] latencies are of the GeFL CNN tiers: another family's quantization is the heuristic's
+        quant, reasons["inference_quant"] = _heuristic_quant(profile, f" ({spec.name}: [measured] latencies are of "
+                                                                      "the GeFL CNN tiers)")
+    upload, reasons["upload_precision"] = _choose_upload(profile, spec.num_params(), spec.name)
     generator, reasons["generator_tier"] = _choose_generator(profile)
     return Plan(
         profile=profile.name,
         model_tier=tier,
-        arch=f"tier-{tier}",
+        arch=spec.name,
         embed_dim=embed_dim,
         inference_quant=quant,
         upload_precision=upload,

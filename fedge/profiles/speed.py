@@ -29,7 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from fedge.common.archs import TIERS, ArchSpec, tier_arch
+from fedge.common.archs import TIERS, tier_arch
+from fedge.common.families import ModelSpec
 from fedge.profiles.schema import Profile
 from fedge.profiles.uarch import Uarch, uarch_of
 
@@ -114,7 +115,7 @@ class SpeedModel:
         """The model's training MAC/s for a network of ``macs`` forward MACs per sample (no measurements)."""
         return self.peak_mac_rate * size_fraction(macs, batch, self.uarch.lanes)
 
-    def mac_rate(self, spec: ArchSpec, batch: int) -> float:
+    def mac_rate(self, spec: ModelSpec, batch: int) -> float:
         """Training MAC/s of ``spec`` at ``batch`` on all of the device's cores."""
         macs = spec.macs()
         model = self.model_rate(macs, batch)
@@ -133,7 +134,7 @@ class SpeedModel:
         ref = self.model_rate(tier_arch(tier.removeprefix("tier-")).macs(), b)
         return model * self.measured[key] * 1e9 / ref
 
-    def train_seconds(self, spec: ArchSpec, batch: int, *, samples: int, epochs: int) -> float:
+    def train_seconds(self, spec: ModelSpec, batch: int, *, samples: int, epochs: int) -> float:
         """Seconds of local training: ``3 × MACs × samples × epochs ÷`` :meth:`mac_rate`."""
         return TRAIN_MACS_FACTOR * spec.macs() * samples * epochs / self.mac_rate(spec, batch)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from fedge.common.archs import arch_by_name
+from fedge.common.families import spec_by_name
 from fedge.common.method_settings import FedAvgSettings, LGFedAvgSettings
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, EXTRACTOR_PREFIX, DeviceInfo, group_artifact
 from fedge.common.settings import MethodSettings
@@ -16,7 +16,7 @@ def weight_spec(arch: str) -> UpdateSpec:
     """Float state-dict entries of an architecture (BN counters are never sent)."""
     return {
         k: (shape, "float")
-        for k, shape in arch_by_name(arch).param_shapes().items()
+        for k, shape in spec_by_name(arch).param_shapes().items()
         if not k.endswith("num_batches_tracked")
     }
 

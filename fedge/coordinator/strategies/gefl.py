@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fedge.common.archs import arch_by_name
+from fedge.common.families import spec_by_name
 from fedge.common.generators import DEFAULT_GENERATOR_TIER, IMAGE_LEVEL, GeneratorSpec, check_tier
 from fedge.common.method_settings import FedAvgSettings, GeFLSettings, GenerativeSettings, LGFedAvgSettings
 from fedge.common.rounds import (
@@ -60,9 +60,10 @@ class GeneratorAverage:
         return generator_artifact(self.kind, self.tier(device), self.level)
 
     def spec(self, device: DeviceInfo) -> GeneratorSpec:
-        arch = arch_by_name(device.arch)
+        arch = spec_by_name(device.arch)
+        stem = arch.stem_shape  # (C, H, W): the fleet config refuses a family with another stem at load
         shape = ((arch.in_channels, arch.image_size, arch.image_size) if self.level == IMAGE_LEVEL
-                 else arch.stem_shape)
+                 else (stem[0], stem[1], stem[2]))
         return GeneratorSpec(self.kind, shape, tier=self.tier(device), num_classes=self.num_classes)
 
     def expected(self, device: DeviceInfo) -> UpdateSpec:

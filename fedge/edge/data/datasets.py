@@ -6,6 +6,7 @@ to get the files.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import logging
 import os
@@ -148,15 +149,17 @@ def _load_raw(name: str, train: bool, data_dir: str | os.PathLike[str] | None, d
 
 
 def load_dataset(name: str, *, train: bool, data_dir: str | os.PathLike[str] | None = None,
-                 digits_test_fraction: float = 0.25, seed: int = 0) -> Dataset:
+                 digits_test_fraction: float = 0.25, seed: int = 0, image_size: int = 32,
+                 channels: int = 1) -> Dataset:
     """Load a split of ``name`` and run it through the shared preprocessing.
 
     ``digits`` has no official split: a fixed stratified ``digits_test_fraction``
-    is held out as its global test set.
+    is held out as its global test set. ``image_size``/``channels``: the model's input
+    (``[data] image_size``), to which every image is resized (grey repeated for RGB models).
     """
     x, y = _load_raw(name, train, data_dir, digits_test_fraction, seed, labels_only=False)
     assert x is not None  # images were asked for
-    norm = NORMALIZATION[name]
+    norm = dataclasses.replace(NORMALIZATION[name], size=image_size, channels=channels)
     log.info("loaded %s %s: %d images", name, "train" if train else "test", len(y))
     return Dataset(name, preprocess(x, norm), y, CLASS_NAMES[name], norm)
 
