@@ -46,6 +46,8 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     wait for the broker across the outage, at most ``publish_timeout_s``.
     """
 
+    realtime = True  # updates come over the network, on the wall clock: the engine's auto timeouts apply
+
     def __init__(self, broker: BrokerSettings, fleet: str, settings: TransportSettings | None = None, *,
                  client_id: str | None = None, signer: Signer | None = None, updates: bool = True,
                  key_chain: bytes | None = None) -> None:
@@ -206,10 +208,11 @@ class MqttCoordinatorTransport(CoordinatorTransport):
             self.client.publish(topic, payload, retain=True)
         if again.round is not None:
             self.client.publish(self.topics.round, self._seal(self.topics.round, again.round), retain=True)
+            # a warning, as the lost connection was: the operator sees the recovery beside the outage
             if again.tasks is None:
-                log.info("re-announced round %d after reconnecting", again.round_number)
+                log.warning("re-announced round %d after reconnecting", again.round_number)
             else:  # asynchronous mode: the devices it lists send their update again, or train if they never had it
-                log.info("re-announced version %d after reconnecting (session present: %s), with the %d outstanding "
+                log.warning("re-announced version %d after reconnecting (session present: %s), with the %d outstanding "
                          "task(s) of %s", again.round_number, session_present, len(again.tasks),
                          ", ".join(sorted(again.tasks)) or "nobody")
 
@@ -294,6 +297,9 @@ class MqttCoordinatorTransport(CoordinatorTransport):
 
     def last_seen(self) -> dict[str, float]:
         return dict(self._last_seen)
+
+    def connections(self) -> int:
+        return self.client.connects
 
     def wait_for_devices(self, timeout_s: float) -> None:
         with self._cond:
