@@ -55,7 +55,7 @@ def fleet_config(args: argparse.Namespace, seed: int, mode: str, churn: bool) ->
                 "eval_every": 10**6 if args.method == "fedavg" else 1,
                 "rounds": args.rounds if mode == "sync" else versions, "name": f"async-{mode}"},
         "partition": {"kind": "dirichlet", "alpha": 0.5, "fraction": args.fraction},
-        "train": {"lr": 0.05, "batch_size": 16, "local_epochs": 1},
+        "train": {"lr": 0.05, "batch_size": 16, "local_epochs": 1, "min_tail": 1, "val_fraction": 0.0},
         "devices": [g for g in groups if g["count"]],
     }
     if args.method == "geflf":

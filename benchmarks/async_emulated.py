@@ -63,7 +63,10 @@ eval_every = 100000
 fraction = {fraction}
 
 [train]
+lr = 0.1  # the figures were measured before issue 45 changed the defaults: pinned
 local_epochs = {epochs}
+min_tail = 1
+val_fraction = 0.0
 {coordinator}
 """
 

@@ -63,7 +63,7 @@ def job(seed: int, rounds: int, *, process: bool = False) -> dict[str, Any]:
                 # final global model); every fedge device evaluates that same model.
                 "eval_every": rounds + 1},
         "partition": {"kind": "iid", "fraction": 0.1, "local_test_fraction": 0.0},
-        "train": {"lr": 0.01, "batch_size": 64, "local_epochs": 5},
+        "train": {"lr": 0.01, "batch_size": 64, "local_epochs": 5, "min_tail": 1, "val_fraction": 0.0},
         "devices": [{"profile": "x86-gateway", "count": CLIENTS, "arch": ARCH, "id_prefix": "client"}],
         **({"simulation": sim} if sim else {}),
     }
@@ -114,6 +114,7 @@ def flower_worker(seed: int, rounds: int) -> dict[str, Any]:
     from fedge.fleet.config import parse_fleet
 
     cfg = parse_fleet(job(seed, rounds))
+    assert cfg.train.lr is not None  # job() sets it: both sides train at the same rate
     tc = TrainConfig(lr=cfg.train.lr, batch_size=cfg.train.batch_size or 64, local_epochs=cfg.train.local_epochs or 5)
 
     def data() -> Any:

@@ -75,6 +75,8 @@ local_test_fraction = 0.1
 lr = 0.1
 batch_size = 32
 local_epochs = 2
+min_tail = 1
+val_fraction = 0.0
 
 {method}
 [[devices]]
@@ -107,6 +109,8 @@ alpha = {alpha}
 [train]
 lr = 0.05
 local_epochs = 2
+min_tail = 1
+val_fraction = 0.0
 {extra}{privacy}
 [[devices]]
 profile = "rpi4-2gb"

@@ -131,7 +131,7 @@ def test_process_workers_give_the_sequential_run_bit_for_bit(sequential_fedavg: 
     from fedge.edge.models import load_checkpoint
 
     for d in sequential_fedavg.devices:
-        model = load_checkpoint(out / "checkpoints" / f"{d.info.device_id}.safetensors")
+        model = load_checkpoint(out / "checkpoints" / f"{d.info.device_id}.last.safetensors")  # the final model
         want = model_arrays(d.method.ctx.model)
         got = model_arrays(model)
         assert all(want[k].tobytes() == got[k].tobytes() for k in want)

@@ -41,7 +41,8 @@ def test_good_config_loads(tmp_path: Path) -> None:
     cfg = load_fleet(_write(tmp_path, GOOD))
     assert cfg.num_devices == 3
     assert [i for i, _ in device_ids(cfg)] == ["rpi-zero-2w-1", "rpi-zero-2w-2", "rpi5-8gb-1"]
-    assert cfg.partition.alpha == 0.5 and cfg.train.lr == 0.1
+    assert cfg.partition.alpha == 0.5 and cfg.train.lr is None  # unset: the plan chooses (issue 45)
+    assert cfg.train.val_fraction == 0.1 and cfg.train.min_tail is None
 
 
 @pytest.mark.parametrize(
@@ -121,10 +122,11 @@ def test_data_stats_prints_each_device_histogram(tmp_path: Path, capsys: pytest.
     out = capsys.readouterr().out.splitlines()
     rows = [line for line in out if line.startswith(("rpi-zero-2w-", "rpi5-8gb-"))]
     assert len(rows) == 3
-    # 10 class counts + train total + local-test total per row; counts add up to the train total
+    # 10 class counts + train total + local-test total + validation fold per row; counts add up to the train total
     nums = [list(map(int, r.split()[1:])) for r in rows]
     assert all(sum(n[:10]) == n[10] for n in nums)
-    assert sum(n[10] + n[11] for n in nums) == 1347  # the whole digits training split
+    assert all(n[12] == round((n[10] + n[12]) * 0.1) for n in nums)  # [train] val_fraction's default
+    assert sum(n[10] + n[11] + n[12] for n in nums) == 1347  # the whole digits training split
 
 
 def test_no_local_split_sends_no_local_accuracy() -> None:

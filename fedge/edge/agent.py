@@ -134,6 +134,7 @@ class DeviceAgent:
         metrics = {}
         if self.evaluates(info):
             metrics = self.method.evaluate()
+            self.method.keep_best(info.round, metrics)  # the model as of this round: the one shipped if best
         if info.is_final:
             arrays: dict[str, Any] = {}
             extra: dict[str, Any] = {}

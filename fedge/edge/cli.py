@@ -48,9 +48,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="the fleet's Ed25519 public key (a bundle's fleet.pub, read from the bundle by default): "
                         "round descriptors and global state must then be signed with the fleet key")
     r.add_argument("--state-dir", metavar="DIR",
-                   help="where the device keeps what must survive a restart: the newest signed message seen per "
-                        "topic (replay protection), the fleet key it rotated to (fleet-key.json) and, with OTA "
-                        "updates, its model store")
+                   help="where the device keeps what must survive a restart: its best model so far "
+                        "(best.safetensors: the round that scored best on its validation fold), the newest signed "
+                        "message seen per topic (replay protection), the fleet key it rotated to (fleet-key.json) "
+                        "and, with OTA updates, its model store")
     r.add_argument("--model-store", metavar="DIR",
                    help="accept over-the-air model updates (`fedge deploy`) into this store: signed by the fleet key, "
                         "checked on the device's local split and with a smoke test, switched in atomically, rolled "
@@ -128,6 +129,21 @@ def _ota(args: argparse.Namespace, cfg: Any, dev: Any, transport: Any, verifier:
                      status=store.status, precheck=store.check_new)
 
 
+def _keep_best(state_dir: str, dev: Any) -> None:
+    """Keep the device's best model (by its validation fold) in ``STATE_DIR/best.safetensors``, and take
+    back the one an earlier start kept there: a restart neither forgets it nor lets a worse model replace it."""
+    from fedge.edge.best import BestModel
+
+    Path(state_dir).mkdir(parents=True, exist_ok=True)
+    best = BestModel(state_dir)
+    record = best.load(dev.method.ctx.model)
+    dev.method.best = best
+    if record is not None:
+        acc = "none" if record.acc_val is None else f"{record.acc_val:.1%}"
+        print(f"{dev.info.device_id}: best model so far from round {record.round} (validation {acc}) in "
+              f"{best.path}", file=sys.stderr)
+
+
 def _run(args: argparse.Namespace) -> int:
     from fedge.edge.agent import DeviceAgent
     from fedge.edge.service import Bundle, EdgeOptions, EdgeService
@@ -186,6 +202,8 @@ def _run(args: argparse.Namespace) -> int:
               f"local test images{skipped}", file=sys.stderr)
     else:
         agent = DeviceAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every)
+    if args.state_dir:
+        _keep_best(args.state_dir, dev)
     ota = _ota(args, cfg, dev, transport, verifier)
     if args.heartbeat < 0:
         raise ConfigError(f"--heartbeat must be >= 0 seconds, got {args.heartbeat:g}")

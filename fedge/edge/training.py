@@ -22,17 +22,29 @@ class TrainConfig:
     local_epochs: int = 5
     momentum: float = 0.0
     weight_decay: float = 0.0
+    min_tail: int = 1
+    """An epoch's last batch smaller than this joins the one before it (1: every batch stands alone)."""
 
 
 def make_optimizer(params: list[nn.Parameter] | list[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
-def batches(n: int, batch_size: int, rng: np.random.Generator, *, shuffle: bool = True) -> Iterator[np.ndarray]:
-    """Index batches of one epoch."""
+def batches(n: int, batch_size: int, rng: np.random.Generator, *, shuffle: bool = True,
+            min_tail: int = 1) -> Iterator[np.ndarray]:
+    """Index batches of one epoch; a last batch of fewer than ``min_tail`` samples joins the one before it.
+
+    A tail of 2 or 3 samples is one SGD step on an almost arbitrary gradient, and with BatchNorm it
+    normalizes every feature over those few samples (and moves the running statistics toward them):
+    on a device whose share is 2 samples past a multiple of its batch, it is the step that ends
+    every epoch. Joined to the batch before, its samples still train every epoch.
+    """
     order = rng.permutation(n) if shuffle else np.arange(n)
-    for i in range(0, n, batch_size):
-        yield order[i : i + batch_size]
+    starts = list(range(0, n, batch_size))
+    if len(starts) > 1 and n - starts[-1] < min_tail:
+        starts.pop()
+    for j, i in enumerate(starts):
+        yield order[i : starts[j + 1] if j + 1 < len(starts) else n]
 
 
 def train_epochs(
@@ -59,7 +71,7 @@ def train_epochs(
     yt = torch.from_numpy(np.ascontiguousarray(y))
     total, count = 0.0, 0
     for _ in range(cfg.local_epochs if epochs is None else epochs):
-        for idx in batches(len(y), cfg.batch_size, rng):
+        for idx in batches(len(y), cfg.batch_size, rng, min_tail=cfg.min_tail):
             if len(idx) < 2 and _has_batchnorm(model):
                 continue  # BatchNorm cannot train on a batch of one
             xb, yb = xt[idx], yt[idx]

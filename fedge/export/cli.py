@@ -41,6 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help=f"calibration samples for int8-static (default {DEFAULT_CALIBRATION_SAMPLES})")
     ex.add_argument("--test-samples", type=int, help="verify on the first N test images only (default: all)")
     ex.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    ex.add_argument("--last", action="store_true",
+                    help="with --run: ship each device's last model, not its best (the round that scored best on "
+                         "its validation fold, the default)")
     ex.add_argument("--signing-key", metavar="FILE",
                     help="sign every manifest with the fleet's Ed25519 key (coordinator/signing.key of `fedge broker "
                          "config --sign`); `fedge infer --fleet-key` then verifies it")
@@ -89,7 +92,25 @@ def _summary(out: str, m: Manifest) -> list[str]:
     decision = m.extra.get("quantization") or {}
     if decision.get("reason"):
         lines.append(f"  quant     {decision['reason']}")
+    origin = m.extra.get("checkpoint")
+    if origin:
+        lines.append("  model     " + _origin_text(origin))
     return lines
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def _origin_text(o: dict[str, Any]) -> str:
+    """Which round a run's exported checkpoint came from, and its accuracies against the last round's."""
+    last = o.get("last") or {}
+    head = (f"{o['choice']} checkpoint, round {o['round']}: validation {_pct(o.get('acc_val'))}, "
+            f"global test {_pct(o.get('acc_global'))}")
+    if o["choice"] == "best" and last:
+        head += (f" (the last round, {last.get('round')}: validation {_pct(last.get('acc_val'))}, "
+                 f"global test {_pct(last.get('acc_global'))})")
+    return head
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -103,11 +124,14 @@ def _export(args: argparse.Namespace) -> int:
 
     signer = Signer.from_file(args.signing_key) if args.signing_key else None  # a bad key fails before exporting
     opt = ExportOptions(calibration_samples=args.calib_samples)
+    if args.last and not args.run:
+        raise _usage("--last chooses among a run's checkpoints: give --run RESULTS_DIR",
+                     hint="with --checkpoint, pass RUN/checkpoints/<device>.last.safetensors itself")
     if args.run:
         if args.profile or args.arch or args.calibration:
             raise _usage("--profile, --arch and --calibration apply to --checkpoint; a run records them per device")
         manifests = export_run(args.run, args.out, data_dir=args.data_dir, dataset=args.dataset, quant=args.quant,
-                               test_samples=args.test_samples, options=opt, overwrite=args.force)
+                               test_samples=args.test_samples, options=opt, overwrite=args.force, last=args.last)
         for dev, m in manifests.items():
             if signer is not None:
                 sign_manifest(Path(args.out) / dev, signer)

@@ -27,7 +27,7 @@ from fedge.errors import ConfigError, ExportError, FedgeError, ProfileError
 from fedge.export.decide import request_quant
 from fedge.export.exporter import ExportOptions, export_into, staged_output
 from fedge.export.quantize import CalibrationSource
-from fedge.runtime.manifest import Manifest
+from fedge.runtime.manifest import Manifest, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,31 @@ def check_arch(net: SplitNet, expected: str | None, *, source: str, why: str) ->
         )
 
 
+def checkpoint_origin(meta: dict[str, str]) -> dict[str, Any] | None:
+    """Which round a run's checkpoint holds and how it scored (``manifest.json``'s ``checkpoint``), from the
+    metadata :func:`fedge.sim.simulate.save_device_checkpoints` writes; None for a checkpoint without it."""
+    from fedge.edge.best import BestRecord
+
+    best, last = BestRecord.from_meta(meta), BestRecord.from_meta(meta, "fedge.last")
+    kind = meta.get("fedge.checkpoint")
+    if kind is None or (best is None and last is None):
+        return None
+    chosen = best if kind == "best" and best is not None else last
+    assert chosen is not None
+    return {"choice": kind, "round": chosen.round, "acc_val": chosen.acc_val, "acc_global": chosen.acc_global,
+            "last": None if last is None else {"round": last.round, "acc_val": last.acc_val,
+                                               "acc_global": last.acc_global}}
+
+
+def _with_origin(out: Path, manifest: Manifest, meta: dict[str, str]) -> Manifest:
+    """``manifest`` with the checkpoint's origin (round, accuracies), rewritten into ``out``."""
+    origin = checkpoint_origin(meta)
+    if origin is not None:
+        manifest.extra["checkpoint"] = origin
+        write_manifest(out, manifest)
+    return manifest
+
+
 def _subsample(x: np.ndarray, n: int, seed: int) -> np.ndarray:
     if len(x) <= n:
         return x
@@ -164,8 +189,9 @@ def export_checkpoint(
         calibration = _subsample(train.x, opt.calibration_samples, opt.seed)
         label = f"{dataset} training split ({len(train)} images, {len(calibration)} sampled)"
     with staged_output(out, overwrite=overwrite) as stage:
-        return export_into(net, stage, quant=request, test=test, calibration=calibration, calibration_label=label,
-                           profile=target.profile, plan=target.plan, options=opt)
+        m = export_into(net, stage, quant=request, test=test, calibration=calibration, calibration_label=label,
+                        profile=target.profile, plan=target.plan, options=opt)
+        return _with_origin(stage, m, meta)
 
 
 # -- runs ------------------------------------------------------------------------------------
@@ -235,8 +261,13 @@ def export_run(
     test_samples: int | None = None,
     options: ExportOptions | None = None,
     overwrite: bool = False,
+    last: bool = False,
 ) -> dict[str, Manifest]:
     """Export every device of a finished run into ``out/<device id>/``, all or nothing.
+
+    Each device ships its best checkpoint, the round that scored best on its validation fold
+    (``checkpoints/<device>.safetensors``, :mod:`fedge.edge.best`); ``last`` ships the last round's
+    (``<device>.last.safetensors``). The manifest's ``checkpoint`` names the round and its accuracies.
 
     Each device's quantization is decided for its own model (see
     :mod:`fedge.export.decide`) from its profile's measured table or the plan
@@ -267,10 +298,12 @@ def export_run(
             dev_id = str(dev["id"])
             if Path(dev_id).name != dev_id or dev_id in (".", ".."):
                 raise ExportError(f"results.json: device id {dev_id!r} is not a plain name")
-            ckpt = root / "checkpoints" / f"{dev_id}.safetensors"
+            ckpt = root / "checkpoints" / f"{dev_id}{'.last' if last else ''}.safetensors"
             if not ckpt.is_file():
                 raise ExportError(f"device {dev_id}: no checkpoint {ckpt}",
-                                  hint="the run must have been started with an output directory")
+                                  hint="the run must have been started with an output directory"
+                                       + (" (runs before issue 45 kept only one: export without --last)"
+                                          if last else ""))
             net, meta = load_net(ckpt)
             check_arch(net, dev.get("arch"), source=str(ckpt), why=f"results.json says device {dev_id} runs")
             plan = dev.get("plan") if isinstance(dev.get("plan"), dict) else None
@@ -292,9 +325,9 @@ def export_run(
                     label = f"{dataset} training split (the device's own share was not available)"
             (stage / dev_id).mkdir()
             try:
-                manifests[dev_id] = export_into(
+                manifests[dev_id] = _with_origin(stage / dev_id, export_into(
                     net, stage / dev_id, quant=request, test=test_for(net), calibration=calibration,
-                    calibration_label=label, profile=profile or None, plan=plan, options=opt)
+                    calibration_label=label, profile=profile or None, plan=plan, options=opt), meta)
             except FedgeError as exc:
                 raise type(exc)(f"device {dev_id}: {exc.message}", hint=exc.hint) from exc
         index = {
@@ -302,7 +335,8 @@ def export_run(
             "dataset": dataset,
             "devices": [
                 {"id": k, "dir": k, "arch": m.arch, "quant": m.quant, "profile": m.profile,
-                 "accuracy": m.metrics.get("accuracy"), "latency_ms": m.metrics.get("latency_ms")}
+                 "accuracy": m.metrics.get("accuracy"), "latency_ms": m.metrics.get("latency_ms"),
+                 "checkpoint": m.extra.get("checkpoint")}
                 for k, m in manifests.items()
             ],
         }

@@ -89,15 +89,24 @@ class PartitionSection:
 class TrainSection:
     """Overrides of the plan's local-training settings (unset: the plan decides)."""
 
-    lr: float = 0.1
+    lr: float | None = None
     batch_size: int | None = None
     local_epochs: int | None = None
     momentum: float = 0.0
     weight_decay: float = 0.0
+    min_tail: int | None = None
+    """An epoch's last batch smaller than this joins the one before it (unset: the plan decides; 1: never)."""
+    val_fraction: float = 0.1
+    """Share of each device's training samples held out to choose the model it ships (0: none, ship the last)."""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
+        if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.min_tail is not None and self.min_tail < 1:
+            raise ConfigError(f"min_tail must be >= 1, got {self.min_tail}", hint="1 keeps every last batch as it is")
+        if not 0 <= self.val_fraction < 0.5:
+            raise ConfigError(f"val_fraction must be in [0, 0.5), got {self.val_fraction}",
+                              hint="0.1 holds out a tenth of each device's training share; 0 holds out nothing")
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.local_epochs is not None and self.local_epochs < 1:

@@ -73,13 +73,14 @@ def build_device(cfg: FleetConfig, data: FleetData, idx: int, *, global_eval: Gl
     split = data.splits[idx]
     slot = device_slot(cfg, idx, data.train.y, split)
     return device_from_slot(cfg, slot, data.train.subset(split.train), data.train.subset(split.test), data.test,
-                            global_eval=global_eval)
+                            global_eval=global_eval, val=data.train.subset(split.val))
 
 
 def device_from_slot(cfg: FleetConfig, slot: DeviceSlot, train: Dataset, local_test: Dataset,
-                     global_test: Dataset | None, *, global_eval: GlobalEval | None = None) -> SimDevice:
-    """The device of ``slot`` on its data share (``train``, ``local_test``) — all a worker process needs
-    to build the same device the driver would (``fedge simulate --backend process``)."""
+                     global_test: Dataset | None, *, global_eval: GlobalEval | None = None,
+                     val: Dataset | None = None) -> SimDevice:
+    """The device of ``slot`` on its data share (``train``, ``local_test``, the validation fold ``val``) — all a
+    worker process needs to build the same device the driver would (``fedge simulate --backend process``)."""
     entry = method_entry(cfg.run.method)
     idx = slot.index
     p = slot.plan
@@ -87,11 +88,12 @@ def device_from_slot(cfg: FleetConfig, slot: DeviceSlot, train: Dataset, local_t
     seeds = init_seeds(cfg.method_config.shared_start(), run_seed=cfg.run.seed, index=idx, arch=slot.spec.name)
     model = build_seeded(slot.spec, seeds)
     tc = TrainConfig(
-        lr=cfg.train.lr,
+        lr=cfg.train.lr or p.lr,
         batch_size=cfg.train.batch_size or p.batch_size,
         local_epochs=cfg.train.local_epochs or p.local_epochs,
         momentum=cfg.train.momentum,
         weight_decay=cfg.train.weight_decay,
+        min_tail=cfg.train.min_tail or p.min_tail,
     )
     ctx = DeviceContext(
         device_id=slot.device_id,
@@ -107,6 +109,7 @@ def device_from_slot(cfg: FleetConfig, slot: DeviceSlot, train: Dataset, local_t
         plan=p.to_dict(),
         privacy=cfg.privacy_mechanism,
         global_eval=global_eval,
+        val=val,
     )
     return SimDevice(slot.info(), entry.build_device(ctx), p.to_dict())
 
@@ -116,10 +119,11 @@ def _check_feature_dims(cfg: FleetConfig, devices: list[SimDevice]) -> None:
                        shares_features=method_entry(cfg.run.method).shares_features)
 
 
-def class_histograms(cfg: FleetConfig, data: FleetData) -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """(device id, train histogram, local-test histogram) per device."""
+def class_histograms(cfg: FleetConfig, data: FleetData) -> list[tuple[str, np.ndarray, np.ndarray, int]]:
+    """(device id, train histogram, local-test histogram, validation fold size) per device."""
     c = data.train.num_classes
     return [
-        (dev_id, np.bincount(data.train.y[s.train], minlength=c), np.bincount(data.train.y[s.test], minlength=c))
+        (dev_id, np.bincount(data.train.y[s.train], minlength=c), np.bincount(data.train.y[s.test], minlength=c),
+         len(s.val))
         for (dev_id, _), s in zip(device_ids(cfg), data.splits, strict=True)
     ]

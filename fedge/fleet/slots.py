@@ -25,7 +25,7 @@ from fedge.common.catalog import CLASS_NAMES
 from fedge.common.families import GEFL_FAMILY, FamilyArch, ModelSpec, family_arch, family_tiers
 from fedge.common.rounds import DeviceInfo
 from fedge.edge.data.datasets import load_labels
-from fedge.edge.data.partition import DeviceSplit, dirichlet, iid_fraction, local_splits, shards
+from fedge.edge.data.partition import DeviceSplit, dirichlet, iid_fraction, local_splits, shards, validation_folds
 from fedge.errors import ConfigError
 from fedge.fleet.config import FleetConfig, device_ids
 from fedge.profiles import Plan, Profile, load_profile, plan
@@ -106,7 +106,7 @@ def fleet_splits(cfg: FleetConfig, labels: np.ndarray) -> list[DeviceSplit]:
         parts = dirichlet(labels, n, part.alpha, run.seed, min_size=part.min_size, fraction=part.fraction)
     else:
         parts = shards(labels, n, part.shards_per_device, run.seed, fraction=part.fraction)
-    return local_splits(parts, part.local_test_fraction, run.seed)
+    return validation_folds(local_splits(parts, part.local_test_fraction, run.seed), cfg.train.val_fraction, run.seed)
 
 
 def train_labels(cfg: FleetConfig) -> np.ndarray:

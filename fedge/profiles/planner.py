@@ -53,6 +53,8 @@ WORKSPACE_MB = 24.0
 
 DEFAULT_BATCH = 64  # GeFL trains its target nets at batch 64
 MIN_BATCH = 8  # below this BatchNorm statistics get too noisy to be worth the bigger model
+PROTOCOL_LR = 0.1  # GeFL's SGD learning rate (600 images a device, batch 64): the published configs set it
+DEFAULT_LR = 0.05  # a device's default (issue 45): PROTOCOL_LR oscillates on small, label-skewed shares
 
 # -- round time ----------------------------------------------------------------
 # The device's training speed is fedge.profiles.speed's model (per-microarchitecture efficiency x
@@ -146,6 +148,10 @@ class Plan:
     """A generator tier (:data:`GENERATOR_ALLOWANCES`), or ``"none"`` when no generator fits."""
     batch_size: int
     local_epochs: int
+    lr: float
+    """SGD learning rate of local training (``[train] lr`` overrides it)."""
+    min_tail: int
+    """An epoch's last batch smaller than this joins the one before it (``[train] min_tail`` overrides it)."""
     samples: int
     params: int
     macs: int
@@ -331,6 +337,21 @@ def _choose_generator(profile: Profile) -> tuple[str, str]:
                   f"devices average generators within a tier")
 
 
+def _choose_lr(samples: int, batch: int) -> tuple[float, str]:
+    """The learning rate, and why (see :data:`DEFAULT_LR`)."""
+    return DEFAULT_LR, (f"{DEFAULT_LR:g}: half GeFL's {PROTOCOL_LR:g}, which oscillates on small, skewed shares "
+                        f"(issue 45: a device at 68 % ended at 20 %); the published protocols set lr = {PROTOCOL_LR:g}")
+
+
+def _choose_min_tail(samples: int, batch: int) -> tuple[int, str]:
+    """The smallest last batch an epoch keeps on its own, and why."""
+    tail = samples % batch
+    what = (f"{samples} samples at batch {batch} leave a last batch of {tail}"
+            + (f", which joins the one before ({batch + tail} samples)" if 0 < tail < MIN_BATCH else ", kept"))
+    return MIN_BATCH, (f"a last batch of fewer than {MIN_BATCH} samples (the batch floor: BatchNorm statistics "
+                       f"below it are noise) joins the one before; {what}")
+
+
 def plan(profile: Profile, *, embed_dim: int = DEFAULT_EMBED_DIM, samples: int = DEFAULT_SAMPLES,
          specs: Mapping[str, ModelSpec] | None = None) -> Plan:
     """Turn a profile into a :class:`Plan`.
@@ -354,6 +375,8 @@ def plan(profile: Profile, *, embed_dim: int = DEFAULT_EMBED_DIM, samples: int =
                                                                       "the GeFL CNN tiers)")
     upload, reasons["upload_precision"] = _choose_upload(profile, spec.num_params(), spec.name)
     generator, reasons["generator_tier"] = _choose_generator(profile)
+    lr, reasons["lr"] = _choose_lr(samples, batch)
+    min_tail, reasons["min_tail"] = _choose_min_tail(samples, batch)
     return Plan(
         profile=profile.name,
         model_tier=tier,
@@ -364,6 +387,8 @@ def plan(profile: Profile, *, embed_dim: int = DEFAULT_EMBED_DIM, samples: int =
         generator_tier=generator,
         batch_size=batch,
         local_epochs=epochs,
+        lr=lr,
+        min_tail=min_tail,
         samples=samples,
         params=spec.num_params(),
         macs=spec.macs(),

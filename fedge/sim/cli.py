@@ -114,8 +114,8 @@ def _stats(args: argparse.Namespace) -> int:
     classes = data.train.classes
     width = max(5, *(len(c[:7]) for c in classes))
     print(f"{cfg.run.dataset}: partition {cfg.partition.kind}, {cfg.num_devices} devices, seed {cfg.run.seed}")
-    print("device".ljust(22) + "".join(c[:7].rjust(width + 1) for c in classes) + "   train  local-test")
-    for dev_id, tr, te in class_histograms(cfg, data):
+    print("device".ljust(22) + "".join(c[:7].rjust(width + 1) for c in classes) + "   train  local-test  val")
+    for dev_id, tr, te, val in class_histograms(cfg, data):
         counts = "".join(str(int(v)).rjust(width + 1) for v in tr)
-        print(dev_id.ljust(22) + counts + f"{int(tr.sum()):8d}{int(te.sum()):12d}")
+        print(dev_id.ljust(22) + counts + f"{int(tr.sum()):8d}{int(te.sum()):12d}{val:5d}")
     return 0

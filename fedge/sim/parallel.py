@@ -230,7 +230,8 @@ class ParallelFleet:
         cfg, data = self.cfg, self.data
         entry = method_entry(cfg.run.method)
         specs = [HostSpec(w, cfg, entry, [DeviceShare(self.slots[i], data.train.subset(data.splits[i].train),
-                                                      data.train.subset(data.splits[i].test)) for i in idx],
+                                                      data.train.subset(data.splits[i].test),
+                                                      data.train.subset(data.splits[i].val)) for i in idx],
                           self.run.threads)
                  for w, idx in enumerate(self.placement)]
         log.info("%s backend: %d workers, devices %s", self.pool.kind, len(specs), self.run.placement)

@@ -90,18 +90,22 @@ def build_results(res: SimResult) -> dict[str, Any]:
     entries: list[tuple[DeviceInfo, dict[str, Any], int, str | None]] = [
         (d.info, d.plan, len(d.method.ctx.local_test), None) for d in res.devices]
     entries += [(x.info, x.plan, x.num_local_test, x.reason) for x in res.lost]
+    # the model each device ships (issue 45): its best round by its validation fold (fedge.edge.best)
+    shipped = {d.info.device_id: d.method.best.to_dict() for d in res.devices}
     order = {dev_id: i for i, (dev_id, _) in enumerate(device_ids(res.cfg))}
     entries.sort(key=lambda e: order.get(e[0].device_id, len(order)))
     for info, plan, num_local_test, lost in entries:
         dev_id = info.device_id
         acc_g: list[float | None] = [None] * (len(reports))
         acc_l: list[float | None] = [None] * (len(reports))
+        acc_v: list[float | None] = [None] * (len(reports))
         up = [0] * len(reports)
         down = [0] * len(reports)
         for i, rep in enumerate(reports):
             m = rep.metrics.get(dev_id, {})
             acc_g[i] = _nan_to_none(m.get("acc_global"))
             acc_l[i] = _nan_to_none(m.get("acc_local"))
+            acc_v[i] = _nan_to_none(m.get("acc_val"))
             up[i] = rep.bytes_up.get(dev_id, 0)
             down[i] = rep.bytes_down.get(dev_id, 0)
         seen = [a for a in acc_g if a is not None]
@@ -120,6 +124,9 @@ def build_results(res: SimResult) -> dict[str, Any]:
             "final_acc_global": acc_g[-1] if acc_g else None,
             "final_acc_local": acc_l[-1] if acc_l else None,
             "best_acc_global": max(seen) if seen else None,
+            "acc_val": acc_v,
+            "shipped": shipped.get(dev_id),
+            "shipped_acc_global": (shipped.get(dev_id) or {}).get("acc_global"),
             # Training rounds only (the final evaluation round uploads metrics only, but is counted).
             "bytes_up": up,
             "bytes_down": down,
@@ -149,6 +156,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
         "summary": {
             "mean_final_acc_global": mean("final_acc_global"),
             "mean_best_acc_global": mean("best_acc_global"),
+            "mean_shipped_acc_global": mean("shipped_acc_global"),
             "mean_final_acc_local": mean("final_acc_local"),
             **({"mean_final_acc_local_generic": mean("final_acc_local_generic"),
                 "mean_final_acc_global_personal": mean("final_acc_global_personal"),

@@ -20,6 +20,7 @@ from fedge.coordinator.config import engine_config
 from fedge.coordinator.engine import RoundEngine, RoundReport
 from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.edge.agent import DeviceAgent
+from fedge.edge.best import BestRecord
 from fedge.edge.models.checkpoint import save_checkpoint
 from fedge.errors import ConfigError
 from fedge.fleet.clock import FleetClock, fleet_clock
@@ -172,11 +173,29 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
         reports, final_globals = engine.reports, engine.globals
         extra = {"simulation": sequential_run(devices)}
     if out_dir is not None:
-        ckpt_dir = Path(out_dir) / "checkpoints"
-        for d in devices:
-            save_checkpoint(d.method.ctx.model, ckpt_dir / f"{d.info.device_id}.safetensors",
-                            extra={"fedge.profile": d.info.profile, "fedge.dataset": cfg.run.dataset})
+        save_device_checkpoints(cfg, devices, reports, Path(out_dir) / "checkpoints")
     return SimResult(cfg, devices, agents, reports, time.perf_counter() - t0, extra, lost, final_globals, clock)
+
+
+def save_device_checkpoints(cfg: FleetConfig, devices: list[SimDevice], reports: list[RoundReport],
+                            ckpt_dir: Path) -> None:
+    """Each device's best model (by its validation fold, :mod:`fedge.edge.best`) as ``<device>.safetensors``,
+    what ``fedge export`` ships, and its last model as ``<device>.last.safetensors`` (``fedge export --last``).
+    Both record the last round (``fedge.last.*``: round, validation, global and local accuracy) and which one
+    they are (``fedge.checkpoint``); the best one also ``fedge.best.*``, the round it came from."""
+    last_round = reports[-1].round if reports else 0
+    for d in devices:
+        dev = d.info.device_id
+        base = {"fedge.profile": d.info.profile, "fedge.dataset": cfg.run.dataset}
+        model = d.method.ctx.model
+        last_m = reports[-1].metrics.get(dev, {}) if reports else {}
+        last = BestRecord(last_round, last_m.get("acc_val"), last_m.get("acc_global"), last_m.get("acc_local"))
+        save_checkpoint(model, ckpt_dir / f"{dev}.last.safetensors",
+                        extra={**base, "fedge.checkpoint": "last", **last.meta("fedge.last")})
+        best = d.method.best
+        record = best.record or last
+        save_checkpoint(best.model(model), ckpt_dir / f"{dev}.safetensors",
+                        extra={**base, "fedge.checkpoint": "best", **record.meta(), **last.meta("fedge.last")})
 
 
 def torch_threads(n: int) -> None:

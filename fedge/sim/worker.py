@@ -52,6 +52,7 @@ class DeviceShare:
     slot: DeviceSlot
     train: Dataset
     local_test: Dataset
+    val: Dataset | None = None  # the validation fold (fedge.edge.best)
 
 
 @dataclass
@@ -173,7 +174,8 @@ class DeviceHost:
             # a device's own share is written to by nobody either, but it is small: a private copy
             # keeps "training data is an ordinary array" true for every method
             train, local_test = _writable(share.train), _writable(share.local_test)
-            dev = device_from_slot(cfg, share.slot, train, local_test, global_test, global_eval=self.global_eval)
+            dev = device_from_slot(cfg, share.slot, train, local_test, global_test, global_eval=self.global_eval,
+                                   val=share.val)
             self.agents.append(DeviceAgent(dev.method, _HostTransport(self), dev.info, fleet=cfg.run.fleet,
                                            eval_every=cfg.run.eval_every))
         self.build_seconds = time.perf_counter() - t0

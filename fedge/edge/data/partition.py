@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -72,10 +72,12 @@ def shards(labels: np.ndarray, n_devices: int, shards_per_device: int, seed: int
 
 @dataclass(frozen=True)
 class DeviceSplit:
-    """One device's local train and local test indices (into the training set)."""
+    """One device's local train, local test and validation indices (into the training set)."""
 
     train: np.ndarray
     test: np.ndarray
+    val: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Held out of ``train`` to choose the model the device ships (:mod:`fedge.edge.best`); never a test split."""
 
 
 def local_splits(parts: list[np.ndarray], test_fraction: float, seed: int) -> list[DeviceSplit]:
@@ -86,6 +88,27 @@ def local_splits(parts: list[np.ndarray], test_fraction: float, seed: int) -> li
         perm = rng.permutation(p)
         n_test = round(len(p) * test_fraction)
         out.append(DeviceSplit(np.sort(perm[n_test:]), np.sort(perm[:n_test])))
+    return out
+
+
+MIN_TRAIN_FOR_VAL = 4  # a share this small keeps every sample for training: nothing to validate on
+
+
+def validation_folds(splits: list[DeviceSplit], fraction: float, seed: int) -> list[DeviceSplit]:
+    """Hold out ``fraction`` of each device's training indices (at least one) as its validation fold.
+
+    Drawn from the training share only, so a fold never overlaps the device's local test split or the
+    global test set; ``fraction = 0`` returns ``splits`` unchanged (the published protocols train on
+    every sample of the share).
+    """
+    if fraction <= 0:
+        return splits
+    rng = np.random.default_rng(seed + 2)
+    out = []
+    for s in splits:
+        perm = rng.permutation(s.train)
+        n_val = max(1, round(len(perm) * fraction)) if len(perm) >= MIN_TRAIN_FOR_VAL else 0
+        out.append(DeviceSplit(np.sort(perm[n_val:]), s.test, np.sort(perm[:n_val])))
     return out
 
 

@@ -17,6 +17,7 @@ import torch
 from fedge.common.privacy import Mechanism
 from fedge.common.rounds import RoundInfo
 from fedge.common.settings import MethodName, MethodSettings
+from fedge.edge.best import BestModel
 from fedge.edge.data.datasets import Dataset
 from fedge.edge.models.split import SplitNet
 from fedge.edge.training import TrainConfig, accuracy
@@ -90,6 +91,7 @@ class DeviceContext:
     plan: dict[str, Any] = field(default_factory=dict)
     privacy: Mechanism | None = None  # [privacy]: the agent clips and noises the statistics before upload
     global_eval: GlobalEval | None = None  # accuracies on global_test shared with the other devices of this process
+    val: Dataset | None = None  # the validation fold held out of the training share: chooses the model shipped
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
@@ -116,12 +118,21 @@ class DeviceMethod(ABC):
         self.ctx = ctx
         self.settings = self.settings_type.given(ctx.method_config, type(self).__name__)
         self._eval_cache: tuple[bytes, dict[str, float]] | None = None  # (state digest, metrics)
+        self.best = BestModel()  # the model this device ships (fedge.edge.best); the agent feeds it
         torch.manual_seed(ctx.seed)
 
     def data_changed(self) -> None:
         """``ctx.train`` / ``ctx.local_test`` were replaced (a device's own data folder grew between
         rounds): drop everything derived from them. Subclasses that cache data extend this."""
         self._eval_cache = None
+
+    def keep_best(self, round_: int, metrics: dict[str, float]) -> None:
+        """Score the model on the validation fold (``metrics["acc_val"]``) and keep it if it is the best yet."""
+        val = self.ctx.val
+        acc = self.best.observe(round_, self.ctx.model, None if val is None else val.x,
+                                None if val is None else val.y, metrics)
+        if acc is not None:
+            metrics["acc_val"] = acc
 
     def needed_artifacts(self, info: RoundInfo) -> list[str]:
         """Global artifacts this device needs at the start of ``info``'s round."""
