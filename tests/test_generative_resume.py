@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.generative.checkpoint import CHECKPOINT_FILE, PROGRESS_FILE, Fork, kept_path
+from benchmarks.generative.checkpoint import CHECKPOINT_FILE, PROGRESS_FILE, Fork, fleet_at, kept_path
+from benchmarks.generative.quality import synthetic_accuracy
 from benchmarks.generative.runner import run_cell
 from fedge.fleet.config import FleetConfig, load_fleet
 
@@ -108,6 +109,11 @@ def test_a_head_stage_ablation_forked_from_the_base_cell_equals_one_run_from_rou
     base_cell = run_cell(base, checkpoint=tmp_path / "base", expect=base_expect, keep=[2])
     kept = kept_path(tmp_path / "base", 2)
     assert kept.is_file() and not (tmp_path / "base").exists()  # the kept round outlives the finished cell
+    # the CVAE-F and the extractor are frozen after the generator rounds: the kept round's samples score as the
+    # finished cell's did
+    at_2 = synthetic_accuracy(fleet_at(base, kept), seed=base.run.seed)
+    assert at_2 is not None and {k: v for k, v in at_2.items() if k != "seconds"} == without_timing(
+        base_cell)["synthetic_accuracy"]
 
     x3 = tiny_cell(tmp_path, GEFLF[0], GEFLF[1] + "synthetic_ratio = 3.0\n")
     expect = {"config": dict(x3.method), "rounds": 3}

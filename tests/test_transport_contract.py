@@ -184,7 +184,7 @@ class ScriptedDevice:
             self.transport.send_update(data)
 
 
-def _collect(coord: CoordinatorTransport, rnd: int, expected: set[str], n: int, seconds: float = 10) -> list[Inbound]:
+def _collect(coord: CoordinatorTransport, rnd: int, expected: set[str], n: int, seconds: float = 60) -> list[Inbound]:
     """Up to ``n`` items, the way the engine drives collect (the live ``expected`` set shrinks)."""
     out: list[Inbound] = []
     pending = set(expected)

@@ -38,6 +38,7 @@ from fedge.common.atomicfile import write_atomic
 from fedge.coordinator.engine import RoundEngine, RoundReport
 from fedge.coordinator.store import EngineState
 from fedge.edge.agent import DeviceAgent
+from fedge.edge.methods.gefl import GenerativeMixin
 from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice
 from fedge.fleet.slots import checked_slots
@@ -124,6 +125,22 @@ def run_resumable(cfg: FleetConfig, ckpt_dir: Path, expect: dict[str, Any], *, k
     result = SimResult(cfg, devices, agents, engine.reports, time.perf_counter() + bias,
                        {"simulation": sequential_run(devices)}, [], engine.globals, clock)
     return result, {"sessions": sessions}
+
+
+def fleet_at(cfg: FleetConfig, path: Path) -> list[SimDevice]:
+    """The devices of ``cfg`` as a checkpoint file (a cell's own or a kept one) left them, each generator replaced
+    by the fleet's average the coordinator published last (what the next round gives them): to measure them."""
+    devices, strat = build_fleet(cfg)
+    coord, agents, cleanup = transport_runner("inprocess")(cfg, devices)
+    try:
+        engine = _engine(cfg, strat, coord, checked_slots(cfg))
+        _restore(torch.load(path, weights_only=False), engine, devices, agents, coord)
+    finally:
+        cleanup()
+    for d in devices:
+        if isinstance(d.method, GenerativeMixin):
+            d.method._load_generator(engine.globals)
+    return devices
 
 
 def discard(ckpt_dir: Path) -> None:

@@ -9,16 +9,26 @@ Feature level (GeFL-F): the head (everything after the common extractor) on gene
 test images through the fleet's frozen extractor — what GeFL-F's head stage learns from.
 
 Every device holds the same averaged generator (and GeFL-F the same extractor), so the first device's are used.
+Each cell records the figure when it finishes; for a cell still running, the figure of a kept checkpoint (the last
+generator round: GeFL-F's CVAE-F is frozen from then on, so it is the cell's final figure too):
+
+    python -m benchmarks.generative.quality --method geflf-cvae --quick --seed 0 --round 15
+
+writes ``results/generative/quality/KEY[-quick]-sSEED-rROUND.json``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from benchmarks.generative.checkpoint import checkpoint_dir, fleet_at, kept_path
+from benchmarks.generative.rows import build_config, table1_methods
 from fedge.edge.generators.train import sample_dataset
 from fedge.edge.methods.gefl import GeFLDevice, GenerativeMixin
 from fedge.edge.methods.geflf import GeFLFDevice, stem_features
@@ -94,3 +104,32 @@ class _Head(torch.nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return self.model.from_stem(z)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--method", required=True, help="a table-1 row key (rows.py)")
+    ap.add_argument("--quick", action="store_true", help="the row of table 1's --quick schedule")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--round", type=int, required=True, help="the kept checkpoint's round (ckpt/CELL@rROUND.pt)")
+    args = ap.parse_args()
+    from benchmarks.generative.runner import OUT  # runner imports this module for the per-cell figure
+
+    torch.set_num_threads(1)
+    m = table1_methods(False, args.quick)[args.method]
+    cell = f"{m.key}{'-quick' if args.quick else ''}-s{args.seed}-r{m.rounds}"
+    path = kept_path(checkpoint_dir(OUT / "table1" / f"{cell}.json"), args.round)
+    if not path.is_file():
+        raise SystemExit(f"{path}: no kept checkpoint of round {args.round} (rows that others fork from keep it)")
+    cfg = build_config(m, args.seed)
+    out = {"cell": cell, "round": args.round, "config": dict(cfg.method),
+           "synthetic_accuracy": synthetic_accuracy(fleet_at(cfg, path), seed=args.seed)}
+    dest = OUT / "quality" / f"{cell.rsplit('-r', 1)[0]}-r{args.round}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -40,6 +40,11 @@ class Inbound:
 class CoordinatorTransport(ABC):
     """Coordinator side: announce rounds, publish global state, receive hellos and updates."""
 
+    # Whether updates arrive on the wall clock over a network that can lose them (MQTT). Only then does the
+    # engine's default ("auto") round and task timeout apply: in-process transports deliver every update, and a
+    # simulator's virtual time is not the wall clock (fedge.coordinator.engine.RoundEngine.task_timeout_s).
+    realtime: bool = False
+
     @abstractmethod
     def announce_round(self, data: bytes) -> None:
         """Publish the (retained) round descriptor message."""
@@ -81,6 +86,11 @@ class CoordinatorTransport(ABC):
     def last_seen(self) -> dict[str, float]:
         """Unix seconds of the last message of any kind from each device; default: none known."""
         return {}
+
+    def connections(self) -> int:
+        """Connections to the broker so far: 1 + reconnections (in-process: always 1). The fleet monitor says what
+        the coordinator waits for after each reconnection (fedge.coordinator.monitor)."""
+        return 1
 
     def refuse(self, device_id: str, data: bytes | None) -> None:  # noqa: B027 - optional hook
         """Tell ``device_id`` why its hello was refused (a ``refused`` message), or clear that with None."""

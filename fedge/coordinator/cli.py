@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,13 @@ def coordinator_settings(args: argparse.Namespace, section: Any, source: str) ->
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from fedge.coordinator.config import DEFAULT_MAX_UPDATE_BYTES, SERVICE_DEFAULTS
+    from fedge.coordinator.config import (
+        DEFAULT_MAX_UPDATE_BYTES,
+        SERVICE_DEFAULTS,
+        TASK_TIMEOUT_FACTOR,
+        TASK_TIMEOUT_FLOOR_S,
+        UNKNOWN_SPEED_TIMEOUT_S,
+    )
     from fedge.mqtt.flags import add_broker_arguments
 
     c = sub.add_parser("coordinator", help="run the coordinator against an MQTT broker",
@@ -63,8 +70,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="round deadline = slack x the slowest expected device's round time "
                         f"(default {d['deadline_slack']:g}; 0: off)")
     s.add_argument("--round-timeout", type=float, metavar="S",
-                   help=f"budget of a round with a device of unknown speed (default {d['round_timeout_s']:.0f}; "
-                        "0: wait for it)")
+                   help="how long a device may leave its work unanswered; 0: wait for it. Default auto: an "
+                        f"asynchronous task max({TASK_TIMEOUT_FLOOR_S:.0f} s, {TASK_TIMEOUT_FACTOR:g} x the device's "
+                        f"expected task time), then withdrawn and handed out again; {UNKNOWN_SPEED_TIMEOUT_S:.0f} s "
+                        "for a device of unknown speed (a synchronous round's budget too)")
     s.add_argument("--min-round", type=float, metavar="S", help=f"shortest deadline (default {d['min_round_s']:g})")
     s.add_argument("--max-round", type=float, metavar="S", help=f"longest deadline (default {d['max_round_s']:g})")
     g = r.add_argument_group("aggregation (flags override the fleet config's [coordinator] table)")
@@ -201,6 +210,8 @@ def load_fleet_for(args: argparse.Namespace) -> Any:
 
 def _engine_parts(args: argparse.Namespace, cfg: Any, *, any_device: bool) -> tuple[Any, Any]:
     """The EngineConfig and the strategy a fleet config (and the command's flags) describe."""
+    import dataclasses
+
     from fedge.coordinator.config import engine_config
     from fedge.coordinator.service import KEEP_REPORTS
     from fedge.errors import ConfigError
@@ -215,9 +226,33 @@ def _engine_parts(args: argparse.Namespace, cfg: Any, *, any_device: bool) -> tu
     engine_cfg = engine_config(coordinator_settings(args, cfg.coordinator, cfg.source), fleet=cfg.run.fleet,
                                method=cfg.run.method, slots=checked_slots(cfg), own_data=cfg.own_data,
                                privacy=cfg.privacy_mechanism, any_device=any_device, keep_reports=KEEP_REPORTS)
+    if engine_cfg.slots is not None:
+        engine_cfg = dataclasses.replace(engine_cfg, slots=_expected_task_times(cfg, engine_cfg.slots))
     strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
                                                          rounds=cfg.run.rounds)
     return engine_cfg, strat
+
+
+def _expected_task_times(cfg: Any, checks: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Asynchronous mode: each slot check with its device's task time by the fleet config's clock model (its
+    training and evaluation on its profile's speed; fedge.fleet.clock), the basis of the default task timeout until
+    the device has delivered a task (EngineConfig.round_timeout_s). Unchanged for synchronous rounds, or when the
+    clock cannot be built (the command's other checks say why)."""
+    import dataclasses
+
+    from fedge.errors import FedgeError
+    from fedge.fleet.clock import fleet_clock
+    from fedge.fleet.slots import checked_slots
+
+    if cfg.asynchronous is None:
+        return checks
+    try:
+        clocks = fleet_clock(cfg, checked_slots(cfg)).devices
+    except (FedgeError, OSError) as exc:
+        log.warning("no clock-model task times (%s): a task's default timeout waits for its first update", exc)
+        return checks
+    return {d: dataclasses.replace(c, expected_task_s=clocks[d].train_s(1)) if d in clocks else c
+            for d, c in checks.items()}
 
 
 def _worker(args: argparse.Namespace) -> int:

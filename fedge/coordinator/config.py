@@ -14,6 +14,14 @@ from fedge.common.sampling import Sampling
 from fedge.errors import ConfigError
 
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
+# The default ("auto") timeout of a device's work over a network (EngineConfig.round_timeout_s = None): an
+# asynchronous task may go unanswered max(floor, factor x its device's expected task time) — what the device took
+# for its earlier tasks, else the estimate its hello or the fleet config's clock model gives — before it is
+# withdrawn and handed out again; a device whose speed nobody knows gets UNKNOWN_SPEED_TIMEOUT_S (a synchronous
+# round with such a device too, as before).
+TASK_TIMEOUT_FLOOR_S = 60.0
+TASK_TIMEOUT_FACTOR = 3.0
+UNKNOWN_SPEED_TIMEOUT_S = 300.0
 COORDINATOR_ID = "coordinator"  # the sender of every message the coordinator publishes
 
 
@@ -37,6 +45,9 @@ class DeviceSlotCheck:
     # The hello fields that must equal ``info``'s. A device on its own data (``fedge edge run --data``)
     # sizes its model and upload from a sample count only it knows: only OWN_DATA_FIELDS are checked.
     fields: tuple[str, ...] = SLOT_FIELDS
+    # Seconds one task of this device takes by the fleet config's clock model (its compute, evaluation and
+    # transfers; None: not known): its task timeout's basis until it has delivered one (EngineConfig.round_timeout_s).
+    expected_task_s: float | None = None
 
     def mismatches(self, hello: DeviceInfo) -> list[str]:
         """How ``hello`` differs from this slot: one ``"field: expected X, got Y"`` per field."""
@@ -75,7 +86,11 @@ class EngineConfig:
 
     fleet: str = "default"
     method: str = "fedavg"
-    round_timeout_s: float = 0.0  # budget for a round with an unknown device; 0: wait for every online device
+    # How long a device may leave its work unanswered; 0: wait for it. None ("auto", the default here and on the
+    # command line; fedge.coordinator.engine.RoundEngine.task_timeout_s): over a network, an asynchronous task is
+    # withdrawn after max(TASK_TIMEOUT_FLOOR_S, TASK_TIMEOUT_FACTOR x the device's expected task time), and a round
+    # of a device of unknown speed gets UNKNOWN_SPEED_TIMEOUT_S; in-process (nothing is ever lost) no timeout.
+    round_timeout_s: float | None = None
     max_update_bytes: int = DEFAULT_MAX_UPDATE_BYTES
     global_precision: str = "fp32"
     # Quorum: a round starts once max(min_devices, ceil(quorum_fraction * expected_devices))
@@ -115,7 +130,7 @@ class EngineConfig:
         if not 0 <= self.quorum_fraction <= 1:
             raise ConfigError(f"quorum must be a fraction in [0, 1], got {self.quorum_fraction}")
         for name in ("deadline_slack", "round_timeout_s", "min_round_s", "max_round_s", "quorum_timeout_s"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_update_bytes < 1:
             raise ConfigError(f"max_update_bytes must be >= 1, got {self.max_update_bytes}")
@@ -123,9 +138,10 @@ class EngineConfig:
             raise ConfigError(f"keep_reports must be >= 0, got {self.keep_reports}")
 
 
-# `fedge coordinator run`'s waits when neither a flag nor the fleet's [coordinator] table sets them.
-SERVICE_DEFAULTS: dict[str, float] = {
-    "min_devices": 1, "quorum": 0.5, "quorum_timeout_s": 600.0, "deadline_slack": 2.0, "round_timeout_s": 300.0,
+# `fedge coordinator run`'s waits when neither a flag nor the fleet's [coordinator] table sets them. round_timeout_s
+# None: "auto", EngineConfig's own default (TASK_TIMEOUT_FLOOR_S ...).
+SERVICE_DEFAULTS: dict[str, float | None] = {
+    "min_devices": 1, "quorum": 0.5, "quorum_timeout_s": 600.0, "deadline_slack": 2.0, "round_timeout_s": None,
     "min_round_s": 5.0, "max_round_s": 3600.0,
 }
 
@@ -146,11 +162,12 @@ def engine_config(section: CoordinatorSection, *, fleet: str, method: str, slots
     ids = [s.device_id for s in slots]
     if simulated:
         section.refuse_in_simulation()
-        waits: dict[str, Any] = {"min_devices": 0 if always_online else 1}
+        # round_timeout_s 0: no wall-clock timeout of a task or round, even over MQTT (simulate --transport mqtt)
+        waits: dict[str, Any] = {"min_devices": 0 if always_online else 1, "round_timeout_s": 0.0}
     else:
         given = section.given(DEADLINE_KEYS + QUORUM_KEYS)
         picked = {k: given.get(k, default) for k, default in SERVICE_DEFAULTS.items()}
-        waits = {"min_devices": int(picked["min_devices"]), "quorum_fraction": picked["quorum"],
+        waits = {"min_devices": int(picked["min_devices"] or 0), "quorum_fraction": picked["quorum"],
                  "quorum_timeout_s": picked["quorum_timeout_s"], "deadline_slack": picked["deadline_slack"],
                  "round_timeout_s": picked["round_timeout_s"], "min_round_s": picked["min_round_s"],
                  "max_round_s": picked["max_round_s"], "expected_devices": len(ids),

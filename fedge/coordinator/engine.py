@@ -28,7 +28,14 @@ from fedge.common.messages import Message
 from fedge.common.privacy import PrivacyLedger
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport
-from fedge.coordinator.config import COORDINATOR_ID, DEFAULT_MAX_UPDATE_BYTES, EngineConfig
+from fedge.coordinator.config import (
+    COORDINATOR_ID,
+    DEFAULT_MAX_UPDATE_BYTES,
+    TASK_TIMEOUT_FACTOR,
+    TASK_TIMEOUT_FLOOR_S,
+    UNKNOWN_SPEED_TIMEOUT_S,
+    EngineConfig,
+)
 from fedge.coordinator.gate import Admitted, UpdateGate
 from fedge.coordinator.merge import PartialMerger, merged_into
 from fedge.coordinator.observer import EngineObserver
@@ -73,6 +80,7 @@ class RoundEngine:
         self._resumed_round = 0  # the round a restarted coordinator runs again (0: not resumed)
         # asynchronous mode: device -> the version at which it was asked to train, until its update is accepted
         self.tasks: dict[str, int] = {}
+        self.task_since: dict[str, float] = {}  # ... and when (unix seconds) it was handed out, for its timeout
         self.gate.assigned = self.tasks
         self.store: EngineStore | None = EngineStore(state_dir) if state_dir else None
         if self.store is not None and self.store.exists():
@@ -163,14 +171,38 @@ class RoundEngine:
             self.transport.wait_for_devices(min(1.0, remaining))
 
     # -- one round ------------------------------------------------------------------------
+    def unknown_speed_timeout_s(self) -> float:
+        """``round_timeout_s``, or its auto default: :data:`UNKNOWN_SPEED_TIMEOUT_S` over a network, else none."""
+        c = self.config.round_timeout_s
+        if c is not None:
+            return c
+        return UNKNOWN_SPEED_TIMEOUT_S if self.transport.realtime else 0.0
+
+    def task_timeout_s(self, device_id: str, phase: str) -> float:
+        """Asynchronous mode: how long ``device_id``'s task may go unanswered before it is withdrawn (0: forever).
+
+        ``round_timeout_s`` when set; auto (None, the default): over a network, max(:data:`TASK_TIMEOUT_FLOOR_S`,
+        :data:`TASK_TIMEOUT_FACTOR` x the device's expected task time) — what its last task took, else its hello's
+        ``est_round_s``, else its slot's clock-model estimate — and :data:`UNKNOWN_SPEED_TIMEOUT_S` when none is
+        known; in-process none (nothing is lost there, and a simulator's time is not the wall clock)."""
+        if self.config.round_timeout_s is not None or not self.transport.realtime:
+            return self.unknown_speed_timeout_s()
+        expected = self._estimate(device_id, phase)
+        slot = self.config.slots.get(device_id) if self.config.slots is not None else None
+        if expected is None and slot is not None:
+            expected = slot.expected_task_s
+        if expected is None:
+            return UNKNOWN_SPEED_TIMEOUT_S
+        return max(TASK_TIMEOUT_FLOOR_S, TASK_TIMEOUT_FACTOR * expected)
+
     def round_budget(self, phase: str, expected: set[str]) -> float:
         """Seconds the round may take: from the slowest expected device (0: no deadline)."""
         c = self.config
         if not expected:
-            return c.round_timeout_s
+            return self.unknown_speed_timeout_s()
         estimates = [self._estimate(d, phase) for d in expected] if c.deadline_slack > 0 else [None]
         if any(e is None for e in estimates):
-            budget = c.round_timeout_s
+            budget = self.unknown_speed_timeout_s()
         else:
             budget = max(c.min_round_s, c.deadline_slack * max(e for e in estimates if e is not None))
         if c.max_round_s > 0:

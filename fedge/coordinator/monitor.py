@@ -165,6 +165,7 @@ class FleetMonitor(EngineObserver):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._last_wait_log = clock()
+        self._connections = 0  # the transport's connections() at the last tick
         self.version = 0  # bumped by every change the page shows (lets a client skip an unchanged view)
 
     # -- the engine's hooks --------------------------------------------------------------
@@ -423,14 +424,29 @@ class FleetMonitor(EngineObserver):
         return (logging.WARNING if alarming else logging.INFO), f"{head}: {shown}{more}"
 
     def tick(self) -> None:
-        """One step of the monitor's thread: heartbeats, then the "waiting for" line when it is due."""
+        """One step of the monitor's thread: heartbeats, then the "waiting for" line when it is due — at once, as a
+        warning, after the coordinator reconnected to the broker (synchronous rounds and asynchronous versions
+        alike: what it waits for then is what an outage may have lost)."""
         self.poll_health()
         now = self.clock()
+        if self.reconnected():
+            line = self.waiting_line()
+            log.warning("reconnected to the broker: %s", line[1] if line is not None else f"{self.state}, "
+                        "waiting for no device")
+            self._last_wait_log = now
+            return
         if self.wait_log_s > 0 and now - self._last_wait_log >= self.wait_log_s:
             self._last_wait_log = now
             line = self.waiting_line()
             if line is not None:
                 log.log(line[0], "%s", line[1])
+
+    def reconnected(self) -> bool:
+        """Whether the transport reconnected to the broker since the last call (its first connection is not one)."""
+        if self.transport is None:
+            return False
+        seen, self._connections = self._connections, self.transport.connections()
+        return self._connections > max(seen, 1)
 
     # -- thread ----------------------------------------------------------------------------
     def start(self) -> FleetMonitor:

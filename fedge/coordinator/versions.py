@@ -18,6 +18,7 @@ import time
 from collections.abc import Collection
 from typing import Any, Protocol
 
+from fedge.common.inmemory import RECOVERY_KEY
 from fedge.common.messages import Message
 from fedge.common.rounds import RoundInfo
 from fedge.common.transport import CoordinatorTransport
@@ -42,6 +43,8 @@ class RoundEngine(Protocol):
     transport: CoordinatorTransport
     store: EngineStore | None
     tasks: dict[str, int]
+    task_since: dict[str, float]
+    latency: dict[str, dict[str, float]]
     run_id: str
     session: str
     global_rounds: dict[str, int]
@@ -49,6 +52,7 @@ class RoundEngine(Protocol):
     completed: int
 
     def await_quorum(self) -> None: ...
+    def task_timeout_s(self, device_id: str, phase: str) -> float: ...
     def online_devices(self) -> set[str]: ...
     def _publish(self, artifacts: dict[str, Arrays], rnd: int) -> None: ...
     def _checkpoint(self, report: RoundReport) -> None: ...
@@ -70,9 +74,30 @@ def assign(engine: RoundEngine, rnd: int, online: set[str], done: Collection[str
     started = a.choose(rnd, sorted(idle - set(done)), free)
     if not started and not busy:
         started = a.choose(rnd, sorted(idle), free)
+    now = time.time()
     for d in started:
         engine.tasks[d] = rnd
+        engine.task_since[d] = now
     return started
+
+
+def task_expiries(engine: RoundEngine, phase: str, pending: set[str]) -> dict[str, float]:
+    """When (unix seconds) each pending task times out (:meth:`RoundEngine.task_timeout_s`; none: never). A task
+    without a hand-out time (restored after a restart) counts from now."""
+    now, out = time.time(), {}
+    for d in pending:
+        timeout = engine.task_timeout_s(d, phase)
+        if timeout > 0:
+            out[d] = engine.task_since.setdefault(d, now) + timeout
+    return out
+
+
+def withdraw(engine: RoundEngine, report: RoundReport, devices: list[str]) -> None:
+    """End ``devices``' tasks unanswered (reported ``missing``): they are idle, and get work again."""
+    report.missing += devices
+    for d in devices:
+        engine.tasks.pop(d, None)
+        engine.task_since.pop(d, None)
 
 
 def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
@@ -96,18 +121,26 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
         record_admitted(report, up)
         report.staleness[sender] = up.staleness
         engine.tasks.pop(sender, None)
+        since = engine.task_since.pop(sender, None)
+        if since is not None and not restoring:  # what its task took: the basis of its next task's timeout
+            engine.latency.setdefault(phase, {})[sender] = max(0.0, time.time() - since)
 
     if engine.store is not None:  # a restarted coordinator: what it had accepted into this version
         saved, tasks = engine.store.buffer_load(rnd)
         if tasks is not None:
             engine.tasks.clear()
             engine.tasks.update(tasks)
+            engine.task_since.clear()  # their timeouts count from now (task_expiries)
         for raw in saved:
             engine.gate.restore(raw, accept)
         if saved:
             log.info("version %d: %d accepted updates restored from %s", rnd, len(saved), engine.store.dir)
     restoring = False
     announced = False
+    # Set when tasks were withdrawn unanswered: the next announcement carries `recovery` (RECOVERY_KEY), so a device
+    # handed its task again resends the update it may have sent (lost on the way) instead of ignoring a task it
+    # did; a copy that had arrived after all is refused as a replay.
+    recovering = False
     while len(report.accepted) < a.buffer_size:
         engine.await_quorum()
         online = engine.online_devices()
@@ -120,7 +153,9 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
                 engine.store.save_tasks(rnd, engine.tasks)
             announce = Message("round", COORDINATOR_ID, rnd, engine.config.fleet,
                                info={"round": info.to_dict(), "run": engine.run_id, "session": engine.session,
-                                     "globals": dict(engine.global_rounds)})
+                                     "globals": dict(engine.global_rounds), **({RECOVERY_KEY: True} if recovering
+                                                                                else {})})
+            recovering = False
             engine.transport.announce_round(announce.to_bytes())
             announced = True
             # the devices training (the version is built from whichever K of them deliver first)
@@ -129,9 +164,9 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
         if not pending:
             engine.transport.wait_for_devices(1.0)
             continue
-        timeout = engine.config.round_timeout_s
-        deadline = time.time() + timeout if timeout else 0.0
-        before, received = len(report.accepted), 0
+        expiries = task_expiries(engine, phase, pending)
+        deadline = min(expiries.values(), default=0.0)  # the first task to time out ends the wait
+        received = 0
         for item in engine.transport.collect(rnd, pending, deadline):
             received += 1
             if item.kind == "partial":
@@ -148,15 +183,22 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
                 # the refusal ended its device's task (stale: too old, or trained in the stage before): that
                 # device is idle now, and gets a new task at once rather than when this version is full
                 break
-        timed_out = bool(deadline) and time.time() >= deadline and len(report.accepted) == before
-        if timed_out or (not received and not started):
-            # nobody delivered within round_timeout_s, or the transport has nothing more to wait for from them
-            # (in-process: their devices answered with updates the gate refused): the tasks go to other devices
-            log.warning("version %d: no update from %s %s; their tasks are withdrawn", rnd, ", ".join(sorted(pending)),
-                        f"within {timeout:.0f} s" if timed_out else "and nothing left to wait for")
-            report.missing += sorted(pending)
-            for d in pending:
-                engine.tasks.pop(d, None)
+        now = time.time()
+        expired = sorted(d for d in pending if d in expiries and now >= expiries[d])
+        if expired:
+            # their tasks went unanswered for their timeout: withdrawn, and handed out again (to them too, if
+            # they are idle and online) at the next pass
+            log.warning("version %d: no update from %s within %s; their tasks are withdrawn and handed out again",
+                        rnd, ", ".join(expired),
+                        ", ".join(f"{engine.task_timeout_s(d, phase):.0f} s" for d in expired))
+            withdraw(engine, report, expired)
+            recovering = True
+        elif not received and not started:
+            # the transport has nothing more to wait for from them (in-process: their devices answered with
+            # updates the gate refused): the tasks go to other devices
+            log.warning("version %d: no update from %s and nothing left to wait for; their tasks are withdrawn",
+                        rnd, ", ".join(sorted(pending)))
+            withdraw(engine, report, sorted(pending))
     rejections = engine.gate.drain()
     report.rejected = dict(rejections.by_reason)
     report.rejected_by_device = {d: dict(c) for d, c in sorted(rejections.by_device.items())}

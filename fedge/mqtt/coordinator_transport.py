@@ -20,10 +20,11 @@ from fedge.common.health import MAX_HEALTH_BYTES
 from fedge.common.signing import Signer
 from fedge.common.transport import CoordinatorTransport, Inbound
 from fedge.errors import TransportError
-from fedge.mqtt.chunking import ChunkError, Reassembler, frame_kind
+from fedge.mqtt.chunking import Reassembler
 from fedge.mqtt.client import BrokerSettings, MqttClient, Received
+from fedge.mqtt.inbound import InboundClassifier, RefusalLog
 from fedge.mqtt.retained import RetainedState
-from fedge.mqtt.settings import MAX_HELLO_BYTES, MAX_QUEUED_HEALTH, TransportSettings, TransportStats
+from fedge.mqtt.settings import MAX_QUEUED_HEALTH, TransportSettings, TransportStats
 from fedge.mqtt.status_book import StatusBook
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics, check_name
 
@@ -44,6 +45,8 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     until ``status_grace_s`` after the reconnection (see :meth:`offline`). Publishes
     wait for the broker across the outage, at most ``publish_timeout_s``.
     """
+
+    realtime = True  # updates come over the network, on the wall clock: the engine's auto timeouts apply
 
     def __init__(self, broker: BrokerSettings, fleet: str, settings: TransportSettings | None = None, *,
                  client_id: str | None = None, signer: Signer | None = None, updates: bool = True,
@@ -71,7 +74,9 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self._last_seen: dict[str, float] = {}
         self._book = StatusBook(self.settings.offline_confirm_s, self.settings.status_grace_s)  # under _cond
         self._cond = threading.Condition()
-        self._reasm = Reassembler(self.settings.max_message_bytes)
+        # hellos, updates and partials: sizes, retained copies, chunks (refusals counted in stats.rejected)
+        self.inbound = InboundClassifier(RefusalLog(f"coordinator of {fleet!r}", self.stats),
+                                         Reassembler(self.settings.max_message_bytes))
         self._retained = RetainedState(self.topics, self.settings.chunk_bytes)  # under _lock
         self._lock = threading.Lock()
         self.client = MqttClient(broker, client_id or f"fedge-coordinator-{fleet}", clean_session=False,
@@ -151,56 +156,29 @@ class MqttCoordinatorTransport(CoordinatorTransport):
                 self._clear_stray(m, "status")
             return
         if t.kind == "hello":
-            if not m.payload:
-                return  # a cleared retained hello
-            if len(m.payload) > MAX_HELLO_BYTES:
-                log.warning("ignored a %d-byte hello on %s", len(m.payload), m.topic)
-                return
-            with self._cond:
-                self._hellos.append(Inbound(m.payload, t.device_id, m.received))
-                self._hello_from.add(t.device_id)
-                self._cond.notify_all()
+            hello = self.inbound.hello(t.device_id, m.payload, m.received)
+            if hello is not None:
+                with self._cond:
+                    self._hellos.append(hello)
+                    self._hello_from.add(t.device_id)
+                    self._cond.notify_all()
             return
-        # update: a whole message or a chunk frame; never retained by the protocol, never empty (an
-        # empty payload is a retained message's deletion, e.g. ours echoed back)
-        if not m.payload:
-            return
-        if m.retain:
-            self._clear_stray(m, "update")
-            self._updates.put(Inbound(b"", t.device_id, m.received,
-                                      reject=("retained", f"{t.device_id} left a retained update on the broker "
-                                                          "(deleted)")))
-            return
-        if frame_kind(m.payload) == "message":
-            self._updates.put(Inbound(m.payload, t.device_id, m.received))
-            return
-        try:
-            whole = self._reasm.add(t.device_id, m.payload)
-        except ChunkError as exc:
-            self._updates.put(Inbound(b"", t.device_id, m.received, reject=(exc.reason, exc.message)))
-            return
-        if whole is not None:
-            self._updates.put(Inbound(whole, t.device_id, m.received))
+        self._upload(t.device_id, m, "update")
 
     def _on_partial(self, account: str, m: Received) -> None:
         """A worker's or relay's partial aggregate (chunked when large), for the engine's merger."""
         self.stats.messages_in += 1
         self.stats.bytes_in += len(m.payload)
-        if m.retain:
-            self._clear_stray(m, "partial")
-            self._updates.put(Inbound(b"", account, m.received, reject=("retained", "a retained partial (deleted)"),
-                                      kind="partial"))
-            return
-        if frame_kind(m.payload) == "message":
-            self._updates.put(Inbound(m.payload, account, m.received, kind="partial"))
-            return
-        try:
-            whole = self._reasm.add(f"partials/{account}", m.payload)
-        except ChunkError as exc:
-            self._updates.put(Inbound(b"", account, m.received, reject=(exc.reason, exc.message), kind="partial"))
-            return
-        if whole is not None:
-            self._updates.put(Inbound(whole, account, m.received, kind="partial"))
+        self._upload(account, m, "partial")
+
+    def _upload(self, source: str, m: Received, kind: str) -> None:
+        """An update or a partial: a whole message or a chunk frame, for the engine (a refusal too: it is
+        counted in the round's report). A retained one is deleted: the protocol never retains them."""
+        item = self.inbound.upload(source, m.payload, m.retain, m.received, kind=kind)
+        if item is not None and item.reject is not None and item.reject[0] == "retained":
+            self.client.publish(m.topic, b"", retain=True)  # the ACL cannot forbid the retain flag
+        if item is not None:
+            self._updates.put(item)
 
     def _clear_stray(self, m: Received, what: str) -> None:
         """Delete a retained message the protocol does not allow (the ACL cannot forbid the retain flag)."""
@@ -230,10 +208,11 @@ class MqttCoordinatorTransport(CoordinatorTransport):
             self.client.publish(topic, payload, retain=True)
         if again.round is not None:
             self.client.publish(self.topics.round, self._seal(self.topics.round, again.round), retain=True)
+            # a warning, as the lost connection was: the operator sees the recovery beside the outage
             if again.tasks is None:
-                log.info("re-announced round %d after reconnecting", again.round_number)
+                log.warning("re-announced round %d after reconnecting", again.round_number)
             else:  # asynchronous mode: the devices it lists send their update again, or train if they never had it
-                log.info("re-announced version %d after reconnecting (session present: %s), with the %d outstanding "
+                log.warning("re-announced version %d after reconnecting (session present: %s), with the %d outstanding "
                          "task(s) of %s", again.round_number, session_present, len(again.tasks),
                          ", ".join(sorted(again.tasks)) or "nobody")
 
@@ -319,6 +298,9 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     def last_seen(self) -> dict[str, float]:
         return dict(self._last_seen)
 
+    def connections(self) -> int:
+        return self.client.connects
+
     def wait_for_devices(self, timeout_s: float) -> None:
         with self._cond:
             self._cond.wait(timeout_s)
@@ -350,9 +332,7 @@ class MqttCoordinatorTransport(CoordinatorTransport):
                 item = None
             if time.monotonic() > next_expiry:
                 next_expiry = time.monotonic() + 5.0
-                for src, tid in self._reasm.expire():
-                    yield Inbound(b"", src, time.time(), reject=("incomplete", f"transfer {tid[:8]} from {src} "
-                                                                               "never completed"))
+                yield from self.inbound.expired()
             if item is not None:
                 yield item
 

@@ -51,13 +51,10 @@ from typing import Any
 
 from fedge.common.atomicfile import write_atomic
 from fedge.common.messages import Message, new_msg_id
-from fedge.common.rounds import FINAL_PHASE
-from fedge.common.signing import unwrap
-from fedge.common.transport import Inbound
 from fedge.coordinator.aggregator import PartialAggregator
-from fedge.errors import PayloadError
-from fedge.mqtt.chunking import ChunkError, Reassembler, frame_kind, split
+from fedge.mqtt.chunking import Reassembler, split
 from fedge.mqtt.client import BrokerSettings, MqttClient, Received, Will
+from fedge.mqtt.inbound import InboundClassifier, RefusalLog
 from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportStats
 from fedge.mqtt.status_book import StatusBook
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
@@ -114,7 +111,9 @@ class Relay:
         self._owed_changed: set[str] = set()
         self._owed_at = 0.0
         self._saved = self._load_state()
-        self._reasm = Reassembler(self.settings.max_message_bytes)
+        # what the shard sends: sizes, retained copies, chunks, descriptors (refusals in down_stats.rejected)
+        self.inbound = InboundClassifier(RefusalLog(f"relay {self.name}", self.down_stats),
+                                         Reassembler(self.settings.max_message_bytes))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.partials_sent = 0
@@ -209,8 +208,7 @@ class Relay:
             return
         account = self.topics.parse_partial(m.topic)
         if account is not None:
-            if m.payload:
-                self._reassemble("partial", account, m)
+            self._upload("partial", account, m)
             return
         t = self.topics.parse_device(m.topic)
         if t is None:
@@ -229,28 +227,19 @@ class Relay:
                     self._forward_up(m.topic, m.payload, retain=True)
             return
         if t.kind == "hello":
-            if m.payload and len(m.payload) <= MAX_HELLO_BYTES:
-                self._inbox.put(("hello", Inbound(m.payload, t.device_id, m.received)))
+            hello = self.inbound.hello(t.device_id, m.payload, m.received)
+            if hello is not None:
+                self._inbox.put(("hello", hello))
                 self._forward_up(m.topic, m.payload, retain=True)
             return
-        if m.payload:
-            if m.retain:
-                self.down.publish(m.topic, b"", retain=True)  # the protocol never retains an update
-                self._inbox.put(("update", Inbound(b"", t.device_id, m.received, reject=("retained", "deleted"))))
-            else:
-                self._reassemble("update", t.device_id, m)
+        self._upload("update", t.device_id, m)
 
-    def _reassemble(self, kind: str, source: str, m: Received) -> None:
-        if frame_kind(m.payload) == "message":
-            self._inbox.put((kind, Inbound(m.payload, source, m.received, kind=kind)))
-            return
-        try:
-            whole = self._reasm.add(f"{kind}/{source}", m.payload)
-        except ChunkError as exc:
-            self._inbox.put((kind, Inbound(b"", source, m.received, reject=(exc.reason, exc.message), kind=kind)))
-            return
-        if whole is not None:
-            self._inbox.put((kind, Inbound(whole, source, m.received, kind=kind)))
+    def _upload(self, kind: str, source: str, m: Received) -> None:
+        item = self.inbound.upload(source, m.payload, m.retain, m.received, kind=kind)
+        if item is not None and item.reject is not None and item.reject[0] == "retained":
+            self.down.publish(m.topic, b"", retain=True)  # the protocol never retains an update or a partial
+        if item is not None:
+            self._inbox.put((kind, item))
 
     def _forward_up(self, topic: str, payload: bytes, *, retain: bool) -> None:
         self.up.publish(topic, payload, retain=retain)
@@ -295,11 +284,10 @@ class Relay:
             self._on_round(arg)
             self._owed_stale = True
         elif kind == "shard-round":
-            try:
-                self._shard_round_id = Message.from_bytes(unwrap(arg), max_bytes=MAX_HELLO_BYTES).msg_id
-            except PayloadError as exc:
-                log.warning("relay %s: its shard holds a bad round descriptor: %s", self.name, exc)
+            held = self.inbound.descriptor(arg)  # a bad one is refused (counted, logged)
+            if held is None:
                 return
+            self._shard_round_id = held.msg.msg_id
             self._maybe_ask_resend()
         elif kind == "reissue" and self._descriptor is not None:
             self._ask_resend = False
@@ -311,14 +299,10 @@ class Relay:
             self._forward_down(self.topics.round, b"")
             self._forward_down(self.topics.resend, b"")
             return
-        try:  # a signed descriptor is read inside its frame, not verified: the devices verify it
-            msg = Message.from_bytes(unwrap(raw), max_bytes=MAX_HELLO_BYTES)
-            rnd = msg.info.get("round", {})
-            final = isinstance(rnd, dict) and rnd.get("phase") == FINAL_PHASE
-            deadline = float(rnd.get("deadline", 0.0)) if isinstance(rnd, dict) else 0.0
-        except (PayloadError, TypeError, ValueError) as exc:
-            log.warning("relay %s: ignored a bad round descriptor: %s", self.name, exc)
+        read = self.inbound.descriptor(raw)  # a signed one is read inside its frame: the devices verify it
+        if read is None:
             return
+        msg, final, deadline = read.msg, read.final, read.deadline
         if msg.msg_id == self._parent_round_id:
             return  # the same descriptor again (a reconnection to the parent)
         self._parent_round_id = msg.msg_id

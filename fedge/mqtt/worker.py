@@ -20,15 +20,11 @@ import logging
 import threading
 import time
 
-from fedge.common.messages import Message
-from fedge.common.rounds import FINAL_PHASE
-from fedge.common.signing import unwrap
-from fedge.common.transport import Inbound
 from fedge.coordinator.aggregator import PartialAggregator
-from fedge.errors import PayloadError
-from fedge.mqtt.chunking import frame_kind, split
+from fedge.mqtt.chunking import Reassembler, split
 from fedge.mqtt.client import BrokerSettings, MqttClient, Received
-from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportStats
+from fedge.mqtt.inbound import InboundClassifier, RefusalLog
+from fedge.mqtt.settings import TransportSettings, TransportStats
 from fedge.mqtt.topics import FleetTopics, shared
 
 log = logging.getLogger(__name__)
@@ -47,6 +43,9 @@ class AggregationWorker:
         self.flush_s = flush_s
         self.settings = settings or TransportSettings()
         self.stats = TransportStats()
+        # hellos, updates and descriptors, as the coordinator and relays read them (refusals in stats.rejected);
+        # a worker reads whole updates only: it has no reassembler's worth of chunks to hold
+        self.inbound = InboundClassifier(RefusalLog(f"worker {self.name}", self.stats), Reassembler(0))
         self.updates_in = 0  # updates this worker received (its share)
         self._lock = threading.Lock()  # the aggregator: dispatcher thread (inbound) and flusher (outbound)
         self._stop = threading.Event()
@@ -77,34 +76,29 @@ class AggregationWorker:
         if t is None or not m.payload:
             return
         if t.kind == "hello":
-            if len(m.payload) <= MAX_HELLO_BYTES:
+            hello = self.inbound.hello(t.device_id, m.payload, m.received)
+            if hello is not None:
                 with self._lock:
-                    self.aggregator.register([Inbound(m.payload, t.device_id, m.received)])
+                    self.aggregator.register([hello])
             return
         if t.kind != "update":
             return
         self.updates_in += 1
-        if m.retain:
-            item = Inbound(b"", t.device_id, m.received, reject=("retained", "a retained update"))
-        elif frame_kind(m.payload) != "message":
-            item = Inbound(b"", t.device_id, m.received, reject=(
-                "chunked", f"{t.device_id}'s update arrived in chunks; shared-subscription workers need whole "
-                           "messages: raise --chunk-bytes above the fleet's largest update, or use relays"))
-        else:
-            item = Inbound(m.payload, t.device_id, m.received)
-        with self._lock:
-            self.aggregator.admit(item)
+        item = self.inbound.upload(t.device_id, m.payload, m.retain, m.received, chunks=False, chunks_refused=(
+            "shared-subscription workers need whole messages: raise --chunk-bytes above the fleet's largest "
+            "update, or use relays"))
+        if item is not None:
+            with self._lock:
+                self.aggregator.admit(item)
 
     def _on_round(self, raw: bytes) -> None:
         if not raw:
             return
-        try:  # a signed descriptor (docs/protocol.md section 11) is read inside its frame: a worker only counts
-            msg = Message.from_bytes(unwrap(raw), max_bytes=MAX_HELLO_BYTES)
-            rnd = msg.info.get("round", {})
-            final = isinstance(rnd, dict) and rnd.get("phase") == FINAL_PHASE
-        except PayloadError as exc:
-            log.warning("%s: ignored a bad round descriptor: %s", self.name, exc)
+        # a signed descriptor (docs/protocol.md section 11) is read inside its frame: a worker only counts
+        read = self.inbound.descriptor(raw)
+        if read is None:
             return
+        msg, rnd, final = read.msg, read.round, read.final
         if msg.msg_id == self._round_id:
             return
         self._round_id = msg.msg_id
