@@ -24,9 +24,9 @@ would travel in over MQTT adds the same few hundred bytes as a plain update's).
     nice -n 10 env OMP_NUM_THREADS=1 python -m benchmarks.secagg --devices 1000 --docs
     nice -n 10 env OMP_NUM_THREADS=1 python -m benchmarks.secagg --accuracy   # results/secagg-accuracy.json
 
-``--accuracy`` trains FedAvg and FedProto with and without ``[privacy] secure_aggregation`` on a small digits
-fleet (6 tier-xs devices, IID, 5 rounds of 2 local epochs at lr 0.05), seeds 0 and 1, in-process, and compares the mean final accuracy on
-the global test set.
+``--accuracy`` trains FedAvg and FedProto with and without ``[privacy] secure_aggregation`` on a small
+digits fleet (6 tier-xs devices, IID, 5 rounds of 2 local epochs at lr 0.05), seeds 0 and 1, in-process,
+and compares the mean final accuracy on the global test set.
 """
 
 from __future__ import annotations
