@@ -34,6 +34,8 @@ class HeadAvgSettings(MethodSettings):
 
     method: ClassVar[str] = "headavg"
     shares_features: ClassVar[bool] = True  # every head reads the same p features
+    # asynchronous mode: how a stale update counts (without it, mode = "async" refuses the method)
+    async_rule: ClassVar[str] = "buffered: the heads of a version's buffer, weighted by samples x staleness weight"
 
     every: int = setting(1, "share the heads every k-th round", minimum=1)
 
@@ -73,8 +75,8 @@ class HeadAvgStrategy(Strategy):
         self.heads = WeightedMean()
 
     def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        if arrays:
-            self.heads.add(arrays, float(max(device.num_samples, 1)))
+        if arrays:  # update_weight: the update's staleness weight in asynchronous mode (1 in synchronous rounds)
+            self.heads.add(arrays, float(max(device.num_samples, 1)) * self.update_weight)
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
         return {HEADS_ARTIFACT: self.heads.result()} if self.heads else {}

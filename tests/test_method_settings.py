@@ -177,3 +177,21 @@ def test_the_example_method_runs_on_a_fleet_and_shares_only_heads() -> None:
     assert not np.array_equal(ext[0], ext[2])  # same architecture, but extractors stay each device's own
     with pytest.raises(ConfigError, match="did you mean 'every'"):
         HeadAvgSettings.parse({"evry": 2})
+
+
+def test_asynchronous_mode_is_opt_in_per_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A method that declares no async_rule is refused in asynchronous mode, naming why; the worked example
+    declares one (and weighs its heads by the staleness weight); every built-in method but local does."""
+    register()
+    doc = {"run": {"method": "headavg", "rounds": 2, "dataset": "digits"}, "coordinator": {"mode": "async"},
+           "devices": [{"profile": "rpi3b", "count": 3}]}
+    assert HeadAvgSettings.async_rule and parse_fleet(doc).asynchronous is not None
+    monkeypatch.setattr(HeadAvgSettings, "async_rule", "")
+    with pytest.raises(ConfigError) as err:
+        parse_fleet(doc, source="fleet.toml")
+    assert err.value.message.startswith('fleet.toml: [coordinator] mode = "async" cannot run headavg: headavg '
+                                        "declares no asynchronous rule (its settings' async_rule)")
+    assert "a stale update would count as a fresh one" in err.value.message
+    assert parse_fleet({**doc, "coordinator": {}}).asynchronous is None  # synchronous rounds need no rule
+    blockers = {s.method: s.async_blocker() for s in BUILTIN_SETTINGS}
+    assert [name for name, b in blockers.items() if b is not None] == ["local"]

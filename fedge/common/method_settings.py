@@ -19,6 +19,12 @@ from fedge.common.rounds import EXTRACTOR_PREFIX
 from fedge.common.settings import MethodSettings, setting
 from fedge.errors import ConfigError
 
+# How each method folds an update that trained from an older version in asynchronous mode (MethodSettings.async_rule).
+BUFFERED_RULE = ("buffered (FedBuff): a version averages its buffer's updates, each weighted by its samples times its "
+                 "staleness weight")
+RUNNING_RULE = ("running: every device's latest statistics, each weighted by the staleness weight of its age now "
+                "(fedge.coordinator.strategies.running)")
+
 
 @dataclass(frozen=True)
 class LocalSettings(MethodSettings):
@@ -33,6 +39,7 @@ class FedAvgSettings(MethodSettings):
     """FedAvg within an architecture group: no keys."""
 
     method: ClassVar[str] = "fedavg"
+    async_rule: ClassVar[str] = BUFFERED_RULE
 
     def shared_start(self) -> SharedStart:
         return SharedStart(group=True)
@@ -43,6 +50,7 @@ class LGFedAvgSettings(MethodSettings):
     """LG-FedAvg: no keys."""
 
     method: ClassVar[str] = "lgfedavg"
+    async_rule: ClassVar[str] = BUFFERED_RULE
 
     def shared_start(self) -> SharedStart:
         return SharedStart(group=True, fleet=(EXTRACTOR_PREFIX,))
@@ -94,6 +102,7 @@ class FedProtoSettings(PersonalSettings):
     """FedProto (Tan et al., AAAI 2022)."""
 
     method: ClassVar[str] = "fedproto"
+    async_rule: ClassVar[str] = RUNNING_RULE
     shares_features: ClassVar[bool] = True
     private_stats: ClassVar[tuple[str, ...]] = ("protos",)
 
@@ -169,6 +178,7 @@ class GeFLSettings(GenerativeSettings):
     """GeFL (Kang et al., arXiv 2412.18460): an image-level generator, then the target networks."""
 
     method: ClassVar[str] = "gefl"
+    async_rule: ClassVar[str] = BUFFERED_RULE + " (generators and target networks alike)"
 
     avg_extractor: bool = setting(True, "average the common extractor over every device in target rounds "
                                         "(LG-FedAvg; GeFL `avg_FE = 1`); false: FedAvg within the group")
@@ -202,6 +212,7 @@ class GeFLFSettings(GenerativeSettings):
     """GeFL-F: LG-FedAvg warm-up, a feature generator on the frozen stem, then the heads."""
 
     method: ClassVar[str] = "geflf"
+    async_rule: ClassVar[str] = BUFFERED_RULE + " (warm-up networks, generators and heads alike)"
     level: ClassVar[str] = FEATURE_LEVEL
     generators: ClassVar[tuple[str, ...]] = GEFLF_GENERATORS
 
@@ -221,6 +232,7 @@ class FedVTCSettings(GuardedSettings):
     """FedVTC (arXiv 2508.01669): statistics up, a local decoder, fine-tuning on decoded images."""
 
     method: ClassVar[str] = "fedvtc"
+    async_rule: ClassVar[str] = RUNNING_RULE
     shares_features: ClassVar[bool] = True
     generative: ClassVar[bool] = True  # the local decoder
     private_stats: ClassVar[tuple[str, ...]] = ("protos", "sigma")

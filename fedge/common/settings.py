@@ -73,8 +73,23 @@ class MethodSettings:
     generative: ClassVar[bool] = False
     # Upload arrays that are statistics [privacy] clips and noises (fedge.common.privacy.STAT_ARRAYS).
     private_stats: ClassVar[tuple[str, ...]] = ()
-    # Why the method cannot run in asynchronous mode ([coordinator] mode = "async"); None: it can (docs/async.md).
+    # Asynchronous mode ([coordinator] mode = "async", docs/async.md) is opt-in: ``async_rule`` says, in one line,
+    # how the coordinator half folds an update that trained from an older version (its staleness weight, the
+    # version it trained from). A method that declares none is refused in asynchronous mode: its stale updates
+    # would count as fresh ones. ``async_refusal``: why it cannot run asynchronously at all (it wins).
+    async_rule: ClassVar[str] = ""
     async_refusal: ClassVar[str | None] = None
+
+    @classmethod
+    def async_blocker(cls) -> str | None:
+        """Why this method cannot run in asynchronous mode (None: it declares how it does)."""
+        if cls.async_refusal is not None:
+            return cls.async_refusal
+        if not cls.async_rule:
+            return (f"{cls.method or cls.__name__} declares no asynchronous rule (its settings' async_rule): how its "
+                    "coordinator half weighs an update that trained from an older version is not said, so a stale "
+                    "update would count as a fresh one")
+        return None
 
     def statistics_passes(self, local_epochs: int) -> int:
         """Forward passes over its training samples a device makes per round besides training (the class

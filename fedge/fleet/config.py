@@ -330,7 +330,7 @@ class FleetConfig:
         # sampling and asynchronous mode need the fleet's size and seed and its method: resolved here, once
         # (and again by dataclasses.replace, e.g. another seed)
         object.__setattr__(self, "coordinator", self.coordinator.resolve(
-            fleet_size=self.num_devices, seed=self.run.seed, async_refusal=self.method_config.async_refusal,
+            fleet_size=self.num_devices, seed=self.run.seed, async_refusal=self.method_config.async_blocker(),
             method=self.run.method))
         d = self.data
         if self.model.family == GEFL_FAMILY and (d.channels, d.image_size) != ZOO_INPUT:
