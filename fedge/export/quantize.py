@@ -167,6 +167,25 @@ def _toposort(graph: Any) -> None:
     graph.node.extend(copies)
 
 
+def _inline_initializer_copies(g: Any, keep: set[str]) -> None:
+    """Replace ``Identity`` nodes that copy an initializer by a copy of the initializer itself.
+
+    The TorchScript exporter stores equal constants once and copies them with ``Identity``: a freshly
+    built network whose folded BatchNorm biases are all zero (the model families' bias-free convs) has
+    several. ONNX Runtime's static quantizer fails on the copies (``KeyError`` on a tensor name), and
+    on one bias shared by two convolutions (each needs its own int32 scale: an invalid graph), so
+    every consumer gets a tensor of its own.
+    """
+    inits = {t.name: t for t in g.initializer}
+    copies = [n for n in g.node if n.op_type == "Identity" and n.input[0] in inits and n.output[0] not in keep]
+    for n in copies:
+        t = type(inits[n.input[0]])()
+        t.CopyFrom(inits[n.input[0]])
+        t.name = n.output[0]
+        g.initializer.append(t)
+        g.node.remove(n)
+
+
 def compact(path: Path) -> None:
     """Shrink a graph's file without changing its computation.
 
@@ -192,6 +211,7 @@ def compact(path: Path) -> None:
             names[name] = f"t{len(names)}"
         return names[name]
 
+    _inline_initializer_copies(g, keep)
     for t in g.initializer:
         t.name = short(t.name)
         t.doc_string = ""
