@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fedge.fleet.config import FleetConfig, device_ids
-from fedge.fleet.slots import device_arch_spec, family_specs
+from fedge.fleet.slots import device_arch_spec, family_specs, pinned_tier, run_budget
 from fedge.profiles import load_profile
 from fedge.profiles.planner import plan, train_memory_mb
 from fedge.profiles.schema import RUNTIME_RESERVE_MB, Profile
@@ -94,8 +94,10 @@ def device_plans(cfg: FleetConfig, samples: dict[str, int]) -> list[DevicePlan]:
             ref = str(cfg.base_dir / ref)
         profile = load_profile(ref)
         n = max(1, samples.get(dev_id, 1))
-        p = plan(profile, embed_dim=cfg.run.embed_dim, samples=n, specs=specs)
-        arch = group.arch or (group.archs[k % len(group.archs)] if group.archs else p.arch)
+        pinned = group.arch or (group.archs[k % len(group.archs)] if group.archs else None)
+        p = plan(profile, embed_dim=cfg.run.embed_dim, samples=n, specs=specs, run=run_budget(cfg),
+                 pin=pinned_tier(pinned, specs))
+        arch = pinned or p.arch
         spec = device_arch_spec(cfg, arch)
         batch = cfg.train.batch_size or p.batch_size
         epochs = cfg.train.local_epochs or p.local_epochs

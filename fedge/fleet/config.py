@@ -53,8 +53,15 @@ class RunSection:
     data_dir: str | None = None
     eval_every: int = 1
     embed_dim: int = 64
+    # Seconds of device time the run may take: the planner picks each device's model tier for the most
+    # accuracy within it (fedge.profiles.tier_choice; 0 = rounds x each profile's budgets.round_time_s).
+    time_budget_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.time_budget_s < float("inf"):
+            raise ConfigError(f"[run] time_budget_s = {self.time_budget_s:g}: must be a number of seconds >= 0",
+                              hint="e.g. 600 for ten minutes; 0 or leave it out for rounds x each profile's "
+                                   "budgets.round_time_s")
         if self.rounds < 1:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
         if self.eval_every < 1:

@@ -28,7 +28,7 @@ from fedge.edge.data.datasets import load_labels
 from fedge.edge.data.partition import DeviceSplit, dirichlet, iid_fraction, local_splits, shards, validation_folds
 from fedge.errors import ConfigError
 from fedge.fleet.config import FleetConfig, device_ids
-from fedge.profiles import Plan, Profile, load_profile, plan
+from fedge.profiles import Plan, Profile, RunBudget, load_profile, plan
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,23 @@ def check_family_fits_method(cfg: FleetConfig, specs: dict[str, ModelSpec]) -> N
                                "method that shares no stem (fedavg, fedproto)")
 
 
+def run_budget(cfg: FleetConfig) -> RunBudget:
+    """What the planner weighs each device's model tier against: the run's rounds, ``[run] time_budget_s``,
+    ``[coordinator] mode`` and data set (a fleet on its own data has no accuracy curves)."""
+    return RunBudget(rounds=cfg.run.rounds, time_budget_s=cfg.run.time_budget_s or None,
+                     asynchronous=cfg.asynchronous is not None, task=None if cfg.own_data else cfg.run.dataset)
+
+
+def pinned_tier(arch_name: str | None, family: dict[str, ModelSpec] | None) -> str | None:
+    """The tier a ``[[devices]]`` ``arch`` / ``archs`` entry pins: a GeFL ``tier-*``, or a tier (or network
+    name) of ``[model] family`` (``family``: its tiers). None: not pinned, or not a tier (``cnn3``)."""
+    if arch_name is None:
+        return None
+    if family is None:
+        return arch_name if arch_name.startswith("tier-") else None
+    return arch_name if arch_name in family or any(s.name == arch_name for s in family.values()) else None
+
+
 def device_arch_spec(cfg: FleetConfig, arch_name: str) -> ModelSpec:
     """The architecture ``arch_name`` as a device of ``cfg`` builds it (the fleet's embedding and classes).
 
@@ -196,15 +213,16 @@ class SlotParts:
         # first fleet index of each group (groups are contiguous in fleet order)
         self.starts = list(itertools.accumulate((g.count for g in cfg.devices[:-1]), initial=0))
         self.profiles = [device_profile(cfg, gi) for gi in range(len(cfg.devices))]
-        self._plans: dict[tuple[int, int], Plan] = {}
+        self._plans: dict[tuple[int, int, str | None], Plan] = {}
         self._specs: dict[str, ModelSpec] = {}
         self.family = family_specs(cfg)
+        self.run = run_budget(cfg)
 
-    def plan(self, group: int, samples: int) -> Plan:
-        key = (group, samples)
+    def plan(self, group: int, samples: int, pin: str | None = None) -> Plan:
+        key = (group, samples, pin)
         if key not in self._plans:
             self._plans[key] = plan(self.profiles[group], embed_dim=self.cfg.run.embed_dim, samples=samples,
-                                    specs=self.family)
+                                    specs=self.family, run=self.run, pin=pin)
         return self._plans[key]
 
     def spec(self, arch_name: str) -> ModelSpec:
@@ -222,11 +240,12 @@ def device_slot(cfg: FleetConfig, index: int, labels: np.ndarray, split: DeviceS
     group = cfg.devices[gi]
     k = index - parts.starts[gi]  # position within its group
     profile = parts.profiles[gi]
-    p = parts.plan(gi, max(1, len(split.train)))
+    pinned = group.arch or (group.archs[k % len(group.archs)] if group.archs else None)
+    p = parts.plan(gi, max(1, len(split.train)), pinned_tier(pinned, parts.family))
     if group.upload_precision is not None:
         p = dataclasses.replace(p, upload_precision=group.upload_precision,
                                 reasons={**p.reasons, "upload_precision": "set by the fleet config's [[devices]]"})
-    arch_name = group.arch or (group.archs[k % len(group.archs)] if group.archs else p.arch)
+    arch_name = pinned or p.arch
     spec = parts.spec(arch_name)
     return DeviceSlot(
         device_id=dev_id,

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fedge.common.archs import DEFAULT_EMBED_DIM
+from fedge.common.catalog import DATASETS
+from fedge.profiles.accuracy import available_tasks
 from fedge.profiles.loader import list_profiles, load_profile
 from fedge.profiles.planner import DEFAULT_SAMPLES, plan
 from fedge.profiles.schema import Profile
+from fedge.profiles.tier_choice import DEFAULT_ROUNDS, RunBudget
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse._SubParsersAction:
@@ -34,6 +38,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
                     help=f"local training samples per round (default {DEFAULT_SAMPLES}, the GeFL protocol)")
     pl.add_argument("--embed-dim", type=int, default=DEFAULT_EMBED_DIM,
                     help=f"fleet-wide embedding size p (default {DEFAULT_EMBED_DIM})")
+    pl.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                    help=f"rounds of the run (default {DEFAULT_ROUNDS})")
+    pl.add_argument("--time-budget", type=float, metavar="SECONDS",
+                    help="the run's time budget, as [run] time_budget_s (default: rounds x budgets.round_time_s)")
+    pl.add_argument("--async", dest="asynchronous", action="store_true",
+                    help='asynchronous mode ([coordinator] mode = "async"): the device spends the whole budget as '
+                         "it likes, a slow device delays nobody")
+    pl.add_argument("--task", choices=DATASETS,
+                    help=f"weigh the tiers by this data set's measured accuracy curves, as a fleet's [run] dataset "
+                         f"does (measured: {', '.join(available_tasks()) or 'none'}; default: none, the largest tier "
+                         "whose full schedule fits)")
+    pl.add_argument("--tier", metavar="TIER", help="pin the model tier (e.g. tier-m), as [[devices]] arch does")
     pl.set_defaults(func=_plan)
     return psub
 
@@ -119,9 +135,25 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trade_line(t: Mapping[str, Any]) -> str:
+    """The model-tier trade in one line of figures (the reason holds its words)."""
+    big, mine = t["largest"], t["chosen"]
+
+    def acc(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f} %"
+
+    line = (f"trade ({t['mode']}, budget {t['budget_s']:.0f} s, {t['rounds']} rounds, task {t['task']}): "
+            f"largest tier memory holds tier-{big['tier']}: {big['full_time_s']:.1f} s for its full schedule, "
+            f"expected {acc(big['full_acc'])}; chosen tier-{mine['tier']}{' (pinned)' if t['pinned'] else ''}: "
+            f"{mine['time_s']:.1f} s, expected {acc(mine['acc'])}")
+    return line + ("" if t["budget_met"] else "; the time budget cannot be met (see the model tier's reason)")
+
+
 def _plan(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
-    p = plan(profile, embed_dim=args.embed_dim, samples=args.samples)
+    run = RunBudget(rounds=args.rounds, time_budget_s=args.time_budget, asynchronous=args.asynchronous,
+                    task=args.task)
+    p = plan(profile, embed_dim=args.embed_dim, samples=args.samples, run=run, pin=args.tier)
     if args.json:
         print(json.dumps(p.to_dict(), indent=2))
         return 0
@@ -138,6 +170,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"plan for {profile.name}: {profile.description}")
     print(f"model {p.arch} (p = {p.embed_dim}): {p.params:,} params, {p.macs:,} MACs per image; "
           f"est. {p.train_memory_mb:.1f} MiB training memory, est. {p.round_time_s:.1f} s per round")
+    print(_trade_line(p.trade))
     print()
     print(_table(rows))
     return 0

@@ -3,20 +3,23 @@
 The rules are deliberately simple so that a reason can explain them
 (``docs/profiles.md`` states them with their thresholds):
 
-* **model tier**: the largest tier of :data:`fedge.common.archs.TIERS` whose
+* **model tier**: among the tiers of :data:`fedge.common.archs.TIERS` whose
   training-memory estimate fits ``budgets.train_memory_mb`` at some batch size
-  (the batch halves from 64 down to 8 before the tier drops) *and* whose
-  estimated round time at 5 local epochs fits ``budgets.round_time_s``. If even
-  the smallest tier misses the round, local epochs drop (down to 1) instead.
+  (the batch halves from 64 down to 8 before the tier drops), the one that
+  reaches the most expected accuracy within the run's time budget
+  (:mod:`fedge.profiles.tier_choice`: the speed model's time, the task's measured
+  accuracy curves, the device's sample count; local epochs drop, down to 1, for
+  a tier whose 5 epochs miss a synchronous round's share). The plan's ``trade``
+  says what that cost against the largest tier memory holds.
 * **inference quantization**: from measured latencies when the profile has
   them; otherwise from int8 dot-product support and accelerators (fp16 only for
   an accelerator whose ONNX Runtime provider runs it natively).
 * **upload precision**: from uplink bandwidth thresholds.
 * **generator tier**: the largest generator whose training-memory estimate fits.
 
-Every input of the model-tier and generator choices is monotone (more memory,
-more cores × GHz, a longer round never shrink a feasible set), so a device that
-dominates another never gets a smaller model: a test checks it.
+Every input of the generator choice is monotone (more memory never shrinks a
+feasible set), so a device that dominates another never gets a smaller
+generator: a test checks it.
 
 No torch here: sizes come from :mod:`fedge.common.archs`.
 """
@@ -33,9 +36,19 @@ from typing import Any
 from fedge.common.archs import DEFAULT_EMBED_DIM, TIERS, tier_arch
 from fedge.common.families import ModelSpec
 from fedge.errors import ProfileError
+from fedge.profiles.accuracy import load_curves
 from fedge.profiles.schema import INFERENCE_QUANTS, Profile
 from fedge.profiles.speed import TRAIN_MACS_FACTOR as TRAIN_MACS_FACTOR  # re-exported: the training cost
 from fedge.profiles.speed import SpeedModel, speed_model
+from fedge.profiles.tier_choice import (
+    ACCURACY_TOLERANCE,
+    MAX_EPOCHS,
+    RunBudget,
+    Trade,
+    choose_tier,
+    describe,
+    tier_options,
+)
 
 MIB = 2**20
 
@@ -60,7 +73,6 @@ DEFAULT_LR = 0.05  # a device's default (issue 45): PROTOCOL_LR oscillates on sm
 # The device's training speed is fedge.profiles.speed's model (per-microarchitecture efficiency x
 # a size curve measured per SIMD width, or the profile's [measured] training rates).
 DEFAULT_SAMPLES = 600  # GeFL: 10 % of (F)MNIST over 10 clients
-MAX_EPOCHS = 5  # GeFL: T_r = 5 local epochs on real data per round
 
 # -- inference and upload ------------------------------------------------------
 MAX_ACCURACY_DROP = 1.0  # percentage points a quantization level may lose against fp32
@@ -160,11 +172,15 @@ class Plan:
     round_time_s: float
     """Estimated local-training time of one round, s."""
     reasons: Mapping[str, str]
+    trade: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    """The model-tier trade (:class:`fedge.profiles.tier_choice.Trade`): the largest tier memory holds and the
+    tier chosen, with the expected time and accuracy of both, and the words of ``reasons["model_tier"]``."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-ready)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["reasons"] = dict(self.reasons)
+        d["trade"] = dict(self.trade)
         return d
 
 
@@ -172,18 +188,17 @@ def _mb(x: float) -> str:
     return f"{x:.1f} MiB"
 
 
-def _choose_tier(profile: Profile, specs: Mapping[str, ModelSpec],
-                 samples: int) -> tuple[str, int, int, dict[str, str]]:
-    """Model tier, batch size, local epochs and their reasons."""
-    budget_mb, budget_s = profile.budgets.train_memory_mb, profile.budgets.round_time_s
+def _choose_tier(profile: Profile, specs: Mapping[str, ModelSpec], samples: int, run: RunBudget,
+                 pin: str | None) -> tuple[str, int, int, dict[str, str], Trade]:
+    """Model tier, batch size, local epochs, their reasons and the trade (:mod:`fedge.profiles.tier_choice`)."""
+    budget_mb = profile.budgets.train_memory_mb
     speed = speed_model(profile)
     by_size = sorted(specs, key=lambda t: specs[t].num_params())  # the family's tiers
     nm = {t: s.name for t, s in specs.items()}  # tier-m, or mobilenet-m-96
     # Batch that fits the memory budget, for the tiers where one does.
-    batch = {t: b for t in by_size if (b := fit_batch(specs[t], budget_mb)) is not None}
-    secs = {t: round_time_s(specs[t], speed, samples=samples, epochs=MAX_EPOCHS, batch=batch.get(t, MIN_BATCH))
-            for t in by_size}
-    fits_memory = [t for t in by_size if t in batch]
+    fit = {t: b for t in by_size if (b := fit_batch(specs[t], budget_mb)) is not None}
+    batch = {t: fit.get(t, MIN_BATCH) for t in by_size}
+    fits_memory = [t for t in by_size if t in fit]
     if not fits_memory:
         need = train_memory_mb(specs[by_size[0]], MIN_BATCH)
         raise ProfileError(
@@ -191,51 +206,52 @@ def _choose_tier(profile: Profile, specs: Mapping[str, ModelSpec],
             f"({nm[by_size[0]]} at batch {MIN_BATCH} needs {_mb(need)})",
             hint=f"raise budgets.train_memory_mb to at least {math.ceil(need)}",
         )
-    feasible = [t for t in fits_memory if secs[t] <= budget_s]
-    epochs = MAX_EPOCHS
-    if feasible:
-        tier = feasible[-1]
-        bigger = by_size[by_size.index(tier) + 1:]
-        if not bigger:
-            why_not = f"{nm[tier]} is the largest tier"
-        elif bigger[0] not in batch:
-            why_not = (f"{nm[bigger[0]]} would need {_mb(train_memory_mb(specs[bigger[0]], MIN_BATCH))}"
-                       f" even at batch {MIN_BATCH}")
-        else:
-            why_not = f"{nm[bigger[0]]} would need {secs[bigger[0]]:.1f} s"
-        tier_reason = (
-            f"largest tier that fits {profile.budgets.train_memory_mb:g} MiB of training memory "
-            f"(est. {_mb(train_memory_mb(specs[tier], batch[tier]))} at batch {batch[tier]}) and a "
-            f"{budget_s:g} s round (est. {secs[tier]:.1f} s for {samples} samples × {MAX_EPOCHS} epochs); {why_not}"
-        )
-        epochs_reason = f"GeFL's {MAX_EPOCHS} local epochs on real data (T_r) fit the round"
+    if pin is not None and pin not in specs:
+        raise ProfileError(f"profile {profile.name!r}: pinned tier {pin!r} is not a model tier",
+                           hint=f"pin one of {', '.join(nm[t] for t in by_size)}, or leave the tier to the planner")
+    per_epoch = {t: round_time_s(specs[t], speed, samples=samples, epochs=1, batch=batch[t]) for t in by_size}
+    if run.time_budget_s is not None:
+        budget_s, budget_from = run.time_budget_s, "[run] time_budget_s"
     else:
-        # Even the smallest tier misses the round at 5 epochs: keep the smallest
-        # model and train fewer epochs rather than give up.
-        tier = fits_memory[0]
-        one = round_time_s(specs[tier], speed, samples=samples, epochs=1, batch=batch[tier])
-        epochs = min(MAX_EPOCHS, int(budget_s // one))
-        if epochs < 1:
-            raise ProfileError(
-                f"profile {profile.name!r}: even {nm[tier]} needs {one:.1f} s for one epoch over {samples} samples, "
-                f"more than budgets.round_time_s = {budget_s:g}",
-                hint=f"raise budgets.round_time_s to at least {math.ceil(one * 10) / 10:g}, or train on fewer samples",
-            )
-        tier_reason = (f"smallest tier: no tier fits a {budget_s:g} s round at {MAX_EPOCHS} epochs "
-                       f"({nm[tier]} would need {secs[tier]:.1f} s)")
-        epochs_reason = (f"reduced from {MAX_EPOCHS} so {nm[tier]} fits the {budget_s:g} s round "
-                         f"(est. {one * epochs:.1f} s for {samples} samples × {epochs} epochs)")
-    b = batch[tier]
+        budget_s = run.rounds * profile.budgets.round_time_s
+        budget_from = f"{run.rounds} rounds x budgets.round_time_s = {profile.budgets.round_time_s:.3g} s"
+    # The curves were measured on the GeFL CNN tiers: another family's tiers fall back to the rule without them.
+    gefl = all(nm[t] == f"tier-{t}" for t in by_size)
+    curves = load_curves(run.task) if run.task and gefl else None
+    options = tier_options(per_epoch, batch, fits_memory, samples, budget_s, run, curves, names=nm)
+    share = budget_s if run.asynchronous else budget_s / run.rounds
+    where = f"profile {profile.name!r}"
+    planner_choice = choose_tier(options, fits_memory, pin=None, curves=curves, where=where, share_s=share) \
+        if pin is None or any(options[t].epochs_per_round for t in fits_memory) else None
+    chosen = options[pin] if pin is not None else planner_choice
+    assert chosen is not None
+    trade = describe(options[fits_memory[-1]], chosen, budget_s=budget_s, budget_from=budget_from, run=run,
+                     samples=samples, pinned=pin is not None, planner_choice=planner_choice)
+    tier, b = chosen.tier, batch[chosen.tier]
+    epochs = max(1, chosen.epochs_per_round)
+    how = (f"accuracy curves of {run.task} ({curves.source.rsplit('/', 1)[-1]}; the fastest tier within "
+           f"{ACCURACY_TOLERANCE:g} point of the best expected)" if curves is not None
+           else f"no accuracy curves for task {run.task!r}{'' if gefl else ' and this family'}: the largest tier "
+                "whose full schedule fits")
+    above = by_size[by_size.index(fits_memory[-1]) + 1:]
+    mem_note = (f"; {nm[above[0]]} would need {_mb(train_memory_mb(specs[above[0]], MIN_BATCH))} even at batch "
+                f"{MIN_BATCH}" if above else "")
+    tier_reason = f"{trade.words}{mem_note}; chosen by {how}; speed: {speed.describe()}"
+    if epochs == MAX_EPOCHS:
+        per = "update" if run.asynchronous else "round"
+        epochs_reason = f"GeFL's {MAX_EPOCHS} local epochs on real data (T_r) fit the {per}"
+    else:
+        epochs_reason = (f"reduced from {MAX_EPOCHS} so {nm[tier]} fits its share of the time budget ({share:.1f} s; "
+                         f"est. {per_epoch[tier] * epochs:.1f} s for {samples} samples x {epochs} epochs)")
     if b == DEFAULT_BATCH:
         batch_reason = (f"the default (GeFL's {DEFAULT_BATCH}): {nm[tier]} needs "
-                        f"{_mb(train_memory_mb(specs[tier], b))} of {profile.budgets.train_memory_mb:g} MiB")
+                        f"{_mb(train_memory_mb(specs[tier], b))} of {budget_mb:g} MiB")
     else:
-        batch_reason = (f"halved from {DEFAULT_BATCH} until {nm[tier]} fit {profile.budgets.train_memory_mb:g} MiB "
+        batch_reason = (f"halved from {DEFAULT_BATCH} until {nm[tier]} fit {budget_mb:g} MiB "
                         f"(batch {b * 2} would need {_mb(train_memory_mb(specs[tier], b * 2))}); "
                         f"the batch shrinks (to {MIN_BATCH} at least) before the tier drops")
-    tier_reason += f"; speed: {speed.describe()}"
     reasons = {"model_tier": tier_reason, "batch_size": batch_reason, "local_epochs": epochs_reason}
-    return tier, b, epochs, reasons
+    return tier, b, epochs, reasons, trade
 
 
 def _heuristic_quant(profile: Profile, note: str) -> tuple[str, str]:
@@ -353,20 +369,24 @@ def _choose_min_tail(samples: int, batch: int) -> tuple[int, str]:
 
 
 def plan(profile: Profile, *, embed_dim: int = DEFAULT_EMBED_DIM, samples: int = DEFAULT_SAMPLES,
-         specs: Mapping[str, ModelSpec] | None = None) -> Plan:
+         specs: Mapping[str, ModelSpec] | None = None, run: RunBudget | None = None, pin: str | None = None) -> Plan:
     """Turn a profile into a :class:`Plan`.
 
     ``samples`` is the number of local training samples (GeFL: 600); it scales the
     round-time estimate. ``specs``: tier -> network of the fleet's model family, measured
     (:func:`fedge.common.families.family_arch`); by default the GeFL CNN family's ``tier-*``.
-    Raises :class:`ProfileError` when no model fits the memory budget, or when one epoch of the
-    smallest model misses the round budget.
+    ``run``: the run's rounds, time budget, mode and task (default: :class:`~fedge.profiles.tier_choice.RunBudget`'s,
+    10 synchronous rounds within 10 × the profile's round budget and no task, so no accuracy curves); ``pin``: a
+    tier the fleet config fixes (``"m"``, or ``"tier-m"``). Raises :class:`ProfileError` when no model fits the
+    memory budget, or when one epoch of the smallest model misses its share of the time budget.
     """
     if samples < 1:
         raise ProfileError(f"samples = {samples}: must be at least 1", hint="pass the device's local sample count")
     if specs is None:
         specs = {t: tier_arch(t, embed_dim=embed_dim) for t in TIERS}
-    tier, batch, epochs, reasons = _choose_tier(profile, specs, samples)
+    if pin is not None and pin not in specs:  # a network's name (tier-m, mobilenet-m-96) for its tier
+        pin = next((t for t, sp in specs.items() if sp.name == pin), pin.removeprefix("tier-"))
+    tier, batch, epochs, reasons, trade = _choose_tier(profile, specs, samples, run or RunBudget(), pin)
     spec = specs[tier]
     if spec.name == f"tier-{tier}":
         quant, reasons["inference_quant"] = _choose_quant(profile, tier)
@@ -395,4 +415,5 @@ def plan(profile: Profile, *, embed_dim: int = DEFAULT_EMBED_DIM, samples: int =
         train_memory_mb=train_memory_mb(spec, batch),
         round_time_s=round_time_s(spec, speed_model(profile), samples=samples, epochs=epochs, batch=batch),
         reasons=MappingProxyType(reasons),
+        trade=MappingProxyType(trade.to_dict()),
     )

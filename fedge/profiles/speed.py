@@ -63,7 +63,7 @@ SIZE_CURVE: Mapping[int, Mapping[str, tuple[float, ...]]] = MappingProxyType(
     {lanes: MappingProxyType({t: _monotone(r) for t, r in rows.items()}) for lanes, rows in _MEASURED_CURVE.items()})
 
 
-def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+def interp_clamped(x: float, xs: list[float], ys: list[float]) -> float:
     """Piecewise-linear in ``x`` through (xs, ys), constant beyond the ends (xs ascending)."""
     if x <= xs[0]:
         return ys[0]
@@ -84,8 +84,8 @@ def size_fraction(macs: int, batch: int, lanes: int) -> float:
     lb = [math.log2(b) for b in CURVE_BATCHES]
     by_tier = sorted((tier_arch(t).macs(), t) for t in TIERS)
     xs = [math.log(m) for m, _ in by_tier]
-    ys = [_interp(math.log2(max(batch, 1)), lb, list(rows[t])) for _, t in by_tier]
-    return _interp(math.log(max(macs, 1)), xs, ys)
+    ys = [interp_clamped(math.log2(max(batch, 1)), lb, list(rows[t])) for _, t in by_tier]
+    return interp_clamped(math.log(max(macs, 1)), xs, ys)
 
 
 def _measured_key(key: str) -> tuple[str, int]:

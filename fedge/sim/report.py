@@ -18,6 +18,7 @@ from fedge.common.units import format_bytes
 from fedge.coordinator.engine import RoundReport
 from fedge.fleet.config import device_ids
 from fedge.sim.simulate import SimResult
+from fedge.sim.tier_trades import tier_trades, trade_lines
 
 
 def _nan_to_none(x: float | None) -> float | None:
@@ -168,6 +169,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
             "mean_bytes_up_per_round": per_round("bytes_up"),
             "mean_bytes_down_per_round": per_round("bytes_down"),
         },
+        "tier_trades": tier_trades(devices),  # the planner's model-tier trade per device (issue 48)
         "rounds_log": [
             {"round": r.round, "phase": r.phase, "seconds": r.seconds, "accepted": len(r.accepted),
              "rejected": r.rejected, **({"epsilon": _finite(r.privacy["epsilon"])} if r.privacy else {}),
@@ -344,6 +346,7 @@ def format_table(results: dict[str, Any]) -> str:
     if stem:
         lines.append(f"guard: the fleet's extractor kept in {s['guard_stem_used']} of {s['guard_stem_decisions']} "
                      "device-rounds (else the group's own)")
+    lines += trade_lines(results.get("tier_trades", []))
     ck = results.get("clock")
     if ck:
         lost = sum(len(v) for v in ck["lost"].values())
