@@ -6,6 +6,7 @@ over MQTT (stepped by its own loop), so the bytes it counts are the wire bytes.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from fedge.common.messages import Message
 from fedge.common.privacy import privatize, project_global
@@ -111,26 +113,50 @@ class DeviceAgent:
         """Whether the device evaluates at the start of ``info``'s round (:func:`fedge.common.rounds.evaluates_at`)."""
         return evaluates_at(info.round, self.eval_every, final=info.is_final)
 
-    def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:
-        down = descriptor_bytes
+    def measure(self, info: RoundInfo) -> dict[str, float]:
+        """The metrics this device would report if ``info``'s round started now: the published global state
+        applied and evaluated exactly as at the start of a round (:meth:`handle_round`), on a copy of its method,
+        so that the device, its random streams and the process's are left as they were. The experimenter's
+        measurement, not the device's work (an asynchronous simulation's fleet curve,
+        :mod:`fedge.sim.clocked_async`)."""
+        method, model_round = self.method, self.model_round
+        np_state = np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            try:
+                self.method = measuring_copy(method)
+                self._apply_global(info, self._fetch_global(info))
+                return self.method.evaluate()
+            finally:
+                self.method, self.model_round = method, model_round
+                np.random.set_state(np_state)
+
+    def _fetch_global(self, info: RoundInfo) -> dict[str, bytes]:
         fetched = {}
         for name in self.method.needed_artifacts(info):
             data = self.transport.fetch_global(name)
             if data is not None:  # None: nothing aggregated yet (first round)
                 fetched[name] = data
-        # info.train_s: this round's work on the device's own clock, from here. The fetches above wait on the
-        # link (a subscription's round trip, then the bytes), which the virtual clock counts as the download,
-        # not as the device's compute; decoding the global state is the device's work and counts.
-        started = self.timer()
+        return fetched
+
+    def _apply_global(self, info: RoundInfo, fetched: dict[str, bytes]) -> None:
+        """Decode the fetched global state and hand it to the method (projected under [privacy])."""
         artifacts = {}
         for name, data in fetched.items():
-            down += len(data)
             msg = Message.from_bytes(data)
             artifacts[name] = msg.tensors
             self.model_round = max(self.model_round, msg.round)
         if self.method.ctx.privacy is not None:
             artifacts = project_global(artifacts, self.method.ctx.privacy)
         self.method.apply_global(info, artifacts)
+
+    def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:
+        fetched = self._fetch_global(info)
+        # info.train_s: this round's work on the device's own clock, from here. The fetches above wait on the
+        # link (a subscription's round trip, then the bytes), which the virtual clock counts as the download,
+        # not as the device's compute; decoding the global state is the device's work and counts.
+        started = self.timer()
+        down = descriptor_bytes + sum(len(data) for data in fetched.values())
+        self._apply_global(info, fetched)
         metrics = {}
         if self.evaluates(info):
             metrics = self.method.evaluate()
@@ -156,3 +182,15 @@ class DeviceAgent:
         self.last_round = info.round
         log.debug("%s: round %d (%s) up %d B down %d B", self.device.device_id, info.round, info.phase,
                   len(data), down)
+
+
+def measuring_copy(method: DeviceMethod) -> DeviceMethod:
+    """A copy of ``method`` to measure with (:meth:`DeviceAgent.measure`): its model, state and random
+    generators copied, the data sets and the process's shared evaluation cache shared (read only)."""
+    ctx = method.ctx
+    shared: list[Any] = [ctx.global_eval]
+    for ds in (ctx.train, ctx.local_test, ctx.global_test):
+        if ds is not None:
+            shared += [ds, ds.x, ds.y]
+    memo = {id(obj): obj for obj in shared if obj is not None}
+    return copy.deepcopy(method, memo)

@@ -188,6 +188,17 @@ class RoundTime:
 
 
 @dataclass
+class FleetEvaluation:
+    """Every device's metrics at one moment of virtual time, after ``after`` versions: the experimenter's
+    measurement of an asynchronous simulation (its fleet curve; :mod:`fedge.sim.clocked_async`), which costs no
+    virtual time. ``metrics`` maps each device to what it would report evaluating then (``acc_global``, ...)."""
+
+    after: int
+    virtual_s: float
+    metrics: dict[str, dict[str, float]]
+
+
+@dataclass
 class Participation:
     """What one device did in a round: the bytes it moved and whether it trained."""
 
@@ -204,6 +215,11 @@ class FleetClock:
         self.deadline_s = deadline_s
         self.now = 0.0
         self.rounds: list[RoundTime] = []
+        self.evaluations: list[FleetEvaluation] = []
+        """Asynchronous simulations: the whole fleet evaluated at fixed moments (:class:`FleetEvaluation`)."""
+        self.other_work: dict[str, list[DeviceRound]] = {}
+        """Asynchronous simulations: work that no version's record holds — a task still under way when the run
+        ended, a device's earlier task to end within the same version as another — busy all the same."""
 
     def online(self, t: float | None = None) -> set[str]:
         """The devices online at ``t`` (default: now)."""
@@ -260,10 +276,14 @@ class FleetClock:
 
     # -- what a report shows ------------------------------------------------------------------
     def busy_s(self, device_id: str) -> float:
-        """Virtual seconds ``device_id`` spent working (downloading, training, uploading) over every round."""
-        return sum(min(r.devices[device_id].finish_s, r.end_s,
-                       self.devices[device_id].availability.online_until(r.start_s)) - r.start_s
-                   for r in self.rounds if device_id in r.devices)
+        """Virtual seconds ``device_id`` spent working — downloading, training and uploading alike, in both modes —
+        each piece of work from its own start until it ended, the device went offline, its round ended (a missed
+        synchronous deadline) or the run did (:attr:`other_work`). An asynchronous task starts before the version
+        it ends in, so it is timed from the task's start, not the version's."""
+        avail = self.devices[device_id].availability
+        work = [(w, r.end_s) for r in self.rounds if (w := r.devices.get(device_id)) is not None]
+        work += [(w, self.now) for w in self.other_work.get(device_id, [])]
+        return sum(max(0.0, min(w.finish_s, end, avail.online_until(w.start_s)) - w.start_s) for w, end in work)
 
     def shares(self, device_id: str) -> dict[str, float]:
         """Fractions of the run's virtual time ``device_id`` was busy, idle (online, no work) and offline."""

@@ -1,4 +1,4 @@
-"""``fedge simulate`` and ``fedge data stats``."""
+"""``fedge simulate``, ``fedge compare`` and ``fedge data stats``."""
 
 from __future__ import annotations
 
@@ -35,6 +35,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--samples", action="store_true",
                    help="also write an image grid and a checkpoint per generator (samples/, checkpoints/generators/)")
     p.set_defaults(func=_simulate)
+
+    c = sub.add_parser("compare", help="two simulated runs side by side in virtual time",
+                       description="Time to a target accuracy of two `fedge simulate` runs (e.g. one fleet "
+                                   "synchronous and asynchronous), the ratio, final accuracies, bytes and busy "
+                                   "shares; writes one plot with both curves against virtual time (docs/async.md).")
+    c.add_argument("run_a", metavar="RUN_A", help="a finished run's --out directory (its results.json)")
+    c.add_argument("run_b", metavar="RUN_B", help="the other run's --out directory")
+    c.add_argument("--target", type=float, metavar="PCT",
+                   help="global accuracy in percent to time both runs to (default: 95 %% of the better final one)")
+    c.add_argument("--out", default="compare.png", help="the plot (PNG) to write (default: compare.png)")
+    c.set_defaults(func=_compare)
 
     d = sub.add_parser("data", help="inspect how a fleet config partitions its data")
     dsub = d.add_subparsers(dest="data_command", metavar="ACTION", required=True)
@@ -102,6 +113,17 @@ def _simulate(args: argparse.Namespace) -> int:
 
         grids = write_sample_grids([d.method for d in res.devices], args.out)
         print(f"wrote {len(grids)} sample grid(s): {', '.join(str(g) for g in grids) or 'no generator was trained'}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from fedge.sim.compare import compare_runs, format_comparison, plot_comparison, read_run
+
+    a, b = read_run(args.run_a), read_run(args.run_b)
+    c = compare_runs(a, b, target=None if args.target is None else args.target / 100,
+                     labels=(str(args.run_a), str(args.run_b)))
+    print(format_comparison(c))
+    print(f"\nwrote {plot_comparison(c, args.out)}")
     return 0
 
 

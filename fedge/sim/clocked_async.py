@@ -11,7 +11,18 @@ the version then current, once it is back. Everything is a function of the seed:
 
 Each version is recorded as a :class:`~fedge.fleet.clock.RoundTime` from the previous version's publication
 to its own, holding the tasks that ended in it (delivered or lost), so results.json's virtual times, the
-busy / idle shares and time-to-accuracy read the same as for synchronous rounds.
+busy / idle shares read the same as for synchronous rounds: a task is busy from its start (download, compute,
+upload), whichever version it started in, and the tasks under way when the run ends are busy until then
+(:attr:`FleetClock.other_work <fedge.fleet.clock.FleetClock.other_work>`).
+
+A version's report holds the accuracies of the devices that started a task from it, a different few each time,
+so its mean says nothing of the fleet. The fleet curve does: every ``[run] eval_every`` versions, and after the
+last, every device of the fleet evaluates the global state just published as it would at the start of a round
+(its group's model, or its method's own predictor: :meth:`fedge.edge.agent.DeviceAgent.measure`, the code a
+synchronous round evaluates with), on a copy of its method, whatever it is doing and in no virtual time: the
+experimenter's measurement, not the fleet's work, so the run is the same with it or without. The points are
+:attr:`FleetClock.evaluations <fedge.fleet.clock.FleetClock.evaluations>`; results.json's ``time_to_accuracy``
+is made of them.
 """
 
 from __future__ import annotations
@@ -24,11 +35,11 @@ from dataclasses import dataclass, field
 
 from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport
 from fedge.common.messages import Message
-from fedge.common.rounds import FINAL_PHASE, RoundInfo
+from fedge.common.rounds import FINAL_PHASE, RoundInfo, evaluates_at
 from fedge.common.transport import Inbound
 from fedge.edge.agent import DeviceAgent
 from fedge.errors import ConfigError
-from fedge.fleet.clock import DeviceRound, FleetClock, RoundTime
+from fedge.fleet.clock import DeviceRound, FleetClock, FleetEvaluation, RoundTime
 from fedge.sim.clocked import Stopwatch
 
 log = logging.getLogger(__name__)
@@ -52,8 +63,10 @@ class _Arrival:
 class AsyncClockedTransport(InMemoryCoordinatorTransport):
     """The in-memory coordinator transport driving an asynchronous fleet in virtual time (module docstring)."""
 
-    def __init__(self, bus: InMemoryBus, agents: Sequence[DeviceAgent], clock: FleetClock) -> None:
+    def __init__(self, bus: InMemoryBus, agents: Sequence[DeviceAgent], clock: FleetClock, *,
+                 eval_every: int = 1) -> None:
         super().__init__(bus)
+        self.eval_every = eval_every  # [run] eval_every: the versions after which the fleet is measured
         self.agents = {a.device.device_id: a for a in agents}
         self.order = [a.device.device_id for a in agents]
         self.clock = clock
@@ -81,6 +94,11 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
             if self._version is not None:
                 self._close_version()
             self._version = RoundTime(msg.round, self.clock.now, self.clock.now)
+            if self._final:  # the tasks still under way are busy until the run's end (FleetClock.busy_s)
+                for a in self._arrivals:
+                    self.clock.other_work.setdefault(a.device, []).append(a.timeline)
+            if evaluates_at(msg.round, self.eval_every, final=self._final):
+                self._measure(info)
 
     def end_run(self) -> None:
         super().end_run()
@@ -109,6 +127,9 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
             self.clock.now = max(self.clock.now, arrival.at)
             self._busy.discard(arrival.device)
             assert self._version is not None
+            earlier = self._version.devices.get(arrival.device)
+            if earlier is not None:  # a second task of this device ends in this version (one was lost or refused)
+                self.clock.other_work.setdefault(arrival.device, []).append(earlier)
             self._version.devices[arrival.device] = arrival.timeline
             if arrival.timeline.lost:
                 # offline before it finished: nothing arrives; it does the task again once back (module docstring)
@@ -174,6 +195,13 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
             agent.step()
         while self.bus.updates:
             yield Inbound(self.bus.updates.popleft())
+
+    def _measure(self, info: RoundInfo) -> None:
+        """The fleet curve's point after version ``info.round - 1``: every device, online or not, busy or not,
+        evaluates the global state published now as it would at the start of ``info``'s round
+        (:meth:`DeviceAgent.measure`), in no virtual time and leaving the run as it was."""
+        metrics = {dev: self.agents[dev].measure(info) for dev in self.order}
+        self.clock.evaluations.append(FleetEvaluation(info.round - 1, self.clock.now, metrics))
 
     def _close_version(self) -> None:
         assert self._version is not None

@@ -48,7 +48,8 @@ def run_inprocess(cfg: FleetConfig, devices: list[SimDevice]) -> tuple[Coordinat
         tested = len(ctx.local_test.y) + (len(ctx.global_test.y) if ctx.global_test is not None else 0)
         c.work = dataclasses.replace(c.work, eval_samples=tested)
     if cfg.asynchronous is not None:  # [coordinator] mode = "async": events in virtual time
-        return AsyncClockedTransport(bus, agents, clock), agents, lambda: None
+        return (AsyncClockedTransport(bus, agents, clock, eval_every=cfg.run.eval_every), agents,
+                lambda: None)
     if cfg.privacy.secure_aggregation:  # each group's values summed securely (fedge.sim.secure)
         from fedge.sim.secure import SecureClockedTransport
 

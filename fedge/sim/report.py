@@ -19,6 +19,17 @@ from fedge.coordinator.engine import RoundReport
 from fedge.fleet.config import device_ids
 from fedge.sim.simulate import SimResult
 from fedge.sim.tier_trades import tier_trades, trade_lines
+from fedge.sim.virtual_time import (
+    TARGET_SHARE,
+    asynchronous,
+    device_virtual,
+    fleet_curve,
+    plot_time_to_accuracy,
+    staleness,
+    time_to,
+    time_to_accuracy,
+    virtual,
+)
 
 
 def _nan_to_none(x: float | None) -> float | None:
@@ -42,49 +53,11 @@ def _privacy(res: SimResult) -> dict[str, Any] | None:
             "training_rounds_released": len(spent), "budget_spent": last["budget_spent"]}
 
 
-def _virtual(res: SimResult) -> tuple[dict[str, Any] | None, dict[int, tuple[float, float]]]:
-    """The ``clock`` part of results.json, and each timed round's (start, end) in virtual seconds."""
-    clock = res.clock
-    if clock is None:
-        return None, {}
-    ck = res.cfg.clock
-    spans = {r.round: (r.start_s, r.end_s) for r in clock.rounds}
-    doc = {"virtual_s": clock.now, "jitter": ck.jitter, "availability": ck.availability,
-           "deadline_s": ck.deadline_s, "mean_round_s": clock.now / max(1, len(clock.rounds)),
-           "lost": {str(r.round): {d: t.lost for d, t in r.devices.items() if not t.delivered}
-                    for r in clock.rounds if any(not t.delivered for t in r.devices.values())}}
-    return doc, spans
-
-
-def _device_virtual(res: SimResult, dev_id: str, reports: list[RoundReport]) -> dict[str, Any]:
-    """One device in virtual time: per round its timeline (None: no work), and its busy / idle / offline share."""
-    clock = res.clock
-    if clock is None or dev_id not in clock.devices:
-        return {}
-    by_round = {r.round: r.devices.get(dev_id) for r in clock.rounds}
-    timeline = [(t.to_dict() if (t := by_round.get(rep.round)) is not None else None) for rep in reports]
-    shares = clock.shares(dev_id)
-    return {"virtual": timeline, "busy_share": shares["busy"], "idle_share": shares["idle"],
-            "offline_share": shares["offline"]}
-
-
-def time_to_accuracy(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """(virtual seconds, mean global accuracy) after each round: the accuracy reached by each moment."""
-    times = [0.0] + [r["virtual_end_s"] for r in results["rounds_log"] if r.get("virtual_end_s") is not None]
-    out = []
-    for i, t in enumerate(times):
-        accs = [d["acc_global"][i] for d in results["devices"] if i < len(d["acc_global"]) and
-                d["acc_global"][i] is not None]
-        if accs:
-            out.append({"after_round": i, "virtual_s": t, "mean_acc_global": sum(accs) / len(accs)})
-    return out
-
-
 def build_results(res: SimResult) -> dict[str, Any]:
     """The JSON document of a run."""
     reports: list[RoundReport] = res.reports
     rounds = res.cfg.run.rounds
-    clock_doc, spans = _virtual(res)
+    clock_doc, spans = virtual(res)
     devices: list[dict[str, Any]] = []
     # (registry record, plan, local test samples, how it was lost): every device of the fleet, those
     # lost with a worker of a parallel run included (with what they reported before).
@@ -133,7 +106,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
             "bytes_down": down,
             # seconds of each round's work as the device measured it (here: on the simulating host)
             "train_s": [rep.train_s.get(dev_id) for rep in reports],
-            **_device_virtual(res, dev_id, reports),
+            **device_virtual(res, dev_id, reports),
         })
 
     def mean(key: str) -> float | None:
@@ -173,7 +146,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
         "rounds_log": [
             {"round": r.round, "phase": r.phase, "seconds": r.seconds, "accepted": len(r.accepted),
              "rejected": r.rejected, **({"epsilon": _finite(r.privacy["epsilon"])} if r.privacy else {}),
-             **({"sampled": r.sampled} if r.sampled else {}), "missing": r.missing,
+             **({"sampled": r.sampled} if r.sampled else {}), "missing": r.missing, **staleness(r),
              **({"virtual_start_s": spans[r.round][0], "virtual_end_s": spans[r.round][1]}
                 if r.round in spans else {})}
             for r in reports
@@ -184,8 +157,11 @@ def build_results(res: SimResult) -> dict[str, Any]:
         "simulation": res.extra.get("simulation"),
         "devices": devices,
     }
+    if res.cfg.asynchronous is not None:
+        doc["asynchronous"] = asynchronous(res, [d["id"] for d in devices])
     if clock_doc is not None:
-        doc["time_to_accuracy"] = time_to_accuracy(doc)
+        assert res.clock is not None
+        doc["time_to_accuracy"] = fleet_curve(res.clock) if res.clock.evaluations else time_to_accuracy(doc)
     return doc
 
 
@@ -260,34 +236,8 @@ def write_results(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     plt.close(fig)
     if results.get("time_to_accuracy"):
         paths.append(out / "time_to_accuracy.png")
-        _plot_time_to_accuracy(results, paths[-1])
+        plot_time_to_accuracy(results, paths[-1])
     return paths
-
-
-def _plot_time_to_accuracy(results: dict[str, Any], path: Path) -> None:
-    """Global accuracy against virtual time: each device's evaluations (dots) and the fleet's mean (line)."""
-    import matplotlib.pyplot as plt
-
-    times = [0.0] + [r["virtual_end_s"] for r in results["rounds_log"] if r.get("virtual_end_s") is not None]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for d in results["devices"]:
-        pts = [(times[i], 100 * a) for i, a in enumerate(d["acc_global"][: len(times)]) if a is not None]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), ls="none", marker=".", ms=3, alpha=0.4)  # only rounds it evaluated in
-    mean = results["time_to_accuracy"]
-    ax.plot([m["virtual_s"] for m in mean], [100 * m["mean_acc_global"] for m in mean], "k.-", lw=2,
-            label="fleet mean")
-    ax.set_xlabel("virtual time (s)")
-    ax.set_ylabel("global test accuracy (%)")
-    ck = results["clock"]
-    ax.set_title(f"{results['method']} on {results['dataset']}: time to accuracy "
-                 f"(availability {ck['availability']}, jitter {ck['jitter']:g})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
 
 
 def _pct(x: float | None) -> str:
@@ -354,6 +304,15 @@ def format_table(results: dict[str, Any]) -> str:
                      f"{ck['availability']}, jitter {ck['jitter']:g}"
                      + (f", deadline {ck['deadline_s']:g} s" if ck["deadline_s"] else "")
                      + (f"; {lost} update(s) lost to the clock" if lost else "") + ")")
+    curve = results.get("time_to_accuracy")
+    if curve:
+        last, level = curve[-1], TARGET_SHARE * curve[-1]["mean_acc_global"]
+        reached = time_to(curve, level)
+        kind = "every device at fixed moments" if ck and ck.get("mode") == "async" else "the devices of each round"
+        lines.append(f"time to accuracy ({kind}; {len(curve)} points over up to "
+                     f"{max(p['devices'] for p in curve)} devices): {_pct(last['mean_acc_global'])} % at "
+                     f"{last['virtual_s']:.1f} virtual s; {100 * TARGET_SHARE:g} % of it ({_pct(level)} %) first at "
+                     f"{'-' if reached is None else f'{reached:.1f}'} s")
     sim = results.get("simulation") or {}
     if sim.get("backend", "sequential") != "sequential":
         workers = sim.get("workers", [])
