@@ -4,21 +4,22 @@ A fleet of ``--devices`` devices spread over five built-in profiles (Pi Zero 2 W
 x86 gateway; one model, tier-xs, so FedAvg within its one group), Fashion-MNIST partitioned Dirichlet(0.5), runs
 in process on the virtual clock (``fedge simulate``'s engine and the speed model) twice per seed: synchronous
 rounds, then ``[coordinator] mode = "async"`` until the synchronous run's virtual end time (its fast devices
-make many more updates in that time than the synchronous rounds hold). After every round or version the
-global model is scored on a fixed slice of the test set at that moment of virtual time. Reported side by side:
-the virtual time each mode needs to reach 95 % of synchronous FedAvg's final accuracy and the ratio, and the
-accuracy of each at the synchronous run's end time. ``--churn`` adds an asynchronous run with devices online
-70 % of the time (seeded on/off availability) against the same run without. ``--method fedproto``: FedProto has no
-global model, so the curve is the fleet's mean of each device's latest own evaluation (its model with the global
-prototypes, on the same test images, taken when it starts a round or task: of the version it trains from).
-``--method geflf``: GeFL-F's three stages (LG-FedAvg warm-up, feature-generator rounds, head rounds) by round
-counts, ``--geflf-stages W G`` (the rest of ``--rounds`` trains the heads); an asynchronous version holds K updates
-where a round holds N, so its stages last W·N/K and G·N/K versions — as many device updates as the synchronous
-stages. Its curve is the fleet's mean of each device's own evaluation, as FedProto's.
+make many more updates in that time than the synchronous rounds hold). The curve is the product's own
+(results.json's ``time_to_accuracy``, ``eval_every = 1`` in both modes; issue 39): synchronous, the fleet's mean of
+every device's evaluation at the start of each round; asynchronous, the whole fleet measured after every version
+(its group's global model, or FedProto's and GeFL-F's own predictors, as a synchronous round evaluates), the devices
+scoring the first ``--eval-images`` test images — the clock times each device's own evaluation over those images
+in both modes. Reported side by side: the virtual time each mode needs to reach 95 % of the synchronous run's final
+accuracy and the ratio, and the accuracy of each at the synchronous run's end time. ``--churn`` adds an asynchronous
+run with devices online 70 % of the time (seeded on/off availability) against the same run without. ``--method
+geflf``: GeFL-F's three stages (LG-FedAvg warm-up, feature-generator rounds, head rounds) by round counts,
+``--geflf-stages W G`` (the rest of ``--rounds`` trains the heads); an asynchronous version holds K updates where a
+round holds N, so its stages last W·N/K and G·N/K versions — as many device updates as the synchronous stages.
 
     python -m benchmarks.async_ [--devices 30] [--rounds 10] [--buffer 10] [--seeds 0 1] [--churn]
 
-Writes benchmarks/results/async/<cell>.json per run (resumable; ``--force`` recomputes) and
+Writes benchmarks/results/async/<cell>-fc.json per run (resumable; ``--force`` recomputes; ``-fc``: measured
+with the fleet curve, where the cells without it were measured by this script's own evaluation before issue 39) and
 benchmarks/results/async-summary-<settings>.json, and prints a table.
 """
 
@@ -52,7 +53,7 @@ def fleet_config(args: argparse.Namespace, seed: int, mode: str, churn: bool) ->
     scale = 1 if mode == "sync" else -(-args.devices // args.buffer)  # versions per round's worth of updates
     cfg: dict[str, Any] = {
         "run": {"method": args.method, "dataset": "fmnist", "seed": seed,
-                "eval_every": 10**6 if args.method == "fedavg" else 1,
+                "eval_every": 1,  # a curve point per round / version
                 "rounds": args.rounds if mode == "sync" else versions, "name": f"async-{mode}"},
         "partition": {"kind": "dirichlet", "alpha": 0.5, "fraction": args.fraction},
         "train": {"lr": 0.05, "batch_size": 16, "local_epochs": 1, "min_tail": 1, "val_fraction": 0.0},
@@ -71,60 +72,44 @@ def fleet_config(args: argparse.Namespace, seed: int, mode: str, churn: bool) ->
 
 
 def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until: float) -> dict[str, Any]:
-    """One run: the global model's accuracy after each round / version, at its virtual time (asynchronous: until
-    virtual time ``until``)."""
+    """One run and the product's own time-to-accuracy curve (results.json's ``time_to_accuracy``: synchronous, the
+    devices' evaluations at each round's start; asynchronous, the whole fleet measured after every version), the
+    devices scoring the first ``--eval-images`` test images (asynchronous: until virtual time ``until``)."""
     import torch
 
-    from fedge.common.messages import Message
-    from fedge.common.rounds import group_artifact
     from fedge.edge.data.datasets import load_dataset
-    from fedge.edge.methods.base import load_arrays
-    from fedge.edge.training import accuracy
     from fedge.fleet.config import parse_fleet
     from fedge.sim.inprocess import run_inprocess
-    from fedge.sim.simulate import build_fleet, run_timed
+    from fedge.sim.report import build_results
+    from fedge.sim.simulate import SimResult, build_fleet, run_timed
 
     torch.set_num_threads(1)
     cfg = parse_fleet(fleet_config(args, seed, mode, churn), source="benchmarks/async_.py")
     t0 = time.perf_counter()
     fleet, strat = build_fleet(cfg)
     test = load_dataset("fmnist", train=False)
-    eval_x, eval_y = test.x[: args.eval_images], test.y[: args.eval_images]
-    # the devices' own evaluations: a token slice for FedAvg (the global model is scored below), for FedProto (no
-    # global model: each device's own model with the global prototypes) the same images the curve reports
-    small = test.subset(np.arange(min(200 if args.method == "fedavg" else args.eval_images, len(test))))
-    for d in fleet:
-        d.method.ctx.global_test = small
+    shown = test.subset(np.arange(min(args.eval_images, len(test))))
+    for d in fleet:  # the clock times each device's evaluation over the images it is given (run_inprocess)
+        d.method.ctx.global_test = shown
     holder: dict[str, Any] = {}
 
     def runner(c: Any, devices: Any) -> Any:
         coord, agents, cleanup = run_inprocess(c, devices)
-        holder["coord"] = coord
+        holder["coord"], holder["agents"] = coord, agents
         return coord, agents, cleanup
 
-    model = fleet[0].method.ctx.model
-    artifact = group_artifact("tier-xs")
-    curve: list[tuple[float, float]] = [(0.0, accuracy(model, eval_x, eval_y) if args.method == "fedavg" else 0.0)]
-    latest: dict[str, float] = {}  # FedProto: each device's latest evaluation
-
     def on_round(rep: Any) -> None:
-        if rep.phase == "final":
-            return
-        now = holder["coord"].clock.now
-        if args.method == "fedavg":
-            load_arrays(model, Message.from_bytes(holder["coord"].bus.globals[artifact]).tensors)
-            curve.append((now, accuracy(model, eval_x, eval_y)))
-        else:  # each device evaluates when it starts a task (the version it trains from): the fleet's mean
-            latest.update({d: m["acc_global"] for d, m in rep.metrics.items() if "acc_global" in m})
-            curve.append((now, float(np.mean(list(latest.values())))))
         reports.append(rep)
-        if mode == "async" and now >= until:
+        if mode == "async" and rep.phase != "final" and holder["coord"].clock.now >= until:
             raise _Enough
 
     reports: list[Any] = []
     with contextlib.suppress(_Enough):  # the asynchronous run stops at ``until``
         run_timed(cfg, fleet, strat, transport=runner, on_round=on_round)
     clock = holder["coord"].clock
+    doc = build_results(SimResult(cfg, fleet, holder["agents"], reports, time.perf_counter() - t0, clock=clock))
+    points = doc["time_to_accuracy"]
+    curve = [(p["virtual_s"], p["mean_acc_global"]) for p in points]
     training = [r for r in reports if r.phase != "final"]
     stale = [s for r in training for s in r.staleness.values()]
     return {
@@ -133,7 +118,8 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until:
         "updates": sum(len(r.accepted) for r in training),
         "rejected": sum(sum(r.rejected.values()) for r in training),
         "mean_staleness": float(np.mean(stale)) if stale else 0.0,
-        "curve": curve, "final_acc": curve[-1][1], "virtual_s": clock.now, "wall_s": time.perf_counter() - t0,
+        "curve": curve, "devices_per_point": [p["devices"] for p in points], "final_acc": curve[-1][1],
+        "virtual_s": clock.now, "wall_s": time.perf_counter() - t0,
     }
 
 
@@ -141,7 +127,7 @@ def cell(args: argparse.Namespace, seed: int, mode: str, churn: bool = False, un
     """A run, from its JSON when it was saved with the same settings (``--force``: always run)."""
     method = _prefix(args)
     name = (f"{method}{mode}{'-churn' if churn else ''}-n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}"
-            f"-f{args.fraction}-s{seed}.json")
+            f"-f{args.fraction}-s{seed}-fc.json")
     path = OUT / name
     if path.is_file() and not args.force:
         return json.loads(path.read_text())
@@ -165,7 +151,7 @@ def spread(args: argparse.Namespace, seed: int) -> dict[str, float]:
     cfg = parse_fleet(fleet_config(args, seed, "sync", False), source="benchmarks/async_.py")
     slots = checked_slots(cfg)
     clock = fleet_clock(cfg, slots)
-    shown = min(200 if args.method == "fedavg" else args.eval_images, global_test_size(cfg))  # as run_cell
+    shown = min(args.eval_images, global_test_size(cfg))  # as run_cell
     out: dict[str, list[float]] = {}
     for slot in slots:
         c = clock.devices[slot.device_id]
@@ -257,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     method = _prefix(args)
     seeds = "-".join(str(x) for x in args.seeds)
     name = (f"async-summary-{method}n{args.devices}-r{args.rounds}-k{args.buffer}-{args.weight}-f{args.fraction}"
-            f"{'-churn' if args.churn else ''}-s{seeds}.json")
+            f"{'-churn' if args.churn else ''}-s{seeds}-fc.json")
     (RESULTS / name).write_text(json.dumps(summary, indent=1))
     return 0
 
