@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedge.common.privacy import PrivacySettings
-from fedge.common.rounds import group_artifact
+from fedge.common.rounds import DeviceInfo, group_artifact
 from fedge.errors import ConfigError
 from fedge.fleet.config import parse_fleet
 from fedge.secagg.fixedpoint import plan_field
@@ -117,3 +117,38 @@ def test_a_coordinator_over_mqtt_refuses_rather_than_run_a_plain_round() -> None
     cfg = parse_fleet(fleet_doc("fedavg", {"secure_aggregation": True}))
     with pytest.raises(ConfigError, match=r"secure_aggregation runs in `fedge simulate` \(in-process\) only"):
         _engine_parts(argparse.Namespace(), cfg, any_device=False)
+
+
+@pytest.mark.parametrize("method", ["fedproto", "fedvtc"])
+def test_a_statistics_strategy_publishes_the_same_from_a_secure_sum(method: str) -> None:
+    """The coordinator half fed one secure group sum publishes what it publishes from the plain uploads."""
+    from fedge.common.rounds import class_stats_spec
+    from fedge.coordinator.strategies.fedproto import FedProtoStrategy
+    from fedge.coordinator.strategies.fedvtc import FedVTCStrategy
+    from fedge.secagg.inprocess import run_group
+    from fedge.secagg.messages import RoundSetup
+
+    cls = FedProtoStrategy if method == "fedproto" else FedVTCStrategy
+    rng = np.random.default_rng(5)
+    spec = class_stats_spec(4, 6, with_sigma=method == "fedvtc")
+    ups: dict[str, dict[str, np.ndarray]] = {
+        f"d{i}": {"protos": rng.normal(0, 2, (4, 6)).astype(np.float32), "counts": rng.integers(0, 30, 4),
+                  "sigma": rng.uniform(0, 1, 6).astype(np.float32)} for i in range(5)}
+    for u in ups.values():
+        u["counts"][0] = 0  # a class some devices lack
+        if method == "fedproto":
+            del u["sigma"]
+    plain, secure = cls(num_classes=4, rounds=1), cls(num_classes=4, rounds=1)
+    plain.begin_round(1)
+    secure.begin_round(1)
+    for dev, u in ups.items():
+        plain.accumulate(DeviceInfo(dev, "tier-xs", "p", feature_dim=6), u, {})
+    plan = plan_field(5, segments(method, spec, clip=8.0, cap=30.0))
+    setup = RoundSetup(1, "fleet", tuple(sorted(ups)), 4, 3, plan, b"s")
+    result = run_group(setup, {d: device_terms(method, u, num_samples=30, cap=30.0, clip=8.0) for d, u in ups.items()})
+    secure.accumulate_group_sum("fleet", result.sums)
+    (art, want), = plain.finish_round(1).items()
+    got = secure.finish_round(1)[art]
+    assert np.array_equal(got["counts"], want["counts"])
+    for key in want:
+        assert np.abs(got[key].astype(np.float64) - want[key]).max() <= 1e-5, key
