@@ -275,7 +275,8 @@ def test_cli_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
     rows = {line[:16].strip(): line for line in out.splitlines()}
     expected = {"model tier": p.arch, "batch size": str(p.batch_size), "local epochs": str(p.local_epochs),
                 "inference quant": p.inference_quant, "upload precision": p.upload_precision,
-                "generator tier": p.generator_tier}
+                "generator tier": p.generator_tier, "learning rate": f"{p.lr:g}",
+                "min tail batch": str(p.min_tail)}
     for label, value in expected.items():
         assert label in rows, label
         assert rows[label].split()[len(label.split())] == value

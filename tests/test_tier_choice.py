@@ -88,18 +88,22 @@ def test_shipped_curves_load_and_name_their_command() -> None:
 
 # -- the rule, on synthetic curves ----------------------------------------------------------------------------
 
-def test_fastest_tier_within_the_tolerance_of_the_best() -> None:
+def test_the_most_accurate_tier_within_the_budget_the_fastest_among_equals() -> None:
     curves = synthetic({"xs": 60, "s": 70, "m": 80, "l": 80.5, "xl": 81})
     per_epoch = {t: 1.0 * (i + 1) for i, t in enumerate(TIERS)}  # every tier's 5 epochs fit a 25 s round
     run = RunBudget(rounds=8, time_budget_s=200, task="synthetic")
     opts = tier_options(per_epoch, dict.fromkeys(TIERS, 64), list(TIERS), 100, 200, run, curves)
     assert all(o.work_epochs == 40 for o in opts.values())
     best = choose_tier(opts, list(TIERS), pin=None, curves=curves, where="t", share_s=25)
-    # tier-xl's 81 is the best; tier-m's 80 is within 1 point and faster, tier-s's 70 is not
-    assert best.tier == "m" and best.acc == pytest.approx(80) and ACCURACY_TOLERANCE == 1.0
+    # every tier's full schedule fits: tier-xl's 81 is the best, and no point is traded for speed
+    assert best.tier == "xl" and best.acc == pytest.approx(81) and ACCURACY_TOLERANCE == 0.0
     trade = describe(opts["xl"], best, budget_s=200, budget_from="given", run=run, samples=100, pinned=False,
                      planner_choice=best)
-    assert trade.budget_met and "trade: 1.0 points of expected accuracy for 80.0 s" in trade.words
+    assert trade.budget_met and "it is the largest tier memory holds" in trade.words and "trade:" not in trade.words
+    # equal expected accuracy: the faster tier
+    tied = synthetic({"xs": 60, "s": 70, "m": 80, "l": 81, "xl": 81})
+    opts = tier_options(per_epoch, dict.fromkeys(TIERS, 64), list(TIERS), 100, 200, run, tied)
+    assert choose_tier(opts, list(TIERS), pin=None, curves=tied, where="t", share_s=25).tier == "l"
 
 
 def test_sync_round_share_against_the_whole_budget_in_async_mode() -> None:

@@ -162,6 +162,8 @@ def _plan(args: argparse.Namespace) -> int:
         ("model_tier", "model tier", p.arch),
         ("batch_size", "batch size", str(p.batch_size)),
         ("local_epochs", "local epochs", str(p.local_epochs)),
+        ("lr", "learning rate", f"{p.lr:g}"),
+        ("min_tail", "min tail batch", str(p.min_tail)),
         ("inference_quant", "inference quant", p.inference_quant),
         ("upload_precision", "upload precision", p.upload_precision),
         ("generator_tier", "generator tier", p.generator_tier),
