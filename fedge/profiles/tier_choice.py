@@ -15,9 +15,9 @@ budget** and an **expected accuracy** from the task's measured curves (:mod:`fed
 
 The chosen tier is the one whose expected accuracy is the best reachable (the smallest, fastest, of those
 within :data:`ACCURACY_TOLERANCE` of it); without curves for the task, the largest tier whose full schedule
-fits (the old rule). A pinned tier (``arch = "tier-m"`` in a fleet's ``[[devices]]``) is kept, and the plan says what the
-planner would have chosen. Either way :class:`Trade` records, in words and numbers, the largest tier memory
-holds and the tier chosen, with the expected time and accuracy of both.
+fits (the old rule). A pinned tier (``arch = "tier-m"`` in a fleet's ``[[devices]]``) is kept, and the plan
+says what the planner would have chosen. Either way :class:`Trade` records, in words and numbers, the largest
+tier memory holds and the tier chosen, with the expected time and accuracy of both.
 """
 
 from __future__ import annotations
