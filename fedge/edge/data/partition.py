@@ -70,6 +70,27 @@ def shards(labels: np.ndarray, n_devices: int, shards_per_device: int, seed: int
     ]
 
 
+def by_group(groups: np.ndarray, n_devices: int, seed: int) -> list[np.ndarray]:
+    """The natural non-IID split: every group (a speaker, a subject) lives on exactly one device.
+
+    Groups, in a seeded random order, go largest first to the device holding fewest samples so far, so
+    shares stay as even as whole groups allow.
+    """
+    names, inverse, counts = np.unique(np.asarray(groups), return_inverse=True, return_counts=True)
+    if len(names) < n_devices:
+        raise DataError(f"{len(names)} speakers/subjects cannot be split over {n_devices} devices",
+                        hint="use fewer devices, or a label-based partition (iid, dirichlet)")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(names))
+    order = order[np.argsort(-counts[order], kind="stable")]
+    load = np.zeros(n_devices, dtype=np.int64)
+    owner = np.empty(len(names), dtype=np.int64)
+    for g in order:
+        owner[g] = int(np.argmin(load))
+        load[owner[g]] += counts[g]
+    return [np.flatnonzero(owner[inverse] == d) for d in range(n_devices)]
+
+
 @dataclass(frozen=True)
 class DeviceSplit:
     """One device's local train, local test and validation indices (into the training set)."""
