@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from fedge.common.rounds import DeviceInfo, RoundInfo
 from fedge.common.settings import MethodSettings, setting
 from fedge.coordinator.aggregate import WeightedMean
-from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+from fedge.coordinator.strategy import FRESH, Arrays, Contribution, Strategy, UpdateSpec
 from fedge.edge.methods.base import DeviceMethod, load_arrays, model_arrays
 from fedge.edge.training import train_epochs
 from fedge.fleet.registry import METHODS, MethodEntry, register_method
@@ -74,9 +74,9 @@ class HeadAvgStrategy(Strategy):
     def begin_round(self, rnd: int) -> None:
         self.heads = WeightedMean()
 
-    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        if arrays:  # update_weight: the update's staleness weight in asynchronous mode (1 in synchronous rounds)
-            self.heads.add(arrays, float(max(device.num_samples, 1)) * self.update_weight)
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any], at: Contribution = FRESH) -> None:
+        if arrays:  # at.weight: the update's staleness weight in asynchronous mode (1 in synchronous rounds)
+            self.heads.add(arrays, float(max(device.num_samples, 1)) * at.weight)
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
         return {HEADS_ARTIFACT: self.heads.result()} if self.heads else {}

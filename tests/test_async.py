@@ -287,6 +287,7 @@ def test_fedproto_sums_by_version_as_it_would_device_by_device(tmp_path: Path) -
     from fedge.coordinator.aggregate import ClassMean
     from fedge.coordinator.store import EngineState, EngineStore
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
+    from fedge.coordinator.strategy import Contribution
 
     a = AsyncSettings(buffer_size=3, max_staleness=10, fleet_size=8)
     rng = np.random.default_rng(0)
@@ -298,8 +299,8 @@ def test_fedproto_sums_by_version_as_it_would_device_by_device(tmp_path: Path) -
         for _ in range(3):  # three uploads per version, some replacing a device's earlier one
             dev, version = f"d{rng.integers(8)}", int(rng.integers(max(1, rnd - 3), rnd + 1))
             protos, counts = rng.normal(size=(4, 5)).astype(np.float32), rng.integers(0, 9, 4)
-            strat.update_version = version
-            strat.accumulate(DeviceInfo(dev, "tier-xs", "p"), {"protos": protos, "counts": counts}, {})
+            strat.accumulate(DeviceInfo(dev, "tier-xs", "p"), {"protos": protos, "counts": counts}, {},
+                             Contribution(version=version))
             latest[dev] = (protos, counts, version)
         got = strat.finish_round(rnd)["prototypes"]
         want = ClassMean(4)

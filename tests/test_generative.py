@@ -118,9 +118,9 @@ def test_gefl_averages_the_generator_over_all_devices_then_trains_targets() -> N
     strat = fleet.engine.strategy
     orig = strat.accumulate
 
-    def spy(device, arrays, info):
+    def spy(device, arrays, info, *at):
         uploads[device.device_id] = dict(arrays)
-        orig(device, arrays, info)
+        orig(device, arrays, info, *at)
 
     strat.accumulate = spy  # type: ignore[method-assign]
     rep = fleet.engine.run_round(1)

@@ -14,7 +14,7 @@ from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.statelog import COMPACT_FACTOR, COMPACT_SLACK
 from fedge.coordinator.store import STATE_FILE, EngineState, EngineStore
 from fedge.coordinator.strategies.fedproto import FedProtoStrategy
-from fedge.coordinator.strategy import LogDoc
+from fedge.coordinator.strategy import Contribution, LogDoc
 from fedge.errors import CheckpointError
 
 
@@ -116,9 +116,8 @@ def test_a_restarted_store_writes_a_new_generation_and_resumes(tmp_path: Path) -
     rng = np.random.default_rng(0)
 
     def deliver(s: FedProtoStrategy, rnd: int, dev: str) -> None:
-        s.update_version = rnd
         s.accumulate(DeviceInfo(dev, "tier-xs", "p"), {"protos": rng.normal(size=(3, 4)).astype(np.float32),
-                                                      "counts": rng.integers(1, 9, 3)}, {})
+                                                      "counts": rng.integers(1, 9, 3)}, {}, Contribution(version=rnd))
 
     store = EngineStore(tmp_path)
     for rnd in (1, 2):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -60,6 +61,20 @@ class LogDoc(dict[str, Any]):
 UpdateSpec = dict[str, tuple[tuple[int, ...], str]]
 
 
+@dataclass(frozen=True)
+class Contribution:
+    """How one update counts, handed to :meth:`Strategy.accumulate` by the round loop (never set from outside):
+    ``weight`` is its staleness weight (asynchronous mode: ``AsyncSettings.weight`` of its staleness; 1 when
+    fresh) and ``version`` the global version it trained from (its round)."""
+
+    weight: float = 1.0
+    version: int = 0
+
+
+FRESH = Contribution()
+"""A synchronous round's update: full weight."""
+
+
 class Strategy(ABC):
     """Aggregates device updates into global artifacts, one round at a time.
 
@@ -75,12 +90,10 @@ class Strategy(ABC):
     # accumulators from it (fedge.coordinator.aggregate.mean / GroupedMean / ClassMean).
     aggregation: Aggregation = Aggregation()
     # Asynchronous mode (docs/async.md): the engine sets ``asynchronous`` (its AsyncSettings; None: synchronous
-    # rounds), and before each accumulate the update's staleness weight and the version it trained from. A
-    # round is then a version: weights are averaged over the buffer with these weights; statistics are running
-    # aggregates over every device's latest upload (fedge.coordinator.strategies.fedproto).
+    # rounds), and hands each accumulate the update's staleness weight and the version it trained from (a
+    # Contribution). A round is then a version: weights are averaged over the buffer with these weights;
+    # statistics are running aggregates over every device's latest upload (fedge.coordinator.strategies.fedproto).
     asynchronous: AsyncSettings | None = None
-    update_weight: float = 1.0
-    update_version: int = 0
     # The attributes that hold the round's accumulators (WeightedMean, RobustMean, GroupedMean,
     # ClassMean; set by begin_round) when they are the strategy's *only* per-round state: then a
     # round can be aggregated in parts (aggregation workers, relays) and merged exactly
@@ -111,8 +124,9 @@ class Strategy(ABC):
         """Reset per-round accumulators."""
 
     @abstractmethod
-    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        """Fold one validated update into the running aggregate."""
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any], at: Contribution = FRESH) -> None:
+        """Fold one validated update into the running aggregate; ``at``: how much it counts (its staleness weight
+        in asynchronous mode, and the version it trained from; :data:`FRESH` in a synchronous round)."""
 
     def accumulate_group_sum(self, group: str, sums: Arrays) -> None:
         """Fold in one group's secure sum: the terms of :mod:`fedge.secagg.terms` summed over the devices whose

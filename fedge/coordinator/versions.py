@@ -27,7 +27,7 @@ from fedge.coordinator.gate import Admitted, UpdateGate
 from fedge.coordinator.merge import PartialMerger
 from fedge.coordinator.report import RoundReport, record_admitted
 from fedge.coordinator.store import EngineStore
-from fedge.coordinator.strategy import Arrays, Strategy
+from fedge.coordinator.strategy import Arrays, Contribution, Strategy
 from fedge.coordinator.validation import Rejected
 
 log = logging.getLogger(__name__)
@@ -115,9 +115,8 @@ def run_version(engine: RoundEngine, rnd: int) -> RoundReport:
         sender = up.msg.sender
         if engine.store is not None and not restoring:  # persisted before it counts (docs/async.md)
             engine.store.buffer_add(rnd, len(report.accepted), up.raw)
-        engine.strategy.update_weight = a.weight(up.staleness)
-        engine.strategy.update_version = up.msg.round
-        engine.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
+        engine.strategy.accumulate(up.device, up.msg.tensors, up.msg.info,
+                                   Contribution(a.weight(up.staleness), up.msg.round))
         record_admitted(report, up)
         report.staleness[sender] = up.staleness
         engine.tasks.pop(sender, None)

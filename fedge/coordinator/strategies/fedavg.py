@@ -9,7 +9,7 @@ from fedge.common.method_settings import FedAvgSettings, LGFedAvgSettings
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, EXTRACTOR_PREFIX, DeviceInfo, group_artifact
 from fedge.common.settings import MethodSettings
 from fedge.coordinator.aggregate import GroupedMean, mean
-from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+from fedge.coordinator.strategy import FRESH, Arrays, Contribution, Strategy, UpdateSpec
 
 
 def weight_spec(arch: str) -> UpdateSpec:
@@ -30,8 +30,8 @@ class FedAvgStrategy(Strategy):
     def begin_round(self, rnd: int) -> None:
         self.groups = GroupedMean(self.aggregation)
 
-    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        self.groups.add(device.group, arrays, float(max(device.num_samples, 1)) * self.update_weight)
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any], at: Contribution = FRESH) -> None:
+        self.groups.add(device.group, arrays, float(max(device.num_samples, 1)) * at.weight)
 
     def accumulate_group_sum(self, group: str, sums: Arrays) -> None:
         self.groups.add_sum(group, {k: v for k, v in sums.items() if k != "weight"}, float(sums["weight"][0]))
@@ -56,8 +56,8 @@ class LGFedAvgStrategy(FedAvgStrategy):
         super().begin_round(rnd)
         self.extractor = mean(self.aggregation)
 
-    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        w = float(max(device.num_samples, 1)) * self.update_weight
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any], at: Contribution = FRESH) -> None:
+        w = float(max(device.num_samples, 1)) * at.weight
         shared = {k: v for k, v in arrays.items() if k.startswith(EXTRACTOR_PREFIX)}
         rest = {k: v for k, v in arrays.items() if not k.startswith(EXTRACTOR_PREFIX)}
         self.extractor.add(shared, w)

@@ -10,7 +10,7 @@ from fedge.common.method_settings import FedProtoSettings
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo, class_stats_spec
 from fedge.coordinator.aggregate import ClassMean
 from fedge.coordinator.strategies.running import LatestUploads
-from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+from fedge.coordinator.strategy import FRESH, Arrays, Contribution, Strategy, UpdateSpec
 
 
 class FedProtoStrategy(Strategy):
@@ -27,9 +27,9 @@ class FedProtoStrategy(Strategy):
     def begin_round(self, rnd: int) -> None:
         self.protos = ClassMean(self.num_classes, self.aggregation)
 
-    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any], at: Contribution = FRESH) -> None:
         if self.asynchronous is not None:
-            self.latest.put(device.device_id, arrays, self.update_version)
+            self.latest.put(device.device_id, arrays, at.version)
             return
         self.protos.add(arrays["protos"], arrays["counts"])
 

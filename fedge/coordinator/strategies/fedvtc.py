@@ -23,7 +23,7 @@ import numpy as np
 from fedge.common.method_settings import FedVTCSettings
 from fedge.common.rounds import VTC_STATS_ARTIFACT, DeviceInfo, class_stats_spec
 from fedge.coordinator.strategies.running import LatestUploads
-from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+from fedge.coordinator.strategy import FRESH, Arrays, Contribution, Strategy, UpdateSpec
 
 
 def pooled_statistics(n: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -50,9 +50,9 @@ class FedVTCStrategy(Strategy):
         self.s1: np.ndarray | None = None
         self.s2: np.ndarray | None = None
 
-    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any], at: Contribution = FRESH) -> None:
         if self.asynchronous is not None:
-            self.latest.put(device.device_id, arrays, self.update_version)
+            self.latest.put(device.device_id, arrays, at.version)
             return
         self._add(arrays, 1.0)
 

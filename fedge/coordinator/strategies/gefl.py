@@ -22,7 +22,7 @@ from fedge.common.rounds import (
 )
 from fedge.coordinator.aggregate import GroupedMean
 from fedge.coordinator.strategies.fedavg import FedAvgStrategy, LGFedAvgStrategy, weight_spec
-from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+from fedge.coordinator.strategy import FRESH, Arrays, Contribution, Strategy, UpdateSpec
 from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -119,12 +119,11 @@ class GeFLStrategy(Strategy):
         self.gens.reset()
         self.weights.begin_round(rnd)
 
-    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        self.gens.add(device, arrays, self.update_weight)
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any], at: Contribution = FRESH) -> None:
+        self.gens.add(device, arrays, at.weight)
         rest = split_generator(arrays)
         if rest:
-            self.weights.update_weight = self.update_weight
-            self.weights.accumulate(device, rest, info)
+            self.weights.accumulate(device, rest, info, at)
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
         out = self.gens.results()

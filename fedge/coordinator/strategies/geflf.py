@@ -14,7 +14,7 @@ from fedge.common.method_settings import FedAvgSettings, GeFLFSettings, LGFedAvg
 from fedge.common.rounds import EXTRACTOR_PREFIX, GENERATOR_PHASE, HEAD_PHASE, WARMUP_PHASE, DeviceInfo
 from fedge.coordinator.strategies.fedavg import FedAvgStrategy, LGFedAvgStrategy, weight_spec
 from fedge.coordinator.strategies.gefl import GeneratorAverage, split_generator
-from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+from fedge.coordinator.strategy import FRESH, Arrays, Contribution, Strategy, UpdateSpec
 from fedge.errors import ConfigError
 
 
@@ -48,16 +48,15 @@ class GeFLFStrategy(Strategy):
         self.warmup.begin_round(rnd)
         self.heads.begin_round(rnd)
 
-    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
-        self.gens.add(device, arrays, self.update_weight)
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any], at: Contribution = FRESH) -> None:
+        self.gens.add(device, arrays, at.weight)
         rest = split_generator(arrays)
         if not rest:
             return
-        self.warmup.update_weight = self.heads.update_weight = self.update_weight
         if any(k.startswith(EXTRACTOR_PREFIX) for k in rest):
-            self.warmup.accumulate(device, rest, info)
+            self.warmup.accumulate(device, rest, info, at)
         else:
-            self.heads.accumulate(device, rest, info)
+            self.heads.accumulate(device, rest, info, at)
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
         phase = self.phase(rnd)

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 from fedge.common.method_settings import LocalSettings
 from fedge.common.rounds import DeviceInfo
-from fedge.coordinator.strategy import Arrays, Strategy, UpdateSpec
+from fedge.coordinator.strategy import FRESH, Arrays, Contribution, Strategy, UpdateSpec
 
 
 class LocalStrategy(Strategy):
@@ -15,7 +15,7 @@ class LocalStrategy(Strategy):
     settings_type = LocalSettings
     partial_fields: ClassVar[tuple[str, ...] | None] = ()  # nothing to aggregate: any split merges
 
-    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any]) -> None:
+    def accumulate(self, device: DeviceInfo, arrays: Arrays, info: dict[str, Any], at: Contribution = FRESH) -> None:
         pass
 
     def finish_round(self, rnd: int) -> dict[str, Arrays]:
