@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from fedge.errors import PayloadError
+from fedge.secagg.fixedpoint import word_dtype
 
 PROTOCOL_LABEL = b"fedge-secagg/v1"
 KEY_BYTES = 32
@@ -92,11 +93,6 @@ def open_sealed(key: bytes, sealed: bytes, associated: str) -> bytes:
         return ChaCha20Poly1305(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated.encode())
     except InvalidTag as exc:
         raise DecryptError("share failed authentication (forged, altered, or meant for another device)") from exc
-
-
-def word_dtype(bits: int) -> type[np.unsignedinteger]:
-    """The unsigned word that holds Z_{2^bits} (sums wrap in it exactly; narrower fields are masked)."""
-    return np.uint32 if bits <= 32 else np.uint64
 
 
 @lru_cache(maxsize=4)

@@ -23,7 +23,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedge.errors import ConfigError, PayloadError
-from fedge.secagg.crypto import word_dtype
+
+
+def word_dtype(bits: int) -> type[np.unsignedinteger]:
+    """The unsigned word that holds Z_{2^bits} (sums wrap in it exactly; narrower fields are masked).
+
+    Here, not in :mod:`fedge.secagg.crypto`: the fleet config reads :mod:`fedge.secagg.terms` (which needs this
+    module), and loading a config — ``fedge infer`` on the runtime install included — must not import
+    ``cryptography``."""
+    return np.uint32 if bits <= 32 else np.uint64
+
 
 AUTO_RESOLUTION = 2.0**-20  # field_bits = 0: the smallest word whose step is at most this share of [-clip, clip]
 MIN_RESOLUTION = 2.0**-12  # an explicit field_bits whose step is coarser than this is refused
