@@ -40,6 +40,7 @@ from fedge.errors import ConfigError
 from fedge.fleet.availability import Availability, OnOff, read_trace
 from fedge.fleet.config import ClockSection, FleetConfig
 from fedge.fleet.slots import DeviceSlot, device_profile, test_labels
+from fedge.profiles.power import Power
 from fedge.profiles.schema import Network
 from fedge.profiles.speed import TRAIN_MACS_FACTOR, SpeedModel, speed_model
 
@@ -102,6 +103,8 @@ class DeviceClock:
     seed: int = 0
     eval_every: int = 1
     """``[run] eval_every``: which rounds' starts the device evaluates (:func:`evaluates_at`)."""
+    power: Power | None = None
+    """Its profile's energy model (``[power]``; None: its work has no joules)."""
 
     def _factor(self, rnd: int, part: str) -> float:
         if self.jitter <= 0:
@@ -155,6 +158,33 @@ class DeviceClock:
         return Timing(self.transfer_s(bytes_down, up=False, rnd=rnd), compute,
                       self.transfer_s(bytes_up, up=True, rnd=rnd))
 
+    def task_j(self, t: Timing, *, bytes_down: int, bytes_up: int, worked_s: float | None = None) -> float | None:
+        """Joules of a piece of work timed ``t`` (None without a ``[power]`` model): download, compute and upload in
+        that order, cut after ``worked_s`` seconds (the device went offline, or its round ended at a missed
+        deadline); a transfer cut short moved its share of the bytes."""
+        if self.power is None:
+            return None
+        left = t.total_s if worked_s is None else max(0.0, worked_s)
+        done = []
+        for part in (t.download_s, t.compute_s, t.upload_s):
+            done.append(min(part, left))
+            left -= done[-1]
+
+        def share(i: int, whole: float) -> float:
+            return done[i] / whole if whole > 0 else 1.0
+
+        return self.power.task_j(compute_s=done[1], transfer_s=done[0] + done[2],
+                                 bytes_down=round(bytes_down * share(0, t.download_s)),
+                                 bytes_up=round(bytes_up * share(2, t.upload_s)))
+
+    def record(self, start: float, t: Timing, *, bytes_down: int, bytes_up: int, until: float,
+               lost: str = "") -> DeviceRound:
+        """The timeline of a piece of work started at ``start`` and timed ``t``, with its joules: it worked until
+        its end or ``until``, whichever comes first."""
+        finish = start + t.total_s
+        joules = self.task_j(t, bytes_down=bytes_down, bytes_up=bytes_up, worked_s=min(finish, until) - start)
+        return DeviceRound(start, t.download_s, t.compute_s, t.upload_s, finish, not lost, lost, joules)
+
 
 @dataclass(frozen=True)
 class DeviceRound:
@@ -168,6 +198,8 @@ class DeviceRound:
     delivered: bool
     lost: str = ""
     """Why its update never arrived: ``"offline"`` (went offline first) or ``"deadline"``; empty if delivered."""
+    joules: float | None = None
+    """What the work cost the device (:meth:`DeviceClock.task_j`; None: its profile has no ``[power]``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -250,6 +282,7 @@ class FleetClock:
         start = self.now
         out = RoundTime(rnd, start, start)
         heard = [start]  # when the coordinator learns each participant's outcome
+        timed: dict[str, tuple[Timing, str, float]] = {}
         for dev_id, p in participants.items():
             c = self.devices[dev_id]
             t = c.timing(rnd, bytes_down=p.bytes_down, bytes_up=p.bytes_up, work=c.work if p.trained else None)
@@ -264,10 +297,15 @@ class FleetClock:
                 heard.append(gone)  # its last will: the coordinator stops waiting for it
             else:
                 heard.append(finish)
-            out.devices[dev_id] = DeviceRound(start, t.download_s, t.compute_s, t.upload_s, finish, not lost, lost)
+            timed[dev_id] = (t, lost, gone)
         end = max(heard)
-        if self.deadline_s and any(r.lost == "deadline" for r in out.devices.values()):
+        if self.deadline_s and any(lost == "deadline" for _, lost, _ in timed.values()):
             end = start + self.deadline_s
+        for dev_id, (t, lost, gone) in timed.items():
+            p = participants[dev_id]
+            # it works until done, offline, or the round's end (a missed deadline: busy_s cuts it there too)
+            out.devices[dev_id] = self.devices[dev_id].record(start, t, bytes_down=p.bytes_down, bytes_up=p.bytes_up,
+                                                              until=min(gone, end), lost=lost)
         out.end_s = end
         if record:
             self.now = end
@@ -280,10 +318,19 @@ class FleetClock:
         each piece of work from its own start until it ended, the device went offline, its round ended (a missed
         synchronous deadline) or the run did (:attr:`other_work`). An asynchronous task starts before the version
         it ends in, so it is timed from the task's start, not the version's."""
+        return self.busy_within(device_id, 0.0, math.inf)
+
+    def work(self, device_id: str) -> list[tuple[DeviceRound, float]]:
+        """Every piece of work of ``device_id`` with the moment it stopped: its end, its going offline, its round's
+        end (a missed deadline) or the run's (:attr:`other_work`)."""
         avail = self.devices[device_id].availability
         work = [(w, r.end_s) for r in self.rounds if (w := r.devices.get(device_id)) is not None]
         work += [(w, self.now) for w in self.other_work.get(device_id, [])]
-        return sum(max(0.0, min(w.finish_s, end, avail.online_until(w.start_s)) - w.start_s) for w, end in work)
+        return [(w, min(w.finish_s, end, avail.online_until(w.start_s))) for w, end in work]
+
+    def busy_within(self, device_id: str, t0: float, t1: float) -> float:
+        """Virtual seconds of :meth:`busy_s` that fall between ``t0`` and ``t1``."""
+        return sum(max(0.0, min(stop, t1) - max(w.start_s, t0)) for w, stop in self.work(device_id))
 
     def shares(self, device_id: str) -> dict[str, float]:
         """Fractions of the run's virtual time ``device_id`` was busy, idle (online, no work) and offline."""
@@ -337,5 +384,5 @@ def fleet_clock(cfg: FleetConfig, slots: Sequence[DeviceSlot]) -> FleetClock:
         profile = device_profile(cfg, slot.group)
         clocks.append(DeviceClock(slot.device_id, slot.index, speed_model(profile), profile.network,
                                   _availability(cfg, slot, ck, seed, trace), _work(cfg, slot, global_test),
-                                  ck.jitter, seed, cfg.run.eval_every))
+                                  ck.jitter, seed, cfg.run.eval_every, profile.power))
     return FleetClock(clocks, deadline_s=ck.deadline_s)

@@ -11,6 +11,7 @@ from typing import Any
 
 from fedge.common.tomlconf import build, read_toml
 from fedge.errors import ConfigError, ProfileError
+from fedge.profiles.power import Power
 from fedge.profiles.schema import Measured, Profile
 
 log = logging.getLogger(__name__)
@@ -37,12 +38,15 @@ def parse_profile(data: dict[str, Any], *, source: str) -> Profile:
     or e.g. ``"hello from dev-3"``).
     """
     data = dict(data)
-    # tomlconf builds nested dataclasses but not optional ones: build [measured] separately.
+    # tomlconf builds nested dataclasses but not optional ones: build [measured] and [power] separately.
     measured_raw = data.pop("measured", None)
+    power_raw = data.pop("power", None)
     try:
         profile = build(Profile, data, source=source)
         if measured_raw is not None:
             profile = replace(profile, measured=build(Measured, measured_raw, source=source, section="measured"))
+        if power_raw is not None:
+            profile = replace(profile, power=build(Power, power_raw, source=source, section="power"))
     except ConfigError as exc:
         raise _as_profile_error(exc) from exc
     return profile
@@ -105,7 +109,7 @@ def dump_profile(profile: Profile, *, comment: str = "") -> str:
     d = profile.to_dict()
     lines = [f"# {line}".rstrip() for line in comment.splitlines()]
     lines += [f"{k} = {_toml_value(d[k])}" for k in ("name", "description")]
-    for table in ("hardware", "network", "budgets", "measured"):
+    for table in ("hardware", "network", "budgets", "measured", "power"):
         if table in d:
             lines += ["", f"[{table}]"] + [f"{k} = {_toml_value(v)}" for k, v in d[table].items()]
     return "\n".join(lines) + "\n"

@@ -24,6 +24,7 @@ from typing import Any
 
 from fedge.common.archs import TIERS
 from fedge.errors import ProfileError
+from fedge.profiles.power import Power
 from fedge.profiles.uarch import check_uarch
 
 # Inference quantization levels, highest precision first (ties in measured
@@ -222,7 +223,7 @@ class Measured:
 
 @dataclass(frozen=True)
 class Profile:
-    """One kind of device: hardware, network, budgets and optional measurements."""
+    """One kind of device: hardware, network, budgets, optional measurements and an optional energy model."""
 
     name: str
     description: str
@@ -230,6 +231,8 @@ class Profile:
     network: Network
     budgets: Budgets
     measured: Measured | None = None
+    power: Power | None = None
+    """``[power]`` (:mod:`fedge.profiles.power`): board power, radio energy per byte, a battery (None: no estimate)."""
 
     def __post_init__(self) -> None:
         _check(bool(_NAME.match(self.name)), "name", self.name, "is not a valid profile name",
@@ -269,4 +272,6 @@ class Profile:
                 "accuracy_drop": dict(self.measured.accuracy_drop),
                 **({"train_gmac_s": dict(self.measured.train_gmac_s)} if self.measured.train_gmac_s else {}),
             }
+        if self.power is not None:
+            d["power"] = self.power.to_dict()
         return d

@@ -170,7 +170,7 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
             gone = c.availability.online_until(start)
             finish = start + timing.total_s
             lost = "offline" if finish > gone else ""
-            rec = DeviceRound(start, timing.download_s, timing.compute_s, timing.upload_s, finish, not lost, lost)
+            rec = c.record(start, timing, bytes_down=t.bytes_down, bytes_up=t.bytes_up, until=gone, lost=lost)
             self._busy.add(dev)
             self._push(dev, sent, rec, at=gone if lost else finish)
 

@@ -25,10 +25,12 @@ from fedge.sim.virtual_time import (
     device_virtual,
     fleet_curve,
     plot_time_to_accuracy,
+    round_energy,
     staleness,
     time_to,
     time_to_accuracy,
     virtual,
+    with_energy,
 )
 
 
@@ -58,6 +60,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
     reports: list[RoundReport] = res.reports
     rounds = res.cfg.run.rounds
     clock_doc, spans = virtual(res)
+    joules = round_energy(res)
     devices: list[dict[str, Any]] = []
     # (registry record, plan, local test samples, how it was lost): every device of the fleet, those
     # lost with a worker of a parallel run included (with what they reported before).
@@ -147,8 +150,8 @@ def build_results(res: SimResult) -> dict[str, Any]:
             {"round": r.round, "phase": r.phase, "seconds": r.seconds, "accepted": len(r.accepted),
              "rejected": r.rejected, **({"epsilon": _finite(r.privacy["epsilon"])} if r.privacy else {}),
              **({"sampled": r.sampled} if r.sampled else {}), "missing": r.missing, **staleness(r),
-             **({"virtual_start_s": spans[r.round][0], "virtual_end_s": spans[r.round][1]}
-                if r.round in spans else {})}
+             **({"virtual_start_s": spans[r.round][0], "virtual_end_s": spans[r.round][1], "joules": joules[r.round]}
+                if r.round in spans else {}), **({"selection": r.selection} if r.selection else {})}
             for r in reports
         ],
         "privacy": _privacy(res),
@@ -161,7 +164,11 @@ def build_results(res: SimResult) -> dict[str, Any]:
         doc["asynchronous"] = asynchronous(res, [d["id"] for d in devices])
     if clock_doc is not None:
         assert res.clock is not None
-        doc["time_to_accuracy"] = fleet_curve(res.clock) if res.clock.evaluations else time_to_accuracy(doc)
+        curve = fleet_curve(res.clock) if res.clock.evaluations else time_to_accuracy(doc)
+        doc["time_to_accuracy"] = with_energy(curve, res.clock)
+        if curve:
+            level = TARGET_SHARE * curve[-1]["mean_acc_global"]
+            clock_doc["energy"]["fleet_j_to_target"] = time_to(doc["time_to_accuracy"], level, "fleet_j")
     return doc
 
 
@@ -313,6 +320,13 @@ def format_table(results: dict[str, Any]) -> str:
                      f"{max(p['devices'] for p in curve)} devices): {_pct(last['mean_acc_global'])} % at "
                      f"{last['virtual_s']:.1f} virtual s; {100 * TARGET_SHARE:g} % of it ({_pct(level)} %) first at "
                      f"{'-' if reached is None else f'{reached:.1f}'} s")
+        e = ck["energy"] if ck else {}
+        if e and e["devices_without_power"] < len(devs):
+            to = e.get("fleet_j_to_target")
+            lines.append(f"energy: {e['fleet_j']:.0f} J for the fleet ({e['task_j']:.0f} J of it tasks), "
+                         f"{'-' if to is None else f'{to:.0f}'} J to {_pct(level)} %"
+                         + (f"; {e['devices_without_power']} device(s) without a [power] model left out"
+                            if e["devices_without_power"] else ""))
     sim = results.get("simulation") or {}
     if sim.get("backend", "sequential") != "sequential":
         workers = sim.get("workers", [])
