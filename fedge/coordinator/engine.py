@@ -27,6 +27,7 @@ from typing import Any
 from fedge.common.messages import Message
 from fedge.common.privacy import PrivacyLedger
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
+from fedge.common.selection import UTILITY_SELECTIONS
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.config import (
     COORDINATOR_ID,
@@ -40,6 +41,7 @@ from fedge.coordinator.gate import Admitted, UpdateGate
 from fedge.coordinator.merge import PartialMerger, merged_into
 from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.report import RoundReport, record_admitted
+from fedge.coordinator.selecting import Selector
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.coordinator.versions import run_version
@@ -82,6 +84,7 @@ class RoundEngine:
         self.tasks: dict[str, int] = {}
         self.task_since: dict[str, float] = {}  # ... and when (unix seconds) it was handed out, for its timeout
         self.gate.assigned = self.tasks
+        self.selector = Selector()  # selection = "oort" / "energy": what devices reported (issue 44)
         self.store: EngineStore | None = EngineStore(state_dir) if state_dir else None
         if self.store is not None and self.store.exists():
             self._resume(self.store.load(method=config.method, fleet=config.fleet))
@@ -235,6 +238,10 @@ class RoundEngine:
         s = self.config.sampling
         if s is None or s.full or rnd > self.strategy.total_rounds():
             return None
+        if s.selection in UTILITY_SELECTIONS:  # facts from the reports and, simulated, the clock
+            facts = getattr(self.transport, "selection_facts", None)
+            return self.selector.choose(s, rnd, self.devices, online, self.reports, facts(rnd) if facts else None,
+                                        lambda d: self._estimate(d, self.strategy.phase(rnd)))
         return s.choose(rnd, {d: dev.profile for d, dev in self.devices.items()}, online)
 
     def run_round(self, rnd: int) -> RoundReport:
@@ -249,7 +256,7 @@ class RoundEngine:
         expected = online if sampled is None else online & set(sampled)
         info = self.round_info(rnd, expected, sampled)
         report = RoundReport(round=rnd, phase=info.phase, deadline_s=max(0.0, info.deadline - time.time()),
-                             sampled=list(sampled or []))
+                             sampled=list(sampled or []), selection=self.selector.why if sampled else {})
         # "run" tells devices a resumed run from a new one; "globals" names the version of each
         # artifact this round starts from, so a device waits for exactly that one.
         announce = Message("round", COORDINATOR_ID, rnd, self.config.fleet,

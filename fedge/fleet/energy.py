@@ -8,6 +8,10 @@ fleet's totals leave it out (``devices_without_power`` says how many). A task co
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
+from fedge.common.selection import SystemFacts
 from fedge.fleet.clock import FleetClock, RoundTime
 
 
@@ -68,3 +72,16 @@ def task_j(clock: FleetClock, until: float | None = None) -> float:
 def without_power(clock: FleetClock) -> int:
     """Devices whose profile has no ``[power]`` model (left out of every total)."""
     return sum(c.power is None for c in clock.devices.values())
+
+
+def selection_facts(clock: FleetClock, rnd: int, moved: Mapping[str, tuple[int, int]]) -> dict[str, SystemFacts]:
+    """What ``selection = "oort"`` / ``"energy"`` knows of each device at round ``rnd``'s start: its task's expected
+    seconds and joules (the clock without jitter: a coordinator knows the model, not the dice), with the bytes
+    ``moved`` in its last task (down, up; none yet: the link's round trip only), and its battery's charge now."""
+    out = {}
+    for dev, c in clock.devices.items():
+        down, up = moved.get(dev, (0, 0))
+        t = dataclasses.replace(c, jitter=0.0).timing(rnd, bytes_down=down, bytes_up=up, work=c.work)
+        out[dev] = SystemFacts(t.total_s, c.task_j(t, bytes_down=down, bytes_up=up), battery_left_j(clock, dev),
+                               c.power.floor_j if c.power is not None else 0.0)
+    return out
