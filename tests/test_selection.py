@@ -52,7 +52,7 @@ def test_untried_devices_are_explored_and_fill_the_slots_the_tried_cannot() -> N
     facts = dict(FACTS) | {f"n{i}": DeviceFacts(100) for i in range(5)}
     c = select("oort", 3, 5, list(facts), facts, UtilitySettings(explore=0.4), seed=1)
     assert sum(d.startswith("n") for d in c.chosen) == 2  # 0.4 x 5 slots
-    assert sum("explored: never trained" == c.why[d] for d in facts) == 2
+    assert sum(c.why[d] == "explored: never trained" for d in facts) == 2
     fresh = {f"n{i}": DeviceFacts(100) for i in range(5)}  # nobody trained yet: all slots explore
     assert len(select("energy", 1, 3, list(fresh), fresh, UtilitySettings(explore=0.1), seed=1).chosen) == 3
 
