@@ -8,7 +8,9 @@ Per device (:class:`DeviceClock`), for one round's work:
   passes over its training samples its method makes for the statistics it uploads (FedProto's prototypes:
   one; :meth:`fedge.common.settings.MethodSettings.statistics_passes`) at the same rate, plus, in a round
   whose start the device evaluates (``[run] eval_every``, :func:`fedge.common.rounds.evaluates_at`), one
-  forward pass over its test images (its local test split and the global test set) at the same rate;
+  forward pass over its test images (its local test split and the global test set) at the same rate, plus
+  the round's fixed costs (applying the global state, the optimizer's set-up, encoding the update:
+  :meth:`fedge.profiles.speed.SpeedModel.round_fixed_s`);
 * **upload** — its update: ``RTT/2 + bytes × 8 ÷ uplink``;
 
 each part times a seeded mean-one lognormal jitter factor (σ = ``[clock] jitter``), drawn from the
@@ -116,7 +118,9 @@ class DeviceClock:
         """Seconds of ``work`` on this device (None: no training, e.g. the final evaluation)."""
         if work is None:
             return 0.0
-        return work.macs / self.speed.mac_rate(work.spec, work.batch) * self._factor(rnd, "compute")
+        # its training and statistics passes, and the round's fixed costs (applying the state, encoding: speed model)
+        seconds = work.macs / self.speed.mac_rate(work.spec, work.batch) + self.speed.round_fixed_s(work.spec, work.batch)
+        return seconds * self._factor(rnd, "compute")
 
     def eval_s(self, rnd: int, eval_round: int | None = None) -> float:
         """Seconds of the evaluation at the start of round ``eval_round`` (default ``rnd``; asynchronous mode: the

@@ -180,6 +180,9 @@ class Measured:
     latency_ms: Mapping[str, float] = field(default_factory=dict)
     accuracy_drop: Mapping[str, float] = field(default_factory=dict)
     train_gmac_s: Mapping[str, float] = field(default_factory=dict)
+    round_fixed_s: float | None = None
+    """Seconds a round costs the device whatever its work (applying the global state, the optimizer's set-up,
+    encoding the update); None: :data:`fedge.profiles.speed.ROUND_FIXED_MACS_PER_PARAM`'s estimate."""
 
     def __post_init__(self) -> None:
         examples = {"latency_ms": '"tier-m/fp32" = 1.2', "accuracy_drop": '"int8-static" = 0.4',
@@ -212,6 +215,9 @@ class Measured:
             _check(isinstance(rate, int | float) and not isinstance(rate, bool), f"train_gmac_s.{key}", rate,
                    "is not a number", "give the measured training rate in 10^9 MAC/s")
             _positive(f"train_gmac_s.{key}", rate, "give the measured training rate in 10^9 MAC/s (> 0)")
+        if self.round_fixed_s is not None:
+            _check(math.isfinite(self.round_fixed_s) and self.round_fixed_s >= 0, "round_fixed_s", self.round_fixed_s,
+                   "must be a number of seconds >= 0", "give the per-round fixed cost measured on the device, in s")
         object.__setattr__(self, "latency_ms", _freeze(self.latency_ms))
         object.__setattr__(self, "accuracy_drop", _freeze(self.accuracy_drop))
         object.__setattr__(self, "train_gmac_s", _freeze(self.train_gmac_s))
@@ -271,6 +277,7 @@ class Profile:
                 "latency_ms": dict(self.measured.latency_ms),
                 "accuracy_drop": dict(self.measured.accuracy_drop),
                 **({"train_gmac_s": dict(self.measured.train_gmac_s)} if self.measured.train_gmac_s else {}),
+                **({"round_fixed_s": self.measured.round_fixed_s} if self.measured.round_fixed_s is not None else {}),
             }
         if self.power is not None:
             d["power"] = self.power.to_dict()
