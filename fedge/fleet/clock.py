@@ -119,7 +119,8 @@ class DeviceClock:
         if work is None:
             return 0.0
         # its training and statistics passes, and the round's fixed costs (applying the state, encoding: speed model)
-        seconds = work.macs / self.speed.mac_rate(work.spec, work.batch) + self.speed.round_fixed_s(work.spec, work.batch)
+        rate = self.speed.mac_rate(work.spec, work.batch)
+        seconds = work.macs / rate + self.speed.round_fixed_s(work.spec, work.batch)
         return seconds * self._factor(rnd, "compute")
 
     def eval_s(self, rnd: int, eval_round: int | None = None) -> float:

@@ -157,10 +157,11 @@ def choose_tier(options: Mapping[str, TierOption], fits_memory: Sequence[str], *
     feasible = [options[t] for t in fits_memory if options[t].epochs_per_round >= 1]
     if not feasible:
         small = options[fits_memory[0]]
+        one_round = small.epoch_s + small.fixed_s
         raise ProfileError(
-            f"{where}: even {small.name} needs {small.epoch_s + small.fixed_s:.1f} s for a round of one epoch, more "
+            f"{where}: even {small.name} needs {one_round:.1f} s for a round of one epoch, more "
             f"than its share of the time budget ({share_s:.1f} s)",
-            hint=f"raise the time budget to at least {math.ceil((small.epoch_s + small.fixed_s) * 10) / 10:g} s per round "
+            hint=f"raise the time budget to at least {math.ceil(one_round * 10) / 10:g} s per round "
                  "(budgets.round_time_s, or [run] time_budget_s / rounds), or train on fewer samples")
     if curves is None:
         full = [o for o in feasible if o.time_s >= o.full_time_s]
