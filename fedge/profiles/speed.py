@@ -39,11 +39,11 @@ TRAIN_MACS_FACTOR = 3
 
 # The per-round work that does not grow with the samples — decoding and applying the global state, building the
 # optimizer and the loader, encoding the update — in multiply-accumulate equivalents per model parameter, charged at
-# the device's training rate for its model (so a device k times slower takes k times longer, as it does with its
-# training). Measured on this project's host, each profile's device deployed alone without a quota and without
-# evaluation (`python -m benchmarks.clock deployed --eval-every 100`,
-# benchmarks/results/clock-deployed-f0.3-e100-ep2.json, 2026-12-03): CPU per round beyond the clock's training,
-# the difference between a 12-round and a 2-round run, 0.019 host CPU-s for the x86 gateway and 0.018 s for the Pi 4 (both tier-xl, 388,846 parameters, at 46.9 and
+# the device's training rate for its model (so a device k times slower takes k times longer, as with its training).
+# Measured on this project's host, each profile's device deployed alone without a quota and without evaluation
+# (`python -m benchmarks.clock deployed --eval-every 100`, benchmarks/results/clock-deployed-f0.3-e100-ep2.json,
+# 2026-12-03): CPU per round beyond the clock's training (the difference between a 12-round and a 2-round run) was
+# 0.019 host CPU-s for the x86 gateway and 0.018 s for the Pi 4 (both tier-xl, 388,846 parameters, at 46.9 and
 # 45.7 host GMAC/s) = 8.9e8 and 8.2e8 MAC equivalents, 2,200 per parameter; the Pi Zero 2 W's tier-s (17,294
 # parameters) measured -0.004 s, where this predicts 0.003 s (the measurement's noise is ~0.01 s). Per parameter is
 # an assumption: decoding, applying and encoding the state are per-parameter work, and so is the optimizer's state.
