@@ -64,6 +64,9 @@ local_epochs = 2
 min_tail = 1
 val_fraction = 0.0
 
+[simulation]
+threads = 1
+
 [clock]
 availability = "onoff"
 online_mean_s = 120
@@ -80,8 +83,8 @@ selection = "{policy}"
 
 def run(policy: str, *, seed: int, rounds: int, sample: int, per_profile: int) -> dict[str, Any]:
     """One simulation: its time-to-accuracy curve with joules, and each battery's lowest charge."""
-    from fedge.fleet import energy
     from fedge.fleet.config import load_fleet
+    from fedge.fleet.energy import EnergyLedger
     from fedge.sim.report import build_results
     from fedge.sim.simulate import simulate
 
@@ -92,11 +95,12 @@ def run(policy: str, *, seed: int, rounds: int, sample: int, per_profile: int) -
         doc = build_results(res)
     assert res.clock is not None
     clock = res.clock
-    curve = [{**p, "task_j": energy.task_j(clock, p["virtual_s"])} for p in doc["time_to_accuracy"]]
+    ledger = EnergyLedger(clock)
+    curve = [{**p, "task_j": ledger.task_j(p["virtual_s"])} for p in doc["time_to_accuracy"]]
     batteries = {d["id"]: {"min_j": d["battery_min_j"], "floor_j": d["battery_floor_j"], "left_j": d["battery_left_j"],
                            "tasks": sum(v is not None for v in d["virtual"])}
                  for d in doc["devices"] if "battery_floor_j" in d}
-    tasks = {}
+    tasks: dict[str, int] = {}
     for d in doc["devices"]:
         tasks[d["profile"]] = tasks.get(d["profile"], 0) + sum(v is not None for v in d["virtual"])
     return {"policy": policy, "seed": seed, "rounds": rounds, "sample": sample, "devices": len(doc["devices"]),

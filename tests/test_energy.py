@@ -9,8 +9,8 @@ import pytest
 from test_clock import TWO as TWO_FLEET
 
 from fedge.errors import ProfileError
-from fedge.fleet import energy
 from fedge.fleet.config import load_fleet
+from fedge.fleet.energy import EnergyLedger
 from fedge.profiles import builtin_dir, list_profiles, load_profile
 from fedge.profiles.power import LINKS
 from fedge.sim.report import build_results, format_table
@@ -132,7 +132,29 @@ def test_a_profile_without_power_has_no_joules(tmp_path: Path) -> None:
     path.write_text(TWO.replace('profile = "rpi4-4gb"', 'profile = "nopower.toml"'))
     res = simulate(load_fleet(path), out_dir=None)
     assert res.clock is not None
-    assert energy.device_j(res.clock, "nopower-1") is None and energy.without_power(res.clock) == 1
+    ledger = EnergyLedger(res.clock)
+    assert ledger.device_j("nopower-1") is None and ledger.without_power() == 1
     doc = build_results(res)
     assert doc["clock"]["energy"]["devices_without_power"] == 1
     assert doc["clock"]["energy"]["fleet_j"] == pytest.approx(doc["devices"][0]["joules"])
+
+
+def test_metrics_estimate_a_live_devices_power_from_its_heartbeat() -> None:
+    from fedge.common.messages import Message
+    from fedge.common.rounds import DeviceInfo
+    from fedge.common.transport import Inbound
+    from fedge.coordinator.metrics import device_gauges
+    from fedge.coordinator.monitor import FleetMonitor
+
+    devices = {"pi4": DeviceInfo("pi4", "tier-m", "rpi4-4gb", "fp32", 100, 64),
+               "mine": DeviceInfo("mine", "tier-m", "my-board.toml", "fp32", 100, 64)}
+    mon = FleetMonitor(fleet="f", method="fedavg", total_rounds=1, fleet_devices=devices, live=False)
+    for dev in devices:
+        # the agent used 1.5 of the board's 4 cores since its previous heartbeat
+        health = {"seq": 1, "sent": 1e9, "agent_uptime_s": 10.0, "fedge_version": "x", "model": "tier-m",
+                  "model_round": 0, "last_round": 0, "cpu_percent": 150.0, "cpu_count": 4}
+        assert mon.add_health(Inbound(Message("health", dev, 0, "f", info={"health": health}).to_bytes()))
+    text = device_gauges(mon)
+    # 2.7 W idle + (6.4 - 2.7) W x 1.5 / 4 = 4.0875 W; a profile the coordinator does not know has no estimate
+    assert 'fedge_device_power_watts_estimate{device="pi4",profile="rpi4-4gb"} 4.0875\n' in text
+    assert 'power_watts_estimate{device="mine"' not in text

@@ -114,6 +114,11 @@ class Power:
         return (self.busy_w * compute_s + self.idle_w * transfer_s
                 + self.up_j_per_byte * bytes_up + self.down_j_per_byte * bytes_down)
 
+    def estimate_w(self, cpu_share: float) -> float:
+        """The board's power with ``cpu_share`` (0-1) of its cores busy: idle plus that share of busy − idle (a
+        live estimate from a heartbeat's CPU use; a load on part of the cores draws about that part)."""
+        return self.idle_w + (self.busy_w - self.idle_w) * min(1.0, max(0.0, cpu_share))
+
     def idle_j(self, seconds: float) -> float:
         """Joules of ``seconds`` online without work."""
         return self.idle_w * max(0.0, seconds)

@@ -109,7 +109,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
             "bytes_down": down,
             # seconds of each round's work as the device measured it (here: on the simulating host)
             "train_s": [rep.train_s.get(dev_id) for rep in reports],
-            **device_virtual(res, dev_id, reports),
+            **device_virtual(res, dev_id, reports, joules),
         })
 
     def mean(key: str) -> float | None:
@@ -150,8 +150,9 @@ def build_results(res: SimResult) -> dict[str, Any]:
             {"round": r.round, "phase": r.phase, "seconds": r.seconds, "accepted": len(r.accepted),
              "rejected": r.rejected, **({"epsilon": _finite(r.privacy["epsilon"])} if r.privacy else {}),
              **({"sampled": r.sampled} if r.sampled else {}), "missing": r.missing, **staleness(r),
-             **({"virtual_start_s": spans[r.round][0], "virtual_end_s": spans[r.round][1], "joules": joules[r.round]}
-                if r.round in spans else {}), **({"selection": r.selection} if r.selection else {})}
+             **({"virtual_start_s": spans[r.round][0], "virtual_end_s": spans[r.round][1],
+                 "joules": sum(joules[r.round].values())} if r.round in spans else {}),
+             **({"selection": r.selection} if r.selection else {})}
             for r in reports
         ],
         "privacy": _privacy(res),

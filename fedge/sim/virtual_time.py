@@ -11,8 +11,8 @@ from typing import Any
 
 from fedge.common.rounds import FINAL_PHASE
 from fedge.coordinator.engine import RoundReport
-from fedge.fleet import energy
 from fedge.fleet.clock import FleetClock
+from fedge.fleet.energy import EnergyLedger
 from fedge.sim.simulate import SimResult
 
 
@@ -29,37 +29,40 @@ def virtual(res: SimResult) -> tuple[dict[str, Any] | None, dict[int, tuple[floa
            "lost": {str(r.round): {d: t.lost for d, t in r.devices.items() if not t.delivered}
                     for r in clock.rounds if any(not t.delivered for t in r.devices.values())},
            # joules (fedge.fleet.energy): the whole fleet's, idling included, and its tasks' alone
-           "energy": {"fleet_j": energy.fleet_j(clock), "task_j": energy.task_j(clock),
-                      "devices_without_power": energy.without_power(clock)}}
+           "energy": {"fleet_j": (ledger := EnergyLedger(clock)).fleet_j(), "task_j": ledger.task_j(),
+                      "devices_without_power": ledger.without_power()}}
     return doc, spans
 
 
-def round_energy(res: SimResult) -> dict[int, float]:
-    """Each timed round's fleet joules: its tasks and every device's idling over its span (docs/simulation.md)."""
+def round_energy(res: SimResult) -> dict[int, dict[str, float]]:
+    """Each timed round's joules by device: its task and every device's idling over its span (docs/simulation.md)."""
     clock = res.clock
     if clock is None:
         return {}
-    return {r.round: sum(energy.round_j(clock, r).values()) for r in clock.rounds}
+    ledger = EnergyLedger(clock)
+    return {r.round: ledger.round_j(r) for r in clock.rounds}
 
 
-def device_virtual(res: SimResult, dev_id: str, reports: list[RoundReport]) -> dict[str, Any]:
-    """One device in virtual time: per round its timeline (None: no work), and its busy / idle / offline share."""
+def device_virtual(res: SimResult, dev_id: str, reports: list[RoundReport],
+                   joules: dict[int, dict[str, float]]) -> dict[str, Any]:
+    """One device in virtual time: per round its timeline (None: no work), its busy / idle / offline share, and its
+    joules (``joules``: :func:`round_energy`)."""
     clock = res.clock
     if clock is None or dev_id not in clock.devices:
         return {}
     by_round = {r.round: r.devices.get(dev_id) for r in clock.rounds}
     timeline = [(t.to_dict() if (t := by_round.get(rep.round)) is not None else None) for rep in reports]
     shares = clock.shares(dev_id)
-    rounds = {r.round: r for r in clock.rounds}
+    ledger = EnergyLedger(clock)
     c = clock.devices[dev_id]
     battery = {} if c.power is None or c.power.battery_j is None else {
-        "battery_left_j": energy.battery_left_j(clock, dev_id), "battery_floor_j": c.power.floor_j,
-        "battery_min_j": min(energy.battery_left_j(clock, dev_id, r.end_s) or 0.0 for r in clock.rounds)
+        "battery_left_j": ledger.battery_left_j(dev_id), "battery_floor_j": c.power.floor_j,
+        "battery_min_j": min(ledger.battery_left_j(dev_id, r.end_s) or 0.0 for r in clock.rounds)
         if clock.rounds else c.power.battery_j}
     return {"virtual": timeline, "busy_share": shares["busy"], "idle_share": shares["idle"],
-            "offline_share": shares["offline"], "joules": energy.device_j(clock, dev_id),
-            "joules_per_round": [energy.round_j(clock, rounds[rep.round]).get(dev_id) if rep.round in rounds else None
-                                 for rep in reports], **battery}
+            "offline_share": shares["offline"], "joules": ledger.device_j(dev_id),
+            "joules_per_round": [joules[rep.round].get(dev_id) if rep.round in joules else None for rep in reports],
+            **battery}
 
 
 def staleness(r: RoundReport) -> dict[str, Any]:
@@ -111,7 +114,8 @@ def time_to(curve: list[dict[str, Any]], level: float, key: str = "virtual_s") -
 
 def with_energy(curve: list[dict[str, Any]], clock: FleetClock) -> list[dict[str, Any]]:
     """Each point of a time-to-accuracy curve with the fleet's joules up to its moment (``fleet_j``)."""
-    return [{**p, "fleet_j": energy.fleet_j(clock, p["virtual_s"])} for p in curve]
+    ledger = EnergyLedger(clock)
+    return [{**p, "fleet_j": ledger.fleet_j(p["virtual_s"])} for p in curve]
 
 
 def fleet_curve(clock: FleetClock) -> list[dict[str, Any]]:
