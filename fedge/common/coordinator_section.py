@@ -66,6 +66,7 @@ _KEY_HINTS = {
     "explore": "oort / energy: the share of slots for untried devices, e.g. 0.2",
     "preferred_round_s": "oort: the preferred round duration in seconds (0: the median task time)",
     "straggler_penalty": "oort: the exponent α of the penalty (T / t) ** α, e.g. 2",
+    "thermal_guard": "oort / energy: true to skip a device that is hot until it cools",
     "staleness_weight": "one of constant, polynomial, hinge",
 }
 
@@ -110,6 +111,7 @@ class CoordinatorSection:
     explore: float | None = None
     preferred_round_s: float | None = None
     straggler_penalty: float | None = None
+    thermal_guard: bool | None = None
     # asynchronous mode (fedge.common.asyncmode)
     mode: str = "sync"
     buffer_size: int | None = None

@@ -35,7 +35,7 @@ UTILITY_SELECTIONS: dict[str, str] = {
             "round (Lai et al., OSDI 2021), exploring untried devices",
     "energy": "by statistical utility per joule of the device's task, never taking a battery below its floor",
 }
-UTILITY_KEYS = ("explore", "preferred_round_s", "straggler_penalty")
+UTILITY_KEYS = ("explore", "preferred_round_s", "straggler_penalty", "thermal_guard")
 CUTOFF = 0.95
 """Oort's exploitation cut-off: devices within this share of the k-th highest utility are drawn from."""
 UNKNOWN_LOSS = 1.0
@@ -45,11 +45,13 @@ UNKNOWN_LOSS = 1.0
 @dataclass(frozen=True)
 class UtilitySettings:
     """``explore`` (ε: the share of a round's slots for devices that never trained), ``preferred_round_s`` (Oort's
-    T; 0: the median of the candidates' expected task times) and ``straggler_penalty`` (α)."""
+    T; 0: the median of the candidates' expected task times), ``straggler_penalty`` (α) and ``thermal_guard``."""
 
     explore: float = 0.2
     preferred_round_s: float = 0.0
     straggler_penalty: float = 2.0
+    thermal_guard: bool = False
+    """Never task a device that is throttling or whose task would take it past its thermal limit."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.explore <= 1:
@@ -79,6 +81,8 @@ class DeviceFacts:
     battery_j: float | None = None
     """Charge left, J (None: mains powered or unknown)."""
     floor_j: float = 0.0
+    hot: str = ""
+    """Why it is too hot to task now (the thermal guard); empty: it is not."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ class SystemFacts:
     task_j: float | None
     battery_j: float | None = None
     floor_j: float = 0.0
+    hot: str = ""
+    """Why the device is too hot to task (throttling, or its task would take it past its limit); empty: it is not."""
 
 
 @dataclass
@@ -109,6 +115,10 @@ def select(policy: str, rnd: int, k: int, candidates: Sequence[str], facts: Mapp
     rng = np.random.default_rng([seed & 0xFFFF_FFFF, rnd, 0x0027])
     pool = sorted(candidates)
     why: dict[str, str] = {}
+    if settings.thermal_guard:  # a hot device waits until it has cooled
+        for d in [d for d in pool if facts[d].hot]:
+            why[d] = f"{facts[d].hot}: not tasked until it cools"
+            pool.remove(d)
     if policy == "energy":
         pool = _above_floor(pool, facts, why)
     times = [t for d in pool if (t := facts[d].task_s) is not None]

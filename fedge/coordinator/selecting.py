@@ -54,7 +54,8 @@ class Selector:
             facts[d] = DeviceFacts(
                 samples=devices[d].num_samples, loss=self.loss.get(d), trained=d in self.trained,
                 task_s=sf.task_s if sf is not None else estimate(d), task_j=sf.task_j if sf is not None else None,
-                battery_j=sf.battery_j if sf is not None else None, floor_j=sf.floor_j if sf is not None else 0.0)
+                battery_j=sf.battery_j if sf is not None else None, floor_j=sf.floor_j if sf is not None else 0.0,
+                hot=sf.hot if sf is not None else "")
         choice = select(sampling.selection, rnd, sampling.count, list(facts), facts, sampling.utility, sampling.seed)
         self.why = {d: "offline at the round's start" for d in devices if d not in facts} | choice.why
         log.debug("round %d: %s chose %s", rnd, sampling.selection, ", ".join(choice.chosen))

@@ -45,6 +45,7 @@ from fedge.fleet.slots import DeviceSlot, device_profile, test_labels
 from fedge.profiles.power import Power
 from fedge.profiles.schema import Network
 from fedge.profiles.speed import TRAIN_MACS_FACTOR, SpeedModel, speed_model
+from fedge.profiles.thermal import Thermal
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,11 @@ class DeviceClock:
     """``[run] eval_every``: which rounds' starts the device evaluates (:func:`evaluates_at`)."""
     power: Power | None = None
     """Its profile's energy model (``[power]``; None: its work has no joules)."""
+    thermal: Thermal | None = None
+    """Its profile's thermal model (``[thermal]``; None: it never throttles)."""
+    temp_c: float | None = None
+    """Its temperature at ``temp_at`` (thermal model only; None: the air's, at the start)."""
+    temp_at: float = 0.0
 
     def _factor(self, rnd: int, part: str) -> float:
         if self.jitter <= 0:
@@ -149,8 +155,35 @@ class DeviceClock:
         wire = self.network.latency_ms / 2000 + nbytes * 8 / (kbps * 1000)
         return wire * self._factor(rnd, "upload" if up else "download")
 
+    def temperature(self, t: float) -> float | None:
+        """Its temperature at ``t`` (not before its last piece of work), idling since then (None: no thermal model)."""
+        th = self.thermal
+        if th is None or self.power is None:
+            return None
+        temp = th.ambient_c if self.temp_c is None else self.temp_c
+        return th.after(temp, self.power.idle_w, t - self.temp_at)
+
+    def throttled(self, t: float) -> bool:
+        """Whether it is at or above its thermal limit at ``t`` (its firmware slows it)."""
+        temp = self.temperature(t)
+        return temp is not None and self.thermal is not None and temp >= self.thermal.limit_c
+
+    def _heat(self, start: float, t: Timing, worked_s: float) -> None:
+        """Its temperature after a piece of work started at ``start``: idle power while it transfers, busy power
+        while it computes, for the ``worked_s`` seconds it worked."""
+        th, power = self.thermal, self.power
+        if th is None or power is None:
+            return
+        temp = self.temperature(start)
+        assert temp is not None
+        left = worked_s
+        for part, watts in ((t.download_s, power.idle_w), (t.compute_s, power.busy_w), (t.upload_s, power.idle_w)):
+            s = min(part, max(0.0, left))
+            temp, left = th.after(temp, watts, s), left - s
+        self.temp_c, self.temp_at = temp, start + worked_s
+
     def timing(self, rnd: int, *, bytes_down: int, bytes_up: int, work: TrainWork | None,
-               eval_round: int | None = None) -> Timing:
+               eval_round: int | None = None, start: float | None = None) -> Timing:
         """The parts of this device's work in round ``rnd`` (its compute: ``work`` and, when ``work`` is
         given, the round's evaluation, :meth:`eval_s`).
 
@@ -160,6 +193,8 @@ class DeviceClock:
         (``availability.next_online(t)``).
         """
         compute = self.compute_s(work, rnd) + (self.eval_s(rnd, eval_round) if work is not None else 0.0)
+        if start is not None and self.thermal is not None and self.throttled(start):
+            compute /= self.thermal.throttle_share  # hot at its start: the firmware caps its clock (thermal.py)
         return Timing(self.transfer_s(bytes_down, up=False, rnd=rnd), compute,
                       self.transfer_s(bytes_up, up=True, rnd=rnd))
 
@@ -187,8 +222,11 @@ class DeviceClock:
         """The timeline of a piece of work started at ``start`` and timed ``t``, with its joules: it worked until
         its end or ``until``, whichever comes first."""
         finish = start + t.total_s
-        joules = self.task_j(t, bytes_down=bytes_down, bytes_up=bytes_up, worked_s=min(finish, until) - start)
-        return DeviceRound(start, t.download_s, t.compute_s, t.upload_s, finish, not lost, lost, joules)
+        worked = min(finish, until) - start
+        joules = self.task_j(t, bytes_down=bytes_down, bytes_up=bytes_up, worked_s=worked)
+        temp = self.temperature(start)
+        self._heat(start, t, worked)
+        return DeviceRound(start, t.download_s, t.compute_s, t.upload_s, finish, not lost, lost, joules, temp)
 
 
 @dataclass(frozen=True)
@@ -205,6 +243,8 @@ class DeviceRound:
     """Why its update never arrived: ``"offline"`` (went offline first) or ``"deadline"``; empty if delivered."""
     joules: float | None = None
     """What the work cost the device (:meth:`DeviceClock.task_j`; None: its profile has no ``[power]``)."""
+    temp_c: float | None = None
+    """Its temperature when the work started (None: no ``[thermal]`` model)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -290,7 +330,8 @@ class FleetClock:
         timed: dict[str, tuple[Timing, str, float]] = {}
         for dev_id, p in participants.items():
             c = self.devices[dev_id]
-            t = c.timing(rnd, bytes_down=p.bytes_down, bytes_up=p.bytes_up, work=c.work if p.trained else None)
+            t = c.timing(rnd, bytes_down=p.bytes_down, bytes_up=p.bytes_up, work=c.work if p.trained else None,
+                         start=start)
             finish = start + t.total_s
             lost = ""
             gone = c.availability.online_until(start)
@@ -389,5 +430,5 @@ def fleet_clock(cfg: FleetConfig, slots: Sequence[DeviceSlot]) -> FleetClock:
         profile = device_profile(cfg, slot.group)
         clocks.append(DeviceClock(slot.device_id, slot.index, speed_model(profile), profile.network,
                                   _availability(cfg, slot, ck, seed, trace), _work(cfg, slot, global_test),
-                                  ck.jitter, seed, cfg.run.eval_every, profile.power))
+                                  ck.jitter, seed, cfg.run.eval_every, profile.power, profile.thermal))
     return FleetClock(clocks, deadline_s=ck.deadline_s)

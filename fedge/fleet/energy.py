@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from fedge.common.selection import SystemFacts
-from fedge.fleet.clock import DeviceRound, FleetClock, RoundTime
+from fedge.fleet.clock import DeviceClock, DeviceRound, FleetClock, RoundTime
 
 
 class EnergyLedger:
@@ -94,7 +94,20 @@ def selection_facts(clock: FleetClock, rnd: int, moved: Mapping[str, tuple[int, 
     out = {}
     for dev, c in clock.devices.items():
         down, up = moved.get(dev, (0, 0))
-        t = dataclasses.replace(c, jitter=0.0).timing(rnd, bytes_down=down, bytes_up=up, work=c.work)
+        t = dataclasses.replace(c, jitter=0.0).timing(rnd, bytes_down=down, bytes_up=up, work=c.work, start=clock.now)
         out[dev] = SystemFacts(t.total_s, c.task_j(t, bytes_down=down, bytes_up=up), ledger.battery_left_j(dev),
-                               c.power.floor_j if c.power is not None else 0.0)
+                               c.power.floor_j if c.power is not None else 0.0, _hot(c, clock.now, t.compute_s))
     return out
+
+
+def _hot(c: DeviceClock, now: float, compute_s: float) -> str:
+    """Why ``c`` is too hot for a task of ``compute_s`` seconds of compute now (empty: it is not)."""
+    temp, th = c.temperature(now), c.thermal
+    if temp is None or th is None or c.power is None:
+        return ""
+    if temp >= th.limit_c:
+        return f"hot: throttling at {temp:.1f} °C (limit {th.limit_c:g} °C)"
+    peak = th.after(temp, c.power.busy_w, compute_s)
+    if peak >= th.limit_c:
+        return f"hot: {temp:.1f} °C, its task would take it to {peak:.1f} °C, past its limit of {th.limit_c:g} °C"
+    return ""

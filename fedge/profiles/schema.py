@@ -25,6 +25,7 @@ from typing import Any
 from fedge.common.archs import TIERS
 from fedge.errors import ProfileError
 from fedge.profiles.power import Power
+from fedge.profiles.thermal import Thermal
 from fedge.profiles.uarch import check_uarch
 
 # Inference quantization levels, highest precision first (ties in measured
@@ -239,8 +240,12 @@ class Profile:
     measured: Measured | None = None
     power: Power | None = None
     """``[power]`` (:mod:`fedge.profiles.power`): board power, radio energy per byte, a battery (None: no estimate)."""
+    thermal: Thermal | None = None
+    """``[thermal]`` (:mod:`fedge.profiles.thermal`): how the board heats and throttles in simulation (None: never)."""
 
     def __post_init__(self) -> None:
+        _check(self.thermal is None or self.power is not None, "thermal", "[thermal]",
+               "heats with the board's power, and the profile has no [power] table", "add [power] (idle_w, busy_w)")
         _check(bool(_NAME.match(self.name)), "name", self.name, "is not a valid profile name",
                "use lower-case letters, digits, '.', '_' and '-', e.g. \"rpi4-4gb\"")
         ram, budget = self.hardware.ram_mb, self.budgets.train_memory_mb
@@ -281,4 +286,6 @@ class Profile:
             }
         if self.power is not None:
             d["power"] = self.power.to_dict()
+        if self.thermal is not None:
+            d["thermal"] = self.thermal.to_dict()
         return d

@@ -165,7 +165,8 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
                 # and the device heard each descriptor late here, not when it was published
                 continue
             t = agent.traffic[-1]
-            timing = c.timing(n, bytes_down=t.bytes_down, bytes_up=t.bytes_up, work=c.work, eval_round=version)
+            timing = c.timing(n, bytes_down=t.bytes_down, bytes_up=t.bytes_up, work=c.work, eval_round=version,
+                              start=self.clock.now)
             start = self.clock.now
             gone = c.availability.online_until(start)
             finish = start + timing.total_s
