@@ -355,7 +355,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fedge.coordinator.dashboard import page, routes_for
-    from fedge.coordinator.monitor import FileView
+    from fedge.coordinator.fileview import FileView
     from fedge.coordinator.web import DashboardServer, check_bind, load_token, parse_endpoint
 
     state_dir = _state_dir_of(args.run_dir)
