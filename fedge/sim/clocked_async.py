@@ -1,6 +1,6 @@
 """Asynchronous mode in ``fedge simulate``: the in-process fleet as events in virtual time.
 
-The engine runs its versions unchanged (:meth:`fedge.coordinator.engine.RoundEngine.run_version`); this
+The engine runs its versions unchanged (:class:`fedge.coordinator.versions.VersionPolicy`); this
 coordinator transport answers it from the virtual clock. When a descriptor assigns a device a task and the
 device is online and free, the device starts at once: it is stepped there and then (it takes the latest
 version and trains), and its update is held back until the clock says it arrives — download, its training
