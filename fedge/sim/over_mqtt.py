@@ -6,8 +6,10 @@ Each simulated device gets its own MQTT connection and runs the real device
 loop (:class:`fedge.edge.service.EdgeService`) in a thread; the coordinator is
 the same round engine the in-process run uses. Round 1 starts only once every
 device has said hello, so the fleet — and with the same seeds, every aggregate —
-is the in-process run's (within float tolerance: updates arrive in network
-order, not fleet order, and float sums are not associative).
+is the in-process run's. Updates arrive in network order, not fleet order: a robust
+rule (:func:`fedge.coordinator.aggregate.robust_combine`) sorts them by content
+first, so its aggregates are bit for bit the in-process ones; the plain mean's
+streaming float64 sums agree within float tolerance (addition is not associative).
 """
 
 from __future__ import annotations
