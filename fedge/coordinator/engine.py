@@ -39,7 +39,7 @@ from fedge.coordinator.config import (
 from fedge.coordinator.gate import Admitted, UpdateGate
 from fedge.coordinator.merge import PartialMerger, merged_into
 from fedge.coordinator.observer import EngineObserver
-from fedge.coordinator.report import RoundReport, record_admitted
+from fedge.coordinator.report import RoundReport, record_admitted, rolled_back
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.coordinator.versions import run_version
@@ -295,6 +295,9 @@ class RoundEngine:
         if missing:
             log.warning("round %d: no update from %s", rnd, ", ".join(missing))
         report.missing = missing
+        if undone := rolled_back(report):
+            log.info("round %d: %s undid the last round (validation accuracy fell past [train] divergence_margin) "
+                     "and trained from the previous model", rnd, ", ".join(undone))
         self.gate.end_round(missing)
         aggregation_s = 0.0
         if not info.is_final:

@@ -24,6 +24,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     min_tail: int = 1
     """An epoch's last batch smaller than this joins the one before it (1: every batch stands alone)."""
+    divergence_margin: float = 0.0
+    """Points of validation accuracy a round may lose before the device undoes it (0: never; fedge.edge.divergence)."""
 
 
 def make_optimizer(params: list[nn.Parameter] | list[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -92,6 +92,10 @@ class PartitionSection:
             raise ConfigError(f"alpha must be > 0, got {self.alpha}")
 
 
+# [train] divergence_margin's default (points of validation accuracy; docs/simulation.md, "The divergence guard")
+DEFAULT_DIVERGENCE_MARGIN = 0.0
+
+
 @dataclass(frozen=True)
 class TrainSection:
     """Overrides of the plan's local-training settings (unset: the plan decides)."""
@@ -105,6 +109,16 @@ class TrainSection:
     """An epoch's last batch smaller than this joins the one before it (unset: the plan decides; 1: never)."""
     val_fraction: float = 0.1
     """Share of each device's training samples held out to choose the model it ships (0: none, ship the last)."""
+    divergence_margin: float | None = None
+    """Points of validation accuracy a round may lose before the device undoes it and trains the next round from
+    its previous model (fedge.edge.divergence). Unset: DEFAULT_DIVERGENCE_MARGIN when there is a validation fold,
+    off without one; 0: off."""
+
+    def guard_margin(self) -> float:
+        """The divergence guard's margin in points for this fleet (0: no guard)."""
+        if self.val_fraction == 0:
+            return 0.0
+        return DEFAULT_DIVERGENCE_MARGIN if self.divergence_margin is None else self.divergence_margin
 
     def __post_init__(self) -> None:
         if self.lr is not None and self.lr <= 0:
@@ -114,6 +128,14 @@ class TrainSection:
         if not 0 <= self.val_fraction < 0.5:
             raise ConfigError(f"val_fraction must be in [0, 0.5), got {self.val_fraction}",
                               hint="0.1 holds out a tenth of each device's training share; 0 holds out nothing")
+        if self.divergence_margin is not None:
+            if not 0 <= self.divergence_margin <= 100:
+                raise ConfigError(f"divergence_margin must be in [0, 100] points of validation accuracy, got "
+                                  f"{self.divergence_margin}", hint=f"{DEFAULT_DIVERGENCE_MARGIN:g} is the default; "
+                                  "0 turns the divergence guard off")
+            if self.divergence_margin > 0 and self.val_fraction == 0:
+                raise ConfigError(f"divergence_margin = {self.divergence_margin:g} needs a validation fold, but "
+                                  "val_fraction = 0", hint="set val_fraction (e.g. 0.1), or divergence_margin = 0")
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.local_epochs is not None and self.local_epochs < 1:

@@ -94,6 +94,7 @@ def device_from_slot(cfg: FleetConfig, slot: DeviceSlot, train: Dataset, local_t
         momentum=cfg.train.momentum,
         weight_decay=cfg.train.weight_decay,
         min_tail=cfg.train.min_tail or p.min_tail,
+        divergence_margin=cfg.train.guard_margin(),
     )
     ctx = DeviceContext(
         device_id=slot.device_id,
