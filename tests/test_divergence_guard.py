@@ -167,14 +167,19 @@ def test_what_counts_as_a_divergence(kept: float, new: float, n: int, margin: fl
 def test_the_guard_keeps_the_previous_model_not_the_best() -> None:
     model = torch.nn.Linear(2, 2)
     guard = DivergenceGuard(10.0)
-    for rnd, acc in enumerate([0.5, 0.9, 0.85, 0.6, 0.8], start=1):
+    # (accuracy, cross-entropy) on a fold of 20 images at the start of rounds 1..8
+    scores = [(0.5, 2.3), (0.9, 0.5), (0.85, 0.6), (0.6, 1.2), (0.8, 0.7),
+              (0.4, 0.65),  # 8 images fewer, but a lower loss: learning, not a divergence
+              (0.1, 2.0), (0.1, 2.1), (0.1, 2.2)]  # worse by both: undone twice, then it stands
+    kept_rounds = [1, 2, 3, 3, 5, 6, 6, 6, 9]
+    for rnd, ((acc, loss), kept) in enumerate(zip(scores, kept_rounds, strict=True), start=1):
         with torch.no_grad():
             model.weight.fill_(rnd)
-        undone = guard.judge(rnd, model, acc, 20)
-        assert undone is (rnd == 4), rnd
+        undone = guard.judge(rnd, model, acc, loss, 20)
+        assert undone is (kept != rnd), rnd
         # after round 4 the device holds round 3's model (0.85 kept), not round 2's best (0.9)
-        assert float(model.weight[0, 0]) == (3.0 if rnd == 4 else float(rnd))
-    assert guard.rollbacks == [4] and guard.kept_acc == 0.8
+        assert float(model.weight[0, 0]) == kept, rnd
+    assert guard.rollbacks == [4, 7, 8] and guard.kept_acc == 0.1 and guard.in_a_row == 0
 
 
 def test_divergence_margin_is_checked_at_load() -> None:
@@ -182,7 +187,7 @@ def test_divergence_margin_is_checked_at_load() -> None:
                             "devices": [{"profile": "rpi4-2gb"}]}
     with pytest.raises(ConfigError, match=r"divergence_margin must be in \[0, 100\] points .* got -1"):
         parse_fleet({**base, "train": {"divergence_margin": -1}})
-    with pytest.raises(ConfigError, match="divergence_margin must be in .* got 150"):
+    with pytest.raises(ConfigError, match=r"divergence_margin must be in .* got 150"):
         parse_fleet({**base, "train": {"divergence_margin": 150}})
     with pytest.raises(ConfigError, match="divergence_margin = 5 needs a validation fold, but val_fraction = 0"):
         parse_fleet({**base, "train": {"divergence_margin": 5, "val_fraction": 0}})

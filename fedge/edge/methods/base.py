@@ -21,7 +21,7 @@ from fedge.edge.best import BestModel
 from fedge.edge.data.datasets import Dataset
 from fedge.edge.divergence import DivergenceGuard
 from fedge.edge.models.split import SplitNet
-from fedge.edge.training import TrainConfig, accuracy
+from fedge.edge.training import TrainConfig, accuracy, held_out_metrics
 
 Arrays = dict[str, np.ndarray]
 
@@ -146,7 +146,8 @@ class DeviceMethod(ABC):
         metrics["acc_val"] = acc
         if self.guard is None or val is None:
             return
-        if not self.guard.judge(round_, self.ctx.model, acc, len(val.y)):
+        _, loss = held_out_metrics(self.ctx.model, val.x, val.y)
+        if not self.guard.judge(round_, self.ctx.model, acc, loss, len(val.y)):
             metrics["rolled_back"] = 0.0
             return
         undone = dict(metrics)
