@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedge.common.asyncmode import AsyncSettings
-from fedge.common.catalog import DATASETS, NUM_CLASSES
+from fedge.common.catalog import DATASETS, NUM_CLASSES, SIGNAL_SHAPES
 from fedge.common.coordinator_section import CoordinatorSection
 from fedge.common.families import GEFL_FAMILY
 from fedge.common.preprocess import NORMALIZATION, Normalization
@@ -76,7 +76,8 @@ class RunSection:
 class PartitionSection:
     """How the training set is spread over the devices."""
 
-    kind: Literal["iid", "dirichlet", "shards"] = "iid"
+    kind: Literal["iid", "dirichlet", "shards", "group"] = "iid"
+    """``group``: each speaker or subject of a 1-D data set on one device (the natural non-IID split)."""
     fraction: float = 1.0
     alpha: float = 0.5
     shards_per_device: int = 2
@@ -340,7 +341,18 @@ class FleetConfig:
             fleet_size=self.num_devices, seed=self.run.seed, async_refusal=self.method_config.async_blocker(),
             method=self.run.method))
         d = self.data
-        if self.model.family == GEFL_FAMILY and (d.channels, d.image_size) != ZOO_INPUT:
+        if self.partition.kind == "group" and self.run.dataset not in SIGNAL_SHAPES:
+            raise ConfigError(f'{self.source}: [partition] kind = "group" splits by speaker or subject, which '
+                              f"{self.run.dataset} has not",
+                              hint=f"use it with {', '.join(SIGNAL_SHAPES)}, or kind = \"iid\" / \"dirichlet\"")
+        if self.run.dataset in SIGNAL_SHAPES and self.model.family == GEFL_FAMILY:
+            raise ConfigError(f"{self.source}: [run] dataset = {self.run.dataset!r} is 1-D "
+                              f"({'x'.join(map(str, SIGNAL_SHAPES[self.run.dataset]))}), the GeFL CNN family takes "
+                              "images",
+                              hint='set [model] family = "dscnn" for audio (its front end computes MFCCs) or '
+                                   '"cnn1d" for sensor windows (docs/audio.md, docs/sensors.md)')
+        if self.run.dataset not in SIGNAL_SHAPES and self.model.family == GEFL_FAMILY \
+                and (d.channels, d.image_size) != ZOO_INPUT:
             raise ConfigError(f"{self.source}: [data] channels = {d.channels}, image_size = {d.image_size}: the "
                               f"GeFL CNN family takes {ZOO_INPUT[0]}x{ZOO_INPUT[1]}x{ZOO_INPUT[1]} inputs",
                               hint='set channels = 1 and image_size = 32, or pick a family that takes any size: '
@@ -356,8 +368,11 @@ class FleetConfig:
         return fam
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """(channels, height, width) of every device's model input: ``[data] channels`` and ``image_size``."""
+    def input_shape(self) -> tuple[int, ...]:
+        """Every device's model input: (channels, samples) of a 1-D data set, else (channels, height, width) from
+        ``[data] channels`` and ``image_size``."""
+        if self.run.dataset in SIGNAL_SHAPES:
+            return SIGNAL_SHAPES[self.run.dataset]
         return (self.data.channels, self.data.image_size, self.data.image_size)
 
     @functools.cached_property
