@@ -133,7 +133,8 @@ def test_a_raw_audio_dscnn_exports_with_its_front_end_and_predicts_as_torch(tmp_
     features = family_arch("dscnn", "s", in_channels=1, input_size=(49, 10), num_classes=12, embed_dim=64)
     assert spec.name == "dscnn-s-16000" and spec.input_shape == (1, 16_000)
     assert spec.stem_shape == features.stem_shape == (32, 25, 5)  # the stem sees the same 49x10 MFCCs
-    assert spec.num_params() == features.num_params()  # the front end adds no parameters ...
+    # the front end adds no parameters, the per-coefficient BatchNorm after it 2 x 10
+    assert spec.num_params() == features.num_params() + 2 * 10
     assert spec.macs() == features.macs() + Mfcc(16_000).macs_per_sample  # ... and its MACs are counted
     net = build_family_net(spec, seed=0).eval()
     assert not any(k.startswith("extractor.0") for k in net.state_dict())  # its constants are not shared state

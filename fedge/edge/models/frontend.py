@@ -135,3 +135,19 @@ class Mfcc(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.log_mel(x) @ self.dct).unsqueeze(1)  # (N, 1, frames, coefficients)
+
+
+class CoefficientNorm(nn.Module):
+    """BatchNorm over the coefficient axis of (N, 1, frames, coefficients) MFCCs: one mean and scale per coefficient.
+
+    MFCCs differ in scale by an order of magnitude (c0, the log energy, spans tens; the higher coefficients
+    units), and the stem's first convolution mixes them in one input channel, so without this the loudness
+    term dominates its first steps. Learned like any BatchNorm (trained, averaged with the stem, folded into
+    a Mul and an Add in the exported graph)."""
+
+    def __init__(self, coefficients: int) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(coefficients)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x.transpose(1, 3)).transpose(1, 3)  # (N, C, F, 1) normalized per coefficient, and back

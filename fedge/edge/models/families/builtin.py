@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedge.edge.models.frontend import Mfcc
+from fedge.edge.models.frontend import CoefficientNorm, Mfcc
 
 Split = nn.Module  # a module with extractor / body / embed / head attributes
 
@@ -120,7 +120,8 @@ def dscnn(tier: str, in_channels: int, input_size: tuple[int, ...], num_classes:
     if len(input_size) == 1:
         if in_channels != 1:
             raise ValueError(f"dscnn on raw audio takes mono clips (1 channel), got {in_channels} channels")
-        stem = [Mfcc(input_size[0]), *stem]
+        mfcc = Mfcc(input_size[0])
+        stem = [mfcc, CoefficientNorm(mfcc.settings.coefficients), *stem]
     extractor = nn.Sequential(*stem)
     layers = _conv_bn(DSCNN_STEM, channels, 1)
     for _ in range(blocks):
