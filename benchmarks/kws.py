@@ -10,7 +10,9 @@ tier the fleet uses trained centrally on the pooled training shares for the same
 distinct architecture of the FedAvg run is exported (fp32 and int8-dynamic): file size, accuracy on the test
 speakers, median latency at batch 1 (ONNX Runtime, 1 thread) from the export's own measurement.
 
-    python -m benchmarks.kws --seeds 0 --rounds 4 --local-epochs 3
+    python -m benchmarks.kws --seeds 0 --methods fedavg &   # two processes at one torch thread each
+    python -m benchmarks.kws --seeds 0 --methods local fedproto
+    python -m benchmarks.kws --seeds 0                       # the table of every cell (all cached by then)
 
 Results: ``benchmarks/results/kws/*.json``, a table on stdout, the figures in docs/audio.md.
 """
@@ -38,7 +40,7 @@ def fleet_table(method: str, seed: int, args: argparse.Namespace) -> dict[str, A
                 "data_dir": str(args.data_dir), "seed": seed, "eval_every": args.eval_every},
         "model": {"family": "dscnn"},
         "partition": {"kind": "group", "local_test_fraction": 0.2},
-        "train": {"lr": args.lr, "momentum": 0.9, "local_epochs": args.local_epochs},
+        "train": {"lr": args.lr, "momentum": 0.9, "local_epochs": args.local_epochs, "batch_size": args.batch_size},
         "devices": [{"profile": p, "count": args.devices} for p in PROFILES],
     }
 
@@ -77,7 +79,7 @@ def run_central(seed: int, arch: str, epochs: int, args: argparse.Namespace) -> 
     tier = arch.split("-")[1]
     net = build_family_net(family_arch("dscnn", tier, in_channels=1, input_size=(16_000,), num_classes=12,
                                        embed_dim=64), seed=seed)
-    tc = TrainConfig(lr=args.lr, batch_size=32, local_epochs=epochs, momentum=0.9)
+    tc = TrainConfig(lr=args.lr, batch_size=args.batch_size, local_epochs=epochs, momentum=0.9)
     t0 = time.perf_counter()
     train_epochs(net, train.x[pooled], train.y[pooled], tc, np.random.default_rng(seed))
     net.eval()
@@ -90,16 +92,21 @@ def run_central(seed: int, arch: str, epochs: int, args: argparse.Namespace) -> 
 
 def run_exports(cell: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each distinct architecture of a run, exported fp32 and int8-dynamic: size, accuracy, latency."""
+    from fedge.errors import ExportError
     from fedge.export.fleet import export_checkpoint
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for arch in sorted({d["arch"] for d in cell["devices"]}):
         dev = next(d for d in cell["devices"] if d["arch"] == arch)
         ckpt = Path(cell["run_dir"]) / "checkpoints" / f"{dev['id']}.safetensors"
         for quant in ("fp32", "int8-dynamic"):
             out = args.work / "exports" / f"{dev['id']}-{quant}"
-            m = export_checkpoint(ckpt, out, profile=dev["profile"], data_dir=args.data_dir, quant=quant,
-                                  overwrite=True)
+            try:
+                m = export_checkpoint(ckpt, out, profile=dev["profile"], data_dir=args.data_dir, quant=quant,
+                                      overwrite=True)
+            except ExportError as exc:  # refused by the export's own checks (accuracy drop): say so in the row
+                rows.append({"arch": arch, "device": dev["id"], "quant": quant, "refused": exc.message})
+                continue
             rows.append({"arch": arch, "device": dev["id"], "quant": quant,
                          "model_bytes": (out / "model.onnx").stat().st_size,
                          "accuracy": m.metrics["accuracy"].get(quant, m.metrics["accuracy"].get("fp32")),
@@ -109,19 +116,24 @@ def run_exports(cell: dict[str, Any], args: argparse.Namespace) -> list[dict[str
 
 
 def export_cell(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    return {"rows": run_exports(cell, args), "rounds": args.rounds, "local_epochs": args.local_epochs}
+    return {"rows": run_exports(cell, args), "rounds": args.rounds, "local_epochs": args.local_epochs,
+            "batch_size": args.batch_size}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--local-epochs", type=int, default=3)
+    ap.add_argument("--local-epochs", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--devices", type=int, default=2, help="devices per profile (4 profiles)")
     ap.add_argument("--data-dir", type=Path, default=REPO / "runs" / "espeak-kws")
     ap.add_argument("--work", type=Path, default=REPO / "runs" / "kws-bench")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--central", action="store_true", help="also train the ceiling (costs one method's time)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
     from fedge.edge.data.espeak import make_keyword_set
@@ -129,18 +141,23 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     make_keyword_set(args.data_dir)
     print(f"keyword set in {args.data_dir} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    settings = {"rounds": args.rounds, "local_epochs": args.local_epochs}
+    import torch
+
+    torch.set_num_threads(args.threads)
+    settings = {"rounds": args.rounds, "local_epochs": args.local_epochs, "batch_size": args.batch_size}
     cells: dict[tuple[str, int], dict[str, Any]] = {}
     exports: dict[str, Any] = {"rows": []}
     tiers = ["xs", "s", "m", "l"]
     for seed in args.seeds:  # FedAvg, its exports, then the rest: the most telling figures first
-        for method in METHODS:
+        for method in args.methods:
             print(f"{method} seed {seed} ...", flush=True)
             cells[(method, seed)] = cached_cell(OUT / f"{method}-{seed}.json", partial(run_method, method, seed, args),
                                                 force=args.force, expect=settings)
             if method == "fedavg" and seed == args.seeds[0]:
                 exports = cached_cell(OUT / "exports.json", partial(export_cell, cells[(method, seed)], args),
                                       force=args.force, expect=settings)
+        if not args.central or ("fedavg", seed) not in cells:
+            continue
         largest = max((d["arch"] for d in cells[("fedavg", seed)]["devices"]),
                       key=lambda a: tiers.index(a.split("-")[1]))
         epochs = args.rounds * args.local_epochs
@@ -169,6 +186,9 @@ def table(cells: dict[tuple[str, int], dict[str, Any]], exports: list[dict[str, 
     lines += ["", "| export | quant | model.onnx | accuracy % | latency ms (batch 1, 1 thread) |",
               "|---|---|---:|---:|---:|"]
     for r in exports:
+        if "refused" in r:
+            lines.append(f"| {r['arch']} | {r['quant']} | refused: {r['refused']} | | |")
+            continue
         lat = f"{r['latency_ms']:.2f}" if r["latency_ms"] is not None else "-"
         lines.append(f"| {r['arch']} | {r['quant']} | {r['model_bytes'] / 1024:.0f} KiB | {100 * r['accuracy']:.1f} | "
                      f"{lat} |")

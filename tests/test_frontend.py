@@ -147,3 +147,39 @@ def test_a_raw_audio_dscnn_exports_with_its_front_end_and_predicts_as_torch(tmp_
         want = net(torch.from_numpy(clips)).numpy()
     assert np.abs(got - want).max() <= 1e-4
     assert (got.argmax(1) == want.argmax(1)).all()
+
+
+@pytest.mark.parametrize("quant", ["int8-dynamic", "int8-static", "fp16"])
+def test_quantization_leaves_the_front_end_in_float32(tmp_path: Path, quant: str) -> None:
+    """int8 (one scale per tensor) would flatten the power spectrum's ten orders of magnitude to the log floor
+    and fp16 overflows above 65504: the passes keep the front end's nodes float32, the network's are quantized."""
+    import onnx
+
+    from fedge.export.quantize import front_end_nodes, quantize_file
+
+    spec = family_arch("dscnn", "s", in_channels=1, input_size=(16_000,), num_classes=12, embed_dim=64)
+    net = build_family_net(spec, seed=0).eval()
+    paths = export_graphs(net, tmp_path)
+    fp32 = onnx.load(str(paths["model"]))
+    names = front_end_nodes(fp32)
+    ops = [n.op_type for n in fp32.graph.node if n.name in names]
+    assert ops[0] == "Conv" and "Log" in ops and ops[-1] == "MatMul" and ops.count("MatMul") == 2
+    clips = speechlike(24, seed=5)[:, None] * np.linspace(0.05, 3.0, 24, dtype=np.float32)[:, None, None]
+    clips = np.clip(clips, -1, 1)  # quiet to clipping-loud: the power spectrum exceeds fp16's range on the loud
+    out = quantize_file(paths["model"], tmp_path / f"{quant}.onnx", quant, calib=clips, input_name="image")
+    q = onnx.load(str(out))
+    if quant != "fp16":  # the DFT Conv keeps float32 kernels: a Conv, not a ConvInteger or a QDQ pair
+        weights = {t.name: t for t in q.graph.initializer}
+        dft = [n for n in q.graph.node if n.op_type == "Conv" and n.input[1] in weights
+               and list(weights[n.input[1]].dims) == [2 * S.bins, 1, S.window]]
+        assert len(dft) == 1 and weights[dft[0].input[1]].data_type == onnx.TensorProto.FLOAT
+    # (fp16: the kept nodes compute in float32 from kernels stored as fp16; the loud clips below would overflow
+    # an fp16 power spectrum to infinity)
+    assert any(n.op_type in ("ConvInteger", "MatMulInteger", "QLinearConv", "QuantizeLinear", "Cast")
+               for n in q.graph.node)  # the rest of the network is quantized
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {sess.get_inputs()[0].name: clips})[0]
+    with torch.no_grad():
+        want = net(torch.from_numpy(clips)).numpy()
+    assert np.isfinite(got).all()
+    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.9
