@@ -115,6 +115,44 @@ def run_exports(cell: dict[str, Any], args: argparse.Namespace) -> list[dict[str
     return rows
 
 
+def numpy_mfcc(x: np.ndarray) -> np.ndarray:
+    """The front end written in numpy (strided frames, rFFT, the same filterbank and DCT): (16000,) -> (49, 10)."""
+    from fedge.edge.models.frontend import DEFAULT_MFCC as S
+    from fedge.edge.models.frontend import dct_matrix, mel_filterbank
+
+    hann = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(S.window) / S.window)
+    frames = np.lib.stride_tricks.sliding_window_view(x, S.window)[:: S.hop] * hann
+    power = np.abs(np.fft.rfft(frames, axis=1)[:, : S.bins]) ** 2
+    return np.log(power @ mel_filterbank(S) + S.floor) @ dct_matrix(S.mels, S.coefficients)
+
+
+def frontend_cell(args: argparse.Namespace) -> dict[str, Any]:
+    """Median time of the front end alone on one clip: the ONNX graph (what ships) against numpy, and how far
+    apart their features are."""
+    import io
+
+    import onnxruntime as ort
+    import torch
+
+    from fedge.edge.data.datasets import load_dataset
+    from fedge.edge.models.frontend import Mfcc
+    from fedge.export.verify import median_ms
+
+    clip = load_dataset("espeak_kws", train=False, data_dir=args.data_dir).x[:1]  # (1, 1, 16000)
+    buf = io.BytesIO()
+    torch.onnx.export(Mfcc(16_000).eval(), (torch.from_numpy(clip),), buf,  # type: ignore[arg-type]
+                      dynamo=False, opset_version=17,
+                      input_names=["audio"], output_names=["mfcc"])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(buf.getvalue(), opts, providers=["CPUExecutionProvider"])
+    graph = sess.run(None, {"audio": clip})[0][0, 0]
+    ref = numpy_mfcc(clip[0, 0].astype(np.float32))
+    return {"graph_ms": median_ms(lambda: sess.run(None, {"audio": clip}), runs=300),
+            "numpy_ms": median_ms(lambda: numpy_mfcc(clip[0, 0]), runs=300),
+            "max_abs_diff": float(np.abs(graph - ref).max())}
+
+
 def export_cell(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": run_exports(cell, args), "rounds": args.rounds, "local_epochs": args.local_epochs,
             "batch_size": args.batch_size}
@@ -154,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             cells[(method, seed)] = cached_cell(OUT / f"{method}-{seed}.json", partial(run_method, method, seed, args),
                                                 force=args.force, expect=settings)
             if method == "fedavg" and seed == args.seeds[0]:
+                front = cached_cell(OUT / "frontend.json", partial(frontend_cell, args), force=args.force)
+                print(f"front end on one clip: ONNX graph {front['graph_ms']:.3f} ms, numpy {front['numpy_ms']:.3f} ms "
+                      f"(max |diff| {front['max_abs_diff']:.2g})", flush=True)
                 exports = cached_cell(OUT / "exports.json", partial(export_cell, cells[(method, seed)], args),
                                       force=args.force, expect=settings)
         if not args.central or ("fedavg", seed) not in cells:
