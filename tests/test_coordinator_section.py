@@ -170,4 +170,6 @@ def test_a_simulated_trimmed_fleet_with_poisoners_ends_where_the_mqtt_run_does(t
     mean_cfg = load_fleet(path)
     _, mean_reports = run_rounds(mean_cfg, *poisoned(mean_cfg))
     plain = honest_accuracy(mean_reports)
-    assert np.mean(list(simulated.values())) > np.mean(list(plain.values())) + 0.2, (simulated, plain)  # 0.49 vs 0.23
+    # Measured: 0.45 vs 0.29 with issue 45's defaults (lr 0.05, min_tail 8, a validation fold), 0.49 vs 0.23 before
+    # them; a rule that was not applied gives the same figure twice.
+    assert np.mean(list(simulated.values())) > np.mean(list(plain.values())) + 0.1, (simulated, plain)
