@@ -57,6 +57,7 @@ def run_method(method: str, seed: int, args: argparse.Namespace) -> dict[str, An
     devices = [{k: d[k] for k in ("id", "profile", "arch", "num_train", "final_acc_global", "final_acc_local",
                                   "shipped_acc_global")} for d in r["devices"]]
     return {"method": method, "seed": seed, "rounds": args.rounds, "local_epochs": args.local_epochs,
+            "batch_size": args.batch_size,
             "seconds": round(time.perf_counter() - t0, 1), "summary": r["summary"], "devices": devices,
             "run_dir": str(out)}
 
