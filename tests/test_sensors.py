@@ -172,3 +172,16 @@ def test_a_1d_cnn_fleet_on_uci_har_is_partitioned_by_subject_and_learns(har: Pat
         device_slots(har_fleet(har, method="geflf"))  # refused when the fleet is planned, before any training
     assert "fedavg, lgfedavg or fedproto" in (err.value.hint or "")
     assert HAR_SIGNALS[6:] == ("total_acc_x", "total_acc_y", "total_acc_z")
+
+
+def test_reading_windows_and_clips_for_inference_imports_no_torch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    np.savetxt(tmp_path / "w.csv", np.zeros((128, 9)), delimiter=",")
+    code = ("import sys\nfrom fedge.common.preprocess import signal_normalization\n"
+            "from fedge.runtime import load_inputs\n"
+            f"b = load_inputs([{str(tmp_path / 'w.csv')!r}], signal_normalization('series', 9, 128))\n"
+            "print(b.x.shape, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "(1, 9, 128) False"
