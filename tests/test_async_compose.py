@@ -18,8 +18,9 @@ from fedge.common.messages import Message
 from fedge.common.rounds import RoundInfo
 from fedge.common.transport import Inbound
 from fedge.coordinator.dashboard import page
+from fedge.coordinator.fileview import monitor_from_state_dir
 from fedge.coordinator.metrics import FleetMetrics
-from fedge.coordinator.monitor import FleetMonitor, monitor_from_state_dir
+from fedge.coordinator.monitor import FleetMonitor
 from fedge.coordinator.observer import EngineObserver
 from fedge.errors import ConfigError
 from fedge.fleet.config import parse_fleet

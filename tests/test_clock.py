@@ -69,7 +69,8 @@ def test_two_device_fleet_clock_equals_the_hand_computation(tmp_path: Path, meth
             # prototypes, and the evaluation every round starts with (eval_every = 1): one forward pass over its
             # local test split and the 450 digits test images
             tested = d["num_local_test"] + DIGITS_TEST
-            work = 3 * macs * samples * 2 + macs * samples * statistics_passes + macs * tested
+            # and the round's fixed costs: 2,200 MAC equivalents per parameter (tier-xs: 5,566) at the same rate
+            work = 3 * macs * samples * 2 + macs * samples * statistics_passes + macs * tested + 2200 * 5566
             compute = work / (peak * 1e9 * xs16)
             t_down = rtt / 2000 + d["bytes_down"][i] * 8 / (down * 1000)
             t_up = rtt / 2000 + d["bytes_up"][i] * 8 / (up * 1000)

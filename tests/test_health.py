@@ -194,7 +194,7 @@ def test_refused_heartbeats_are_logged_once_a_minute_per_device_and_once_for_all
     now = [1000.0]
     mon = FleetMonitor(fleet="f", method="fedproto", total_rounds=2, wait_log_s=0, clock=lambda: now[0],
                        fleet_devices={"d1": DeviceInfo("d1", "tier-m", "rpi4-4gb")})
-    caplog.set_level(logging.WARNING, logger="fedge.coordinator.monitor")
+    caplog.set_level(logging.WARNING, logger="fedge.coordinator.heartbeats")
     bad = raw_message('{"health": {"seq": NaN}}')
     for i in range(20):
         assert not mon.add_health(Inbound(bad, "d1", now[0]))

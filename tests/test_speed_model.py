@@ -95,7 +95,13 @@ def test_measured_training_rate_overrides_the_model() -> None:
     ratio = 2.0e9 / model.mac_rate(m, 64)
     assert s.mac_rate(xl, 64) == pytest.approx(model.mac_rate(xl, 64) * ratio)
     assert s.mac_rate(m, 16) == pytest.approx(model.mac_rate(m, 16) * ratio)
-    assert s.train_seconds(m, 64, samples=600, epochs=5) == pytest.approx(3 * m.macs() * 3000 / 2.0e9)
+    # the round's fixed costs (2,200 MAC equivalents per parameter) at the measured rate too
+    assert s.train_seconds(m, 64, samples=600, epochs=5) == pytest.approx((3 * m.macs() * 3000
+                                                                           + 2200 * m.num_params()) / 2.0e9)
+    # ... unless the device measured them
+    own = replace(base, measured=Measured(train_gmac_s={"tier-m@64": 2.0}, round_fixed_s=0.4))
+    assert speed_model(own).train_seconds(m, 64, samples=600, epochs=5) == pytest.approx(
+        3 * m.macs() * 3000 / 2.0e9 + 0.4)
 
 
 @pytest.mark.parametrize(("table", "needle"), [

@@ -1,6 +1,9 @@
-"""One transport contract, two transports: the in-memory twin and MQTT over a real Mosquitto.
+"""One transport contract, every coordinator transport: the in-memory twin, MQTT over a real Mosquitto, and
+``fedge simulate``'s clocked transports (the devices stepped in virtual time: :mod:`fedge.sim.clocked`, and
+:mod:`fedge.sim.clocked_async` for asynchronous versions).
 
-Every test here runs unchanged over both (``net`` is parametrised), with the real
+Every test here runs unchanged over each (``net`` is parametrised; the asynchronous clocked transport, which
+delivers only the updates of the tasks it hands out, runs the asynchronous tests), with the real
 round engine and FedProto's real coordinator half where a round is involved, and
 scripted devices that send exact, hand-made updates, so each assertion names the
 bytes, the order and the numbers a transport must produce:
@@ -12,7 +15,10 @@ bytes, the order and the numbers a transport must produce:
 * late updates: an update for the previous round is counted ``late`` in the next;
 * resume: a coordinator that dies mid-round resumes from its checkpoint; the
   re-announced round is answered again and the final state equals an
-  uninterrupted run's.
+  uninterrupted run's;
+* the early return (``CoordinatorTransport.collect``): a collect the engine stops reading loses nothing, the next
+  one yields the rest; asynchronous versions, which stop reading once their buffer is full, count every update
+  once and none is left behind.
 """
 
 from __future__ import annotations
@@ -22,21 +28,30 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
+from fedge.common.asyncmode import AsyncSettings
+from fedge.common.families import spec_by_name
 from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport, InMemoryDeviceTransport
 from fedge.common.messages import Message
-from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo
+from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport, DeviceTransport, Inbound
 from fedge.coordinator.engine import EngineConfig, RoundEngine
+from fedge.edge.agent import DeviceAgent, Traffic
+from fedge.fleet.availability import Availability
+from fedge.fleet.clock import DeviceClock, FleetClock, TrainWork
 from fedge.fleet.registry import method_entry
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.mqtt.settings import TransportSettings
+from fedge.profiles.loader import load_profile
+from fedge.profiles.speed import speed_model
+from fedge.sim.clocked import ClockedCoordinatorTransport
+from fedge.sim.clocked_async import AsyncClockedTransport
 
 FLEET = "contract"
 CLASSES, DIM = 10, 8
@@ -130,11 +145,66 @@ class MqttNet(Net):
             t.close()
 
 
+class ClockedNet(InMemoryNet):
+    """``fedge simulate``'s in-process transport on the virtual clock: the transport steps the devices itself
+    (each always online, a Raspberry Pi 4's speed and link), and times their work."""
+
+    kind = "clocked"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.agents: list[ScriptedDevice] = []
+        self.clock = FleetClock([])
+
+    def coordinator(self) -> CoordinatorTransport:
+        # the scripted devices stand in for DeviceAgents: they have what the clocked transport reads of one
+        t = ClockedCoordinatorTransport(self.bus, [], self.clock, final_round=1_000)
+        t.agents = cast(list[DeviceAgent], self.agents)  # the devices run_devices adds, made after the transport
+        return t
+
+    def run_devices(self, devices: list[ScriptedDevice]) -> None:
+        profile = load_profile("rpi4-2gb")
+        for d in devices:
+            self.agents.append(d)
+            self.clock.devices[d.device_id] = DeviceClock(
+                d.device_id, len(self.clock.devices), speed_model(profile), profile.network, Availability(),
+                TrainWork(spec_by_name("cnn1"), 32, SAMPLES, 1))
+
+
+class AsyncClockedNet(ClockedNet):
+    """Asynchronous mode's clocked transport: a device starts each task it is handed, its update arrives when the
+    clock says (the only updates it delivers)."""
+
+    kind = "clocked-async"
+
+    def coordinator(self) -> CoordinatorTransport:
+        assert self.agents, "run_devices first: this transport takes its fleet when it is made"
+        return AsyncClockedTransport(self.bus, cast(list[DeviceAgent], self.agents), self.clock, eval_every=1_000)
+
+
+def _make_net(request: pytest.FixtureRequest) -> Net:
+    kinds: dict[str, Callable[[], Net]] = {"inmemory": InMemoryNet, "clocked": ClockedNet,
+                                           "clocked-async": AsyncClockedNet}
+    if request.param in kinds:
+        return kinds[request.param]()
+    return MqttNet(request.getfixturevalue(request.param))
+
+
 # The MQTT parameter is the name of the broker fixture, so the test's `mqtt` marker follows (conftest.py) and
-# the quick loop runs the in-memory twin only; the ids stay "inmemory" and "mqtt".
-@pytest.fixture(params=["inmemory", "mosquitto"], ids=["inmemory", "mqtt"])
+# the quick loop runs the in-process transports only; the ids stay "inmemory", "clocked" and "mqtt".
+@pytest.fixture(params=["inmemory", "clocked", "mosquitto"], ids=["inmemory", "clocked", "mqtt"])
 def net(request: pytest.FixtureRequest) -> Iterator[Net]:
-    n: Net = InMemoryNet() if request.param == "inmemory" else MqttNet(request.getfixturevalue(request.param))
+    n = _make_net(request)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+@pytest.fixture(params=["inmemory", "clocked-async", "mosquitto"], ids=["inmemory", "clocked-async", "mqtt"])
+def async_net(request: pytest.FixtureRequest) -> Iterator[Net]:
+    """The transports an asynchronous fleet runs over (the synchronous clocked one is not among them)."""
+    n = _make_net(request)
     try:
         yield n
     finally:
@@ -161,10 +231,22 @@ class ScriptedDevice:
     transport: DeviceTransport
     script: Callable[[int], list[bytes]]
     answered: list[int] = field(default_factory=list)
+    sent: list[bytes] = field(default_factory=list)  # every training update, in the order sent
+    # what the clocked transports read or set on a DeviceAgent: its info, its traffic per round, its timer, the task
+    # it last did (asynchronous mode)
+    traffic: list[Traffic] = field(default_factory=list)
+    timer: Callable[[], float] = time.perf_counter
+    task_done: tuple[str, int] | None = None
+
+    @property
+    def device(self) -> DeviceInfo:
+        return DeviceInfo(self.device_id, "tier-xs", "test", num_samples=SAMPLES, feature_dim=DIM)
+
+    def measure(self, info: RoundInfo) -> dict[str, float]:
+        return {}
 
     def hello(self) -> None:
-        info = DeviceInfo(self.device_id, "tier-xs", "test", num_samples=SAMPLES, feature_dim=DIM)
-        hello = Message("hello", self.device_id, 0, FLEET, info={"device": info.to_dict()})
+        hello = Message("hello", self.device_id, 0, FLEET, info={"device": self.device.to_dict()})
         self.transport.send_hello(hello.to_bytes())
 
     def step(self) -> None:
@@ -173,15 +255,25 @@ class ScriptedDevice:
             return
         msg = Message.from_bytes(raw)
         rnd = msg.round
+        assigned = msg.info["round"].get("assigned")
+        if assigned is not None:  # asynchronous mode: each task once, as a DeviceAgent does (its version's number)
+            if self.device_id not in assigned:
+                return
+            rnd = assigned[self.device_id]
         if self.answered and rnd <= self.answered[-1]:
             return
         self.answered.append(rnd)
         if msg.info["round"].get("phase") == "final":
-            final = Message("update", self.device_id, rnd, FLEET, info={"metrics": {"acc_global": 0.5}})
-            self.transport.send_update(final.to_bytes())
+            final = Message("update", self.device_id, rnd, FLEET, info={"metrics": {"acc_global": 0.5}}).to_bytes()
+            self.transport.send_update(final)
+            self.traffic.append(Traffic(rnd, 0, len(final)))
             return
-        for data in self.script(rnd):
+        updates = self.script(rnd)
+        for data in updates:
             self.transport.send_update(data)
+        self.sent += updates
+        if updates:
+            self.traffic.append(Traffic(rnd, 0, sum(len(u) for u in updates)))
 
 
 def _collect(coord: CoordinatorTransport, rnd: int, expected: set[str], n: int, seconds: float = 60) -> list[Inbound]:
@@ -367,3 +459,51 @@ def test_a_resumed_coordinator_redoes_the_round_and_ends_in_the_same_state(net: 
     for name in ("protos", "counts"):
         np.testing.assert_allclose(resumed.globals[PROTOTYPES_ARTIFACT][name],
                                    reference.globals[PROTOTYPES_ARTIFACT][name], rtol=1e-6)
+
+
+# -- the early return -------------------------------------------------------------------------------------------
+
+def test_a_collect_stopped_early_loses_nothing(net: Net) -> None:
+    """The engine may stop reading a collect (asynchronous mode does, once its buffer is full): the next collect
+    yields what was not read yet, every message once, in the order sent."""
+    coord = net.coordinator()
+    dev = net.device("d1")
+    sent = [update("d1", r, r) for r in (1, 2, 3)]
+    for data in sent:
+        dev.send_update(data)
+    pending = {"d1"}
+    reading = coord.collect(1, pending, time.time() + 60)
+    first = next(reading)
+    del reading  # what `break` does to the engine's loop over it: the iterator is dropped unfinished
+    rest = _collect(coord, 1, {"d1"}, n=2)
+    assert [first.data] + [i.data for i in rest] == sent
+
+
+def test_async_versions_stop_collect_early_and_count_every_update_once(async_net: Net) -> None:
+    """Three devices, versions of K = 2: each version stops reading once its two updates are in, and the update
+    left unread (the third device's, trained from version 1) is counted in the next version with staleness 1 —
+    never lost, never counted twice."""
+    net = async_net
+    def answer(device_id: str, k: int) -> Callable[[int], list[bytes]]:
+        return lambda r: [update(device_id, r, 10 * k + r)]
+
+    scripts = {d: answer(d, k) for k, d in enumerate(["d1", "d2", "d3"])}
+    net.run_devices(_fleet(net, scripts))  # before the coordinator: the clocked one takes its fleet when made
+    coord = net.coordinator()
+    net.wait_hellos(coord, list(scripts))
+    strat = method_entry("fedproto").build_strategy(None, num_classes=CLASSES, rounds=3)
+    cfg = EngineConfig(fleet=FLEET, method="fedproto", min_devices=3, round_timeout_s=0.0,
+                       asynchronous=AsyncSettings(buffer_size=2, fleet_size=3))
+    reports = RoundEngine(strat, coord, cfg).run()
+    versions = reports[:-1]
+    assert [r.round for r in reports] == [1, 2, 3, 4]
+    assert [len(r.accepted) for r in versions] == [2, 2, 2]
+    assert all(r.missing == [] for r in reports)
+    # (device, version trained from) of every accepted update: each once, and every device's first task counted
+    counted = [(d, r.round - r.staleness[d]) for r in versions for d in r.accepted]
+    assert len(counted) == len(set(counted)) == 6
+    assert {("d1", 1), ("d2", 1), ("d3", 1)} <= set(counted)
+    if net.kind != "mqtt":  # in-process the order is fixed: the update version 1 left unread comes first in 2
+        (left,) = set(scripts) - set(versions[0].accepted)
+        assert versions[1].accepted[0] == left and versions[1].staleness[left] == 1
+    assert all(r.rejected == {} for r in versions), [r.rejected for r in versions]  # nothing delivered twice

@@ -297,13 +297,7 @@ def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: B
     saves the index and writes every broker's CRL, :meth:`Issuer.finish`) instead of this directory's own."""
     opts = opts or BrokerOptions()
     account = broker_account(opts.run_as)
-    check_name(fleet, "fleet name")
-    for d in devices:
-        check_name(d, "device id")
-    for special in (opts.coordinator_user, opts.deploy_user):
-        if special in devices:
-            raise ConfigError(f"a device is named {special!r}, like the coordinator or deploy account",
-                              hint="choose another --coordinator-user / --deploy-user")
+    _check_names(fleet, devices, opts)
     outp = Path(out).resolve()
     outp.mkdir(parents=True, exist_ok=True)
     (outp / "data").mkdir(exist_ok=True)
@@ -318,24 +312,7 @@ def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: B
     secrets_dir.update({d: outp / "bundles" / d for d in devices})
     files = BrokerFiles(outp, outp / "mosquitto.conf", outp / "passwd", outp / "acl", users=users,
                         ca=None if tls_dir is None else tls_dir / "ca.crt", limits=limits)
-    if opts.mtls:
-        assert ca is not None and tls_dir is not None
-        own = issuer is None
-        if issuer is None:
-            issuer = Issuer.at(outp, ca, rotate=opts.rotate, days=opts.client_days)
-        for user in users:
-            stem = CLIENT_STEM if user in (opts.coordinator_user, opts.deploy_user) else DEVICE_STEM
-            issuer.ensure(secrets_dir[user], stem, user)
-        if own:
-            issuer.finish([tls_dir])
-        files.passwd.unlink(missing_ok=True)  # no passwords under mutual TLS: nothing to leak
-    else:
-        lines = []
-        for user in users:
-            pw = _password(secrets_dir[user] / "password", opts.rotate)
-            lines.append(f"{user}:{hash_password(pw, iterations=opts.iterations)}")
-        # passwd/acl: readable by the broker's account only (Mosquitto reads them after dropping root).
-        _write(files.passwd, "\n".join(lines) + "\n", 0o600, owner=account)
+    _write_credentials(files, opts, secrets_dir, ca, issuer, owner=account)
     _write(files.acl, acl_text(fleet, devices, opts.coordinator_user, opts.deploy_user), 0o600, owner=account)
     _write(files.config, mosquitto_conf(outp, opts, tls_dir=tls_dir, limits=limits))
     files.warnings = ownership_warnings(outp, account, opts.run_as)
@@ -353,29 +330,72 @@ def write_broker_config(fleet: str, devices: list[str], out: str | Path, opts: B
             secrets_dir[user].mkdir(parents=True, exist_ok=True)
             shutil.copyfile(fleet_pub, secrets_dir[user] / "fleet.pub")
 
-    scheme = "mqtts" if opts.uses_tls else "mqtt"
     if opts.bundles and fleet_config is None:
         log.info("no fleet config given: passwords are in bundles/ID/password, but no bundle.toml is written")
     if opts.bundles and fleet_config is not None:
-        for dev in devices:
-            bdir = outp / "bundles" / dev
-            lines = [f'device_id = "{dev}"', 'fleet_config = "fleet.toml"',
-                     f'broker = "{scheme}://{opts.hostname}:{opts.port}"']
-            if opts.mtls:
-                lines += [f'cert_file = "{DEVICE_STEM}.crt"', f'key_file = "{DEVICE_STEM}.key"']
-                (bdir / "password").unlink(missing_ok=True)
-            else:
-                lines += [f'username = "{dev}"', 'password_file = "password"']
-            shutil.copyfile(fleet_config, bdir / "fleet.toml")
-            if files.ca is not None:
-                shutil.copyfile(files.ca, bdir / "ca.crt")
-                lines.append('ca_file = "ca.crt"')
-            if fleet_pub is not None:
-                lines.append('fleet_key = "fleet.pub"')
-            _write(bdir / "bundle.toml", "\n".join(lines) + "\n")
-            files.bundles.append(bdir)
+        files.bundles += [_write_bundle(outp / "bundles" / dev, dev, opts, Path(fleet_config), files.ca, fleet_pub)
+                          for dev in devices]
     log.info("wrote a Mosquitto config for fleet %s (%d devices) to %s", fleet, len(devices), outp)
     return files
+
+
+def _check_names(fleet: str, devices: list[str], opts: BrokerOptions) -> None:
+    """The fleet name and device ids as topic levels and accounts: refused when one could not be, or when a device
+    would take the coordinator's or the deploy account's name."""
+    check_name(fleet, "fleet name")
+    for d in devices:
+        check_name(d, "device id")
+    for special in (opts.coordinator_user, opts.deploy_user):
+        if special in devices:
+            raise ConfigError(f"a device is named {special!r}, like the coordinator or deploy account",
+                              hint="choose another --coordinator-user / --deploy-user")
+
+
+def _write_credentials(files: BrokerFiles, opts: BrokerOptions, secrets_dir: dict[str, Path],
+                       ca: CertificateAuthority | None, issuer: Issuer | None, *,
+                       owner: tuple[int, int] | None) -> None:
+    """Every account's credentials in its directory of ``secrets_dir``: client certificates under mutual TLS (from
+    ``issuer``, else this directory's own), else a password each and the broker's ``passwd`` of their hashes."""
+    users = files.users
+    if opts.mtls:
+        assert ca is not None and files.ca is not None
+        own = issuer is None
+        if issuer is None:
+            issuer = Issuer.at(files.out, ca, rotate=opts.rotate, days=opts.client_days)
+        for user in users:
+            stem = CLIENT_STEM if user in (opts.coordinator_user, opts.deploy_user) else DEVICE_STEM
+            issuer.ensure(secrets_dir[user], stem, user)
+        if own:
+            issuer.finish([files.ca.parent])
+        files.passwd.unlink(missing_ok=True)  # no passwords under mutual TLS: nothing to leak
+        return
+    lines = []
+    for user in users:
+        pw = _password(secrets_dir[user] / "password", opts.rotate)
+        lines.append(f"{user}:{hash_password(pw, iterations=opts.iterations)}")
+    # passwd/acl: readable by the broker's account only (Mosquitto reads them after dropping root).
+    _write(files.passwd, "\n".join(lines) + "\n", 0o600, owner=owner)
+
+
+def _write_bundle(bdir: Path, dev: str, opts: BrokerOptions, fleet_config: Path, ca: Path | None,
+                  fleet_pub: Path | None) -> Path:
+    """Device ``dev``'s bundle (``bundle.toml`` beside its credentials, the fleet config, the CA and the fleet's
+    public key) in ``bdir``; returns ``bdir``."""
+    scheme = "mqtts" if opts.uses_tls else "mqtt"
+    lines = [f'device_id = "{dev}"', 'fleet_config = "fleet.toml"', f'broker = "{scheme}://{opts.hostname}:{opts.port}"']
+    if opts.mtls:
+        lines += [f'cert_file = "{DEVICE_STEM}.crt"', f'key_file = "{DEVICE_STEM}.key"']
+        (bdir / "password").unlink(missing_ok=True)
+    else:
+        lines += [f'username = "{dev}"', 'password_file = "password"']
+    shutil.copyfile(fleet_config, bdir / "fleet.toml")
+    if ca is not None:
+        shutil.copyfile(ca, bdir / "ca.crt")
+        lines.append('ca_file = "ca.crt"')
+    if fleet_pub is not None:
+        lines.append('fleet_key = "fleet.pub"')
+    _write(bdir / "bundle.toml", "\n".join(lines) + "\n")
+    return bdir
 
 
 def _signing_key(coord: Path) -> tuple[Path, Path]:

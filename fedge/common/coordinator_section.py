@@ -62,7 +62,11 @@ _KEY_HINTS = {
     "aggregation": "one of mean, trimmed, median", "trim": "trimmed: fraction cut at each end, e.g. 0.2",
     "clip": "clip factor x the median distance, e.g. 2.0 (0: off)", "min_devices": "a device count, e.g. 1",
     "quorum": "a fraction of the fleet, e.g. 0.8", "max_update_bytes": "bytes, e.g. 67108864 (64 MiB)",
-    "selection": "one of uniform, available, balanced", "mode": '"sync" or "async"',
+    "selection": "one of uniform, available, balanced, oort, energy", "mode": '"sync" or "async"',
+    "explore": "oort / energy: the share of slots for untried devices, e.g. 0.2",
+    "preferred_round_s": "oort: the preferred round duration in seconds (0: the median task time)",
+    "straggler_penalty": "oort: the exponent α of the penalty (T / t) ** α, e.g. 2",
+    "thermal_guard": "oort / energy: true to skip a device that is hot until it cools",
     "staleness_weight": "one of constant, polynomial, hinge",
 }
 
@@ -103,6 +107,11 @@ class CoordinatorSection:
     # client sampling (fedge.common.sampling)
     sample: Any = None  # a count (int) or a fraction (float): Sampling checks it, with a hint for each
     selection: str | None = None
+    # selection = "oort" / "energy" (fedge.common.selection)
+    explore: float | None = None
+    preferred_round_s: float | None = None
+    straggler_penalty: float | None = None
+    thermal_guard: bool | None = None
     # asynchronous mode (fedge.common.asyncmode)
     mode: str = "sync"
     buffer_size: int | None = None

@@ -11,7 +11,9 @@ accepts updates only from the listed ones.
 * ``available``: ``k`` uniformly from the devices online at the round's start;
 * ``balanced``: ``k`` from the online devices, spread as evenly as possible over their profiles
   (each profile gets ``k ÷ profiles`` slots, the remainder going to profiles drawn at random; a
-  profile with too few devices online gives its slots to the others).
+  profile with too few devices online gives its slots to the others);
+* ``oort`` and ``energy``: ``k`` from the online devices by a utility from what they reported, their speed and
+  their energy (:mod:`fedge.common.selection`; the coordinator gathers the facts, :mod:`fedge.coordinator.selecting`).
 
 Shared by the fleet config (checked when it loads) and the coordinator (which samples): plain Python
 and numpy only.
@@ -21,19 +23,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from fedge.common.selection import UTILITY_KEYS, UTILITY_SELECTIONS, UtilitySettings
 from fedge.errors import ConfigError
 
 SELECTIONS: dict[str, str] = {
     "uniform": "uniformly from every registered device, online or not",
     "available": "uniformly from the devices online at the round's start",
     "balanced": "from the online devices, spread evenly over their profiles",
+    **UTILITY_SELECTIONS,
 }
-SAMPLING_KEYS = ("sample", "selection")
+SAMPLING_KEYS = ("sample", "selection", *UTILITY_KEYS)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class Sampling:
     selection: str = "available"
     fleet_size: int = 0
     seed: int = 0
+    utility: UtilitySettings = field(default_factory=UtilitySettings)
+    """``oort`` / ``energy``: exploration, preferred round duration, straggler penalty."""
 
     def __post_init__(self) -> None:
         s = self.sample
@@ -77,8 +83,11 @@ class Sampling:
         """The devices that train in round ``rnd``, sorted.
 
         ``registered`` maps every registered device to its profile, ``online`` names those online now.
-        Deterministic in (seed, round, the candidates' ids and profiles), whatever their order.
+        Deterministic in (seed, round, the candidates' ids and profiles), whatever their order. ``oort`` and
+        ``energy`` need what the devices reported: :func:`fedge.common.selection.select`.
         """
+        if self.selection in UTILITY_SELECTIONS:
+            raise ValueError(f"selection {self.selection!r} chooses from the devices' facts: use selection.select")
         rng = np.random.default_rng([self.seed & 0xFFFF_FFFF, rnd, 0x5A4D])
         pool = sorted(registered) if self.selection == "uniform" else sorted(set(online) & set(registered))
         k = min(self.count, len(pool))
@@ -111,7 +120,12 @@ def parse_sampling(table: Mapping[str, Any], *, fleet_size: int, seed: int, sour
     if not isinstance(sel, str):
         raise ConfigError(f"{source}: [coordinator] selection must be a string, got {sel!r}",
                           hint=f"use one of {', '.join(SELECTIONS)}")
+    given = {k: table[k] for k in UTILITY_KEYS if table.get(k) is not None}
     try:
-        return Sampling(table["sample"], sel, fleet_size=fleet_size, seed=seed)
+        if given and sel not in UTILITY_SELECTIONS:
+            key = next(iter(given))
+            raise ConfigError(f"[coordinator] {key} = {given[key]!r} applies to selection = \"oort\" or \"energy\", "
+                              f"not {sel!r}", hint=f"drop {key}, or set selection = \"oort\" or \"energy\"")
+        return Sampling(table["sample"], sel, fleet_size=fleet_size, seed=seed, utility=UtilitySettings(**given))
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc.message}" if source else exc.message, hint=exc.hint) from exc

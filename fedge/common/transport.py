@@ -66,6 +66,17 @@ class CoordinatorTransport(ABC):
         device's update was accepted, so the transport can stop when it is empty (or
         when every id left in it is known to be offline). Implementations yield
         every message they receive; the engine validates them.
+
+        The early return: the engine may stop reading before the iterator ends (it
+        closes it, as ``break`` does). Asynchronous mode's version loop does so once its
+        buffer is full, or when a refusal ended a device's task (that device gets a new
+        task at once), and then calls ``collect`` again. Nothing received is lost by
+        that: every message is yielded exactly once, in the order received, the
+        messages not yet yielded first by the next call. A ``collect`` that yields
+        nothing says there is nothing to wait for (every expected device answered, is
+        offline or, in-process, has nothing more to send); the version loop then
+        withdraws the tasks it waited on. ``tests/test_transport_contract.py`` holds
+        every transport to this.
         """
 
     def offline(self) -> set[str]:

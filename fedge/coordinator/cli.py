@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +33,24 @@ def coordinator_settings(args: argparse.Namespace, section: Any, source: str) ->
         raise ConfigError(f"{source}: [coordinator] with the flags: {exc.message}", hint=exc.hint) from exc
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from fedge.coordinator.config import (
-        DEFAULT_MAX_UPDATE_BYTES,
-        SERVICE_DEFAULTS,
-        TASK_TIMEOUT_FACTOR,
-        TASK_TIMEOUT_FLOOR_S,
-        UNKNOWN_SPEED_TIMEOUT_S,
-    )
-    from fedge.mqtt.flags import add_broker_arguments
+Parsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # argparse's type, generic for mypy only
 
+
+def add_parser(sub: Parsers) -> None:
+    """``fedge coordinator run | worker``, ``fedge dashboard`` and ``fedge relay``."""
     c = sub.add_parser("coordinator", help="run the coordinator against an MQTT broker",
                        description="The coordinator service: registers devices, runs rounds, checkpoints.")
     csub = c.add_subparsers(dest="coordinator_command", metavar="ACTION", required=True)
+    _add_run_parser(csub)
+    _add_dashboard_parser(sub)
+    _add_worker_parser(csub)
+    _add_relay_parser(sub)
+
+
+def _add_run_parser(csub: Parsers) -> None:
+    from fedge.coordinator.config import DEFAULT_MAX_UPDATE_BYTES
+    from fedge.mqtt.flags import add_broker_arguments
+
     r = csub.add_parser("run", help="run (or resume) a fleet's rounds over MQTT",
                         description="Run a fleet config's rounds over MQTT. Restarted with the same --state-dir, "
                                     "it resumes after the last completed round.")
@@ -56,26 +61,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     e.add_argument("--embedded", choices=("amqtt", "mosquitto"), default="amqtt",
                    help="amqtt (in this process, default) or a mosquitto child process")
     e.add_argument("--port", type=int, default=1883, help="loopback port of the embedded broker (0: any free port)")
-    s = r.add_argument_group("scheduling (flags override the fleet config's [coordinator] table)")
-    d = SERVICE_DEFAULTS
-    s.add_argument("--min-devices", type=int, help=f"devices online before a round starts (default {d['min_devices']})")
-    s.add_argument("--quorum", type=float, metavar="FRACTION",
-                   help=f"fraction of the fleet's devices online before a round starts (default {d['quorum']})")
-    s.add_argument("--quorum-timeout", type=float, metavar="S",
-                   help=f"give up waiting (default {d['quorum_timeout_s']:.0f})")
-    s.add_argument("--wait-for-fleet", type=float, default=0.0, metavar="S",
-                   help="before the first round, wait up to S s for a hello from every device of the fleet config, "
-                        "so round 1 has the whole fleet (default 0: start once the quorum is online)")
-    s.add_argument("--deadline-slack", type=float,
-                   help="round deadline = slack x the slowest expected device's round time "
-                        f"(default {d['deadline_slack']:g}; 0: off)")
-    s.add_argument("--round-timeout", type=float, metavar="S",
-                   help="how long a device may leave its work unanswered; 0: wait for it. Default auto: an "
-                        f"asynchronous task max({TASK_TIMEOUT_FLOOR_S:.0f} s, {TASK_TIMEOUT_FACTOR:g} x the device's "
-                        f"expected task time), then withdrawn and handed out again; {UNKNOWN_SPEED_TIMEOUT_S:.0f} s "
-                        "for a device of unknown speed (a synchronous round's budget too)")
-    s.add_argument("--min-round", type=float, metavar="S", help=f"shortest deadline (default {d['min_round_s']:g})")
-    s.add_argument("--max-round", type=float, metavar="S", help=f"longest deadline (default {d['max_round_s']:g})")
+    _add_scheduling_arguments(r)
     g = r.add_argument_group("aggregation (flags override the fleet config's [coordinator] table)")
     g.add_argument("--aggregation", choices=("mean", "trimmed", "median"),
                    help="how updates are combined (default mean; fedavg, lgfedavg and fedproto)")
@@ -112,6 +98,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "subscription): this coordinator merges their partials and does not read updates itself")
     r.set_defaults(func=_run)
 
+
+def _add_dashboard_parser(sub: Parsers) -> None:
     dash = sub.add_parser("dashboard", help="the dashboard of a run directory (live while its coordinator runs)",
                        description="Serve the dashboard of a coordinator's state directory (reports.jsonl, "
                                    "state.json), or of an emulation directory (its coordinator/), on loopback: the "
@@ -127,6 +115,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     dash.add_argument("--once", metavar="PAGE.html", help="write the page to this file and exit (no server)")
     dash.set_defaults(func=_dashboard)
 
+
+def _add_worker_parser(csub: Parsers) -> None:
+    from fedge.mqtt.flags import add_broker_arguments
+
     wk = csub.add_parser("worker", help="aggregate a share of the updates (MQTT 5 shared subscription)",
                         description="An aggregation worker: reads its share of the fleet's updates through the "
                                     "shared subscription $share/GROUP/fedge/FLEET/devices/+/update, checks each "
@@ -138,6 +130,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     wk.add_argument("--flush", type=float, default=0.05, metavar="S",
                    help="send what accumulated every S seconds (default 0.05)")
     wk.set_defaults(func=_worker)
+
+
+def _add_relay_parser(sub: Parsers) -> None:
+    from fedge.mqtt.flags import add_broker_arguments
 
     rl = sub.add_parser("relay", help="relay one broker shard to its parent broker (hierarchical aggregation)",
                         description="A relay: connected to its shard's broker (--shard) and to its parent's "
@@ -158,6 +154,36 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     rl.add_argument("--hold", type=float, default=1.0, metavar="S",
                     help="send what accumulated once nothing new came for S seconds (default 1)")
     rl.set_defaults(func=_relay)
+
+
+def _add_scheduling_arguments(r: argparse.ArgumentParser) -> None:
+    from fedge.coordinator.config import (
+        SERVICE_DEFAULTS,
+        TASK_TIMEOUT_FACTOR,
+        TASK_TIMEOUT_FLOOR_S,
+        UNKNOWN_SPEED_TIMEOUT_S,
+    )
+
+    s = r.add_argument_group("scheduling (flags override the fleet config's [coordinator] table)")
+    d = SERVICE_DEFAULTS
+    s.add_argument("--min-devices", type=int, help=f"devices online before a round starts (default {d['min_devices']})")
+    s.add_argument("--quorum", type=float, metavar="FRACTION",
+                   help=f"fraction of the fleet's devices online before a round starts (default {d['quorum']})")
+    s.add_argument("--quorum-timeout", type=float, metavar="S",
+                   help=f"give up waiting (default {d['quorum_timeout_s']:.0f})")
+    s.add_argument("--wait-for-fleet", type=float, default=0.0, metavar="S",
+                   help="before the first round, wait up to S s for a hello from every device of the fleet config, "
+                        "so round 1 has the whole fleet (default 0: start once the quorum is online)")
+    s.add_argument("--deadline-slack", type=float,
+                   help="round deadline = slack x the slowest expected device's round time "
+                        f"(default {d['deadline_slack']:g}; 0: off)")
+    s.add_argument("--round-timeout", type=float, metavar="S",
+                   help="how long a device may leave its work unanswered; 0: wait for it. Default auto: an "
+                        f"asynchronous task max({TASK_TIMEOUT_FLOOR_S:.0f} s, {TASK_TIMEOUT_FACTOR:g} x the device's "
+                        f"expected task time), then withdrawn and handed out again; {UNKNOWN_SPEED_TIMEOUT_S:.0f} s "
+                        "for a device of unknown speed (a synchronous round's budget too)")
+    s.add_argument("--min-round", type=float, metavar="S", help=f"shortest deadline (default {d['min_round_s']:g})")
+    s.add_argument("--max-round", type=float, metavar="S", help=f"longest deadline (default {d['max_round_s']:g})")
 
 
 def _add_aggregator_arguments(p: argparse.ArgumentParser) -> None:
@@ -355,7 +381,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fedge.coordinator.dashboard import page, routes_for
-    from fedge.coordinator.monitor import FileView
+    from fedge.coordinator.fileview import FileView
     from fedge.coordinator.web import DashboardServer, check_bind, load_token, parse_endpoint
 
     state_dir = _state_dir_of(args.run_dir)
@@ -465,6 +491,52 @@ def _key_chain(signer: Any, args: argparse.Namespace) -> bytes | None:
     return chain.to_bytes()
 
 
+def _broker(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(the embedded broker started when no --broker is given, else None; the broker settings)."""
+    from fedge.mqtt.flags import broker_settings
+
+    if args.broker is not None:
+        return None, broker_settings(args)
+    from fedge.mqtt.broker import EmbeddedBroker, MosquittoProcess, free_port
+
+    embedded: Any
+    if args.embedded == "mosquitto":
+        embedded = MosquittoProcess(port=args.port or free_port()).start()
+    else:
+        embedded = EmbeddedBroker(port=args.port).start()
+    print(f"embedded broker ({args.embedded}) on {embedded.url}: devices connect with --broker {embedded.url}",
+          file=sys.stderr)
+    return embedded, broker_settings(args, embedded.url)
+
+
+def _print_topics(cfg: Any, devices: int, run_id: str) -> None:
+    from fedge.mqtt.topics import FleetTopics
+
+    topics = FleetTopics(cfg.run.fleet)
+    print(f"coordinator of fleet {cfg.run.fleet!r} ({cfg.run.method}, {devices} devices in {cfg.source}), "
+          f"run {run_id}: devices publish on {topics.device_filter('hello')} (and status, "
+          f"update), rounds on {topics.round}, global state on {topics.base}/global/#", file=sys.stderr)
+
+
+def round_line(rep: Any, total: int) -> str:
+    """The line ``fedge coordinator run`` prints after each round (``rep``, a RoundReport) of ``total``."""
+    rejected = ", ".join(f"{k} {v}" for k, v in sorted(rep.rejected.items())) or "none"
+    # metrics passed the gate (finite numbers), but a printout must not be what stops a coordinator
+    # (compact partials of relays and workers report sums and counts, not each device's figure)
+    acc_sum, acc_n = rep.metric_values("acc_global")
+    acc = f", mean acc {100 * acc_sum / acc_n:.1f}%" if acc_n else ""
+    missing = f", missing {', '.join(rep.missing)}" if rep.missing else ""
+    p = rep.privacy
+    eps = f", ε {p['epsilon']:.3g} at δ {p['delta']:g} (+{p['epsilon_round']:.3g}/round)" if p else ""
+    slow = max(rep.train_s.items(), key=lambda kv: kv[1], default=None)  # each device's own clock
+    slowest = f", slowest device {slow[0]} {slow[1]:.1f} s" if slow else ""
+    stale = list(rep.staleness.values())  # asynchronous mode: a round is a global version
+    unit = "version" if stale else "round"
+    staleness = f", staleness mean {sum(stale) / len(stale):.1f} max {max(stale)}" if stale else ""
+    return (f"{unit} {rep.round}/{total} ({rep.phase}): {len(rep.accepted)} updates{staleness}, rejected "
+            f"{rejected}{missing}{acc}{eps}, {rep.seconds:.1f} s{slowest}")
+
+
 def _run(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
@@ -474,7 +546,6 @@ def _run(args: argparse.Namespace) -> int:
     from fedge.coordinator.store import REPORTS_FILE, read_reports
     from fedge.fleet.config import device_ids, load_fleet
     from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
-    from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.settings import TransportSettings
 
     endpoint, token = _check_watch_flags(args)
@@ -490,19 +561,7 @@ def _run(args: argparse.Namespace) -> int:
         refuse_in_parts(cfg.asynchronous, "--workers", source=cfg.source)
         check_splittable(strat)
 
-    embedded: Any = None
-    if args.broker is None:
-        from fedge.mqtt.broker import EmbeddedBroker, MosquittoProcess, free_port
-
-        if args.embedded == "mosquitto":
-            embedded = MosquittoProcess(port=args.port or free_port()).start()
-        else:
-            embedded = EmbeddedBroker(port=args.port).start()
-        print(f"embedded broker ({args.embedded}) on {embedded.url}: devices connect with --broker {embedded.url}",
-              file=sys.stderr)
-        settings = broker_settings(args, embedded.url)
-    else:
-        settings = broker_settings(args)
+    embedded, settings = _broker(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes)
     signer = _signer(args)
     transport = MqttCoordinatorTransport(settings, cfg.run.fleet, wire, signer=signer, updates=not args.workers,
@@ -535,37 +594,14 @@ def _run(args: argparse.Namespace) -> int:
             service.engine.observers.extend(more)  # before the first round: they see every round
             print(f"dashboard on {web.url}/, metrics on {web.url}/metrics{' (token required)' if token else ''}",
                   file=sys.stderr)
-        from fedge.mqtt.topics import FleetTopics
-
-        topics = FleetTopics(cfg.run.fleet)
-        print(f"coordinator of fleet {cfg.run.fleet!r} ({cfg.run.method}, {len(ids)} devices in {cfg.source}), "
-              f"run {service.engine.run_id}: devices publish on {topics.device_filter('hello')} (and status, "
-              f"update), rounds on {topics.round}, global state on {topics.base}/global/#", file=sys.stderr)
+        _print_topics(cfg, len(ids), service.engine.run_id)
         if service.resumed_from:
             print(f"resuming {cfg.run.method} on fleet {cfg.run.fleet} after round {service.resumed_from} "
                   f"(state in {args.state_dir})", file=sys.stderr)
         if args.wait_for_fleet > 0 and not service.resumed_from:
             service.engine.await_fleet(ids, args.wait_for_fleet)
         total = strat.total_rounds() + 1
-
-        def on_round(rep: Any) -> None:
-            rejected = ", ".join(f"{k} {v}" for k, v in sorted(rep.rejected.items())) or "none"
-            # metrics passed the gate (finite numbers), but a printout must not be what stops a coordinator
-            # (compact partials of relays and workers report sums and counts, not each device's figure)
-            acc_sum, acc_n = rep.metric_values("acc_global")
-            acc = f", mean acc {100 * acc_sum / acc_n:.1f}%" if acc_n else ""
-            missing = f", missing {', '.join(rep.missing)}" if rep.missing else ""
-            p = rep.privacy
-            eps = f", ε {p['epsilon']:.3g} at δ {p['delta']:g} (+{p['epsilon_round']:.3g}/round)" if p else ""
-            slow = max(rep.train_s.items(), key=lambda kv: kv[1], default=None)  # each device's own clock
-            slowest = f", slowest device {slow[0]} {slow[1]:.1f} s" if slow else ""
-            stale = list(rep.staleness.values())  # asynchronous mode: a round is a global version
-            unit = "version" if stale else "round"
-            staleness = f", staleness mean {sum(stale) / len(stale):.1f} max {max(stale)}" if stale else ""
-            print(f"{unit} {rep.round}/{total} ({rep.phase}): {len(rep.accepted)} updates{staleness}, rejected "
-                  f"{rejected}{missing}{acc}{eps}, {rep.seconds:.1f} s{slowest}", flush=True)
-
-        service.run(on_round=on_round)
+        service.run(on_round=lambda rep: print(round_line(rep, total), flush=True))
     finally:
         if web is not None:
             web.stop()

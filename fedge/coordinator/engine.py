@@ -1,4 +1,4 @@
-"""The round loop, written once for every method and every transport.
+"""The round loop, written once for every method, every transport and both modes.
 
 Per round the engine announces a :class:`RoundInfo`, streams the updates the
 transport delivers through the :class:`~fedge.coordinator.gate.UpdateGate`
@@ -11,7 +11,9 @@ In asynchronous mode (``EngineConfig.asynchronous``, docs/async.md) a round is a
 engine asks up to ``concurrency`` idle devices to train (``round.assigned``), admits updates trained from
 any of the last ``max_staleness`` versions, folds each into the strategy with its staleness weight (after
 persisting it: a restart loses no accepted update), and makes a new version every ``buffer_size`` accepted
-updates. The same transports carry it; the gate, robust aggregation, slots and run ids apply unchanged.
+updates. The same transports carry it; the gate, robust aggregation, slots and run ids apply unchanged. The
+two modes are two policies over one loop (:mod:`fedge.coordinator.policy`, :mod:`fedge.coordinator.versions`):
+a policy says whom a round asks and when it is full; the loop here announces, collects, closes and checkpoints.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 from fedge.common.messages import Message
 from fedge.common.privacy import PrivacyLedger
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
+from fedge.common.selection import UTILITY_SELECTIONS
 from fedge.common.transport import CoordinatorTransport
 from fedge.coordinator.config import (
     COORDINATOR_ID,
@@ -36,13 +39,15 @@ from fedge.coordinator.config import (
     UNKNOWN_SPEED_TIMEOUT_S,
     EngineConfig,
 )
-from fedge.coordinator.gate import Admitted, UpdateGate
-from fedge.coordinator.merge import PartialMerger, merged_into
+from fedge.coordinator.gate import UpdateGate
+from fedge.coordinator.merge import PartialMerger
 from fedge.coordinator.observer import EngineObserver
-from fedge.coordinator.report import RoundReport, record_admitted
+from fedge.coordinator.policy import Call, RoundPolicy, SyncRound
+from fedge.coordinator.report import RoundReport
+from fedge.coordinator.selecting import Selector
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
-from fedge.coordinator.versions import run_version
+from fedge.coordinator.versions import VersionPolicy
 from fedge.errors import TransportError
 
 log = logging.getLogger(__name__)
@@ -77,11 +82,12 @@ class RoundEngine:
         self.session: str = uuid.uuid4().hex
         self.global_rounds: dict[str, int] = {}  # artifact -> round that produced the published version
         self.latency: dict[str, dict[str, float]] = {}  # phase -> device -> seconds announce→update
-        self._resumed_round = 0  # the round a restarted coordinator runs again (0: not resumed)
+        self.resumed_round = 0  # the round a restarted coordinator runs again (0: not resumed)
         # asynchronous mode: device -> the version at which it was asked to train, until its update is accepted
         self.tasks: dict[str, int] = {}
         self.task_since: dict[str, float] = {}  # ... and when (unix seconds) it was handed out, for its timeout
         self.gate.assigned = self.tasks
+        self.selector = Selector()  # selection = "oort" / "energy": what devices reported (issue 44)
         self.store: EngineStore | None = EngineStore(state_dir) if state_dir else None
         if self.store is not None and self.store.exists():
             self._resume(self.store.load(method=config.method, fleet=config.fleet))
@@ -235,69 +241,84 @@ class RoundEngine:
         s = self.config.sampling
         if s is None or s.full or rnd > self.strategy.total_rounds():
             return None
+        if s.selection in UTILITY_SELECTIONS:  # facts from the reports and, simulated, the clock
+            facts = getattr(self.transport, "selection_facts", None)
+            return self.selector.choose(s, rnd, self.devices, online, self.reports, facts(rnd) if facts else None,
+                                        lambda d: self._estimate(d, self.strategy.phase(rnd)))
         return s.choose(rnd, {d: dev.profile for d, dev in self.devices.items()}, online)
 
     def run_round(self, rnd: int) -> RoundReport:
-        """Announce round ``rnd``, aggregate what arrives, publish the new global state."""
-        if self.config.asynchronous is not None and rnd <= self.strategy.total_rounds():
-            return run_version(self, rnd)
+        """Announce round ``rnd``, aggregate what arrives, publish the new global state.
+
+        The one round loop of both modes: its :class:`~fedge.coordinator.policy.RoundPolicy` says who is asked and
+        when the round is full (:class:`~fedge.coordinator.policy.SyncRound`, or in asynchronous mode's training
+        rounds :class:`~fedge.coordinator.versions.VersionPolicy`); announcing, collecting through the gate,
+        closing, publishing and checkpointing are written here once."""
         t0 = time.perf_counter()
-        self.await_quorum()
-        online = self.online_devices()
-        sampled = self.sample(rnd, online)
-        # a sampled device that is offline cannot answer: the round waits only for the online ones
-        expected = online if sampled is None else online & set(sampled)
-        info = self.round_info(rnd, expected, sampled)
-        report = RoundReport(round=rnd, phase=info.phase, deadline_s=max(0.0, info.deadline - time.time()),
-                             sampled=list(sampled or []))
+        asynchronous = self.config.asynchronous is not None and rnd <= self.strategy.total_rounds()
+        policy: RoundPolicy = VersionPolicy(self, rnd) if asynchronous else SyncRound(self, rnd)
+        policy.open()
+        if not policy.final:
+            self.strategy.begin_round(rnd)
+        self.gate.begin_round(rnd, final=policy.final, sampled=policy.sampled)
+        self.partials.begin_round(rnd, final=policy.final)
+        policy.restore()
+        while not policy.done():
+            step = policy.ask()
+            if step.call is not None:
+                self._announce(rnd, step.call)
+            if step.pending is None:  # nobody to wait for: until a device is back (or a hello arrives)
+                self.transport.wait_for_devices(1.0)
+                continue
+            policy.end_pass(self._collect(rnd, policy, step.pending, step.deadline))
+        return self._close(policy, t0)
+
+    def _announce(self, rnd: int, call: Call) -> None:
+        """Publish round ``rnd``'s descriptor and tell the observers."""
         # "run" tells devices a resumed run from a new one; "globals" names the version of each
         # artifact this round starts from, so a device waits for exactly that one.
         announce = Message("round", COORDINATOR_ID, rnd, self.config.fleet,
-                           info={"round": info.to_dict(), "run": self.run_id, "globals": dict(self.global_rounds)})
-        announced_at = time.time()
+                           info={"round": call.info.to_dict(), "run": self.run_id, **call.extra,
+                                 "globals": dict(self.global_rounds)})
         self.transport.announce_round(announce.to_bytes())
-        if not info.is_final:
-            self.strategy.begin_round(rnd)
-        self.gate.begin_round(rnd, final=info.is_final, sampled=sampled)
-        self.partials.begin_round(rnd, final=info.is_final)
-        pending = set(expected)  # live: the transport stops once it is empty
-        self._notify("round_started", info, frozenset(expected), pending)
+        self._notify("round_started", call.info, call.asked, call.pending)
 
-        def accept(up: Admitted) -> None:
-            if not info.is_final and not self.strategy.secure_sums:  # secure: accumulate_group_sum instead
-                self.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
-            record_admitted(report, up)
+    def _collect(self, rnd: int, policy: RoundPolicy, pending: set[str], deadline: float) -> int:
+        """Stream what the transport delivers through the gate into ``policy``; returns the messages received.
 
-        # report.accepted as a set, kept in step with it: a partial checks its devices against it, and rebuilding
-        # it for every partial would cost O(devices) per partial (O(N x shards) per round at the root).
-        accepted: set[str] = set(report.accepted)
-        for item in self.transport.collect(rnd, pending, info.deadline):
+        Stops reading early — the transport's contract allows it: nothing received is lost, the next ``collect``
+        hands it on — once the policy is done (asynchronous mode: the buffer is full) or a refusal ended a device's
+        task (too stale, or trained in the stage before): that device is idle now and gets a new task at once."""
+        received = 0
+        for item in self.transport.collect(rnd, pending, deadline):
+            received += 1
             if item.kind == "partial":  # a worker's or a relay's share of the round
-                self.register_pending()  # the hellos of the devices it lists may have just arrived
-                before = len(report.accepted)
-                pending.difference_update(self.partials.admit(item, accepted, merged_into(report, item.origin)))
-                accepted.update(report.accepted[before:])
+                policy.partial(item)
                 continue
-            if not self.gate.admit(item, accept, self.transport.hellos):
-                continue
-            sender = report.accepted[-1]
-            accepted.add(sender)
-            pending.discard(sender)
-            # A round re-run after a restart receives updates the broker queued for the old process:
-            # their "latency" measures the restart, not the device, and would shrink the next deadline.
-            if item.received > 0 and rnd != self._resumed_round:
-                self.latency.setdefault(info.phase, {})[sender] = max(0.0, item.received - announced_at)
+            tasks = len(self.tasks)
+            if self.gate.admit(item, policy.accept, self.transport.hellos):
+                sender = policy.report.accepted[-1]
+                pending.discard(sender)
+                policy.admitted(item, sender)
+                if policy.done():
+                    break
+            elif len(self.tasks) < tasks:
+                break
+        return received
+
+    def _close(self, policy: RoundPolicy, t0: float) -> RoundReport:
+        """Count the round's refusals and missing devices, aggregate, publish, checkpoint, tell the observers."""
+        report = policy.report
+        rnd = report.round
         rejections = self.gate.drain()  # hellos refused before or during this round count here
         report.rejected = dict(rejections.by_reason)
         report.rejected_by_device = {d: dict(c) for d, c in sorted(rejections.by_device.items())}
-        asked = set(self.devices) if sampled is None else set(sampled)  # unsampled devices owe nothing
-        missing = sorted(asked - accepted)
-        if missing:
-            log.warning("round %d: no update from %s", rnd, ", ".join(missing))
-        report.missing = missing
-        self.gate.end_round(missing)
+        report.missing = policy.missing()
+        self.gate.end_round(report.missing)
         aggregation_s = 0.0
-        if not info.is_final:
+        if not policy.final:
+            if self.store is not None:
+                self.store.buffer_sync()  # asynchronous mode: the updates it holds are on disk before it is published
             t_agg = time.perf_counter()
             artifacts = self.strategy.finish_round(rnd)
             aggregation_s = time.perf_counter() - t_agg
@@ -308,6 +329,8 @@ class RoundEngine:
         self.reports.append(report)
         self.completed = rnd
         self._checkpoint(report)
+        if self.store is not None:
+            self.store.buffer_clear()  # the version is in state.json now (synchronous rounds buffer nothing)
         self._trim_reports()
         self._notify("round_finished", report, aggregation_s)
         return report
@@ -383,7 +406,7 @@ class RoundEngine:
 
     def _resume(self, state: EngineState) -> None:
         self.completed = state.completed
-        self._resumed_round = state.completed + 1
+        self.resumed_round = state.completed + 1
         self.gate.restore_devices(state.devices)
         self.strategy.load_state_dict(state.strategy)
         self.reports = state.reports

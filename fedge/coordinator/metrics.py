@@ -29,7 +29,10 @@ as prometheus_client writes them):
                                                      heartbeat ``health_timestamp_seconds``,
                                                      ``rss_bytes``, ``cpu_percent``, ``cpu_temperature_celsius``,
                                                      ``throttled_flags``, ``memory_available_bytes``,
-                                                     ``disk_free_bytes``, ``uptime_seconds``
+                                                     ``disk_free_bytes``, ``uptime_seconds``, and
+                                                     ``power_watts_estimate``: the profile's ``[power]``
+                                                     model at the heartbeat's CPU use (built-in profiles;
+                                                     docs/profiles.md, "The energy model")
 ========================================  =========  ===================================================
 
 In asynchronous mode (docs/async.md) a round is a global version: ``fedge_round`` is the version being
@@ -41,6 +44,7 @@ No secret ever appears: labels are device ids, profiles, reasons, the fleet, met
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterator
 
@@ -48,9 +52,12 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from fedge.common.health import HealthRecord
 from fedge.coordinator.monitor import FleetMonitor, device_state
 from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.report import RoundReport
+from fedge.profiles import list_profiles, load_profile
+from fedge.profiles.power import Power
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ROUND_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -135,7 +142,25 @@ DEVICE_GAUGES: dict[str, str] = {
     "accepted_updates": "updates accepted from the device",
     "health_timestamp_seconds": "unix time the device's last accepted heartbeat arrived",
     **{name: text for name, (_, text) in HEALTH_GAUGES.items()},
+    "power_watts_estimate": "the board's power by its profile's energy model at the heartbeat's CPU use",
 }
+
+
+@functools.lru_cache(maxsize=256)
+def _power(profile: str) -> Power | None:
+    """The energy model of a built-in profile named ``profile`` (None: not a built-in, or no ``[power]``)."""
+    if profile not in list_profiles():
+        return None
+    return load_profile(profile).power
+
+
+def power_estimate_w(profile: str, health: HealthRecord) -> float | None:
+    """A live device's power: its profile's ``[power]`` at the share of its cores its agent used since the last
+    heartbeat (``cpu_percent`` ÷ 100 × ``cpu_count``); None when either is unknown."""
+    power = _power(profile)
+    if power is None or health.cpu_percent is None or not health.cpu_count:
+        return None
+    return power.estimate_w(health.cpu_percent / (100.0 * health.cpu_count))
 
 
 def _label(value: str) -> str:
@@ -173,6 +198,9 @@ def device_gauges(monitor: FleetMonitor) -> str:
                 value = getattr(h, attr)
                 if value is not None:
                     rows[name].append(labels + repr(value))
+            watts = power_estimate_w(d.profile, h)
+            if watts is not None:
+                rows["power_watts_estimate"].append(labels + repr(watts))
     out = []
     for name, text in DEVICE_GAUGES.items():
         full = f"fedge_device_{name}"

@@ -1,11 +1,11 @@
 """The fleet as an operator sees it: each device's state, health and history, and what the coordinator waits for.
 
 A :class:`FleetMonitor` watches a running engine (it is an :class:`~fedge.coordinator.observer.EngineObserver`)
-and its transport: it drains the devices' heartbeats and checks each with
-:func:`fedge.common.health.parse_health` (a bad one is refused, counted by reason and logged, never
-stored), keeps one record per device of the fleet config, and per round the figures the dashboard
-draws. Its thread also says what the coordinator waits for: every ``wait_log_s`` seconds while a round,
-the quorum or the fleet's hellos are incomplete, one log line names the missing devices and why
+and its transport: it drains the devices' heartbeats into its :class:`~fedge.coordinator.heartbeats.HealthIntake`
+(a bad one is refused, counted by reason and logged, never stored), keeps one record per device of the fleet
+config (:mod:`fedge.coordinator.fleetrecords`), and per round the figures the dashboard draws. Its thread also
+says what the coordinator waits for (:mod:`fedge.coordinator.waiting`): every ``wait_log_s`` seconds while a
+round, the quorum or the fleet's hellos are incomplete, one log line names the missing devices and why
 (offline, refused and the reason, no hello yet, no update yet).
 
 In asynchronous mode (``[coordinator] mode = "async"``, docs/async.md) a "round" is a global version: the view
@@ -13,7 +13,7 @@ says so (``mode``, ``unit``), the engine announces a version again whenever it h
 start time stays that of its first announcement), the devices it waits for are those training (holding a
 task), and each finished version keeps the staleness of its updates.
 
-The same view is built after the fact from a state directory (:func:`monitor_from_state_dir`), from
+The same view is built after the fact from a state directory (:mod:`fedge.coordinator.fileview`), from
 ``reports.jsonl`` and ``state.json`` alone, so the dashboard shows a finished run with the numbers of
 its reports. Everything is plain Python: no torch, no numpy, no paho.
 
@@ -29,90 +29,19 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from fedge.common.health import HEALTH_KIND, MAX_HEALTH_BYTES, HealthError, HealthRecord, parse_health
-from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport, Inbound
-from fedge.coordinator.gate import reason_of
+from fedge.coordinator.fleetrecords import UNKNOWN, DeviceState, RoundSummary, device_state
+from fedge.coordinator.heartbeats import HealthIntake
 from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.report import RoundReport
+from fedge.coordinator.waiting import NAMES_IN_A_LINE, Statuses, Waiting, WaitState, waiting, waiting_line, why
 
 log = logging.getLogger(__name__)
 
 DEVICE_SERIES_LIMIT = 40  # per-device accuracy and traffic series are kept up to this fleet size
-NAMES_IN_A_LINE = 10  # devices a "waiting for" line names before "and N more"
-HEALTH_LOG_EVERY_S = 60.0  # a device's refused heartbeats are logged at most this often
-UNKNOWN = "?"  # refusals whose sender is not a device of the fleet
-
-
-@dataclass
-class LogThrottle:
-    """At most one log line every ``every_s`` seconds; the lines held back meanwhile are counted."""
-
-    every_s: float = HEALTH_LOG_EVERY_S
-    last: float = float("-inf")
-    held: int = 0
-
-    def allow(self, now: float) -> int | None:
-        """None: hold this line back (counted); else how many were held back since the last line."""
-        if now - self.last < self.every_s:
-            self.held += 1
-            return None
-        held, self.last, self.held = self.held, now, 0
-        return held
-
-
-@dataclass
-class DeviceState:
-    """What the monitor knows about one device."""
-
-    device_id: str
-    profile: str = ""
-    arch: str = ""
-    in_fleet: bool = True  # listed in the fleet config (else: registered with --any-device)
-    registered: bool = False
-    health: HealthRecord | None = None
-    health_at: float = 0.0  # coordinator's clock when the last accepted heartbeat arrived
-    health_refused: Counter[str] = field(default_factory=Counter)
-    refusal: tuple[str, str, float] | None = None  # latest refused hello: (reason, message, when)
-    refused: Counter[str] = field(default_factory=Counter)  # reason -> messages, from the round reports
-    accepted: int = 0
-    last_round: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    acc_global: float | None = None
-    acc_local: float | None = None
-    missed: int = 0  # rounds it was expected in and did not answer
-    health_log: LogThrottle = field(default_factory=LogThrottle)  # its refused heartbeats' log lines
-
-
-@dataclass
-class RoundSummary:
-    """One finished round as the dashboard draws it."""
-
-    round: int
-    phase: str
-    seconds: float
-    aggregation_s: float
-    accepted: int
-    missing: list[str]
-    rejected: dict[str, int]
-    # profile -> {"n", "acc_sum", "acc_n", "acc_min", "acc_max", "bytes_up", "bytes_down"}
-    profiles: dict[str, dict[str, float]]
-    acc: dict[str, float] | None  # device -> acc_global (only for small fleets)
-    bytes_up: dict[str, int] | None
-    bytes_down: dict[str, int] | None
-    finished: float = 0.0  # unix seconds (0: unknown, after the fact)
-    # asynchronous mode: the mean and largest staleness of the version's updates (None: synchronous rounds)
-    staleness_mean: float | None = None
-    staleness_max: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
 
 
 class FleetMonitor(EngineObserver):
@@ -143,9 +72,8 @@ class FleetMonitor(EngineObserver):
             self.devices[dev_id] = DeviceState(dev_id, info.profile, info.arch)
         self.series = len(self.devices) <= DEVICE_SERIES_LIMIT
         self.rounds: list[RoundSummary] = []
-        self.health_refused: Counter[str] = Counter()  # reason -> heartbeats refused
-        self.health_accepted = 0
-        self._stranger_log = LogThrottle()  # refused heartbeats from senders outside the fleet, all together
+        self.health = HealthIntake(fleet=fleet, devices=self.devices, lock=self._lock, clock=clock,
+                                   changed=self._changed)
         self.updates_refused: Counter[str] = Counter()  # reason -> messages, from the round reports
         self.updates_accepted = 0
         self.staleness: Counter[int] = Counter()  # asynchronous mode: staleness -> accepted updates (/metrics)
@@ -285,65 +213,28 @@ class FleetMonitor(EngineObserver):
             self._pending = ()
             self.version += 1
 
-    # -- heartbeats ------------------------------------------------------------------------
+    # -- heartbeats (fedge.coordinator.heartbeats) ------------------------------------------
+    @property
+    def health_refused(self) -> Counter[str]:
+        """Heartbeats refused, by reason (``health-`` + the check's reason)."""
+        return self.health.refused
+
+    @property
+    def health_accepted(self) -> int:
+        """Heartbeats accepted and stored."""
+        return self.health.accepted
+
     def poll_health(self) -> int:
         """Check and store the heartbeats the transport received since the last call; returns how many
         were accepted. Never raises: a bad record is refused and counted."""
-        if self.transport is None:
-            return 0
-        try:
-            items = self.transport.health()
-        except Exception:
-            log.exception("reading heartbeats from the transport failed")
-            return 0
-        return sum(self.add_health(item) for item in items)
+        return self.health.poll(self.transport)
 
     def add_health(self, item: Inbound) -> bool:
         """Check one heartbeat; store it (True) or refuse and count it (False)."""
-        origin = item.origin
-        try:
-            if item.reject is not None:
-                raise HealthError(*item.reject)
-            msg = Message.from_bytes(item.data, max_bytes=MAX_HEALTH_BYTES)
-            if msg.kind != HEALTH_KIND:
-                raise HealthError("kind", f"expected a health message, got a {msg.kind}")
-            if origin is not None and msg.sender != origin:
-                raise HealthError("spoofed", f"a health message on {origin[:64]!r}'s topic names {msg.sender[:64]!r}")
-            if msg.fleet != self.fleet:
-                raise HealthError("fleet", f"a health message for fleet {msg.fleet[:64]!r}")
-            origin = origin or msg.sender
-            if origin not in self.devices:
-                raise HealthError("unauthorized", f"{origin[:64]!r} is not a device of this fleet")
-            rec = parse_health(msg.info.get("health"))
-        except Exception as exc:  # the error boundary: device bytes never stop the coordinator
-            self._refuse_health(origin, reason_of(exc), getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
-            return False
-        with self._lock:
-            dev = self.devices[origin]
-            if dev.health is not None and rec.seq < dev.health.seq and rec.sent <= dev.health.sent:
-                return False  # an older heartbeat overtaken by a newer one (a restarted agent counts from 1 again)
-            dev.health, dev.health_at = rec, item.received or self.clock()
-            self.health_accepted += 1
-            self.version += 1
-        return True
+        return self.health.add(item)
 
-    def _refuse_health(self, origin: str | None, reason: str, message: str) -> None:
-        key = f"health-{reason}"
-        now = self.clock()
-        with self._lock:
-            self.health_refused[key] += 1
-            dev = self.devices.get(origin) if origin else None
-            if dev is not None:
-                dev.health_refused[key] += 1
-            # One line per device per minute, and one per minute for all senders outside the fleet together:
-            # a device (or a stranger cycling through names) sending garbage every second must not flood the log.
-            held = (dev.health_log if dev is not None else self._stranger_log).allow(now)
-        if held is None:
-            return
-        more = f" ({held} more since the last such line)" if held else ""
-        # a stranger's name comes from its topic: quoted, so a newline in it cannot forge a log line
-        who = dev.device_id if dev is not None else repr(origin[:64]) if origin else UNKNOWN
-        log.warning("refused a heartbeat from %s (%s): %s%s", who, key, message[:300], more)
+    def _changed(self) -> None:
+        self.version += 1
 
     # -- what it waits for ---------------------------------------------------------------------
     def pending(self) -> list[str]:
@@ -358,70 +249,28 @@ class FleetMonitor(EngineObserver):
             except RuntimeError:
                 continue
 
-    def why(self, device_id: str, statuses: Mapping[str, tuple[bool, float]], now: float) -> str:
+    def why(self, device_id: str, statuses: Statuses, now: float) -> str:
         """In words: why a device has not answered (for the log line and the page)."""
-        dev = self.devices.get(device_id)
-        status = statuses.get(device_id)
-        if dev is not None and dev.refusal is not None and not dev.registered:
-            return f"refused: {dev.refusal[0]}: {dev.refusal[1]}"
-        if status is not None and not status[0]:
-            return f"offline for {now - status[1]:.0f} s"
-        if dev is None or not dev.registered:
-            return "no hello yet" if status is None else "online, no valid hello yet"
-        if self.state == "round":
-            return "no update yet"
-        return "not online" if status is None else "online"
+        with self._lock:
+            return why(device_id, self.devices, self.state, statuses, now)
 
-    def waiting(self) -> tuple[str, list[tuple[str, str]]] | None:
-        """(what the coordinator waits for, [(device, why)]) while it waits for devices; None otherwise."""
+    def waiting(self) -> Waiting | None:
+        """(what the coordinator waits for, [(device, why)]) while it waits for devices; None otherwise
+        (:func:`fedge.coordinator.waiting.waiting`)."""
         now = self.clock()
         statuses = self.transport.statuses() if self.transport is not None else {}
         with self._lock:
-            state = self.state
-            if state == "round" and self.current is not None:
-                info = self.current
-                pending = self.pending()
-                if not pending:
-                    return None
-                left = f", deadline in {max(0.0, info.deadline - now):.0f} s" if info.deadline else ""
-                if info.assigned is not None:  # a version: the first K of the devices training make it
-                    k = f"the {self.buffer_size} updates of " if self.buffer_size else "updates for "
-                    head = (f"version {info.round} ({info.phase}): waiting for {k}{len(pending)} devices training, "
-                            f"after {now - self.round_started_at:.0f} s{left}")
-                else:
-                    head = (f"round {info.round} ({info.phase}): waiting for {len(pending)} of {len(self.expected)} "
-                            f"devices after {now - self.round_started_at:.0f} s{left}")
-                return head, [(d, self.why(d, statuses, now)) for d in pending]
-            if state == "fleet":
-                missing = [d for d in self.fleet_wanted if not self.devices.get(d, DeviceState(d)).registered]
-                if not missing:
-                    return None
-                head = (f"waiting for hellos from {len(missing)} of {len(self.fleet_wanted)} devices "
-                        f"(up to {max(0.0, self.wait_until - now):.0f} s more)")
-                return head, [(d, self.why(d, statuses, now)) for d in missing]
-            if state == "quorum":
-                online = [d for d, s in self.devices.items() if s.registered and statuses.get(d, (True, 0))[0]]
-                if len(online) >= self.quorum_need:
-                    return None
-                absent = [d for d, s in self.devices.items() if s.in_fleet and d not in online]
-                head = (f"waiting for a quorum of {self.quorum_need} devices ({len(online)} online; gives up in "
-                        f"{max(0.0, self.wait_until - now):.0f} s)")
-                return head, [(d, self.why(d, statuses, now)) for d in sorted(absent)]
-        return None
+            w = WaitState(self.state, self.current, self.round_started_at,
+                          tuple(self.pending()) if self.state == "round" else (), len(self.expected),
+                          self.buffer_size, tuple(self.fleet_wanted), self.quorum_need, self.wait_until)
+            return waiting(w, self.devices, statuses, now)
 
     def waiting_line(self) -> tuple[int, str] | None:
         """(log level, the line) saying what the coordinator waits for, or None when it waits for nobody.
 
         WARNING when something is wrong (a device refused or offline, a quorum or the fleet's hellos
         missing), INFO for a round whose devices are still training."""
-        got = self.waiting()
-        if got is None:
-            return None
-        head, rows = got
-        shown = "; ".join(f"{d} ({why})" for d, why in rows[:NAMES_IN_A_LINE])
-        more = f"; and {len(rows) - NAMES_IN_A_LINE} more" if len(rows) > NAMES_IN_A_LINE else ""
-        alarming = self.state != "round" or any(not why.startswith("no update") for _, why in rows)
-        return (logging.WARNING if alarming else logging.INFO), f"{head}: {shown}{more}"
+        return waiting_line(self.state, self.waiting())
 
     def tick(self) -> None:
         """One step of the monitor's thread: heartbeats, then the "waiting for" line when it is due — at once, as a
@@ -516,94 +365,6 @@ class FleetMonitor(EngineObserver):
                            "health_accepted": self.health_accepted, "health_refused": dict(self.health_refused),
                            "bytes_up": self.bytes_up, "bytes_down": self.bytes_down},
             }
-
-
-def device_state(d: DeviceState, status: tuple[bool, float] | None, live: bool) -> str:
-    """online | offline | refused | no hello, or after the fact (``live`` False) registered | no hello."""
-    if d.refusal is not None and not d.registered:
-        return "refused"
-    if not live:
-        return "registered" if d.registered else "no hello"
-    if status is not None:
-        return "online" if status[0] else "offline"
-    return "online" if d.registered else "no hello"
-
-
-def monitor_from_state_dir(state_dir: str | Path, *,
-                           fleet_devices: Mapping[str, DeviceInfo] | None = None) -> FleetMonitor:
-    """A monitor replaying a coordinator's state directory: ``state.json`` (fleet, method, registered
-    devices) and ``reports.jsonl`` (every completed round, read with ``live=True``: a line still being
-    appended is left out). The numbers are the reports' own."""
-    import json
-
-    from fedge.coordinator.store import REPORTS_FILE, STATE_FILE, read_reports
-
-    path = Path(state_dir)
-    doc: dict[str, Any] = {}
-    state_file = path / STATE_FILE
-    if state_file.is_file():
-        try:
-            loaded = json.loads(state_file.read_bytes())
-            doc = loaded if isinstance(loaded, dict) else {}
-        except (OSError, ValueError):
-            doc = {}  # being replaced right now, or damaged: the reports alone still make a view
-    devices: dict[str, DeviceInfo] = dict(fleet_devices or {})
-    for raw in doc.get("devices", []) if isinstance(doc.get("devices"), list) else []:
-        try:
-            info = DeviceInfo.from_dict(raw)
-        except (TypeError, KeyError):
-            continue
-        devices.setdefault(info.device_id, info)
-    reports = read_reports(path / REPORTS_FILE, live=True)
-    mon = FleetMonitor(fleet=str(doc.get("fleet", "")), method=str(doc.get("method", "")),
-                       total_rounds=max([r.round for r in reports if r.phase != "final"], default=0),
-                       fleet_devices=devices, run_id=str(doc.get("run_id", "")), wait_log_s=0, live=False)
-    registered = {str(d.get("device_id")) for d in doc.get("devices", []) if isinstance(d, dict)} \
-        if isinstance(doc.get("devices"), list) else set()
-    for dev_id in registered & set(mon.devices):
-        mon.devices[dev_id].registered = True
-    for r in reports:
-        mon.add_report(r)
-    finished = any(r.phase == "final" for r in reports)
-    mon.state = "finished" if finished else ("between" if reports else "starting")
-    if finished:
-        mon.total_rounds = max(r.round for r in reports) - 1
-    return mon
-
-
-class FileView:
-    """The view of a state directory, rebuilt only when ``reports.jsonl`` or ``state.json`` changed (a run
-    still going is followed as its coordinator appends)."""
-
-    def __init__(self, state_dir: str | Path, fleet_devices: Mapping[str, DeviceInfo] | None = None) -> None:
-        self.dir = Path(state_dir)
-        self.fleet_devices = dict(fleet_devices or {})
-        self._key: tuple[Any, ...] | None = None
-        self._monitor: FleetMonitor | None = None
-        self._lock = threading.Lock()
-
-    def _stamp(self) -> tuple[Any, ...]:
-        from fedge.coordinator.store import REPORTS_FILE, STATE_FILE
-
-        out: list[Any] = []
-        for name in (REPORTS_FILE, STATE_FILE):
-            try:
-                st = (self.dir / name).stat()
-                out += [st.st_mtime_ns, st.st_size]
-            except OSError:
-                out += [None, None]
-        return tuple(out)
-
-    def monitor(self) -> FleetMonitor:
-        with self._lock:
-            key = self._stamp()
-            if self._monitor is None or key != self._key:
-                self._monitor = monitor_from_state_dir(self.dir, fleet_devices=self.fleet_devices)
-                self._key = key
-            return self._monitor
-
-    def view(self) -> dict[str, Any]:
-        return self.monitor().view()
 
 
 def fleet_infos(slots: Mapping[str, Any] | None, ids: Iterable[str] = ()) -> dict[str, DeviceInfo]:

@@ -44,6 +44,9 @@ class RoundReport:
     aggregated: dict[str, dict[str, Any]] = field(default_factory=dict)
     # asynchronous mode: device id -> its update's staleness (versions behind the version this report made)
     staleness: dict[str, int] = field(default_factory=dict)
+    # [coordinator] selection = "oort" | "energy": device id -> why it was or was not tasked this round
+    # (fedge.common.selection); empty for the other selections
+    selection: dict[str, str] = field(default_factory=dict)
 
     def total_bytes(self) -> tuple[int, int]:
         """(bytes up, bytes down) of every accepted update: per-device entries plus compact partials' totals."""

@@ -30,7 +30,7 @@ from fedge.emulate.compose import (
     to_yaml,
 )
 from fedge.emulate.emulation import Emulation, project_name
-from fedge.emulate.limits import DevicePlan, device_plans, limits_for, oom_message
+from fedge.emulate.limits import DeviceLimits, DevicePlan, device_plans, limits_for, oom_message
 from fedge.emulate.status import logs, service_state, status
 from fedge.errors import EmulationError, TransportError
 from fedge.mqtt.broker import free_port, port_is_free
@@ -71,7 +71,6 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     measures what is missing).
     """
     from fedge.broker.config import write_broker_config
-    from fedge.emulate.calibrate import calibrate
     from fedge.emulate.shards import emulated_layout, shard_records, sharded_fleet_text, write_shard_brokers
     from fedge.flash.flash import flash
     from fedge.fleet.config import device_ids, load_fleet
@@ -87,20 +86,8 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     data = load_fleet_data(cfg)
     samples = {dev: len(split.train) for dev, split in zip(ids, data.splits, strict=True)}
     plans = device_plans(cfg, samples)
-    wanted = {(p.arch, p.batch_size) for p in plans}
-    rates = dict(rates or {})
-    missing = wanted - set(rates)
-    if missing:
-        rates.update(calibrate(missing, embed_dim=cfg.run.embed_dim, cache=outp / "calibration.json"))
-    cores = len(os.sched_getaffinity(0))
-    limits = [limits_for(p, rates[(p.arch, p.batch_size)], host_cores=cores, loss_pct=loss_pct) for p in plans]
-    for lim in limits:
-        if lim.cpus < lim.cpus_wanted:
-            log.warning("%s: its profile trains as fast as %.2f host cores; this host has %d, so it runs slower",
-                        lim.device_id, lim.cpus_wanted, cores)
-    if sum(lim.cpus for lim in limits) > cores:
-        log.warning("the devices' CPU quotas add up to %.2f cores, more than this host's %d: devices that train "
-                    "at the same time run slower than their profiles", sum(lim.cpus for lim in limits), cores)
+    limits = _device_limits(plans, rates, loss_pct=loss_pct, embed_dim=cfg.run.embed_dim,
+                            cache=outp / "calibration.json")
     shutil.rmtree(outp / "broker" / "data", ignore_errors=True)
     if layout:
         write_shard_brokers(fleet_text, outp, layout, _broker_options(sign))
@@ -120,13 +107,7 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
     (outp / "coordinator").mkdir()
     if sign:  # `fedge coordinator run` signs with STATE_DIR/signing.key when it exists
         shutil.copy2(outp / "broker" / "coordinator" / "signing.key", outp / "coordinator" / "signing.key")
-    # The dashboard: a fresh token (0600) the coordinator reads and the operator types into the browser.
-    http_dir = outp / "http"
-    http_dir.mkdir(exist_ok=True)
-    token_file = http_dir / HTTP_TOKEN
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+    _write_http_token(outp / "http")
     http_port = free_port()
     coord = CoordinatorArgs(devices=len(ids), min_devices=len(ids) if min_devices is None else min_devices,
                             deadline_slack=deadline_slack, http_port=http_port)
@@ -145,6 +126,37 @@ def prepare(fleet_path: str | Path, out: str | Path, *, arch: str = "amd64", ima
                     shards=shard_records(layout))
     emu.save()
     return emu
+
+
+def _device_limits(plans: list[DevicePlan], rates: dict[tuple[str, int], float] | None, *, loss_pct: float,
+                   embed_dim: int, cache: Path) -> list[DeviceLimits]:
+    """Each device's container limits from its plan and the host's measured training rate of its model and batch
+    (calibrated now, into ``cache``, where ``rates`` lacks one); a device or fleet the host is too small for is
+    logged (it runs, slower than its profile)."""
+    from fedge.emulate.calibrate import calibrate
+
+    rates = dict(rates or {})
+    missing = {(p.arch, p.batch_size) for p in plans} - set(rates)
+    if missing:
+        rates.update(calibrate(missing, embed_dim=embed_dim, cache=cache))
+    cores = len(os.sched_getaffinity(0))
+    limits = [limits_for(p, rates[(p.arch, p.batch_size)], host_cores=cores, loss_pct=loss_pct) for p in plans]
+    for lim in limits:
+        if lim.cpus < lim.cpus_wanted:
+            log.warning("%s: its profile trains as fast as %.2f host cores; this host has %d, so it runs slower",
+                        lim.device_id, lim.cpus_wanted, cores)
+    if sum(lim.cpus for lim in limits) > cores:
+        log.warning("the devices' CPU quotas add up to %.2f cores, more than this host's %d: devices that train "
+                    "at the same time run slower than their profiles", sum(lim.cpus for lim in limits), cores)
+    return limits
+
+
+def _write_http_token(http_dir: Path) -> None:
+    """The dashboard's token: a fresh one (0600) the coordinator reads and the operator types into the browser."""
+    http_dir.mkdir(exist_ok=True)
+    fd = os.open(http_dir / HTTP_TOKEN, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
 
 
 def _plan_dict(p: DevicePlan) -> dict[str, Any]:

@@ -8,7 +8,9 @@ Per device (:class:`DeviceClock`), for one round's work:
   passes over its training samples its method makes for the statistics it uploads (FedProto's prototypes:
   one; :meth:`fedge.common.settings.MethodSettings.statistics_passes`) at the same rate, plus, in a round
   whose start the device evaluates (``[run] eval_every``, :func:`fedge.common.rounds.evaluates_at`), one
-  forward pass over its test images (its local test split and the global test set) at the same rate;
+  forward pass over its test images (its local test split and the global test set) at the same rate, plus
+  the round's fixed costs (applying the global state, the optimizer's set-up, encoding the update:
+  :meth:`fedge.profiles.speed.SpeedModel.round_fixed_s`);
 * **upload** — its update: ``RTT/2 + bytes × 8 ÷ uplink``;
 
 each part times a seeded mean-one lognormal jitter factor (σ = ``[clock] jitter``), drawn from the
@@ -40,8 +42,10 @@ from fedge.errors import ConfigError
 from fedge.fleet.availability import Availability, OnOff, read_trace
 from fedge.fleet.config import ClockSection, FleetConfig
 from fedge.fleet.slots import DeviceSlot, device_profile, test_labels
+from fedge.profiles.power import Power
 from fedge.profiles.schema import Network
 from fedge.profiles.speed import TRAIN_MACS_FACTOR, SpeedModel, speed_model
+from fedge.profiles.thermal import Thermal
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +106,13 @@ class DeviceClock:
     seed: int = 0
     eval_every: int = 1
     """``[run] eval_every``: which rounds' starts the device evaluates (:func:`evaluates_at`)."""
+    power: Power | None = None
+    """Its profile's energy model (``[power]``; None: its work has no joules)."""
+    thermal: Thermal | None = None
+    """Its profile's thermal model (``[thermal]``; None: it never throttles)."""
+    temp_c: float | None = None
+    """Its temperature at ``temp_at`` (thermal model only; None: the air's, at the start)."""
+    temp_at: float = 0.0
 
     def _factor(self, rnd: int, part: str) -> float:
         if self.jitter <= 0:
@@ -113,7 +124,10 @@ class DeviceClock:
         """Seconds of ``work`` on this device (None: no training, e.g. the final evaluation)."""
         if work is None:
             return 0.0
-        return work.macs / self.speed.mac_rate(work.spec, work.batch) * self._factor(rnd, "compute")
+        # its training and statistics passes, and the round's fixed costs (applying the state, encoding: speed model)
+        rate = self.speed.mac_rate(work.spec, work.batch)
+        seconds = work.macs / rate + self.speed.round_fixed_s(work.spec, work.batch)
+        return seconds * self._factor(rnd, "compute")
 
     def eval_s(self, rnd: int, eval_round: int | None = None) -> float:
         """Seconds of the evaluation at the start of round ``eval_round`` (default ``rnd``; asynchronous mode: the
@@ -141,8 +155,35 @@ class DeviceClock:
         wire = self.network.latency_ms / 2000 + nbytes * 8 / (kbps * 1000)
         return wire * self._factor(rnd, "upload" if up else "download")
 
+    def temperature(self, t: float) -> float | None:
+        """Its temperature at ``t`` (not before its last piece of work), idling since then (None: no thermal model)."""
+        th = self.thermal
+        if th is None or self.power is None:
+            return None
+        temp = th.ambient_c if self.temp_c is None else self.temp_c
+        return th.after(temp, self.power.idle_w, t - self.temp_at)
+
+    def throttled(self, t: float) -> bool:
+        """Whether it is at or above its thermal limit at ``t`` (its firmware slows it)."""
+        temp = self.temperature(t)
+        return temp is not None and self.thermal is not None and temp >= self.thermal.limit_c
+
+    def _heat(self, start: float, t: Timing, worked_s: float) -> None:
+        """Its temperature after a piece of work started at ``start``: idle power while it transfers, busy power
+        while it computes, for the ``worked_s`` seconds it worked."""
+        th, power = self.thermal, self.power
+        if th is None or power is None:
+            return
+        temp = self.temperature(start)
+        assert temp is not None
+        left = worked_s
+        for part, watts in ((t.download_s, power.idle_w), (t.compute_s, power.busy_w), (t.upload_s, power.idle_w)):
+            s = min(part, max(0.0, left))
+            temp, left = th.after(temp, watts, s), left - s
+        self.temp_c, self.temp_at = temp, start + worked_s
+
     def timing(self, rnd: int, *, bytes_down: int, bytes_up: int, work: TrainWork | None,
-               eval_round: int | None = None) -> Timing:
+               eval_round: int | None = None, start: float | None = None) -> Timing:
         """The parts of this device's work in round ``rnd`` (its compute: ``work`` and, when ``work`` is
         given, the round's evaluation, :meth:`eval_s`).
 
@@ -152,8 +193,40 @@ class DeviceClock:
         (``availability.next_online(t)``).
         """
         compute = self.compute_s(work, rnd) + (self.eval_s(rnd, eval_round) if work is not None else 0.0)
+        if start is not None and self.thermal is not None and self.throttled(start):
+            compute /= self.thermal.throttle_share  # hot at its start: the firmware caps its clock (thermal.py)
         return Timing(self.transfer_s(bytes_down, up=False, rnd=rnd), compute,
                       self.transfer_s(bytes_up, up=True, rnd=rnd))
+
+    def task_j(self, t: Timing, *, bytes_down: int, bytes_up: int, worked_s: float | None = None) -> float | None:
+        """Joules of a piece of work timed ``t`` (None without a ``[power]`` model): download, compute and upload in
+        that order, cut after ``worked_s`` seconds (the device went offline, or its round ended at a missed
+        deadline); a transfer cut short moved its share of the bytes."""
+        if self.power is None:
+            return None
+        left = t.total_s if worked_s is None else max(0.0, worked_s)
+        done = []
+        for part in (t.download_s, t.compute_s, t.upload_s):
+            done.append(min(part, left))
+            left -= done[-1]
+
+        def share(i: int, whole: float) -> float:
+            return done[i] / whole if whole > 0 else 1.0
+
+        return self.power.task_j(compute_s=done[1], transfer_s=done[0] + done[2],
+                                 bytes_down=round(bytes_down * share(0, t.download_s)),
+                                 bytes_up=round(bytes_up * share(2, t.upload_s)))
+
+    def record(self, start: float, t: Timing, *, bytes_down: int, bytes_up: int, until: float,
+               lost: str = "") -> DeviceRound:
+        """The timeline of a piece of work started at ``start`` and timed ``t``, with its joules: it worked until
+        its end or ``until``, whichever comes first."""
+        finish = start + t.total_s
+        worked = min(finish, until) - start
+        joules = self.task_j(t, bytes_down=bytes_down, bytes_up=bytes_up, worked_s=worked)
+        temp = self.temperature(start)
+        self._heat(start, t, worked)
+        return DeviceRound(start, t.download_s, t.compute_s, t.upload_s, finish, not lost, lost, joules, temp)
 
 
 @dataclass(frozen=True)
@@ -168,6 +241,10 @@ class DeviceRound:
     delivered: bool
     lost: str = ""
     """Why its update never arrived: ``"offline"`` (went offline first) or ``"deadline"``; empty if delivered."""
+    joules: float | None = None
+    """What the work cost the device (:meth:`DeviceClock.task_j`; None: its profile has no ``[power]``)."""
+    temp_c: float | None = None
+    """Its temperature when the work started (None: no ``[thermal]`` model)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -250,9 +327,11 @@ class FleetClock:
         start = self.now
         out = RoundTime(rnd, start, start)
         heard = [start]  # when the coordinator learns each participant's outcome
+        timed: dict[str, tuple[Timing, str, float]] = {}
         for dev_id, p in participants.items():
             c = self.devices[dev_id]
-            t = c.timing(rnd, bytes_down=p.bytes_down, bytes_up=p.bytes_up, work=c.work if p.trained else None)
+            t = c.timing(rnd, bytes_down=p.bytes_down, bytes_up=p.bytes_up, work=c.work if p.trained else None,
+                         start=start)
             finish = start + t.total_s
             lost = ""
             gone = c.availability.online_until(start)
@@ -264,10 +343,15 @@ class FleetClock:
                 heard.append(gone)  # its last will: the coordinator stops waiting for it
             else:
                 heard.append(finish)
-            out.devices[dev_id] = DeviceRound(start, t.download_s, t.compute_s, t.upload_s, finish, not lost, lost)
+            timed[dev_id] = (t, lost, gone)
         end = max(heard)
-        if self.deadline_s and any(r.lost == "deadline" for r in out.devices.values()):
+        if self.deadline_s and any(lost == "deadline" for _, lost, _ in timed.values()):
             end = start + self.deadline_s
+        for dev_id, (t, lost, gone) in timed.items():
+            p = participants[dev_id]
+            # it works until done, offline, or the round's end (a missed deadline: busy_s cuts it there too)
+            out.devices[dev_id] = self.devices[dev_id].record(start, t, bytes_down=p.bytes_down, bytes_up=p.bytes_up,
+                                                              until=min(gone, end), lost=lost)
         out.end_s = end
         if record:
             self.now = end
@@ -280,10 +364,19 @@ class FleetClock:
         each piece of work from its own start until it ended, the device went offline, its round ended (a missed
         synchronous deadline) or the run did (:attr:`other_work`). An asynchronous task starts before the version
         it ends in, so it is timed from the task's start, not the version's."""
+        return self.busy_within(device_id, 0.0, math.inf)
+
+    def work(self, device_id: str) -> list[tuple[DeviceRound, float]]:
+        """Every piece of work of ``device_id`` with the moment it stopped: its end, its going offline, its round's
+        end (a missed deadline) or the run's (:attr:`other_work`)."""
         avail = self.devices[device_id].availability
         work = [(w, r.end_s) for r in self.rounds if (w := r.devices.get(device_id)) is not None]
         work += [(w, self.now) for w in self.other_work.get(device_id, [])]
-        return sum(max(0.0, min(w.finish_s, end, avail.online_until(w.start_s)) - w.start_s) for w, end in work)
+        return [(w, min(w.finish_s, end, avail.online_until(w.start_s))) for w, end in work]
+
+    def busy_within(self, device_id: str, t0: float, t1: float) -> float:
+        """Virtual seconds of :meth:`busy_s` that fall between ``t0`` and ``t1``."""
+        return sum(max(0.0, min(stop, t1) - max(w.start_s, t0)) for w, stop in self.work(device_id))
 
     def shares(self, device_id: str) -> dict[str, float]:
         """Fractions of the run's virtual time ``device_id`` was busy, idle (online, no work) and offline."""
@@ -337,5 +430,5 @@ def fleet_clock(cfg: FleetConfig, slots: Sequence[DeviceSlot]) -> FleetClock:
         profile = device_profile(cfg, slot.group)
         clocks.append(DeviceClock(slot.device_id, slot.index, speed_model(profile), profile.network,
                                   _availability(cfg, slot, ck, seed, trace), _work(cfg, slot, global_test),
-                                  ck.jitter, seed, cfg.run.eval_every))
+                                  ck.jitter, seed, cfg.run.eval_every, profile.power, profile.thermal))
     return FleetClock(clocks, deadline_s=ck.deadline_s)

@@ -126,20 +126,11 @@ def resolve_shards(sections: tuple[ShardSection, ...], devices: list[str], *, so
     ``parent`` that names no shard, and a cycle of parents."""
     if not sections:
         return []
-    names: list[str] = []
-    for k, s in enumerate(sections):
-        name = s.name or str(k + 1)
-        where = _where(source, k, s.name)
-        if not set(name) <= NAME_CHARS or len(name) > MAX_NAME:
-            raise ConfigError(f"{where}: name = {name!r} may hold only letters, digits, '-' and '_' (at most "
-                              f"{MAX_NAME})", hint="it names the shard's directory and its relay's account")
-        if name in names:
-            raise ConfigError(f"{where}: name = {name!r} is used by [[shards]] #{names.index(name) + 1} too",
-                              hint="give every shard its own name")
-        names.append(name)
+    names = _shard_names(sections, source)
     owner: dict[str, int] = {}  # device -> shard index
     brokers: dict[tuple[str, int], int] = {}
     shards: list[Shard] = []
+    order = {d: i for i, d in enumerate(devices)}
     for k, s in enumerate(sections):
         where = _where(source, k, s.name)
         if not s.broker.strip():
@@ -157,28 +148,7 @@ def resolve_shards(sections: tuple[ShardSection, ...], devices: list[str], *, so
                               hint='add devices = ["ID", "PREFIX-*", ...]: the device ids (or patterns) whose '
                                    "bundles name this shard's broker (a shard without devices must be the "
                                    "parent of another)")
-        mine: list[str] = []
-        for pattern in s.devices:
-            hits = fnmatch.filter(devices, pattern) if any(c in pattern for c in "*?[") else (
-                [pattern] if pattern in set(devices) else [])
-            if not hits:
-                close = difflib.get_close_matches(pattern, devices, n=1)
-                raise ConfigError(f"{where}: devices entry {pattern!r} matches no device of the fleet",
-                                  hint=f"did you mean {close[0]!r}?" if close else
-                                  "use the ids `fedge broker config` prints (PREFIX-1, PREFIX-2, ...) or a pattern "
-                                  "such as 'PREFIX-*'")
-            for d in hits:
-                if d in owner and owner[d] != k:
-                    other = sections[owner[d]].name or str(owner[d] + 1)
-                    raise ConfigError(f"{where}: device {d!r} (from devices entry {pattern!r}) is already in "
-                                      f"shard {other!r}: a device talks to one broker",
-                                      hint=f"remove it from one of the two shards' devices (patterns: list the "
-                                           f"ids, or narrow the pattern {pattern!r})")
-                if d not in owner:
-                    owner[d] = k
-                    mine.append(d)
-        order = {d: i for i, d in enumerate(devices)}
-        mine.sort(key=order.__getitem__)
+        mine = sorted(_claim_devices(sections, k, devices, owner, where), key=order.__getitem__)
         shards.append(Shard(names[k], host, port, tuple(mine), s.parent or None, scheme))
     nowhere = [d for d in devices if d not in owner]
     if nowhere:
@@ -187,6 +157,57 @@ def resolve_shards(sections: tuple[ShardSection, ...], devices: list[str], *, so
                           "broker has no device accounts, so they could connect nowhere",
                           hint="add them to a shard's devices (an id or a pattern such as 'PREFIX-*'), or add a "
                                "[[shards]] table for them")
+    _check_parents(shards, sections, source)
+    log.debug("%s: %d shards, depth %d", source, len(shards), depth(shards))
+    return shards
+
+
+def _shard_names(sections: tuple[ShardSection, ...], source: str) -> list[str]:
+    """Each shard's name (its position, 1-based, when it has none); a bad or repeated name is refused."""
+    names: list[str] = []
+    for k, s in enumerate(sections):
+        name = s.name or str(k + 1)
+        where = _where(source, k, s.name)
+        if not set(name) <= NAME_CHARS or len(name) > MAX_NAME:
+            raise ConfigError(f"{where}: name = {name!r} may hold only letters, digits, '-' and '_' (at most "
+                              f"{MAX_NAME})", hint="it names the shard's directory and its relay's account")
+        if name in names:
+            raise ConfigError(f"{where}: name = {name!r} is used by [[shards]] #{names.index(name) + 1} too",
+                              hint="give every shard its own name")
+        names.append(name)
+    return names
+
+
+def _claim_devices(sections: tuple[ShardSection, ...], k: int, devices: list[str], owner: dict[str, int],
+                   where: str) -> list[str]:
+    """The devices shard ``k``'s ``devices`` entries match, noted in ``owner`` (device -> shard index); an entry
+    that matches nothing and a device another shard holds are refused."""
+    mine: list[str] = []
+    known = set(devices)
+    for pattern in sections[k].devices:
+        hits = fnmatch.filter(devices, pattern) if any(c in pattern for c in "*?[") else (
+            [pattern] if pattern in known else [])
+        if not hits:
+            close = difflib.get_close_matches(pattern, devices, n=1)
+            raise ConfigError(f"{where}: devices entry {pattern!r} matches no device of the fleet",
+                              hint=f"did you mean {close[0]!r}?" if close else
+                              "use the ids `fedge broker config` prints (PREFIX-1, PREFIX-2, ...) or a pattern "
+                              "such as 'PREFIX-*'")
+        for d in hits:
+            if d in owner and owner[d] != k:
+                other = sections[owner[d]].name or str(owner[d] + 1)
+                raise ConfigError(f"{where}: device {d!r} (from devices entry {pattern!r}) is already in "
+                                  f"shard {other!r}: a device talks to one broker",
+                                  hint=f"remove it from one of the two shards' devices (patterns: list the "
+                                       f"ids, or narrow the pattern {pattern!r})")
+            if d not in owner:
+                owner[d] = k
+                mine.append(d)
+    return mine
+
+
+def _check_parents(shards: list[Shard], sections: tuple[ShardSection, ...], source: str) -> None:
+    """Refuse a ``parent`` that names no shard or the shard itself, and parents that form a cycle."""
     by_name = {s.name: s for s in shards}
     for k, sh in enumerate(shards):
         if sh.parent is None:
@@ -211,8 +232,6 @@ def resolve_shards(sections: tuple[ShardSection, ...], devices: list[str], *, so
                                   hint=f"remove parent from one of these shards ({', '.join(chain)}) so that "
                                        "its relay reports to the root")
             chain.append(cur.name)
-    log.debug("%s: %d shards, depth %d", source, len(shards), depth(shards))
-    return shards
 
 
 def subtree(shards: list[Shard], name: str) -> list[str]:

@@ -123,6 +123,13 @@ def _show_lines(profile: Profile) -> list[str]:
         fields.append(("measured", [(f"latency_ms {k}", f"{v:g} ms") for k, v in m.latency_ms.items()]
                        + [(f"accuracy_drop {k}", f"{v:g} points") for k, v in m.accuracy_drop.items()]
                        + [(f"train_gmac_s {k}", f"{v:g} GMAC/s") for k, v in m.train_gmac_s.items()]))
+    if profile.power is not None:
+        pw = profile.power
+        fields.append(("power", [
+            ("idle_w", f"{pw.idle_w:g} W"), ("busy_w", f"{pw.busy_w:g} W"),
+            ("link", f"{pw.link}: {pw.up_j_per_byte * 1e6:g} / {pw.down_j_per_byte * 1e6:g} µJ per byte up / down"),
+            ("battery_wh", f"{pw.battery_wh:g} Wh, floor {pw.floor_wh:g} Wh" if pw.battery_wh else "none (mains)"),
+        ]))
     width = max(len(k) for _, kv in fields for k, _ in kv)
     lines = [f"{profile.name}: {profile.description}"]
     for section, kv in fields:

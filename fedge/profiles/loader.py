@@ -11,7 +11,9 @@ from typing import Any
 
 from fedge.common.tomlconf import build, read_toml
 from fedge.errors import ConfigError, ProfileError
+from fedge.profiles.power import Power
 from fedge.profiles.schema import Measured, Profile
+from fedge.profiles.thermal import Thermal
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +39,17 @@ def parse_profile(data: dict[str, Any], *, source: str) -> Profile:
     or e.g. ``"hello from dev-3"``).
     """
     data = dict(data)
-    # tomlconf builds nested dataclasses but not optional ones: build [measured] separately.
-    measured_raw = data.pop("measured", None)
+    # tomlconf builds nested dataclasses but not optional ones: build [measured], [power], [thermal] separately.
+    optional: dict[str, Any] = {k: data.pop(k) for k in ("measured", "power", "thermal") if k in data}
+    tables: dict[str, type] = {"measured": Measured, "power": Power, "thermal": Thermal}
     try:
         profile = build(Profile, data, source=source)
-        if measured_raw is not None:
-            profile = replace(profile, measured=build(Measured, measured_raw, source=source, section="measured"))
+        built: dict[str, Any] = {k: build(tables[k], raw, source=source, section=k) for k, raw in optional.items()}
+        if built:
+            try:
+                profile = replace(profile, **built)
+            except ProfileError as exc:  # a check across tables ([thermal] needs [power]): name the file too
+                raise ProfileError(f"{source}: {exc.message}", hint=exc.hint) from exc
     except ConfigError as exc:
         raise _as_profile_error(exc) from exc
     return profile
@@ -105,7 +112,7 @@ def dump_profile(profile: Profile, *, comment: str = "") -> str:
     d = profile.to_dict()
     lines = [f"# {line}".rstrip() for line in comment.splitlines()]
     lines += [f"{k} = {_toml_value(d[k])}" for k in ("name", "description")]
-    for table in ("hardware", "network", "budgets", "measured"):
+    for table in ("hardware", "network", "budgets", "measured", "power", "thermal"):
         if table in d:
             lines += ["", f"[{table}]"] + [f"{k} = {_toml_value(v)}" for k, v in d[table].items()]
     return "\n".join(lines) + "\n"

@@ -131,8 +131,9 @@ def generator_memory_mb(tier: str) -> float:
 
 
 def round_time_s(spec: ModelSpec, speed: SpeedModel, *, samples: int, epochs: int, batch: int = DEFAULT_BATCH) -> float:
-    """Estimated seconds of local training: ``3 × MACs × samples × epochs ÷`` the device's training MAC/s
-    for ``spec`` at ``batch`` (:meth:`fedge.profiles.speed.SpeedModel.mac_rate`)."""
+    """Estimated seconds of a round's local training: ``3 × MACs × samples × epochs ÷`` the device's training MAC/s
+    for ``spec`` at ``batch`` (:meth:`fedge.profiles.speed.SpeedModel.mac_rate`), plus the round's fixed costs
+    (:meth:`fedge.profiles.speed.SpeedModel.round_fixed_s`)."""
     return speed.train_seconds(spec, batch, samples=samples, epochs=epochs)
 
 
@@ -209,7 +210,9 @@ def _choose_tier(profile: Profile, specs: Mapping[str, ModelSpec], samples: int,
     if pin is not None and pin not in specs:
         raise ProfileError(f"profile {profile.name!r}: pinned tier {pin!r} is not a model tier",
                            hint=f"pin one of {', '.join(nm[t] for t in by_size)}, or leave the tier to the planner")
-    per_epoch = {t: round_time_s(specs[t], speed, samples=samples, epochs=1, batch=batch[t]) for t in by_size}
+    # an epoch's seconds; each round (update) adds the speed model's fixed costs once
+    per_epoch = {t: speed.epoch_seconds(specs[t], batch[t], samples=samples) for t in by_size}
+    fixed = {t: speed.round_fixed_s(specs[t], batch[t]) for t in by_size}
     if run.time_budget_s is not None:
         budget_s, budget_from = run.time_budget_s, "[run] time_budget_s"
     else:
@@ -218,7 +221,7 @@ def _choose_tier(profile: Profile, specs: Mapping[str, ModelSpec], samples: int,
     # The curves were measured on the GeFL CNN tiers: another family's tiers fall back to the rule without them.
     gefl = all(nm[t] == f"tier-{t}" for t in by_size)
     curves = load_curves(run.task) if run.task and gefl else None
-    options = tier_options(per_epoch, batch, fits_memory, samples, budget_s, run, curves, names=nm)
+    options = tier_options(per_epoch, batch, fits_memory, samples, budget_s, run, curves, names=nm, fixed_s=fixed)
     share = budget_s if run.asynchronous else budget_s / run.rounds
     where = f"profile {profile.name!r}"
     planner_choice = choose_tier(options, fits_memory, pin=None, curves=curves, where=where, share_s=share) \

@@ -24,6 +24,8 @@ from typing import Any
 
 from fedge.common.archs import TIERS
 from fedge.errors import ProfileError
+from fedge.profiles.power import Power
+from fedge.profiles.thermal import Thermal
 from fedge.profiles.uarch import check_uarch
 
 # Inference quantization levels, highest precision first (ties in measured
@@ -179,6 +181,9 @@ class Measured:
     latency_ms: Mapping[str, float] = field(default_factory=dict)
     accuracy_drop: Mapping[str, float] = field(default_factory=dict)
     train_gmac_s: Mapping[str, float] = field(default_factory=dict)
+    round_fixed_s: float | None = None
+    """Seconds a round costs the device whatever its work (applying the global state, the optimizer's set-up,
+    encoding the update); None: :data:`fedge.profiles.speed.ROUND_FIXED_MACS_PER_PARAM`'s estimate."""
 
     def __post_init__(self) -> None:
         examples = {"latency_ms": '"tier-m/fp32" = 1.2', "accuracy_drop": '"int8-static" = 0.4',
@@ -211,6 +216,9 @@ class Measured:
             _check(isinstance(rate, int | float) and not isinstance(rate, bool), f"train_gmac_s.{key}", rate,
                    "is not a number", "give the measured training rate in 10^9 MAC/s")
             _positive(f"train_gmac_s.{key}", rate, "give the measured training rate in 10^9 MAC/s (> 0)")
+        if self.round_fixed_s is not None:
+            _check(math.isfinite(self.round_fixed_s) and self.round_fixed_s >= 0, "round_fixed_s", self.round_fixed_s,
+                   "must be a number of seconds >= 0", "give the per-round fixed cost measured on the device, in s")
         object.__setattr__(self, "latency_ms", _freeze(self.latency_ms))
         object.__setattr__(self, "accuracy_drop", _freeze(self.accuracy_drop))
         object.__setattr__(self, "train_gmac_s", _freeze(self.train_gmac_s))
@@ -222,7 +230,7 @@ class Measured:
 
 @dataclass(frozen=True)
 class Profile:
-    """One kind of device: hardware, network, budgets and optional measurements."""
+    """One kind of device: hardware, network, budgets, optional measurements and an optional energy model."""
 
     name: str
     description: str
@@ -230,8 +238,14 @@ class Profile:
     network: Network
     budgets: Budgets
     measured: Measured | None = None
+    power: Power | None = None
+    """``[power]`` (:mod:`fedge.profiles.power`): board power, radio energy per byte, a battery (None: no estimate)."""
+    thermal: Thermal | None = None
+    """``[thermal]`` (:mod:`fedge.profiles.thermal`): how the board heats and throttles in simulation (None: never)."""
 
     def __post_init__(self) -> None:
+        _check(self.thermal is None or self.power is not None, "thermal", "[thermal]",
+               "heats with the board's power, and the profile has no [power] table", "add [power] (idle_w, busy_w)")
         _check(bool(_NAME.match(self.name)), "name", self.name, "is not a valid profile name",
                "use lower-case letters, digits, '.', '_' and '-', e.g. \"rpi4-4gb\"")
         ram, budget = self.hardware.ram_mb, self.budgets.train_memory_mb
@@ -268,5 +282,10 @@ class Profile:
                 "latency_ms": dict(self.measured.latency_ms),
                 "accuracy_drop": dict(self.measured.accuracy_drop),
                 **({"train_gmac_s": dict(self.measured.train_gmac_s)} if self.measured.train_gmac_s else {}),
+                **({"round_fixed_s": self.measured.round_fixed_s} if self.measured.round_fixed_s is not None else {}),
             }
+        if self.power is not None:
+            d["power"] = self.power.to_dict()
+        if self.thermal is not None:
+            d["thermal"] = self.thermal.to_dict()
         return d

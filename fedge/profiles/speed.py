@@ -37,6 +37,19 @@ from fedge.profiles.uarch import Uarch, uarch_of
 # Training costs ~3 forward passes (forward, input gradients, weight gradients).
 TRAIN_MACS_FACTOR = 3
 
+# The per-round work that does not grow with the samples — decoding and applying the global state, building the
+# optimizer and the loader, encoding the update — in multiply-accumulate equivalents per model parameter, charged at
+# the device's training rate for its model (so a device k times slower takes k times longer, as with its training).
+# Measured on this project's host, each profile's device deployed alone without a quota and without evaluation
+# (`python -m benchmarks.clock deployed --eval-every 100`, benchmarks/results/clock-deployed-f0.3-e100-ep2.json,
+# 2026-12-03): CPU per round beyond the clock's training (the difference between a 12-round and a 2-round run) was
+# 0.019 host CPU-s for the x86 gateway and 0.018 s for the Pi 4 (both tier-xl, 388,846 parameters, at 46.9 and
+# 45.7 host GMAC/s) = 8.9e8 and 8.2e8 MAC equivalents, 2,200 per parameter; the Pi Zero 2 W's tier-s (17,294
+# parameters) measured -0.004 s, where this predicts 0.003 s (the measurement's noise is ~0.01 s). Per parameter is
+# an assumption: decoding, applying and encoding the state are per-parameter work, and so is the optimizer's state.
+# A profile's `[measured] round_fixed_s` (seconds on the real device) replaces it.
+ROUND_FIXED_MACS_PER_PARAM = 2200.0
+
 # Fraction of the GEMM rate that training reaches: SIMD fp32 lanes -> tier -> {batch: fraction}.
 # Median of 3 runs of `python -m benchmarks.clock curve` on this project's 2-core Intel Xeon host (one
 # thread, CPU time, torch's kernels limited to the width; benchmarks/results/clock-curve.json, 2026-12-02). Each row
@@ -105,6 +118,8 @@ class SpeedModel:
     """How the microarchitecture was found (for reasons and docs)."""
     measured: Mapping[str, float] = field(default_factory=dict)
     """``"tier-<t>@<batch>"`` -> training GMAC/s on all cores, from the real device."""
+    fixed_s: float | None = None
+    """``[measured] round_fixed_s``: the per-round fixed seconds measured on the device (None: the model's)."""
 
     @property
     def peak_mac_rate(self) -> float:
@@ -134,9 +149,21 @@ class SpeedModel:
         ref = self.model_rate(tier_arch(tier.removeprefix("tier-")).macs(), b)
         return model * self.measured[key] * 1e9 / ref
 
+    def round_fixed_s(self, spec: ModelSpec, batch: int) -> float:
+        """Seconds of a round's work that does not grow with the samples (applying the global state, the optimizer's
+        set-up, encoding the update): :data:`ROUND_FIXED_MACS_PER_PARAM` × parameters ÷ :meth:`mac_rate`, or the
+        profile's ``[measured] round_fixed_s``."""
+        if self.fixed_s is not None:
+            return self.fixed_s
+        return ROUND_FIXED_MACS_PER_PARAM * spec.num_params() / self.mac_rate(spec, batch)
+
+    def epoch_seconds(self, spec: ModelSpec, batch: int, *, samples: int) -> float:
+        """Seconds of one epoch over ``samples``: ``3 × MACs × samples ÷`` :meth:`mac_rate`."""
+        return TRAIN_MACS_FACTOR * spec.macs() * samples / self.mac_rate(spec, batch)
+
     def train_seconds(self, spec: ModelSpec, batch: int, *, samples: int, epochs: int) -> float:
-        """Seconds of local training: ``3 × MACs × samples × epochs ÷`` :meth:`mac_rate`."""
-        return TRAIN_MACS_FACTOR * spec.macs() * samples * epochs / self.mac_rate(spec, batch)
+        """Seconds of a round's local training: ``epochs ×`` :meth:`epoch_seconds` ``+`` :meth:`round_fixed_s`."""
+        return epochs * self.epoch_seconds(spec, batch, samples=samples) + self.round_fixed_s(spec, batch)
 
     def describe(self) -> str:
         """One line: the figures the model multiplies."""
@@ -150,4 +177,5 @@ def speed_model(profile: Profile) -> SpeedModel:
     hw = profile.hardware
     uarch, found = uarch_of(hw.arch, hw.cpu, hw.uarch)
     measured = dict(profile.measured.train_gmac_s) if profile.measured is not None else {}
-    return SpeedModel(profile.name, hw.cores, hw.clock_ghz, uarch, found, MappingProxyType(measured))
+    fixed = profile.measured.round_fixed_s if profile.measured is not None else None
+    return SpeedModel(profile.name, hw.cores, hw.clock_ghz, uarch, found, MappingProxyType(measured), fixed)

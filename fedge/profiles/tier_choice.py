@@ -84,6 +84,8 @@ class TierOption:
     full_time_s: float
     """Training time of the full schedule: rounds × 5 epochs."""
     full_acc: float | None
+    fixed_s: float = 0.0
+    """Seconds each round (update) costs besides its epochs (the speed model's fixed costs)."""
 
 
 @dataclass(frozen=True)
@@ -118,26 +120,32 @@ def _pct(x: float | None) -> str:
 
 def tier_options(per_epoch_s: Mapping[str, float], batch: Mapping[str, int], fits_memory: Sequence[str],
                  samples: int, budget_s: float, run: RunBudget, curves: AccuracyCurves | None, *,
-                 names: Mapping[str, str] | None = None) -> dict[str, TierOption]:
+                 names: Mapping[str, str] | None = None, fixed_s: Mapping[str, float] | None = None,
+                 ) -> dict[str, TierOption]:
     """Every tier's schedule within ``budget_s`` (``per_epoch_s``: seconds of one epoch over the local data, per
-    tier of the family, smallest first; ``names``: each tier's network name, default ``tier-<t>``)."""
+    tier of the family, smallest first; ``names``: each tier's network name, default ``tier-<t>``; ``fixed_s``: the
+    seconds each round or update costs besides its epochs, :meth:`fedge.profiles.speed.SpeedModel.round_fixed_s`)."""
     out = {}
     full = run.rounds * MAX_EPOCHS
     for t in per_epoch_s:
-        pe = per_epoch_s[t]
+        pe, f = per_epoch_s[t], (fixed_s or {}).get(t, 0.0)
         if run.asynchronous:  # the whole budget, in updates of 5 epochs (fewer if one update is all it holds)
-            per_round = min(MAX_EPOCHS, math.floor(budget_s / pe))
-            work = min(float(full), budget_s / pe) if per_round == MAX_EPOCHS else float(per_round)
+            per_round = min(MAX_EPOCHS, math.floor(max(0.0, budget_s - f) / pe))
+            updates = budget_s / (MAX_EPOCHS * pe + f)
+            work = min(float(full), MAX_EPOCHS * updates) if per_round == MAX_EPOCHS else float(per_round)
+            fixed = f * math.ceil(work / MAX_EPOCHS - 1e-9)
+            fixed_full = f * run.rounds
         else:  # every round within its share of the budget
-            per_round = min(MAX_EPOCHS, math.floor(budget_s / run.rounds / pe))
+            per_round = min(MAX_EPOCHS, math.floor(max(0.0, budget_s / run.rounds - f) / pe))
             work = float(run.rounds * per_round)
+            fixed = fixed_full = f * run.rounds
 
         def acc(epochs: float, tier: str = t) -> float | None:
             return None if curves is None or epochs < 1 else curves.expected(tier, samples, epochs)
 
         name = names[t] if names is not None else f"tier-{t}"
-        out[t] = TierOption(t, name, batch[t], t in fits_memory, pe, per_round, work, work * pe, acc(work),
-                            full * pe, acc(full))
+        out[t] = TierOption(t, name, batch[t], t in fits_memory, pe, per_round, work, work * pe + fixed, acc(work),
+                            full * pe + fixed_full, acc(full), f)
     return out
 
 
@@ -149,10 +157,11 @@ def choose_tier(options: Mapping[str, TierOption], fits_memory: Sequence[str], *
     feasible = [options[t] for t in fits_memory if options[t].epochs_per_round >= 1]
     if not feasible:
         small = options[fits_memory[0]]
+        one_round = small.epoch_s + small.fixed_s
         raise ProfileError(
-            f"{where}: even {small.name} needs {small.epoch_s:.1f} s for one epoch, more than its share of "
-            f"the time budget ({share_s:.1f} s)",
-            hint=f"raise the time budget to at least {math.ceil(small.epoch_s * 10) / 10:g} s per round "
+            f"{where}: even {small.name} needs {one_round:.1f} s for a round of one epoch, more "
+            f"than its share of the time budget ({share_s:.1f} s)",
+            hint=f"raise the time budget to at least {math.ceil(one_round * 10) / 10:g} s per round "
                  "(budgets.round_time_s, or [run] time_budget_s / rounds), or train on fewer samples")
     if curves is None:
         full = [o for o in feasible if o.time_s >= o.full_time_s]

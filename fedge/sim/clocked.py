@@ -24,10 +24,12 @@ from collections.abc import Sequence
 from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport
 from fedge.common.messages import Message
 from fedge.common.rounds import FINAL_PHASE, RoundInfo
+from fedge.common.selection import SystemFacts
 from fedge.coordinator.report import RoundReport
 from fedge.edge.agent import DeviceAgent
 from fedge.errors import ConfigError
 from fedge.fleet.clock import FleetClock, Participation
+from fedge.fleet.energy import selection_facts
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,13 @@ class ClockedCoordinatorTransport(InMemoryCoordinatorTransport):
     def announce_round(self, data: bytes) -> None:
         super().announce_round(data)
         self._next_round = Message.from_bytes(data).round + 1  # our own engine's bytes
+
+    def selection_facts(self, rnd: int) -> dict[str, SystemFacts]:
+        """``selection = "oort"`` / ``"energy"``: each device's expected task time and joules, and its battery, from
+        the clock (:func:`fedge.fleet.energy.selection_facts`), with the bytes of its last task."""
+        moved = {a.device.device_id: (a.traffic[-1].bytes_down, a.traffic[-1].bytes_up) for a in self.agents
+                 if a.traffic}
+        return selection_facts(self.clock, rnd, moved)
 
     def offline(self) -> set[str]:
         if self._next_round >= self.final_round:

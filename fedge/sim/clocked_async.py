@@ -1,6 +1,6 @@
 """Asynchronous mode in ``fedge simulate``: the in-process fleet as events in virtual time.
 
-The engine runs its versions unchanged (:meth:`fedge.coordinator.engine.RoundEngine.run_version`); this
+The engine runs its versions unchanged (:class:`fedge.coordinator.versions.VersionPolicy`); this
 coordinator transport answers it from the virtual clock. When a descriptor assigns a device a task and the
 device is online and free, the device starts at once: it is stepped there and then (it takes the latest
 version and trains), and its update is held back until the clock says it arrives — download, its training
@@ -165,12 +165,13 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
                 # and the device heard each descriptor late here, not when it was published
                 continue
             t = agent.traffic[-1]
-            timing = c.timing(n, bytes_down=t.bytes_down, bytes_up=t.bytes_up, work=c.work, eval_round=version)
+            timing = c.timing(n, bytes_down=t.bytes_down, bytes_up=t.bytes_up, work=c.work, eval_round=version,
+                              start=self.clock.now)
             start = self.clock.now
             gone = c.availability.online_until(start)
             finish = start + timing.total_s
             lost = "offline" if finish > gone else ""
-            rec = DeviceRound(start, timing.download_s, timing.compute_s, timing.upload_s, finish, not lost, lost)
+            rec = c.record(start, timing, bytes_down=t.bytes_down, bytes_up=t.bytes_up, until=gone, lost=lost)
             self._busy.add(dev)
             self._push(dev, sent, rec, at=gone if lost else finish)
 

@@ -25,10 +25,12 @@ from fedge.sim.virtual_time import (
     device_virtual,
     fleet_curve,
     plot_time_to_accuracy,
+    round_energy,
     staleness,
     time_to,
     time_to_accuracy,
     virtual,
+    with_energy,
 )
 
 
@@ -58,65 +60,10 @@ def build_results(res: SimResult) -> dict[str, Any]:
     reports: list[RoundReport] = res.reports
     rounds = res.cfg.run.rounds
     clock_doc, spans = virtual(res)
-    devices: list[dict[str, Any]] = []
-    # (registry record, plan, local test samples, how it was lost): every device of the fleet, those
-    # lost with a worker of a parallel run included (with what they reported before).
-    entries: list[tuple[DeviceInfo, dict[str, Any], int, str | None]] = [
-        (d.info, d.plan, len(d.method.ctx.local_test), None) for d in res.devices]
-    entries += [(x.info, x.plan, x.num_local_test, x.reason) for x in res.lost]
+    joules = round_energy(res)
     # the model each device ships (issue 45): its best round by its validation fold (fedge.edge.best)
     shipped = {d.info.device_id: d.method.best.to_dict() for d in res.devices}
-    order = {dev_id: i for i, (dev_id, _) in enumerate(device_ids(res.cfg))}
-    entries.sort(key=lambda e: order.get(e[0].device_id, len(order)))
-    for info, plan, num_local_test, lost in entries:
-        dev_id = info.device_id
-        acc_g: list[float | None] = [None] * (len(reports))
-        acc_l: list[float | None] = [None] * (len(reports))
-        acc_v: list[float | None] = [None] * (len(reports))
-        up = [0] * len(reports)
-        down = [0] * len(reports)
-        for i, rep in enumerate(reports):
-            m = rep.metrics.get(dev_id, {})
-            acc_g[i] = _nan_to_none(m.get("acc_global"))
-            acc_l[i] = _nan_to_none(m.get("acc_local"))
-            acc_v[i] = _nan_to_none(m.get("acc_val"))
-            up[i] = rep.bytes_up.get(dev_id, 0)
-            down[i] = rep.bytes_down.get(dev_id, 0)
-        seen = [a for a in acc_g if a is not None]
-        devices.append({**personal_and_guard(reports, dev_id),
-            "id": dev_id,
-            "profile": info.profile,
-            "arch": info.arch,
-            "params": info.extra.get("params"),
-            "num_train": info.num_samples,
-            "num_local_test": num_local_test,
-            "upload_precision": info.upload_precision,
-            "plan": plan,
-            **({"lost": lost} if lost else {}),
-            "acc_global": acc_g,
-            "acc_local": acc_l,
-            "final_acc_global": acc_g[-1] if acc_g else None,
-            "final_acc_local": acc_l[-1] if acc_l else None,
-            "best_acc_global": max(seen) if seen else None,
-            "acc_val": acc_v,
-            "shipped": shipped.get(dev_id),
-            "shipped_acc_global": (shipped.get(dev_id) or {}).get("acc_global"),
-            # Training rounds only (the final evaluation round uploads metrics only, but is counted).
-            "bytes_up": up,
-            "bytes_down": down,
-            # seconds of each round's work as the device measured it (here: on the simulating host)
-            "train_s": [rep.train_s.get(dev_id) for rep in reports],
-            **device_virtual(res, dev_id, reports),
-        })
-
-    def mean(key: str) -> float | None:
-        vals = [d[key] for d in devices if d.get(key) is not None]
-        return sum(vals) / len(vals) if vals else None
-
-    def per_round(key: str) -> float:
-        """Mean bytes per device per training round."""
-        return sum(sum(d[key][:rounds]) for d in devices) / max(1, len(devices) * rounds)
-
+    devices = [_device_doc(res, entry, shipped.get(entry[0].device_id), joules) for entry in _device_entries(res)]
     doc: dict[str, Any] = {
         "name": res.cfg.run.name,
         "method": res.cfg.run.method,
@@ -127,28 +74,15 @@ def build_results(res: SimResult) -> dict[str, Any]:
         "data_dir": res.cfg.run.data_dir,
         "seconds": res.seconds,
         "seconds_per_round": sum(r.seconds for r in reports[:rounds]) / max(rounds, 1),
-        "summary": {
-            "mean_final_acc_global": mean("final_acc_global"),
-            "mean_best_acc_global": mean("best_acc_global"),
-            "mean_shipped_acc_global": mean("shipped_acc_global"),
-            "mean_final_acc_local": mean("final_acc_local"),
-            **({"mean_final_acc_local_generic": mean("final_acc_local_generic"),
-                "mean_final_acc_global_personal": mean("final_acc_global_personal"),
-                "personal_devices": sum(bool(d["final_personal"]) for d in devices)}
-               if any("final_personal" in d for d in devices) else {}),
-            **{f"{key}_{part}": n for key in GUARD_KINDS if any(d.get(key) for d in devices)
-               for part, n in (("used", sum(g["used"] for d in devices for g in d.get(key, []))),
-                               ("decisions", sum(len(d.get(key, [])) for d in devices)))},
-            "mean_bytes_up_per_round": per_round("bytes_up"),
-            "mean_bytes_down_per_round": per_round("bytes_down"),
-        },
+        "summary": _summary(devices, rounds),
         "tier_trades": tier_trades(devices),  # the planner's model-tier trade per device (issue 48)
         "rounds_log": [
             {"round": r.round, "phase": r.phase, "seconds": r.seconds, "accepted": len(r.accepted),
              "rejected": r.rejected, **({"epsilon": _finite(r.privacy["epsilon"])} if r.privacy else {}),
              **({"sampled": r.sampled} if r.sampled else {}), "missing": r.missing, **staleness(r),
-             **({"virtual_start_s": spans[r.round][0], "virtual_end_s": spans[r.round][1]}
-                if r.round in spans else {})}
+             **({"virtual_start_s": spans[r.round][0], "virtual_end_s": spans[r.round][1],
+                 "joules": sum(joules[r.round].values())} if r.round in spans else {}),
+             **({"selection": r.selection} if r.selection else {})}
             for r in reports
         ],
         "privacy": _privacy(res),
@@ -161,8 +95,89 @@ def build_results(res: SimResult) -> dict[str, Any]:
         doc["asynchronous"] = asynchronous(res, [d["id"] for d in devices])
     if clock_doc is not None:
         assert res.clock is not None
-        doc["time_to_accuracy"] = fleet_curve(res.clock) if res.clock.evaluations else time_to_accuracy(doc)
+        curve = fleet_curve(res.clock) if res.clock.evaluations else time_to_accuracy(doc)
+        doc["time_to_accuracy"] = with_energy(curve, res.clock)
+        if curve:
+            level = TARGET_SHARE * curve[-1]["mean_acc_global"]
+            clock_doc["energy"]["fleet_j_to_target"] = time_to(doc["time_to_accuracy"], level, "fleet_j")
     return doc
+
+
+# (registry record, plan, local test samples, how it was lost)
+DeviceEntry = tuple[DeviceInfo, dict[str, Any], int, str | None]
+
+
+def _device_entries(res: SimResult) -> list[DeviceEntry]:
+    """Every device of the fleet in fleet order, those lost with a worker of a parallel run included (with what
+    they reported before)."""
+    entries: list[DeviceEntry] = [(d.info, d.plan, len(d.method.ctx.local_test), None) for d in res.devices]
+    entries += [(x.info, x.plan, x.num_local_test, x.reason) for x in res.lost]
+    order = {dev_id: i for i, (dev_id, _) in enumerate(device_ids(res.cfg))}
+    entries.sort(key=lambda e: order.get(e[0].device_id, len(order)))
+    return entries
+
+
+def _device_doc(res: SimResult, entry: DeviceEntry, shipped: dict[str, Any] | None,
+                joules: dict[int, dict[str, float]]) -> dict[str, Any]:
+    """One device's entry of results.json: its accuracies and bytes per round, what it ships, its virtual time."""
+    info, plan, num_local_test, lost = entry
+    dev_id, reports = info.device_id, res.reports
+    metrics = [rep.metrics.get(dev_id, {}) for rep in reports]
+    acc_g = [_nan_to_none(m.get("acc_global")) for m in metrics]
+    acc_l = [_nan_to_none(m.get("acc_local")) for m in metrics]
+    seen = [a for a in acc_g if a is not None]
+    return {**personal_and_guard(reports, dev_id),
+        "id": dev_id,
+        "profile": info.profile,
+        "arch": info.arch,
+        "params": info.extra.get("params"),
+        "num_train": info.num_samples,
+        "num_local_test": num_local_test,
+        "upload_precision": info.upload_precision,
+        "plan": plan,
+        **({"lost": lost} if lost else {}),
+        "acc_global": acc_g,
+        "acc_local": acc_l,
+        "final_acc_global": acc_g[-1] if acc_g else None,
+        "final_acc_local": acc_l[-1] if acc_l else None,
+        "best_acc_global": max(seen) if seen else None,
+        "acc_val": [_nan_to_none(m.get("acc_val")) for m in metrics],
+        "shipped": shipped,
+        "shipped_acc_global": (shipped or {}).get("acc_global"),
+        # Training rounds only (the final evaluation round uploads metrics only, but is counted).
+        "bytes_up": [rep.bytes_up.get(dev_id, 0) for rep in reports],
+        "bytes_down": [rep.bytes_down.get(dev_id, 0) for rep in reports],
+        # seconds of each round's work as the device measured it (here: on the simulating host)
+        "train_s": [rep.train_s.get(dev_id) for rep in reports],
+        **device_virtual(res, dev_id, reports, joules),
+    }
+
+
+def _summary(devices: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    """results.json's ``summary``: means over the devices (accuracies, bytes per training round, guard uses)."""
+    def mean(key: str) -> float | None:
+        vals = [d[key] for d in devices if d.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    def per_round(key: str) -> float:
+        """Mean bytes per device per training round."""
+        return sum(sum(d[key][:rounds]) for d in devices) / max(1, len(devices) * rounds)
+
+    return {
+        "mean_final_acc_global": mean("final_acc_global"),
+        "mean_best_acc_global": mean("best_acc_global"),
+        "mean_shipped_acc_global": mean("shipped_acc_global"),
+        "mean_final_acc_local": mean("final_acc_local"),
+        **({"mean_final_acc_local_generic": mean("final_acc_local_generic"),
+            "mean_final_acc_global_personal": mean("final_acc_global_personal"),
+            "personal_devices": sum(bool(d["final_personal"]) for d in devices)}
+           if any("final_personal" in d for d in devices) else {}),
+        **{f"{key}_{part}": n for key in GUARD_KINDS if any(d.get(key) for d in devices)
+           for part, n in (("used", sum(g["used"] for d in devices for g in d.get(key, []))),
+                           ("decisions", sum(len(d.get(key, [])) for d in devices)))},
+        "mean_bytes_up_per_round": per_round("bytes_up"),
+        "mean_bytes_down_per_round": per_round("bytes_down"),
+    }
 
 
 # The guard's verdicts a device reports (issue 17): on the synthetic samples, and (GeFL) on the fleet's
@@ -313,6 +328,13 @@ def format_table(results: dict[str, Any]) -> str:
                      f"{max(p['devices'] for p in curve)} devices): {_pct(last['mean_acc_global'])} % at "
                      f"{last['virtual_s']:.1f} virtual s; {100 * TARGET_SHARE:g} % of it ({_pct(level)} %) first at "
                      f"{'-' if reached is None else f'{reached:.1f}'} s")
+        e = ck["energy"] if ck else {}
+        if e and e["devices_without_power"] < len(devs):
+            to = e.get("fleet_j_to_target")
+            lines.append(f"energy: {e['fleet_j']:.0f} J for the fleet ({e['task_j']:.0f} J of it tasks), "
+                         f"{'-' if to is None else f'{to:.0f}'} J to {_pct(level)} %"
+                         + (f"; {e['devices_without_power']} device(s) without a [power] model left out"
+                            if e["devices_without_power"] else ""))
     sim = results.get("simulation") or {}
     if sim.get("backend", "sequential") != "sequential":
         workers = sim.get("workers", [])

@@ -12,6 +12,7 @@ from typing import Any
 from fedge.common.rounds import FINAL_PHASE
 from fedge.coordinator.engine import RoundReport
 from fedge.fleet.clock import FleetClock
+from fedge.fleet.energy import EnergyLedger
 from fedge.sim.simulate import SimResult
 
 
@@ -26,20 +27,42 @@ def virtual(res: SimResult) -> tuple[dict[str, Any] | None, dict[int, tuple[floa
            "jitter": ck.jitter, "availability": ck.availability, "deadline_s": ck.deadline_s,
            "mean_round_s": clock.now / max(1, len(clock.rounds)),
            "lost": {str(r.round): {d: t.lost for d, t in r.devices.items() if not t.delivered}
-                    for r in clock.rounds if any(not t.delivered for t in r.devices.values())}}
+                    for r in clock.rounds if any(not t.delivered for t in r.devices.values())},
+           # joules (fedge.fleet.energy): the whole fleet's, idling included, and its tasks' alone
+           "energy": {"fleet_j": (ledger := EnergyLedger(clock)).fleet_j(), "task_j": ledger.task_j(),
+                      "devices_without_power": ledger.without_power()}}
     return doc, spans
 
 
-def device_virtual(res: SimResult, dev_id: str, reports: list[RoundReport]) -> dict[str, Any]:
-    """One device in virtual time: per round its timeline (None: no work), and its busy / idle / offline share."""
+def round_energy(res: SimResult) -> dict[int, dict[str, float]]:
+    """Each timed round's joules by device: its task and every device's idling over its span (docs/simulation.md)."""
+    clock = res.clock
+    if clock is None:
+        return {}
+    ledger = EnergyLedger(clock)
+    return {r.round: ledger.round_j(r) for r in clock.rounds}
+
+
+def device_virtual(res: SimResult, dev_id: str, reports: list[RoundReport],
+                   joules: dict[int, dict[str, float]]) -> dict[str, Any]:
+    """One device in virtual time: per round its timeline (None: no work), its busy / idle / offline share, and its
+    joules (``joules``: :func:`round_energy`)."""
     clock = res.clock
     if clock is None or dev_id not in clock.devices:
         return {}
     by_round = {r.round: r.devices.get(dev_id) for r in clock.rounds}
     timeline = [(t.to_dict() if (t := by_round.get(rep.round)) is not None else None) for rep in reports]
     shares = clock.shares(dev_id)
+    ledger = EnergyLedger(clock)
+    c = clock.devices[dev_id]
+    battery = {} if c.power is None or c.power.battery_j is None else {
+        "battery_left_j": ledger.battery_left_j(dev_id), "battery_floor_j": c.power.floor_j,
+        "battery_min_j": min(ledger.battery_left_j(dev_id, r.end_s) or 0.0 for r in clock.rounds)
+        if clock.rounds else c.power.battery_j}
     return {"virtual": timeline, "busy_share": shares["busy"], "idle_share": shares["idle"],
-            "offline_share": shares["offline"]}
+            "offline_share": shares["offline"], "joules": ledger.device_j(dev_id),
+            "joules_per_round": [joules[rep.round].get(dev_id) if rep.round in joules else None for rep in reports],
+            **battery}
 
 
 def staleness(r: RoundReport) -> dict[str, Any]:
@@ -83,9 +106,16 @@ TARGET_SHARE = 0.95
 """The share of a final accuracy that "time to accuracy" is read at by default (the summary, ``fedge compare``)."""
 
 
-def time_to(curve: list[dict[str, Any]], level: float) -> float | None:
-    """The first virtual second a ``time_to_accuracy`` curve's fleet mean reaches ``level`` (None: never)."""
-    return next((p["virtual_s"] for p in curve if p["mean_acc_global"] >= level), None)
+def time_to(curve: list[dict[str, Any]], level: float, key: str = "virtual_s") -> float | None:
+    """The first virtual second a ``time_to_accuracy`` curve's fleet mean reaches ``level`` (None: never); with
+    ``key = "fleet_j"``, the fleet's joules by then."""
+    return next((p.get(key) for p in curve if p["mean_acc_global"] >= level), None)
+
+
+def with_energy(curve: list[dict[str, Any]], clock: FleetClock) -> list[dict[str, Any]]:
+    """Each point of a time-to-accuracy curve with the fleet's joules up to its moment (``fleet_j``)."""
+    ledger = EnergyLedger(clock)
+    return [{**p, "fleet_j": ledger.fleet_j(p["virtual_s"])} for p in curve]
 
 
 def fleet_curve(clock: FleetClock) -> list[dict[str, Any]]:
@@ -109,8 +139,11 @@ def plot_time_to_accuracy(results: dict[str, Any], path: Path) -> None:
     (dots) / asynchronous, the range over the fleet at each measurement (band)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
     mean = results["time_to_accuracy"]
+    joules = [m.get("fleet_j") for m in mean]
+    energy_panel = bool(mean) and all(j is not None for j in joules) and any(joules)
+    fig, axes = plt.subplots(1, 2 if energy_panel else 1, figsize=(12 if energy_panel else 7, 4), squeeze=False)
+    ax = axes[0][0]
     xs = [m["virtual_s"] for m in mean]
     if results["clock"].get("mode") == "async":
         # a version's own reports hold a different few devices each: the fleet measurement is the curve
@@ -131,6 +164,13 @@ def plot_time_to_accuracy(results: dict[str, Any], path: Path) -> None:
                  f"(availability {ck['availability']}, jitter {ck['jitter']:g})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    if energy_panel:  # the same fleet mean against the fleet's joules by then (fedge.fleet.energy)
+        ex = axes[0][1]
+        ex.plot([j / 1000 for j in joules], [100 * m["mean_acc_global"] for m in mean], "k.-", lw=2)
+        ex.set_xlabel("fleet energy (kJ, idling included)")
+        ex.set_ylabel("global test accuracy (%)")
+        ex.set_title("accuracy against fleet energy")
+        ex.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

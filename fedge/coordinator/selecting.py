@@ -1,0 +1,62 @@
+"""The coordinator's side of ``selection = "oort"`` / ``"energy"``: the facts each candidate is chosen by.
+
+What the devices reported (each accepted update's training ``loss``, and that it trained), their training samples
+(their hello), their expected task time and joules, and a battery's charge. The time and energy come from the
+transport when it knows the devices' clock (``selection_facts(rnd)``: the simulator's virtual clock, which charges
+every task in joules, :mod:`fedge.fleet.energy`); otherwise the task time is what the device's last update took
+or its hello's ``est_round_s``, and the joules are unknown (``energy`` then ranks by utility over the median
+joules, and, with no battery charge in the heartbeat yet, cannot enforce a floor over MQTT).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+from fedge.common.rounds import FINAL_PHASE, DeviceInfo
+from fedge.common.sampling import Sampling
+from fedge.common.selection import DeviceFacts, SystemFacts, select
+from fedge.coordinator.report import RoundReport
+
+log = logging.getLogger(__name__)
+
+
+class Selector:
+    """The memory of what devices reported, and the choice of a round's devices from it."""
+
+    def __init__(self) -> None:
+        self.loss: dict[str, float] = {}
+        self.trained: set[str] = set()
+        self.seen = 0  # the last round whose report was read
+        self.why: dict[str, str] = {}
+        """Why each registered device was or was not tasked in the last round chosen."""
+
+    def observe(self, reports: Sequence[RoundReport]) -> None:
+        """Read the reports of rounds not read yet: who trained, and the loss each reported."""
+        for r in reports:
+            if r.round <= self.seen or r.phase == FINAL_PHASE:
+                continue
+            for d in r.accepted:
+                self.trained.add(d)
+                loss = r.info.get(d, {}).get("loss")
+                if isinstance(loss, int | float) and not isinstance(loss, bool):
+                    self.loss[d] = float(loss)
+            self.seen = r.round
+
+    def choose(self, sampling: Sampling, rnd: int, devices: Mapping[str, DeviceInfo], online: set[str],
+               reports: Sequence[RoundReport], system: Mapping[str, SystemFacts] | None,
+               estimate: Callable[[str], float | None]) -> list[str]:
+        """The devices ``sampling`` (oort or energy) picks for round ``rnd`` from the online registered ones."""
+        self.observe(reports)
+        facts = {}
+        for d in sorted(online & set(devices)):
+            sf = (system or {}).get(d)
+            facts[d] = DeviceFacts(
+                samples=devices[d].num_samples, loss=self.loss.get(d), trained=d in self.trained,
+                task_s=sf.task_s if sf is not None else estimate(d), task_j=sf.task_j if sf is not None else None,
+                battery_j=sf.battery_j if sf is not None else None, floor_j=sf.floor_j if sf is not None else 0.0,
+                hot=sf.hot if sf is not None else "")
+        choice = select(sampling.selection, rnd, sampling.count, list(facts), facts, sampling.utility, sampling.seed)
+        self.why = {d: "offline at the round's start" for d in devices if d not in facts} | choice.why
+        log.debug("round %d: %s chose %s", rnd, sampling.selection, ", ".join(choice.chosen))
+        return choice.chosen
