@@ -48,7 +48,7 @@ class SimDevice:
 def load_fleet_data(cfg: FleetConfig) -> FleetData:
     """Load the data set and partition it over the fleet, deterministically by seed."""
     run = cfg.run
-    channels, size, _ = cfg.input_shape
+    channels, size = cfg.input_shape[0], cfg.input_shape[-1]  # a 1-D data set keeps its own shape
     train = load_dataset(run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=run.seed, image_size=size,
                          channels=channels)
     test = load_dataset(run.dataset, train=False, data_dir=fleet_data_dir(cfg), seed=run.seed, image_size=size,
