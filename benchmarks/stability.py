@@ -13,6 +13,13 @@ synchronous rounds and asynchronous versions (``[coordinator] mode = "async"``, 
     nice -n 10 env OMP_NUM_THREADS=1 python -m benchmarks.stability --seeds 0 1 \\
         --fleets six-fedproto-defaults --methods fedproto --modes sync --out benchmarks/results/stability.json
 
+``--margins M ...`` runs the chosen fleets, methods, modes and seeds with the defaults and ``[train]
+divergence_margin = M`` (0: the divergence guard off), and reports the rounds each device undid (issue 45's
+divergence guard, :mod:`fedge.edge.divergence`):
+
+    nice -n 10 env OMP_NUM_THREADS=1 python -m benchmarks.stability --seeds 0 1 --fleets six-fedproto-defaults \
+        --methods fedproto --modes sync --margins 0 10 --out benchmarks/results/stability.json
+
 ``--ablate`` instead runs issue 45's six-device fleet with one setting changed at a time against the defaults
 before issue 45 (lr 0.1, every last batch alone): the learning rate, the last-batch rule, the prototype pull,
 the upload precision.
@@ -45,6 +52,16 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "fp32 uploads": {"train": OLD, "upload_precision": "fp32"},
     "new defaults": {},
 }
+
+
+def margin_change(margin: float) -> str:
+    """The change label of a run with ``[train] divergence_margin = margin``."""
+    return f"margin {margin:g}"
+
+
+def change_of(label: str) -> dict[str, Any]:
+    """The ``[train]`` table of a :func:`margin_change` label (the other defaults untouched)."""
+    return {"train": {"divergence_margin": float(label.removeprefix("margin "))}}
 
 
 def fleet_table(fleet: str, method: str, mode: str, seed: int, change: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -80,7 +97,8 @@ def run_cell(raw: dict[str, Any], source: str) -> dict[str, Any]:
     for d in res["devices"]:
         seen = [a for a in d["acc_global"] if a is not None]
         devices.append({"id": d["id"], "acc_global": d["acc_global"], "acc_val": d["acc_val"],
-                        "final": seen[-1], "best": max(seen), "shipped": d["shipped"]})
+                        "final": seen[-1], "best": max(seen), "shipped": d["shipped"],
+                        **({"rolled_back": d["rolled_back"]} if "rolled_back" in d else {})})
     n = len(devices)
 
     def mean(xs: list[float]) -> float:
@@ -90,12 +108,13 @@ def run_cell(raw: dict[str, Any], source: str) -> dict[str, Any]:
                else d["final"] for d in devices]
     return {"mean_final": mean([d["final"] for d in devices]), "mean_best": mean([d["best"] for d in devices]),
             "mean_shipped": mean(shipped), "max_drop": 100 * max(d["best"] - d["final"] for d in devices),
+            "rollbacks": sum(len(d.get("rolled_back", [])) for d in devices),
             "seconds": time.perf_counter() - t0, "devices": devices}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = f"{'fleet':24s} {'method':9s} {'mode':6s} {'change':14s} {'seed':>4s} {'final':>6s} {'best':>6s} " \
-           f"{'shipped':>7s} {'max drop':>8s}"
+           f"{'shipped':>7s} {'max drop':>8s} {'undone':>6s}"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
@@ -103,7 +122,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                          f"error: {r['error'][:60]}")
             continue
         lines.append(f"{r['fleet']:24s} {r['method']:9s} {r['mode']:6s} {r['change']:14s} {r['seed']:4d} "
-                     f"{r['mean_final']:6.1f} {r['mean_best']:6.1f} {r['mean_shipped']:7.1f} {r['max_drop']:8.1f}")
+                     f"{r['mean_final']:6.1f} {r['mean_best']:6.1f} {r['mean_shipped']:7.1f} {r['max_drop']:8.1f} "
+                     f"{r.get('rollbacks', 0):6d}")
     return "\n".join(lines)
 
 
@@ -117,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--ablate", nargs="*", metavar="CHANGE", choices=list(ABLATIONS),
                     help="issue 45's ablation on the six-device FedProto fleet (all changes when none is named)")
+    ap.add_argument("--margins", nargs="+", type=float, metavar="M",
+                    help="run each cell with [train] divergence_margin = M (0: the divergence guard off)")
     ap.add_argument("--out", default="benchmarks/results/stability.json")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -126,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         cells = [("six-fedproto-defaults", "fedproto", "sync", c, s) for c in (args.ablate or ABLATIONS)
                  for s in args.seeds]
     else:
-        cells = [(f, m, mo, "new defaults", s) for f in args.fleets for m in args.methods for mo in args.modes
+        changes = [margin_change(m) for m in args.margins] if args.margins else ["new defaults"]
+        cells = [(f, m, mo, c, s) for f in args.fleets for m in args.methods for mo in args.modes for c in changes
                  for s in args.seeds]
     for fleet, method, mode, change, seed in cells:
         if (fleet, method, mode, change, seed) in done:
             continue
-        raw = fleet_table(fleet, method, mode, seed, ABLATIONS[change])
+        raw = fleet_table(fleet, method, mode, seed, ABLATIONS.get(change) or change_of(change))
         row = {"fleet": fleet, "method": method, "mode": mode, "change": change, "seed": seed}
         try:
             row.update(run_cell(raw, f"benchmarks/stability.py ({fleet})"))

@@ -199,6 +199,19 @@ def fashion_mnist(request: pytest.FixtureRequest) -> Path:
     return FMNIST_DIR
 
 
+@pytest.fixture(scope="session")
+def espeak_kws(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synthetic keyword set of ``audio_helpers.SMALL_KWS``, spoken by Debian's ``espeak-ng`` once per session
+    (``.ci/run`` installs it; missing, the test fails in ``make test`` and skips in the quick loop)."""
+    if shutil.which("espeak-ng") is None:
+        _missing(request, "apt-get install espeak-ng (the synthetic keyword set is spoken by it)")
+    from audio_helpers import SMALL_KWS
+
+    from fedge.edge.data.espeak import make_keyword_set
+
+    return make_keyword_set(tmp_path_factory.mktemp("espeak-kws"), SMALL_KWS)
+
+
 @pytest.fixture
 def browser(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A headless Chromium with a fresh profile, driven by selenium through Debian's ``chromedriver`` (packages

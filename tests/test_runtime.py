@@ -371,7 +371,8 @@ def test_directory_input_classifies_every_image(model_dir: Path, tmp_path: Path,
     empty.mkdir()
     assert main(["infer", "--model", str(model_dir), str(empty)]) == PayloadError.exit_code
     err = capsys.readouterr().err
-    assert f"{empty}: a directory with no images or .npy arrays" in err and "subdirectories" in err
+    assert f"{empty}: a directory with no images, .npy arrays, WAV clips or .csv windows" in err
+    assert "subdirectories" in err
     assert main(["infer", "--model", str(model_dir), str(tmp_path / "nope.png")]) == PayloadError.exit_code
     assert f"{tmp_path / 'nope.png'}: no such file or directory" in capsys.readouterr().err
     assert main(["infer", "--model", str(model_dir), str(images), "--out", str(tmp_path / "p.txt")]) == 2

@@ -17,18 +17,41 @@ import numpy as np
 
 from fedge.errors import PayloadError
 
+INPUT_KINDS = ("image", "audio", "series")
+
 
 @dataclass(frozen=True)
 class Normalization:
-    """Per-dataset input normalization; pixels are first scaled to [0, 1]."""
+    """Per-dataset input normalization; pixels are first scaled to [0, 1].
+
+    ``kind``: ``image`` inputs are (channels, size, size); ``audio`` (raw samples in [-1, 1]) and ``series``
+    (sensor windows) are (channels, size) and pass to the model as they are (mean 0, std 1): an audio model
+    computes its own features (:mod:`fedge.edge.models.frontend`)."""
 
     mean: float
     std: float
     size: int = 32
     channels: int = 1
+    kind: str = "image"
 
-    def to_dict(self) -> dict[str, float | int]:
-        return {"mean": self.mean, "std": self.std, "size": self.size, "channels": self.channels}
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """The model's input without the batch axis: (C, S, S) for images, (C, S) otherwise."""
+        if self.kind == "image":
+            return (self.channels, self.size, self.size)
+        return (self.channels, self.size)
+
+    def to_dict(self) -> dict[str, float | int | str]:
+        d: dict[str, float | int | str] = {"mean": self.mean, "std": self.std, "size": self.size,
+                                           "channels": self.channels}
+        if self.kind != "image":  # an image export's manifest stays as it always was
+            d["kind"] = self.kind
+        return d
+
+
+def signal_normalization(kind: str, channels: int, samples: int) -> Normalization:
+    """The identity normalization of a 1-D input (audio or a sensor window) of ``channels`` x ``samples``."""
+    return Normalization(0.0, 1.0, size=samples, channels=channels, kind=kind)
 
 
 # Means/stds of the training sets after scaling to [0, 1].

@@ -43,7 +43,7 @@ from fedge.coordinator.gate import UpdateGate
 from fedge.coordinator.merge import PartialMerger
 from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.policy import Call, RoundPolicy, SyncRound
-from fedge.coordinator.report import RoundReport
+from fedge.coordinator.report import RoundReport, rolled_back
 from fedge.coordinator.selecting import Selector
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
@@ -314,6 +314,9 @@ class RoundEngine:
         report.rejected = dict(rejections.by_reason)
         report.rejected_by_device = {d: dict(c) for d, c in sorted(rejections.by_device.items())}
         report.missing = policy.missing()
+        if undone := rolled_back(report):
+            log.info("round %d: %s undid the last round (validation accuracy fell past [train] divergence_margin) "
+                     "and trained from the previous model", rnd, ", ".join(undone))
         self.gate.end_round(report.missing)
         aggregation_s = 0.0
         if not policy.final:

@@ -65,6 +65,12 @@ class RoundReport:
         return total, n
 
 
+def rolled_back(report: RoundReport) -> list[str]:
+    """The devices that undid their last round at the start of this one (issue 45's divergence guard: their
+    validation accuracy fell by more than ``[train] divergence_margin``; they train from their previous model)."""
+    return sorted(d for d, m in report.metrics.items() if m.get("rolled_back"))
+
+
 def record_accepted(report: RoundReport, device_id: str, *, bytes_up: int, bytes_down: int,
                     metrics: dict[str, float], info: dict[str, Any]) -> None:
     """An accepted update in its round's report — the device's own, or one a worker's or relay's partial

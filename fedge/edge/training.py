@@ -24,6 +24,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     min_tail: int = 1
     """An epoch's last batch smaller than this joins the one before it (1: every batch stands alone)."""
+    divergence_margin: float = 0.0
+    """Points of validation accuracy a round may lose before the device undoes it (0: never; fedge.edge.divergence)."""
 
 
 def make_optimizer(params: list[nn.Parameter] | list[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -104,6 +106,21 @@ def predict(model: nn.Module, x: np.ndarray, batch_size: int = 1024) -> np.ndarr
     for i in range(0, len(x), batch_size):
         out.append(model(torch.from_numpy(np.ascontiguousarray(x[i : i + batch_size]))).argmax(1).numpy())
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+Forward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # inputs -> (logits, features)
+
+
+@torch.no_grad()
+def held_out_metrics(model: nn.Module, x: np.ndarray, y: np.ndarray, forward: Forward | None = None,
+                     ) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` (through ``forward``) on ``x``, ``y``; eval mode."""
+    model.eval()
+    fwd = forward or (lambda xb: (model(xb), xb))
+    logits = torch.cat([fwd(torch.from_numpy(np.ascontiguousarray(x[i : i + 1024])))[0]
+                        for i in range(0, len(x), 1024)])
+    yt = torch.from_numpy(np.ascontiguousarray(y))
+    return float((logits.argmax(1) == yt).float().mean()), float(nn.functional.cross_entropy(logits, yt))
 
 
 def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:

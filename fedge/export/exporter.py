@@ -105,9 +105,9 @@ def _check_fits(net: SplitNet, test: Dataset) -> None:
     if not isinstance(net, SplitNet):
         raise ExportError(f"can only export fedge networks (FedgeNet, FamilyNet), got {type(net).__name__}")
     spec = net.spec
-    if (test.norm.channels, test.norm.size, test.norm.size) != spec.input_shape:
+    if test.norm.sample_shape != tuple(spec.input_shape):
         raise ExportError(
-            f"{test.name} images are {test.norm.channels}x{test.norm.size}x{test.norm.size}, "
+            f"{test.name} inputs are {'x'.join(map(str, test.norm.sample_shape))}, "
             f"but {spec.name} takes {'x'.join(map(str, spec.input_shape))}",
             hint="export with the data set the model was trained on",
         )

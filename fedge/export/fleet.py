@@ -93,6 +93,8 @@ def load_net(checkpoint: str | os.PathLike[str]) -> tuple[SplitNet, dict[str, st
 def input_of(net: SplitNet) -> dict[str, int]:
     """``load_dataset``'s image size and channels for ``net``'s input (what it was trained on)."""
     shape = tuple(net.spec.input_shape)
+    if len(shape) == 2:  # a 1-D data set keeps its own shape (load_dataset ignores these)
+        return {"channels": int(shape[0]), "image_size": int(shape[1])}
     if len(shape) != 3 or shape[1] != shape[2]:
         raise ExportError(f"{net.spec.name} takes {'x'.join(map(str, shape))} inputs, not square images: the "
                           "benchmark data sets cannot test it", hint="export it with your own test data (export_into)")
@@ -232,9 +234,8 @@ class _DeviceData:
             from fedge.fleet.slots import fleet_data_dir, fleet_splits
 
             cfg = load_fleet(str(config))
-            channels, size, _ = cfg.input_shape
             train = load_dataset(cfg.run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=cfg.run.seed,
-                                 image_size=size, channels=channels)
+                                 image_size=cfg.input_shape[-1], channels=cfg.input_shape[0])
             return {dev: train.x[split.train]
                     for (dev, _), split in zip(device_ids(cfg), fleet_splits(cfg, train.y), strict=True)}
         except (FedgeError, ImportError, OSError, AttributeError, TypeError, ValueError) as exc:

@@ -9,6 +9,11 @@
   format, S8S8, per-channel weights, MinMax calibration on 100–500
   representative inputs (ONNX Runtime's recommendation for CNNs).
 
+An audio model's MFCC front end (:mod:`fedge.edge.models.frontend`) stays float32 at every level: its power
+spectrum spans ten orders of magnitude, which int8 (one scale per tensor) flattens to the log floor and fp16
+overflows above 65504; :func:`front_end_nodes` finds it in the graph (everything from the input to the DCT
+``MatMul`` after the first ``Log``) and the passes leave those nodes alone.
+
 Calibration inputs come from a :data:`CalibrationSource`: an array of model
 inputs, an iterable of such batches, or a callable ``f(n) -> (n, C, S, S)``
 such as a generator's sampler, so calibration data never has to leave the
@@ -85,12 +90,45 @@ def _check_quant(quant: str) -> None:
         raise ExportError(f"unknown quantization {quant!r}", hint=f"use one of {', '.join(QUANTS)}")
 
 
+def front_end_nodes(model: Any) -> list[str]:
+    """Names of the nodes of an MFCC front end in ``model`` (an ``onnx.ModelProto``; unnamed nodes are named
+    here): every node computed from the graph input up to the first ``MatMul`` after a ``Log`` (the DCT).
+    A graph without a ``Log`` (an image model) has none."""
+    if not any(n.op_type == "Log" for n in model.graph.node):
+        return []
+    for i, node in enumerate(model.graph.node):
+        if not node.name:
+            node.name = f"fedge_node_{i}"
+    reached = {model.graph.input[0].name}
+    out, seen_log = [], False
+    for node in model.graph.node:  # topological order (the exporter's, kept by every pass before this one)
+        if not any(t in reached for t in node.input):
+            continue
+        out.append(node.name)
+        reached.update(node.output)
+        seen_log = seen_log or node.op_type == "Log"
+        if seen_log and node.op_type == "MatMul":
+            return out
+    return out
+
+
+def _named_front_end(src: Path, dst: Path) -> list[str]:
+    """``src`` saved as ``dst`` with its nodes named; the names of its front end's nodes."""
+    import onnx
+
+    model = onnx.load(str(src))
+    names = front_end_nodes(model)
+    onnx.save(model, str(dst))
+    return names
+
+
 def to_fp16(src: Path, dst: Path) -> None:
     """fp16 weights and compute, fp32 inputs and outputs."""
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True)
+    model = onnx.load(str(src))
+    model = convert_float_to_float16(model, keep_io_types=True, node_block_list=front_end_nodes(model) or None)
     onnx.save(model, str(dst))
 
 
@@ -102,7 +140,8 @@ def int8_dynamic(src: Path, dst: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="fedge-quant-") as tmp:
         pre = Path(tmp) / "pre.onnx"
         quant_pre_process(str(src), str(pre))
-        quantize_dynamic(str(pre), str(dst), weight_type=QuantType.QInt8, per_channel=False)
+        keep = _named_front_end(pre, pre)
+        quantize_dynamic(str(pre), str(dst), weight_type=QuantType.QInt8, per_channel=False, nodes_to_exclude=keep)
 
 
 def _reader(input_name: str, x: np.ndarray, batch: int = 64) -> Any:
@@ -134,8 +173,10 @@ def int8_static(src: Path, dst: Path, calib: np.ndarray, input_name: str, *, per
     with tempfile.TemporaryDirectory(prefix="fedge-quant-") as tmp:
         pre = Path(tmp) / "pre.onnx"
         quant_pre_process(str(src), str(pre))
+        keep = _named_front_end(pre, pre)
         quantize_static(
             str(pre), str(dst), _reader(input_name, calib),
+            nodes_to_exclude=keep,
             quant_format=QuantFormat.QDQ,
             per_channel=per_channel,
             activation_type=QuantType.QInt8,

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedge.common.asyncmode import AsyncSettings
-from fedge.common.catalog import DATASETS, NUM_CLASSES
+from fedge.common.catalog import DATASETS, NUM_CLASSES, SIGNAL_SHAPES
 from fedge.common.coordinator_section import CoordinatorSection
 from fedge.common.families import GEFL_FAMILY
-from fedge.common.preprocess import NORMALIZATION, Normalization
+from fedge.common.preprocess import NORMALIZATION, Normalization, signal_normalization
 from fedge.common.privacy import Mechanism, PrivacySettings
 from fedge.common.sampling import Sampling
 from fedge.common.settings import MethodSettings
@@ -76,7 +76,8 @@ class RunSection:
 class PartitionSection:
     """How the training set is spread over the devices."""
 
-    kind: Literal["iid", "dirichlet", "shards"] = "iid"
+    kind: Literal["iid", "dirichlet", "shards", "group"] = "iid"
+    """``group``: each speaker or subject of a 1-D data set on one device (the natural non-IID split)."""
     fraction: float = 1.0
     alpha: float = 0.5
     shards_per_device: int = 2
@@ -92,6 +93,10 @@ class PartitionSection:
             raise ConfigError(f"alpha must be > 0, got {self.alpha}")
 
 
+# [train] divergence_margin's default (points of validation accuracy; docs/simulation.md, "The divergence guard")
+DEFAULT_DIVERGENCE_MARGIN = 0.0
+
+
 @dataclass(frozen=True)
 class TrainSection:
     """Overrides of the plan's local-training settings (unset: the plan decides)."""
@@ -105,6 +110,16 @@ class TrainSection:
     """An epoch's last batch smaller than this joins the one before it (unset: the plan decides; 1: never)."""
     val_fraction: float = 0.1
     """Share of each device's training samples held out to choose the model it ships (0: none, ship the last)."""
+    divergence_margin: float | None = None
+    """Points of validation accuracy a round may lose before the device undoes it and trains the next round from
+    its previous model (fedge.edge.divergence). Unset: DEFAULT_DIVERGENCE_MARGIN when there is a validation fold,
+    off without one; 0: off."""
+
+    def guard_margin(self) -> float:
+        """The divergence guard's margin in points for this fleet (0: no guard)."""
+        if self.val_fraction == 0:
+            return 0.0
+        return DEFAULT_DIVERGENCE_MARGIN if self.divergence_margin is None else self.divergence_margin
 
     def __post_init__(self) -> None:
         if self.lr is not None and self.lr <= 0:
@@ -114,6 +129,14 @@ class TrainSection:
         if not 0 <= self.val_fraction < 0.5:
             raise ConfigError(f"val_fraction must be in [0, 0.5), got {self.val_fraction}",
                               hint="0.1 holds out a tenth of each device's training share; 0 holds out nothing")
+        if self.divergence_margin is not None:
+            if not 0 <= self.divergence_margin <= 100:
+                raise ConfigError(f"divergence_margin must be in [0, 100] points of validation accuracy, got "
+                                  f"{self.divergence_margin}", hint=f"{DEFAULT_DIVERGENCE_MARGIN:g} is the default; "
+                                  "0 turns the divergence guard off")
+            if self.divergence_margin > 0 and self.val_fraction == 0:
+                raise ConfigError(f"divergence_margin = {self.divergence_margin:g} needs a validation fold, but "
+                                  "val_fraction = 0", hint="set val_fraction (e.g. 0.1), or divergence_margin = 0")
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.local_epochs is not None and self.local_epochs < 1:
@@ -284,6 +307,10 @@ class DataSection:
     channels: int = 1
     mean: float | None = None
     std: float | None = None
+    kind: Literal["image", "audio", "series"] = "image"
+    """What the devices' own files are: images, WAV clips (``audio``) or sensor windows (``series``)."""
+    window: int = 0
+    """Samples per input of ``audio`` (default 16000: 1 s at 16 kHz) or ``series`` (required) data."""
 
     def __post_init__(self) -> None:
         for c in self.classes:
@@ -295,7 +322,17 @@ class DataSection:
             raise ConfigError(f"[data] classes lists {dup} twice", hint="list each class once")
         if self.classes and len(self.classes) < 2:
             raise ConfigError("[data] classes needs at least two classes")
-        if self.channels not in (1, 3):
+        if self.kind == "series" and (self.window < 2 or self.channels < 1):
+            raise ConfigError(f'[data] kind = "series" needs window >= 2 and channels >= 1, got window = '
+                              f"{self.window}, channels = {self.channels}",
+                              hint="window: samples per window (e.g. 128); channels: signals per sample (e.g. 3)")
+        if self.kind == "audio" and self.channels != 1:
+            raise ConfigError(f"[data] channels = {self.channels}: audio is read as mono (stereo is downmixed)",
+                              hint="set channels = 1 (or leave it out)")
+        if self.kind == "audio" and self.window and self.window < 640:
+            raise ConfigError(f"[data] window = {self.window}: an audio clip must hold one 40-ms MFCC frame",
+                              hint="use 16000 (1 s at 16 kHz) or leave it out")
+        if self.kind == "image" and self.channels not in (1, 3):
             raise ConfigError(f"[data] channels = {self.channels}: images are grey (1) or RGB (3)",
                               hint="set channels = 1 (RGB is converted to grey) or 3")
         if not 8 <= self.image_size <= 1024:
@@ -340,7 +377,18 @@ class FleetConfig:
             fleet_size=self.num_devices, seed=self.run.seed, async_refusal=self.method_config.async_blocker(),
             method=self.run.method))
         d = self.data
-        if self.model.family == GEFL_FAMILY and (d.channels, d.image_size) != ZOO_INPUT:
+        if self.partition.kind == "group" and self.run.dataset not in SIGNAL_SHAPES:
+            raise ConfigError(f'{self.source}: [partition] kind = "group" splits by speaker or subject, which '
+                              f"{self.run.dataset} has not",
+                              hint=f"use it with {', '.join(SIGNAL_SHAPES)}, or kind = \"iid\" / \"dirichlet\"")
+        if len(self.input_shape) == 2 and self.model.family == GEFL_FAMILY:
+            what = f"[data] kind = {d.kind!r}" if self.own_data else f"[run] dataset = {self.run.dataset!r}"
+            raise ConfigError(f"{self.source}: {what} is 1-D ({'x'.join(map(str, self.input_shape))}), the GeFL "
+                              "CNN family takes images",
+                              hint='set [model] family = "dscnn" for audio (its front end computes MFCCs) or '
+                                   '"cnn1d" for sensor windows (docs/audio.md, docs/sensors.md)')
+        if len(self.input_shape) == 3 and self.model.family == GEFL_FAMILY \
+                and (d.channels, d.image_size) != ZOO_INPUT:
             raise ConfigError(f"{self.source}: [data] channels = {d.channels}, image_size = {d.image_size}: the "
                               f"GeFL CNN family takes {ZOO_INPUT[0]}x{ZOO_INPUT[1]}x{ZOO_INPUT[1]} inputs",
                               hint='set channels = 1 and image_size = 32, or pick a family that takes any size: '
@@ -356,9 +404,16 @@ class FleetConfig:
         return fam
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """(channels, height, width) of every device's model input: ``[data] channels`` and ``image_size``."""
-        return (self.data.channels, self.data.image_size, self.data.image_size)
+    def input_shape(self) -> tuple[int, ...]:
+        """Every device's model input: (channels, samples) of a 1-D data set or of the devices' own audio / sensor
+        files (``[data] kind``, ``channels``, ``window``), else (channels, height, width) from ``[data] channels``
+        and ``image_size``."""
+        d = self.data
+        if self.own_data and d.kind != "image":
+            return (d.channels, d.window or 16_000)
+        if self.run.dataset in SIGNAL_SHAPES:
+            return SIGNAL_SHAPES[self.run.dataset]
+        return (d.channels, d.image_size, d.image_size)
 
     @functools.cached_property
     def privacy_mechanism(self) -> Mechanism | None:
@@ -422,9 +477,13 @@ class FleetConfig:
         return len(self.data.classes) if self.own_data else NUM_CLASSES[self.run.dataset]
 
     def input_norm(self) -> Normalization:
-        """The preprocessing of the fleet's own data: ``[data]`` over the run data set's defaults."""
-        base = NORMALIZATION[self.run.dataset]
+        """The preprocessing of the fleet's own data: ``[data]`` over the run data set's defaults (none for audio
+        clips and sensor windows, which reach the model as read)."""
         d = self.data
+        if d.kind != "image":
+            channels, samples = self.input_shape
+            return signal_normalization(d.kind, channels, samples)
+        base = NORMALIZATION[self.run.dataset] if self.run.dataset in NORMALIZATION else NORMALIZATION["digits"]
         return Normalization(base.mean if d.mean is None else d.mean, base.std if d.std is None else d.std,
                              size=d.image_size, channels=d.channels)
 

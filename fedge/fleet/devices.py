@@ -48,7 +48,7 @@ class SimDevice:
 def load_fleet_data(cfg: FleetConfig) -> FleetData:
     """Load the data set and partition it over the fleet, deterministically by seed."""
     run = cfg.run
-    channels, size, _ = cfg.input_shape
+    channels, size = cfg.input_shape[0], cfg.input_shape[-1]  # a 1-D data set keeps its own shape
     train = load_dataset(run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=run.seed, image_size=size,
                          channels=channels)
     test = load_dataset(run.dataset, train=False, data_dir=fleet_data_dir(cfg), seed=run.seed, image_size=size,
@@ -94,6 +94,7 @@ def device_from_slot(cfg: FleetConfig, slot: DeviceSlot, train: Dataset, local_t
         momentum=cfg.train.momentum,
         weight_decay=cfg.train.weight_decay,
         min_tail=cfg.train.min_tail or p.min_tail,
+        divergence_margin=cfg.train.guard_margin(),
     )
     ctx = DeviceContext(
         device_id=slot.device_id,

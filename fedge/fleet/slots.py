@@ -24,8 +24,16 @@ from fedge.common.archs import arch_by_name
 from fedge.common.catalog import CLASS_NAMES
 from fedge.common.families import GEFL_FAMILY, FamilyArch, ModelSpec, family_arch, family_tiers
 from fedge.common.rounds import DeviceInfo
-from fedge.edge.data.datasets import load_labels
-from fedge.edge.data.partition import DeviceSplit, dirichlet, iid_fraction, local_splits, shards, validation_folds
+from fedge.edge.data.datasets import load_groups, load_labels
+from fedge.edge.data.partition import (
+    DeviceSplit,
+    by_group,
+    dirichlet,
+    iid_fraction,
+    local_splits,
+    shards,
+    validation_folds,
+)
 from fedge.errors import ConfigError
 from fedge.fleet.config import FleetConfig, device_ids
 from fedge.profiles import Plan, Profile, RunBudget, load_profile, plan
@@ -104,6 +112,12 @@ def fleet_splits(cfg: FleetConfig, labels: np.ndarray) -> list[DeviceSplit]:
         parts = iid_fraction(labels, n, part.fraction, run.seed)
     elif part.kind == "dirichlet":
         parts = dirichlet(labels, n, part.alpha, run.seed, min_size=part.min_size, fraction=part.fraction)
+    elif part.kind == "group":  # every speaker / subject on one device
+        groups = load_groups(run.dataset, train=True, data_dir=fleet_data_dir(cfg), seed=run.seed)
+        if len(groups) != len(labels):
+            raise ConfigError(f"{cfg.source}: {len(groups)} speakers/subjects for {len(labels)} labels",
+                              hint="partition the training set the fleet config names")
+        parts = by_group(groups, n, run.seed)
     else:
         parts = shards(labels, n, part.shards_per_device, run.seed, fraction=part.fraction)
     return validation_folds(local_splits(parts, part.local_test_fraction, run.seed), cfg.train.val_fraction, run.seed)

@@ -110,9 +110,9 @@ def _child(model_dir: str, validation: str | None = None, current: str | None = 
     from fedge.runtime.model import EdgeModel
 
     model = EdgeModel.load(model_dir)
-    c, s, _ = model.input_shape
     rng = np.random.default_rng(0)
-    batch = rng.standard_normal((8, c, s, s)).astype(np.float32)
+    # within every kind's preprocessed range (normalized pixels, audio samples in [-1, 1], sensor values)
+    batch = rng.uniform(-1, 1, (8, *model.input_shape)).astype(np.float32)
     logits = model.predict(batch, preprocessed=True).logits
     if logits.shape != (8, len(model.classes)):
         return {"ok": False, "error": f"logits of shape {logits.shape}, expected (8, {len(model.classes)})"}

@@ -1,4 +1,5 @@
-"""Reading inference inputs from files: PNG/JPEG images (PIL, imported lazily) and ``.npy`` arrays.
+"""Reading inference inputs from files: PNG/JPEG images (PIL, imported lazily), ``.npy`` arrays, and for audio
+and sensor models WAV clips and ``.csv`` windows (:mod:`fedge.runtime.signals`).
 
 Raw pixels go through :func:`fedge.common.preprocess.preprocess`, the same
 function training used, so a device sees inputs prepared exactly as in training.
@@ -16,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from fedge.common.preprocess import Normalization, preprocess
-from fedge.errors import PayloadError
+from fedge.errors import FedgeError, PayloadError
+from fedge.runtime.signals import AUDIO_SUFFIXES, WINDOW_SUFFIXES, check_signal_batch, fit_clip, read_wav, read_window
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +219,7 @@ def read_npy(path: str | os.PathLike[str]) -> np.ndarray:
         raise PayloadError(f"{path}: not a readable .npy array ({exc})") from exc
 
 
-INPUT_SUFFIXES = (*IMAGE_SUFFIXES, ".npy")
+INPUT_SUFFIXES = (*IMAGE_SUFFIXES, ".npy", *AUDIO_SUFFIXES, ".csv")
 
 
 def expand_inputs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
@@ -231,7 +233,7 @@ def expand_inputs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
             found = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in INPUT_SUFFIXES)
             if not found:
                 raise PayloadError(
-                    f"{path}: a directory with no images or .npy arrays",
+                    f"{path}: a directory with no images, .npy arrays, WAV clips or .csv windows",
                     hint=f"a directory input is classified file by file: put images ({', '.join(IMAGE_SUFFIXES)}) "
                          "or .npy arrays directly in it (subdirectories are not searched)",
                 )
@@ -251,8 +253,11 @@ def load_inputs(paths: Sequence[str | os.PathLike[str]], norm: Normalization, *,
     """Read files (and directories' images, see :func:`expand_inputs`) into one batch.
 
     ``.npy`` files hold raw pixels unless ``preprocessed``; a raw array is one image
-    or a batch by :data:`SINGLE_IMAGE_RULE`.
+    or a batch by :data:`SINGLE_IMAGE_RULE`. An audio or sensor model (``norm.kind``) reads
+    :func:`load_signal_inputs` instead.
     """
+    if norm.kind != "image":
+        return load_signal_inputs(paths, norm)
     xs: list[np.ndarray] = []
     names: list[str] = []
     for path in expand_inputs(paths):
@@ -269,5 +274,41 @@ def load_inputs(paths: Sequence[str | os.PathLike[str]], norm: Normalization, *,
         else:
             raise PayloadError(f"{path}: unsupported input type {suffix or '(none)'}",
                                hint=f"pass images ({', '.join(IMAGE_SUFFIXES)}) or .npy arrays")
+        xs.append(x)
+    return Batch(np.concatenate(xs), tuple(names))
+
+
+def prepare_signal(x: np.ndarray, norm: Normalization, *, what: str = "input") -> np.ndarray:
+    """Audio clips or sensor windows as the model's batch (N, *norm.sample_shape), checked (see
+    :func:`fedge.runtime.signals.check_signal_batch`); they need no preprocessing."""
+    try:
+        return check_signal_batch(x, norm.sample_shape, audio=norm.kind == "audio", what=what)
+    except FedgeError as exc:
+        raise PayloadError(exc.message, hint=exc.hint) from exc
+
+
+def load_signal_inputs(paths: Sequence[str | os.PathLike[str]], norm: Normalization) -> Batch:
+    """WAV clips (an audio model), ``.csv`` windows (a sensor model) and ``.npy`` arrays of model inputs into
+    one batch. A WAV is read as mono 16 kHz and cut or padded to the model's clip; a ``.csv`` or a 2-D sensor
+    ``.npy`` is one (window, channels) window; any other ``.npy`` is a clip or a batch of model inputs."""
+    audio = norm.kind == "audio"
+    wanted = (*AUDIO_SUFFIXES, ".npy") if audio else WINDOW_SUFFIXES
+    xs: list[np.ndarray] = []
+    names: list[str] = []
+    for path in expand_inputs(paths):
+        suffix = path.suffix.lower()
+        try:
+            if suffix not in wanted:
+                raise PayloadError(f"{path}: a {norm.kind} model does not read {suffix or 'files without a suffix'}",
+                                   hint=f"pass {' or '.join(wanted)} files")
+            if suffix in AUDIO_SUFFIXES:
+                x = prepare_signal(fit_clip(read_wav(path), norm.size), norm, what=str(path))
+            elif suffix == ".csv" or (not audio and read_npy(path).ndim == 2):  # one (window, channels) window
+                x = prepare_signal(read_window(path, norm.size, norm.channels), norm, what=str(path))
+            else:
+                x = prepare_signal(read_npy(path), norm, what=str(path))
+        except FedgeError as exc:
+            raise PayloadError(exc.message, hint=exc.hint) from exc
+        names += [str(path)] if len(x) == 1 else [f"{path}[{i}]" for i in range(len(x))]
         xs.append(x)
     return Batch(np.concatenate(xs), tuple(names))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedge.common.preprocess import INPUT_KINDS
 from fedge.errors import ExportError
 
 MANIFEST_NAME = "manifest.json"
@@ -63,7 +64,7 @@ class Manifest:
     quant: str
     opset: int
     input_shape: tuple[int | str, ...]  # ("batch", C, H, W)
-    normalization: dict[str, Any]  # dataset, mean, std, size, channels
+    normalization: dict[str, Any]  # dataset, mean, std, size, channels (and kind, for audio and sensor inputs)
     classes: tuple[str, ...]
     files: dict[str, FileEntry]
     graphs: dict[str, dict[str, str]]  # graph name -> {"file", "input", "output"}
@@ -160,6 +161,12 @@ def _check_normalization(n: Any, source: str) -> dict[str, Any]:
         "size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 2, "an integer of at least 2"),
         "channels": (lambda v: v in (1, 3) and not isinstance(v, bool), "1 or 3"),
     }
+    kind = n.get("kind", "image")
+    if kind not in INPUT_KINDS:
+        raise ExportError(f"{source}: normalization.kind must be one of {', '.join(INPUT_KINDS)}, got {kind!r}",
+                          hint=hint)
+    if kind != "image":  # a sensor window has any number of channels
+        rules["channels"] = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1")
     for key, (ok, what) in rules.items():
         if key not in n:
             raise ExportError(f"{source}: normalization.{key} is missing", hint=hint)

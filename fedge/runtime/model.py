@@ -25,7 +25,7 @@ import numpy as np
 from fedge.common.preprocess import Normalization
 from fedge.errors import ExportError, PayloadError
 from fedge.runtime import providers as eps
-from fedge.runtime.inputs import check_model_input, largest_normalized, prepare
+from fedge.runtime.inputs import check_model_input, largest_normalized, prepare, prepare_signal
 from fedge.runtime.manifest import Manifest, read_manifest, verify_files
 
 if TYPE_CHECKING:  # only a hint here: an unsigned model never loads `cryptography` (10 MB of RSS on a board)
@@ -143,8 +143,9 @@ class EdgeModel:
         self.threads = threads
         self.requested_providers = list(providers) if providers else None
         n = manifest.normalization
-        self.norm = Normalization(float(n["mean"]), float(n["std"]), int(n["size"]), int(n["channels"]))
-        self._sample = (self.norm.channels, self.norm.size, self.norm.size)
+        self.norm = Normalization(float(n["mean"]), float(n["std"]), int(n["size"]), int(n["channels"]),
+                                  str(n.get("kind", "image")))
+        self._sample = self.norm.sample_shape
         self._graphs: dict[str, _Graph] = {}
         # (C++ run, [output], input name, the shape of a batch of 1, bound on the sum of squares
         # of one sample, class names): everything the fast path needs, resolved once.
@@ -180,8 +181,8 @@ class EdgeModel:
         return self.manifest.classes
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """(C, S, S) of one preprocessed image."""
+    def input_shape(self) -> tuple[int, ...]:
+        """(C, S, S) of one preprocessed image; (C, T) of an audio clip or sensor window."""
         return self._sample
 
     @property
@@ -234,7 +235,10 @@ class EdgeModel:
 
     # -- inference --------------------------------------------------------------------
     def inputs(self, images: np.ndarray, *, preprocessed: bool = False, max_value: float = 255.0) -> np.ndarray:
-        """Model inputs (N, C, S, S) float32 from raw pixels, or validated if already ``preprocessed``."""
+        """Model inputs (N, C, S, S) float32 from raw pixels, or validated if already ``preprocessed``; audio
+        clips and sensor windows (N, C, T) are only checked (they need no preprocessing)."""
+        if self.norm.kind != "image":
+            return prepare_signal(images, self.norm)
         if preprocessed:
             return check_model_input(images, self.norm)
         return prepare(images, self.norm, max_value=max_value)

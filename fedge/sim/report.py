@@ -16,6 +16,7 @@ from typing import Any
 from fedge.common.rounds import DeviceInfo
 from fedge.common.units import format_bytes
 from fedge.coordinator.engine import RoundReport
+from fedge.coordinator.report import rolled_back
 from fedge.fleet.config import device_ids
 from fedge.sim.simulate import SimResult
 from fedge.sim.tier_trades import tier_trades, trade_lines
@@ -80,6 +81,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
             {"round": r.round, "phase": r.phase, "seconds": r.seconds, "accepted": len(r.accepted),
              "rejected": r.rejected, **({"epsilon": _finite(r.privacy["epsilon"])} if r.privacy else {}),
              **({"sampled": r.sampled} if r.sampled else {}), "missing": r.missing, **staleness(r),
+             **({"rolled_back": undone} if (undone := rolled_back(r)) else {}),
              **({"virtual_start_s": spans[r.round][0], "virtual_end_s": spans[r.round][1],
                  "joules": sum(joules[r.round].values())} if r.round in spans else {}),
              **({"selection": r.selection} if r.selection else {})}
@@ -126,7 +128,7 @@ def _device_doc(res: SimResult, entry: DeviceEntry, shipped: dict[str, Any] | No
     acc_g = [_nan_to_none(m.get("acc_global")) for m in metrics]
     acc_l = [_nan_to_none(m.get("acc_local")) for m in metrics]
     seen = [a for a in acc_g if a is not None]
-    return {**personal_and_guard(reports, dev_id),
+    return {**personal_and_guard(reports, dev_id), **divergence(reports, dev_id),
         "id": dev_id,
         "profile": info.profile,
         "arch": info.arch,
@@ -175,6 +177,9 @@ def _summary(devices: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         **{f"{key}_{part}": n for key in GUARD_KINDS if any(d.get(key) for d in devices)
            for part, n in (("used", sum(g["used"] for d in devices for g in d.get(key, []))),
                            ("decisions", sum(len(d.get(key, [])) for d in devices)))},
+        **({"rollbacks": sum(len(d["rolled_back"]) for d in devices if "rolled_back" in d),
+            "divergence_checks": sum(d.get("divergence_checks", 0) for d in devices)}
+           if any("rolled_back" in d for d in devices) else {}),
         "mean_bytes_up_per_round": per_round("bytes_up"),
         "mean_bytes_down_per_round": per_round("bytes_down"),
     }
@@ -207,6 +212,16 @@ def personal_and_guard(reports: list[RoundReport], dev_id: str) -> dict[str, Any
         if entries:
             out[key] = entries
     return out
+
+
+def divergence(reports: list[RoundReport], dev_id: str) -> dict[str, Any]:
+    """A device's divergence-guard record (issue 45, :mod:`fedge.edge.divergence`), when its guard is on: the rounds
+    at whose start it undid the last round (``rolled_back``) and how many evaluations the guard judged."""
+    judged = [r for r in reports if "rolled_back" in r.metrics.get(dev_id, {})]
+    if not judged:
+        return {}
+    return {"rolled_back": [r.round for r in judged if r.metrics[dev_id]["rolled_back"]],
+            "divergence_checks": len(judged)}
 
 
 def write_results(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
@@ -311,6 +326,10 @@ def format_table(results: dict[str, Any]) -> str:
     if stem:
         lines.append(f"guard: the fleet's extractor kept in {s['guard_stem_used']} of {s['guard_stem_decisions']} "
                      "device-rounds (else the group's own)")
+    if "rollbacks" in s:
+        undone = [f"{d['id']} (round {', '.join(map(str, d['rolled_back']))})" for d in devs if d.get("rolled_back")]
+        lines.append(f"divergence guard: {s['rollbacks']} of {s['divergence_checks']} device-rounds undone"
+                     + (f": {'; '.join(undone)}" if undone else ""))
     lines += trade_lines(results.get("tier_trades", []))
     ck = results.get("clock")
     if ck:

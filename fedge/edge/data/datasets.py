@@ -16,20 +16,21 @@ from pathlib import Path
 
 import numpy as np
 
-from fedge.common.catalog import CLASS_NAMES, DATASETS
+from fedge.common.catalog import CLASS_NAMES, DATASETS, SIGNAL_SHAPES
 from fedge.common.preprocess import NORMALIZATION, Normalization, preprocess
+from fedge.edge.data.signal_sets import load_signal_split
 from fedge.errors import DataError
 
 log = logging.getLogger(__name__)
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 # The catalog (names, classes) is fedge.common.catalog: known without loading data.
-__all__ = ["DATASETS", "Dataset", "load_dataset", "load_labels"]
+__all__ = ["DATASETS", "Dataset", "load_dataset", "load_groups", "load_labels"]
 
 
 @dataclass
 class Dataset:
-    """Preprocessed arrays: x float32 (N, 1, 32, 32), y int64 (N,)."""
+    """Preprocessed arrays: x float32 (N, C, S, S) images or (N, C, T) audio / sensor windows, y int64 (N,)."""
 
     name: str
     x: np.ndarray
@@ -155,8 +156,13 @@ def load_dataset(name: str, *, train: bool, data_dir: str | os.PathLike[str] | N
 
     ``digits`` has no official split: a fixed stratified ``digits_test_fraction``
     is held out as its global test set. ``image_size``/``channels``: the model's input
-    (``[data] image_size``), to which every image is resized (grey repeated for RGB models).
+    (``[data] image_size``), to which every image is resized (grey repeated for RGB models). A 1-D data set
+    (:data:`fedge.common.catalog.SIGNAL_SHAPES`) keeps its own shape and ignores both.
     """
+    if name in SIGNAL_SHAPES:
+        split = load_signal_split(name, train=train, data_dir=data_dir, seed=seed)
+        log.info("loaded %s %s: %d samples", name, "train" if train else "test", len(split.y))
+        return Dataset(name, split.x, split.y, CLASS_NAMES[name], split.norm)
     x, y = _load_raw(name, train, data_dir, digits_test_fraction, seed, labels_only=False)
     assert x is not None  # images were asked for
     norm = dataclasses.replace(NORMALIZATION[name], size=image_size, channels=channels)
@@ -168,4 +174,17 @@ def load_labels(name: str, *, train: bool, data_dir: str | os.PathLike[str] | No
                 digits_test_fraction: float = 0.25, seed: int = 0) -> np.ndarray:
     """The labels of a split of ``name`` alone (int64, the order :func:`load_dataset` gives), without
     preprocessing images: what partitioning a fleet needs. IDX sets read only their label file."""
+    if name in SIGNAL_SHAPES:
+        return load_signal_split(name, train=train, data_dir=data_dir, seed=seed).y
     return _load_raw(name, train, data_dir, digits_test_fraction, seed, labels_only=True)[1]
+
+
+def load_groups(name: str, *, train: bool, data_dir: str | os.PathLike[str] | None = None,
+                seed: int = 0) -> np.ndarray:
+    """Each sample's speaker or subject (the order :func:`load_dataset` gives): what ``[partition] kind =
+    "group"`` splits by. Image data sets have none."""
+    if name not in SIGNAL_SHAPES:
+        raise DataError(f"{name} has no speakers or subjects to partition by",
+                        hint='use kind = "iid", "dirichlet" or "shards", or a data set of '
+                             f"{', '.join(SIGNAL_SHAPES)}")
+    return load_signal_split(name, train=train, data_dir=data_dir, seed=seed).groups

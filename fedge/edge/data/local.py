@@ -1,5 +1,10 @@
 """A device's own data: an ImageFolder-style directory (or ``.npz`` files) turned into fedge datasets.
 
+The same folder of WAV clips (``[data] kind = "audio"``) or of ``.csv`` / ``.npy`` sensor windows
+(``kind = "series"``) is read with the runtime's readers (:mod:`fedge.runtime.signals`); there a file that
+cannot be read or has the wrong shape (truncated WAV, NaN, another window length) is skipped and reported,
+never fatal, as are other files in a class folder.
+
 Layout (the torchvision ImageFolder convention)::
 
     DIR/cat/0001.png
@@ -43,7 +48,8 @@ import numpy as np
 from fedge.common.preprocess import Normalization
 from fedge.edge.data.datasets import Dataset
 from fedge.errors import DataError, PayloadError
-from fedge.runtime.inputs import IMAGE_SUFFIXES, prepare, read_image
+from fedge.runtime.inputs import IMAGE_SUFFIXES, prepare, prepare_signal, read_image
+from fedge.runtime.signals import AUDIO_SUFFIXES, WINDOW_SUFFIXES, fit_clip, read_wav, read_window
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +112,8 @@ class LocalData:
                             hint="point --data at a folder with one sub-folder per class (or at an .npz file)")
         out: list[tuple[Path, int | None]] = []
         for entry in sorted(root.iterdir()):
-            if entry.name.startswith("."):
-                continue  # hidden files: editors, file managers, partial uploads
+            if entry.name.startswith(".") or (self.norm.kind == "audio" and entry.name.startswith("_")):
+                continue  # hidden files: editors, file managers, partial uploads; Speech Commands' _background_noise_
             if entry.is_file():
                 if entry.suffix.lower() == NPZ_SUFFIX:
                     out.append((entry, None))
@@ -124,6 +130,9 @@ class LocalData:
             label = self._label[entry.name]
             for f in sorted(entry.rglob("*")):
                 if any(part.startswith(".") for part in f.relative_to(entry).parts) or not f.is_file():
+                    continue
+                if self.norm.kind != "image":
+                    out.append((f, label))  # a file of another kind is skipped and reported by _convert_signal
                     continue
                 if f.suffix.lower() not in IMAGE_SUFFIXES:
                     raise DataError(f"{f}: not an image file ({f.suffix or 'no suffix'})",
@@ -151,6 +160,20 @@ class LocalData:
                             hint="remove the file or replace it with a normal photo or scan") from exc
         return _Entry(stamp, x, np.array([label], dtype=np.int64))
 
+    def _convert_signal(self, path: Path, label: int) -> _Entry:
+        """A WAV clip or a sensor window; unreadable or misshapen ones are skipped with their reason."""
+        stamp = _stamp(path)
+        n = self.norm
+        suffixes = AUDIO_SUFFIXES if n.kind == "audio" else WINDOW_SUFFIXES
+        if path.suffix.lower() not in suffixes:
+            return _Entry(stamp, None, None, f"not a {' or '.join(suffixes)} file ({n.kind} data)")
+        try:
+            x = (fit_clip(read_wav(path), n.size)[None] if n.kind == "audio"
+                 else read_window(path, n.size, n.channels))  # (channels, samples)
+        except DataError as exc:
+            return _Entry(stamp, None, None, exc.message.removeprefix(f"{path}: "))
+        return _Entry(stamp, x[None], np.array([label], dtype=np.int64))
+
     def _convert_npz(self, path: Path) -> _Entry:
         stamp = _stamp(path)
         try:
@@ -168,6 +191,12 @@ class LocalData:
         if bad.any():
             raise DataError(f"{path}: label {int(y[bad][0])} is not a class id (the fleet has "
                             f"{len(self.classes)} classes)", hint="y holds positions in [data] classes: 0, 1, ...")
+        if self.norm.kind != "image":  # clips or windows as the model takes them: (N, channels, samples)
+            try:
+                return _Entry(stamp, prepare_signal(raw, self.norm, what=str(path)), y.astype(np.int64))
+            except PayloadError as exc:
+                raise DataError(exc.message, hint=f"x holds {self.norm.kind} inputs of shape (N, "
+                                                  f"{', '.join(map(str, self.norm.sample_shape))})") from exc
         # Raw pixels 0..255; floating-point arrays in [0, 1] are taken as already scaled.
         top = 1.0 if np.issubdtype(raw.dtype, np.floating) and raw.size and float(raw.max()) <= 1.0 else 255.0
         try:
@@ -193,7 +222,12 @@ class LocalData:
             if old is not None and old.stamp == stamp:
                 cache[path] = old
                 continue
-            entry = self._convert_npz(path) if label is None else self._convert_image(path, label)
+            if label is None:
+                entry = self._convert_npz(path)
+            elif self.norm.kind != "image":
+                entry = self._convert_signal(path, label)
+            else:
+                entry = self._convert_image(path, label)
             if entry.x is not None:
                 new += len(entry.x)
             cache[path] = entry

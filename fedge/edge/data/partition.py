@@ -74,9 +74,17 @@ def by_group(groups: np.ndarray, n_devices: int, seed: int) -> list[np.ndarray]:
     """The natural non-IID split: every group (a speaker, a subject) lives on exactly one device.
 
     Groups, in a seeded random order, go largest first to the device holding fewest samples so far, so
-    shares stay as even as whole groups allow.
+    shares stay as even as whole groups allow. A sample whose group is ``""`` belongs to nobody (keyword
+    spotting's silence, cut from noise every device hears): those are dealt out evenly, in a seeded order.
     """
-    names, inverse, counts = np.unique(np.asarray(groups), return_inverse=True, return_counts=True)
+    groups = np.asarray(groups)
+    nobody = np.flatnonzero(groups == "")
+    if len(nobody):
+        owned = np.flatnonzero(groups != "")
+        parts = [owned[p] for p in by_group(groups[owned], n_devices, seed)]
+        dealt = np.random.default_rng([seed, 1]).permutation(nobody)
+        return [np.sort(np.concatenate([p, dealt[d::n_devices]])) for d, p in enumerate(parts)]
+    names, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)
     if len(names) < n_devices:
         raise DataError(f"{len(names)} speakers/subjects cannot be split over {n_devices} devices",
                         hint="use fewer devices, or a label-based partition (iid, dirichlet)")

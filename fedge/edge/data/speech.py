@@ -8,83 +8,45 @@ before ``_nohash_`` (``0a7c2a8d_nohash_0.wav`` -> ``0a7c2a8d``), so a fleet can 
 
 The twelve-class setting: the ten command words, ``silence`` (1-s windows cut from the background noise)
 and ``unknown`` (every other word). Clips are mono float32 in [-1, 1], 1 s at 16 kHz (zero-padded at the
-end or centre-cropped). Only the standard library's :mod:`wave` and numpy read them: a file that is not a
-16-bit PCM WAV is skipped and reported with its name, never fatal; stereo is downmixed; another sample
-rate is resampled by linear interpolation (no anti-aliasing filter: fine for speech recorded at 22-48 kHz,
-whose energy above 8 kHz is small, but not a studio resampler).
+end or centre-cropped). They are read by :func:`fedge.runtime.signals.read_wav` (the reader ``fedge infer``
+uses too): a file that is not a 16-bit PCM WAV is skipped and reported with its name, never fatal.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import wave
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from fedge.common.catalog import KWS_CLASSES, KWS_WORDS
 from fedge.errors import DataError
+from fedge.runtime.signals import CLIP_SAMPLES, SAMPLE_RATE, fit_clip, read_wav, resample_linear
+
+__all__ = [
+    "BACKGROUND",
+    "CLASSES",
+    "CLIP_SAMPLES",
+    "SAMPLE_RATE",
+    "WORDS",
+    "SpeechSet",
+    "fit_clip",
+    "load_speech_commands",
+    "read_wav",
+    "resample_linear",
+    "speaker_of",
+]
 
 log = logging.getLogger(__name__)
 
-WORDS = ("yes", "no", "up", "down", "left", "right", "on", "off", "stop", "go")
+WORDS = KWS_WORDS
 SILENCE, UNKNOWN = "silence", "unknown"
-CLASSES = (*WORDS, SILENCE, UNKNOWN)
-SAMPLE_RATE = 16_000
-CLIP_SAMPLES = SAMPLE_RATE  # one second
+CLASSES = KWS_CLASSES
 BACKGROUND = "_background_noise_"
 SPLITS = ("train", "validation", "test")
 _LISTS = {"validation": "validation_list.txt", "test": "testing_list.txt"}
-
-
-def read_wav(path: str | os.PathLike[str], rate: int = SAMPLE_RATE) -> np.ndarray:
-    """A 16-bit PCM WAV as mono float32 in [-1, 1] at ``rate`` Hz.
-
-    Raises :class:`DataError` naming the file when it is not a readable 16-bit PCM WAV (not RIFF, another
-    encoding or sample width, truncated, empty). Stereo is averaged to mono; another sample rate is
-    resampled by linear interpolation.
-    """
-    p = Path(path)
-    try:
-        with wave.open(str(p), "rb") as w:
-            channels, width, src_rate, n = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
-            raw = w.readframes(n)
-    except (wave.Error, EOFError, OSError) as exc:  # not RIFF/WAVE, a non-PCM format, a cut header
-        raise DataError(f"{p}: not a readable WAV file ({exc})",
-                        hint="convert it to 16-bit PCM WAV, e.g. sox in.x -b 16 out.wav") from exc
-    if width != 2:
-        raise DataError(f"{p}: {8 * width}-bit samples; only 16-bit PCM WAV is read",
-                        hint="convert it with sox in.wav -b 16 out.wav")
-    if n == 0:
-        raise DataError(f"{p}: the WAV holds no samples")
-    if len(raw) < n * width * channels:  # the header promises more than the file holds
-        raise DataError(f"{p}: truncated: its header says {n} frames, the file holds "
-                        f"{len(raw) // (width * channels)}", hint="re-copy or re-record the file")
-    x = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
-    if channels > 1:
-        x = x.reshape(-1, channels).mean(axis=1)  # downmix: speech is the same on every channel
-    if src_rate != rate:
-        log.debug("%s: resampling %d Hz -> %d Hz", p, src_rate, rate)
-        x = resample_linear(x, src_rate, rate)
-    return x
-
-
-def resample_linear(x: np.ndarray, src_rate: int, rate: int) -> np.ndarray:
-    """``x`` sampled at ``src_rate`` re-sampled at ``rate`` by linear interpolation (same duration)."""
-    if src_rate <= 0 or rate <= 0:
-        raise DataError(f"sample rates must be positive, got {src_rate} -> {rate}")
-    n_out = max(1, round(len(x) * rate / src_rate))
-    t_out = np.arange(n_out, dtype=np.float64) * (src_rate / rate)
-    return np.interp(t_out, np.arange(len(x), dtype=np.float64), x).astype(np.float32)
-
-
-def fit_clip(x: np.ndarray, length: int = CLIP_SAMPLES) -> np.ndarray:
-    """``x`` zero-padded at the end, or centre-cropped, to exactly ``length`` samples."""
-    if len(x) >= length:
-        start = (len(x) - length) // 2
-        return np.ascontiguousarray(x[start : start + length], dtype=np.float32)
-    return np.pad(x.astype(np.float32), (0, length - len(x)))
 
 
 def speaker_of(name: str) -> str:

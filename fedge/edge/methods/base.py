@@ -19,8 +19,9 @@ from fedge.common.rounds import RoundInfo
 from fedge.common.settings import MethodName, MethodSettings
 from fedge.edge.best import BestModel
 from fedge.edge.data.datasets import Dataset
+from fedge.edge.divergence import DivergenceGuard
 from fedge.edge.models.split import SplitNet
-from fedge.edge.training import TrainConfig, accuracy
+from fedge.edge.training import TrainConfig, accuracy, held_out_metrics
 
 Arrays = dict[str, np.ndarray]
 
@@ -119,6 +120,9 @@ class DeviceMethod(ABC):
         self.settings = self.settings_type.given(ctx.method_config, type(self).__name__)
         self._eval_cache: tuple[bytes, dict[str, float]] | None = None  # (state digest, metrics)
         self.best = BestModel()  # the model this device ships (fedge.edge.best); the agent feeds it
+        margin = ctx.train_cfg.divergence_margin
+        # undoes a round that made the model clearly worse on the validation fold (fedge.edge.divergence)
+        self.guard = DivergenceGuard(margin) if margin > 0 and ctx.val is not None and len(ctx.val.y) else None
         torch.manual_seed(ctx.seed)
 
     def data_changed(self) -> None:
@@ -127,12 +131,31 @@ class DeviceMethod(ABC):
         self._eval_cache = None
 
     def keep_best(self, round_: int, metrics: dict[str, float]) -> None:
-        """Score the model on the validation fold (``metrics["acc_val"]``) and keep it if it is the best yet."""
+        """Score the model on the validation fold (``metrics["acc_val"]``) and keep it if it is the best yet; with
+        the divergence guard, undo the last round if the score fell by more than its margin.
+
+        ``metrics`` (this round's evaluation) is updated in place: after an undone round it holds the kept model's
+        figures, with ``rolled_back`` = 1 and the undone model's ``diverged_acc_val`` / ``diverged_acc_global``;
+        ``rolled_back`` = 0 after a round the guard accepted.
+        """
         val = self.ctx.val
         acc = self.best.observe(round_, self.ctx.model, None if val is None else val.x,
                                 None if val is None else val.y, metrics)
-        if acc is not None:
-            metrics["acc_val"] = acc
+        if acc is None:
+            return
+        metrics["acc_val"] = acc
+        if self.guard is None or val is None:
+            return
+        _, loss = held_out_metrics(self.ctx.model, val.x, val.y)
+        if not self.guard.judge(round_, self.ctx.model, acc, loss, len(val.y)):
+            metrics["rolled_back"] = 0.0
+            return
+        undone = dict(metrics)
+        metrics.clear()
+        metrics.update(self.evaluate())  # the model the device holds now, the one it trains from
+        metrics.update(acc_val=float(self.guard.kept_acc or 0.0), rolled_back=1.0, diverged_acc_val=acc)
+        if "acc_global" in undone:
+            metrics["diverged_acc_global"] = undone["acc_global"]
 
     def needed_artifacts(self, info: RoundInfo) -> list[str]:
         """Global artifacts this device needs at the start of ``info``'s round."""

@@ -36,11 +36,9 @@ from torch import nn
 
 from fedge.common.method_settings import GuardedSettings, PersonalSettings
 from fedge.edge.methods.base import DeviceMethod, state_digest
-from fedge.edge.training import train_epochs
+from fedge.edge.training import Forward, held_out_metrics, train_epochs
 
 log = logging.getLogger(__name__)
-
-Forward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def holdout(n: int, fraction: float, seed: int, fold: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -223,18 +221,6 @@ class GuardDecision:
 
 def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-@torch.no_grad()
-def held_out_metrics(model: nn.Module, x: np.ndarray, y: np.ndarray, forward: Forward | None = None,
-                     ) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` (through ``forward``) on ``x``, ``y``; eval mode."""
-    model.eval()
-    fwd = forward or (lambda xb: (model(xb), xb))
-    logits = torch.cat([fwd(torch.from_numpy(np.ascontiguousarray(x[i : i + 1024])))[0]
-                        for i in range(0, len(x), 1024)])
-    yt = torch.from_numpy(np.ascontiguousarray(y))
-    return float((logits.argmax(1) == yt).float().mean()), float(nn.functional.cross_entropy(logits, yt))
 
 
 def guarded_step(model: nn.Module, with_synthetic: Callable[[], None], without: Callable[[], None],

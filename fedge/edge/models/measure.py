@@ -7,7 +7,8 @@ sample, instead of formulas written for one shape:
 
 * **parameters**: ``sum(p.numel())`` over trainable parameters (BatchNorm statistics are buffers);
 * **MACs**: every ``Conv1d``/``Conv2d`` counts ``output elements × (C_in / groups) × kernel``, every
-  ``Linear`` ``output elements × in_features`` (bias additions and element-wise layers are free);
+  ``Linear`` ``output elements × in_features`` (bias additions and element-wise layers are free); a module
+  with an integer ``macs_per_sample`` attribute (the MFCC front end) counts that;
 * **activation elements**: the input plus the output of every leaf module except pure reshapes
   (``Flatten``/``Unflatten``): what autograd keeps for backward, the figure the planner's training
   memory multiplies by the batch (:func:`fedge.profiles.planner.train_memory_mb`).
@@ -36,6 +37,9 @@ def _leaves(module: nn.Module) -> list[nn.Module]:
 
 
 def _macs(m: nn.Module, out: torch.Tensor) -> int:
+    fixed = getattr(m, "macs_per_sample", None)  # a module of fixed ops that states its count (the MFCC front end)
+    if isinstance(fixed, int):
+        return fixed
     per_sample = out[0].numel()
     if isinstance(m, nn.Conv1d | nn.Conv2d | nn.Conv3d):
         return per_sample * (m.in_channels // m.groups) * math.prod(m.kernel_size)

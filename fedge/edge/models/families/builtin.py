@@ -11,7 +11,8 @@ body widens (or deepens) with the tier and ends in global average pooling, so an
 * ``resnet8``: three residual stages of one basic block (MLPerf Tiny's image classification; tier ``s``
   has its 16/32/64 channels);
 * ``dscnn``: a DS-CNN for 2-D spectral features such as 49x10 MFCCs (MLPerf Tiny's keyword spotting;
-  tier ``m`` has its 64 channels and 4 blocks);
+  tier ``m`` has its 64 channels and 4 blocks); given 1-D input (raw audio, ``(1, 16000)``) its stem
+  starts with the MFCC front end (:mod:`fedge.edge.models.frontend`), which is exported with it;
 * ``cnn1d``: 1-D convolutions for multichannel time series (an accelerometer's 3 axes, say).
 """
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from fedge.edge.models.frontend import CoefficientNorm, Mfcc
 
 Split = nn.Module  # a module with extractor / body / embed / head attributes
 
@@ -108,9 +111,18 @@ DSCNN_STEM = 32
 
 
 def dscnn(tier: str, in_channels: int, input_size: tuple[int, ...], num_classes: int, embed_dim: int) -> Split:
-    """Stem conv 10x4/2 over (frames, bins) to 32 channels; a 1x1 to the tier's width; DS blocks; global pool."""
+    """Stem conv 10x4/2 over (frames, bins) to 32 channels; a 1x1 to the tier's width; DS blocks; global pool.
+
+    A 1-D ``input_size`` is raw mono audio: the stem starts with the MFCC front end (49 x 10 from 16000
+    samples), so the exported model takes samples."""
     channels, blocks = DSCNN_TIERS[tier]
-    extractor = nn.Sequential(*_conv_bn(in_channels, DSCNN_STEM, (10, 4), 2, padding=(5, 1)))
+    stem = _conv_bn(in_channels, DSCNN_STEM, (10, 4), 2, padding=(5, 1))
+    if len(input_size) == 1:
+        if in_channels != 1:
+            raise ValueError(f"dscnn on raw audio takes mono clips (1 channel), got {in_channels} channels")
+        mfcc = Mfcc(input_size[0])
+        stem = [mfcc, CoefficientNorm(mfcc.settings.coefficients), *stem]
+    extractor = nn.Sequential(*stem)
     layers = _conv_bn(DSCNN_STEM, channels, 1)
     for _ in range(blocks):
         layers += _ds_block(channels, channels, 1)

@@ -1,0 +1,243 @@
+"""Keyword spotting on the synthetic espeak-ng set (issue 41): FedAvg within group vs local vs FedProto, a central
+ceiling, and what the exported DS-CNNs (front end inside) weigh and take on this machine.
+
+The fleet: ``--devices`` per profile of four built-in profiles (rpi-zero-2w, rpi4-4gb, jetson-nano, x86-gateway),
+each speaker's clips on one device (``[partition] kind = "group"``), the DS-CNN tier of each device chosen by the
+planner, tested on the held-out speakers (``testing_list.txt``: voices never heard in training). The set is spoken
+once into ``--data-dir`` (a cache; docs/audio.md says what synthetic speech does and does not show). Each method
+is one ``fedge simulate`` in process (the library call), one cell of JSON (resumable); the ceiling is the largest
+tier the fleet uses trained centrally on the pooled training shares for the same number of epochs. Then each
+distinct architecture of the FedAvg run is exported (fp32 and int8-dynamic): file size, accuracy on the test
+speakers, median latency at batch 1 (ONNX Runtime, 1 thread) from the export's own measurement.
+
+    python -m benchmarks.kws --seeds 0 --methods fedavg &   # two processes at one torch thread each
+    python -m benchmarks.kws --seeds 0 --methods local fedproto
+    python -m benchmarks.kws --seeds 0                       # the table of every cell (all cached by then)
+
+Results: ``benchmarks/results/kws/*.json``, a table on stdout, the figures in docs/audio.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import REPO, RESULTS, cached_cell
+
+OUT = RESULTS / "kws"
+PROFILES = ("rpi-zero-2w", "rpi4-4gb", "jetson-nano", "x86-gateway")
+METHODS = ("fedavg", "local", "fedproto")
+
+
+def fleet_table(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "run": {"name": f"kws-{method}", "method": method, "rounds": args.rounds, "dataset": "espeak_kws",
+                "data_dir": str(args.data_dir), "seed": seed, "eval_every": args.eval_every},
+        "model": {"family": "dscnn"},
+        "partition": {"kind": "group", "local_test_fraction": 0.2},
+        "train": {"lr": args.lr, "momentum": 0.9, "local_epochs": args.local_epochs, "batch_size": args.batch_size},
+        "devices": [{"profile": p, "count": args.devices} for p in PROFILES],
+    }
+
+
+def run_method(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    from fedge.fleet.config import parse_fleet
+    from fedge.sim.report import build_results
+    from fedge.sim.simulate import simulate
+
+    cfg = parse_fleet(fleet_table(method, seed, args), source=str(REPO / "examples" / "kws-fleet.toml"))
+    out = args.work / f"{method}-{seed}"
+    t0 = time.perf_counter()
+    r = build_results(simulate(cfg, out_dir=out))
+    devices = [{k: d[k] for k in ("id", "profile", "arch", "num_train", "final_acc_global", "final_acc_local",
+                                  "shipped_acc_global")} for d in r["devices"]]
+    return {"method": method, "seed": seed, "rounds": args.rounds, "local_epochs": args.local_epochs,
+            "batch_size": args.batch_size,
+            "seconds": round(time.perf_counter() - t0, 1), "summary": r["summary"], "devices": devices,
+            "run_dir": str(out)}
+
+
+def run_central(seed: int, arch: str, epochs: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The ceiling: ``arch`` trained on every device's training share pooled, ``epochs`` epochs."""
+    import torch
+
+    from fedge.common.families import family_arch
+    from fedge.edge.data.datasets import load_dataset
+    from fedge.edge.models.families import build_family_net
+    from fedge.edge.training import TrainConfig, train_epochs
+    from fedge.fleet.config import parse_fleet
+    from fedge.fleet.slots import fleet_splits
+
+    cfg = parse_fleet(fleet_table("fedavg", seed, args))
+    train = load_dataset("espeak_kws", train=True, data_dir=args.data_dir, seed=seed)
+    test = load_dataset("espeak_kws", train=False, data_dir=args.data_dir, seed=seed)
+    pooled = np.sort(np.concatenate([s.train for s in fleet_splits(cfg, train.y)]))
+    tier = arch.split("-")[1]
+    net = build_family_net(family_arch("dscnn", tier, in_channels=1, input_size=(16_000,), num_classes=12,
+                                       embed_dim=64), seed=seed)
+    tc = TrainConfig(lr=args.lr, batch_size=args.batch_size, local_epochs=epochs, momentum=0.9)
+    t0 = time.perf_counter()
+    train_epochs(net, train.x[pooled], train.y[pooled], tc, np.random.default_rng(seed))
+    net.eval()
+    with torch.no_grad():
+        pred = np.concatenate([net(torch.from_numpy(test.x[i : i + 256])).argmax(1).numpy()
+                               for i in range(0, len(test), 256)])
+    return {"seed": seed, "arch": arch, "epochs": epochs, "samples": len(pooled),
+            "acc_global": float((pred == test.y).mean()), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def run_exports(cell: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each distinct architecture of a run, exported fp32 and int8-dynamic: size, accuracy, latency."""
+    from fedge.errors import ExportError
+    from fedge.export.fleet import export_checkpoint
+
+    rows: list[dict[str, Any]] = []
+    for arch in sorted({d["arch"] for d in cell["devices"]}):
+        dev = next(d for d in cell["devices"] if d["arch"] == arch)
+        ckpt = Path(cell["run_dir"]) / "checkpoints" / f"{dev['id']}.safetensors"
+        for quant in ("fp32", "int8-dynamic"):
+            out = args.work / "exports" / f"{dev['id']}-{quant}"
+            try:
+                m = export_checkpoint(ckpt, out, profile=dev["profile"], data_dir=args.data_dir, quant=quant,
+                                      overwrite=True)
+            except ExportError as exc:  # refused by the export's own checks (accuracy drop): say so in the row
+                rows.append({"arch": arch, "device": dev["id"], "quant": quant, "refused": exc.message})
+                continue
+            rows.append({"arch": arch, "device": dev["id"], "quant": quant,
+                         "model_bytes": (out / "model.onnx").stat().st_size,
+                         "accuracy": m.metrics["accuracy"].get(quant, m.metrics["accuracy"].get("fp32")),
+                         "accuracy_fp32": m.metrics["accuracy"]["fp32"],
+                         "latency_ms": m.metrics["latency_ms"].get(quant)})
+    return rows
+
+
+def numpy_mfcc(x: np.ndarray) -> np.ndarray:
+    """The front end written in numpy (strided frames, rFFT, the same filterbank and DCT): (16000,) -> (49, 10)."""
+    from fedge.edge.models.frontend import DEFAULT_MFCC as S
+    from fedge.edge.models.frontend import dct_matrix, mel_filterbank
+
+    hann = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(S.window) / S.window)
+    frames = np.lib.stride_tricks.sliding_window_view(x, S.window)[:: S.hop] * hann
+    power = np.abs(np.fft.rfft(frames, axis=1)[:, : S.bins]) ** 2
+    return np.log(power @ mel_filterbank(S) + S.floor) @ dct_matrix(S.mels, S.coefficients)
+
+
+def frontend_cell(args: argparse.Namespace) -> dict[str, Any]:
+    """Median time of the front end alone on one clip: the ONNX graph (what ships) against numpy, and how far
+    apart their features are."""
+    import io
+
+    import onnxruntime as ort
+    import torch
+
+    from fedge.edge.data.datasets import load_dataset
+    from fedge.edge.models.frontend import Mfcc
+    from fedge.export.verify import median_ms
+
+    clip = load_dataset("espeak_kws", train=False, data_dir=args.data_dir).x[:1]  # (1, 1, 16000)
+    buf = io.BytesIO()
+    torch.onnx.export(Mfcc(16_000).eval(), (torch.from_numpy(clip),), buf,  # type: ignore[arg-type]
+                      dynamo=False, opset_version=17,
+                      input_names=["audio"], output_names=["mfcc"])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(buf.getvalue(), opts, providers=["CPUExecutionProvider"])
+    graph = sess.run(None, {"audio": clip})[0][0, 0]
+    ref = numpy_mfcc(clip[0, 0].astype(np.float32))
+    return {"graph_ms": median_ms(lambda: sess.run(None, {"audio": clip}), runs=300),
+            "numpy_ms": median_ms(lambda: numpy_mfcc(clip[0, 0]), runs=300),
+            "max_abs_diff": float(np.abs(graph - ref).max())}
+
+
+def export_cell(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    return {"rows": run_exports(cell, args), "rounds": args.rounds, "local_epochs": args.local_epochs,
+            "batch_size": args.batch_size}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--local-epochs", type=int, default=2)
+    ap.add_argument("--eval-every", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--devices", type=int, default=2, help="devices per profile (4 profiles)")
+    ap.add_argument("--data-dir", type=Path, default=REPO / "runs" / "espeak-kws")
+    ap.add_argument("--work", type=Path, default=REPO / "runs" / "kws-bench")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--central", action="store_true", help="also train the ceiling (costs one method's time)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args(argv)
+    from fedge.edge.data.espeak import make_keyword_set
+
+    t0 = time.perf_counter()
+    make_keyword_set(args.data_dir)
+    print(f"keyword set in {args.data_dir} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    settings = {"rounds": args.rounds, "local_epochs": args.local_epochs, "batch_size": args.batch_size}
+    cells: dict[tuple[str, int], dict[str, Any]] = {}
+    exports: dict[str, Any] = {"rows": []}
+    tiers = ["xs", "s", "m", "l"]
+    for seed in args.seeds:  # FedAvg, its exports, then the rest: the most telling figures first
+        for method in args.methods:
+            print(f"{method} seed {seed} ...", flush=True)
+            cells[(method, seed)] = cached_cell(OUT / f"{method}-{seed}.json", partial(run_method, method, seed, args),
+                                                force=args.force, expect=settings)
+            if method == "fedavg" and seed == args.seeds[0]:
+                front = cached_cell(OUT / "frontend.json", partial(frontend_cell, args), force=args.force)
+                print(f"front end on one clip: ONNX graph {front['graph_ms']:.3f} ms, numpy {front['numpy_ms']:.3f} ms "
+                      f"(max |diff| {front['max_abs_diff']:.2g})", flush=True)
+                exports = cached_cell(OUT / "exports.json", partial(export_cell, cells[(method, seed)], args),
+                                      force=args.force, expect=settings)
+        if not args.central or ("fedavg", seed) not in cells:
+            continue
+        largest = max((d["arch"] for d in cells[("fedavg", seed)]["devices"]),
+                      key=lambda a: tiers.index(a.split("-")[1]))
+        epochs = args.rounds * args.local_epochs
+        print(f"central {largest} seed {seed} ...", flush=True)
+        cells[("central", seed)] = cached_cell(OUT / f"central-{seed}.json",
+                                               partial(run_central, seed, largest, epochs, args),
+                                               force=args.force, expect={"epochs": epochs})
+    print(table(cells, exports["rows"], args))
+    return 0
+
+
+def table(cells: dict[tuple[str, int], dict[str, Any]], exports: list[dict[str, Any]],
+          args: argparse.Namespace) -> str:
+    lines = [f"keyword spotting, espeak-ng set, {4 * args.devices} devices by speaker, {args.rounds} rounds x "
+             f"{args.local_epochs} epoch(s); accuracy % on unseen speakers",
+             "| method | seed | mean device acc (global test) | min device | mean local acc | s |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for (method, seed), c in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if method == "central":
+            lines.append(f"| central ({c['arch']}, ceiling) | {seed} | {100 * c['acc_global']:.1f} | | | "
+                         f"{c['seconds']:.0f} |")
+            continue
+        accs = [d["final_acc_global"] for d in c["devices"]]
+        lines.append(f"| {method} | {seed} | {100 * np.mean(accs):.1f} | {100 * min(accs):.1f} | "
+                     f"{100 * c['summary']['mean_final_acc_local']:.1f} | {c['seconds']:.0f} |")
+    lines += ["", "| export | quant | model.onnx | accuracy % | latency ms (batch 1, 1 thread) |",
+              "|---|---|---:|---:|---:|"]
+    for r in exports:
+        if "refused" in r:
+            lines.append(f"| {r['arch']} | {r['quant']} | refused: {r['refused']} | | |")
+            continue
+        lat = f"{r['latency_ms']:.2f}" if r["latency_ms"] is not None else "-"
+        lines.append(f"| {r['arch']} | {r['quant']} | {r['model_bytes'] / 1024:.0f} KiB | {100 * r['accuracy']:.1f} | "
+                     f"{lat} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
