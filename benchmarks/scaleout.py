@@ -178,11 +178,11 @@ def run_workers(n: int, rounds: int, workers: int, work: Path) -> dict[str, Any]
 
 def worker_main(args: argparse.Namespace) -> None:
     from benchmarks.fleet_scale import CLASSES
-    from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.engine import EngineConfig
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
     from fedge.mqtt.client import BrokerSettings
-    from fedge.mqtt.worker import AggregationWorker
+    from fedge.scaleout.aggregator import PartialAggregator
+    from fedge.scaleout.worker import AggregationWorker
 
     agg = PartialAggregator(FedProtoStrategy(num_classes=CLASSES, rounds=args.rounds),
                             EngineConfig(fleet=args.fleet, method="fedproto"), args.name)
@@ -200,10 +200,10 @@ def run_shards(n: int, rounds: int, shards: int, work: Path, *, detail: bool = F
     """Bytes through the root broker per training round: flat (shards=0) or with ``shards`` relays (``detail``:
     their partials carry one entry per device, as before compact partials)."""
     from benchmarks.fleet_scale import CLASSES
-    from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.engine import EngineConfig
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
-    from fedge.mqtt.relay import Relay
+    from fedge.scaleout.aggregator import PartialAggregator
+    from fedge.scaleout.relay import Relay
 
     root = _broker()
     leaves = [_broker() for _ in range(shards)]
@@ -258,12 +258,12 @@ def run_merge(n: int, per: int) -> dict[str, Any]:
 
     from benchmarks.fleet_scale import CLASSES, _device_info
     from fedge.common.transport import Inbound
-    from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.engine import EngineConfig
     from fedge.coordinator.gate import UpdateGate
     from fedge.coordinator.merge import PartialMerger, merged_into
     from fedge.coordinator.report import RoundReport
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
+    from fedge.scaleout.aggregator import PartialAggregator
 
     fleet = "merge"
     cfg = EngineConfig(fleet=fleet, method="fedproto")
@@ -360,9 +360,9 @@ def _partial_bytes(fleet: str, ids: list[str], infos: list[DeviceInfo]) -> int:
     one summary, whatever their number; measured on the first 200), for the floor's relays to carry."""
     from benchmarks.fleet_scale import CLASSES
     from fedge.common.transport import Inbound
-    from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.engine import EngineConfig
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
+    from fedge.scaleout.aggregator import PartialAggregator
 
     ids, infos = ids[:200], infos[:200]
     agg = PartialAggregator(FedProtoStrategy(num_classes=CLASSES, rounds=3), EngineConfig(fleet=fleet,

@@ -7,7 +7,7 @@ not what the workers can aggregate. Here only the aggregation path runs while th
 
 1. one Mosquitto on loopback (``max_queued_messages 100000``); N retained hellos and a retained round descriptor
    (round 1, FedProto, as the coordinator publishes it) of a fleet of N FedProto-sized devices;
-2. W ``fedge`` aggregation workers (:class:`fedge.mqtt.worker.AggregationWorker` with the real
+2. W ``fedge`` aggregation workers (:class:`fedge.scaleout.worker.AggregationWorker` with the real
    ``PartialAggregator`` and update gate, each in its own process) join the shared subscription, register the N
    hellos and read the descriptor, then are stopped (``SIGSTOP``);
 3. the N updates (encoded beforehand) are published and acknowledged by the broker, which queues them for the
@@ -137,11 +137,11 @@ def _wait(cond: Callable[[], bool], procs: list[subprocess.Popen[bytes]], timeou
 
 def worker_main(args: argparse.Namespace) -> None:
     """A worker process: the real AggregationWorker, its admissions counted and timed."""
-    from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.engine import EngineConfig
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
     from fedge.mqtt.client import BrokerSettings
-    from fedge.mqtt.worker import AggregationWorker
+    from fedge.scaleout.aggregator import PartialAggregator
+    from fedge.scaleout.worker import AggregationWorker
 
     agg = PartialAggregator(FedProtoStrategy(num_classes=CLASSES, rounds=1),
                             EngineConfig(fleet=args.fleet, method="fedproto"), args.name)

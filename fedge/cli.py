@@ -4,7 +4,8 @@ Each area adds its sub-commands from its ``cli.py`` module through
 ``add_parser(subparsers)``; the command handler is stored as ``func`` and returns
 an exit code. A :class:`FedgeError` becomes a two-line message and its exit code.
 No area's command line imports another's: an action that one area adds under
-another's command (``fedge profile probe``, measured with the exporter) is
+another's command (``fedge profile probe``, measured with the exporter; ``fedge coordinator
+worker``, a scale-out service) is
 registered here.
 """
 
@@ -25,6 +26,7 @@ COMMAND_MODULES = (
     "fedge.profiles.cli",
     "fedge.sim.cli",
     "fedge.coordinator.cli",
+    "fedge.scaleout.cli",
     "fedge.edge.cli",
     "fedge.export.cli",
     "fedge.broker.cli",
@@ -55,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
         from fedge.export.cli import add_probe_parser
 
         add_probe_parser(added["fedge.profiles.cli"])
+    if "fedge.coordinator.cli" in added and "fedge.scaleout.cli" in added:
+        from fedge.scaleout.cli import add_worker_parser
+
+        add_worker_parser(added["fedge.coordinator.cli"])
     return parser
 
 

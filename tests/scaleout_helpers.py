@@ -117,8 +117,8 @@ def relay_main(argv: list[str]) -> None:
     import logging
     import signal
 
-    from fedge.coordinator.aggregator import PartialAggregator
-    from fedge.mqtt.relay import Relay
+    from fedge.scaleout.aggregator import PartialAggregator
+    from fedge.scaleout.relay import Relay
 
     logging.basicConfig(level=logging.INFO)
     name, shard, parent, state, hold = argv

@@ -108,7 +108,7 @@ def test_aggregation_settings_are_validated() -> None:
 
 
 def test_the_coordinator_table_is_strict_and_flags_override_it(tmp_path: Path) -> None:
-    from fedge.coordinator.cli import coordinator_settings
+    from fedge.coordinator.fromfleet import coordinator_settings
     from fedge.fleet.config import load_fleet
 
     path = tmp_path / "fleet.toml"

@@ -105,9 +105,9 @@ def test_async_with_workers_or_relays_is_refused_naming_the_key_and_the_fix(
 
 def test_a_partial_aggregator_refuses_an_async_engine_config() -> None:
     from fedge.common.method_settings import FedAvgSettings
-    from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.config import EngineConfig
     from fedge.coordinator.strategies.fedavg import FedAvgStrategy
+    from fedge.scaleout.aggregator import PartialAggregator
 
     strat = FedAvgStrategy(FedAvgSettings(), num_classes=10, rounds=2)
     with pytest.raises(ConfigError, match='mode = "async" cannot run with a partial aggregator'):

@@ -112,17 +112,17 @@ def test_fedge_coordinator_run_gives_each_device_its_clock_model_task_time(tmp_p
     from observe_helpers import small_fleet
 
     from fedge.cli import build_parser
-    from fedge.coordinator.cli import _engine_parts
+    from fedge.coordinator.fromfleet import engine_parts
     from fedge.fleet.clock import fleet_clock
     from fedge.fleet.slots import checked_slots
 
     args = build_parser().parse_args(["coordinator", "run", "--config", "f.toml", "--state-dir", "s"])
     cfg = small_fleet(tmp_path, "clocked", extra='[coordinator]\nmode = "async"\nbuffer_size = 2\n')
-    engine_cfg, _ = _engine_parts(args, cfg, any_device=False)
+    engine_cfg, _ = engine_parts(args, cfg, any_device=False)
     assert engine_cfg.round_timeout_s is None and engine_cfg.slots is not None
     clocks = fleet_clock(cfg, checked_slots(cfg)).devices
-    expected = {d: c.expected_task_s for d, c in engine_cfg.slots.items()}
+    expected = {d: c.expected_task_s or 0.0 for d, c in engine_cfg.slots.items()}  # None would fail "> 0"
     assert expected == {d: clocks[d].train_s(1) for d in clocks} and all(v > 0 for v in expected.values())
     assert expected["rpi4-2gb-1"] > expected["x86-gateway-1"]  # a Pi 4 is slower than the gateway
-    sync_cfg, _ = _engine_parts(args, small_fleet(tmp_path, "sync"), any_device=False)
+    sync_cfg, _ = engine_parts(args, small_fleet(tmp_path, "sync"), any_device=False)
     assert sync_cfg.slots is not None and {c.expected_task_s for c in sync_cfg.slots.values()} == {None}

@@ -142,7 +142,7 @@ def honest_accuracy(reports: list[RoundReport]) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_a_simulated_trimmed_fleet_with_poisoners_ends_where_the_mqtt_run_does(tmp_path: Path, mosquitto: Any) -> None:
-    from fedge.coordinator.cli import _engine_parts
+    from fedge.coordinator.fromfleet import engine_parts
 
     path = tmp_path / "fleet.toml"
     path.write_text(POISONED_FLEET.format(rule="trimmed"))
@@ -154,7 +154,7 @@ def test_a_simulated_trimmed_fleet_with_poisoners_ends_where_the_mqtt_run_does(t
     # flags turn its wall-clock deadline off: the rounds wait for every device, as in the simulation).
     devices, _ = poisoned(cfg)
     args = argparse.Namespace(deadline_slack=0.0, round_timeout=0.0)
-    engine_cfg, strat = _engine_parts(args, cfg, any_device=False)
+    engine_cfg, strat = engine_parts(args, cfg, any_device=False)
     assert engine_cfg.aggregation == Aggregation("trimmed", 0.2, 0.0)
     coord, _, stop = start_fleet(cfg, devices, mosquitto.settings())
     assert coord is not None

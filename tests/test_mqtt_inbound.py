@@ -13,16 +13,16 @@ from scaleout_helpers import FAST, engine_config, strategy
 
 from fedge.common.messages import Message
 from fedge.common.signing import Signer
-from fedge.coordinator.aggregator import PartialAggregator
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.chunking import Reassembler, split
 from fedge.mqtt.client import MqttClient
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.inbound import InboundClassifier, RefusalLog
-from fedge.mqtt.relay import Relay
 from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportStats
 from fedge.mqtt.topics import FleetTopics
-from fedge.mqtt.worker import AggregationWorker
+from fedge.scaleout.aggregator import PartialAggregator
+from fedge.scaleout.relay import Relay
+from fedge.scaleout.worker import AggregationWorker
 
 
 class Clock:

@@ -20,7 +20,6 @@ from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.common.transport import Inbound
 from fedge.coordinator.aggregate import Aggregation
-from fedge.coordinator.aggregator import PartialAggregator
 from fedge.coordinator.config import EngineConfig
 from fedge.coordinator.gate import UpdateGate
 from fedge.coordinator.merge import PartialMerger
@@ -28,6 +27,7 @@ from fedge.coordinator.partial import join64, split64
 from fedge.coordinator.strategies.fedavg import FedAvgStrategy, weight_spec
 from fedge.coordinator.strategies.fedproto import FedProtoStrategy
 from fedge.coordinator.strategy import Strategy
+from fedge.scaleout.aggregator import PartialAggregator
 
 RULES = [Aggregation("mean"), Aggregation("trimmed", trim=0.2), Aggregation("median"),
          Aggregation("mean", clip=2.0), Aggregation("trimmed", trim=0.1, clip=1.5)]

@@ -33,14 +33,14 @@ from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.common.signing import Signer
 from fedge.common.transport import Inbound
-from fedge.coordinator.aggregator import PartialAggregator
 from fedge.coordinator.engine import RoundEngine
 from fedge.coordinator.report import RoundReport
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.client import BrokerSettings, MqttClient, Received
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
-from fedge.mqtt.relay import Relay
 from fedge.mqtt.topics import FleetTopics
+from fedge.scaleout.aggregator import PartialAggregator
+from fedge.scaleout.relay import Relay
 
 N = 12
 ALL = sorted(f"d{i}" for i in range(N))

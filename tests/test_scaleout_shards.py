@@ -205,10 +205,10 @@ def test_fedge_deploys_updates_cross_a_relay_under_the_generated_acls(
     deploy`` does); relay-1 forwards them byte for byte to shard 1, where the device reads them, and the
     device's OTA status back to the root, where the deploy account reads it; another shard's order does not
     cross relay-1."""
-    from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.config import EngineConfig
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
-    from fedge.mqtt.relay import Relay
+    from fedge.scaleout.aggregator import PartialAggregator
+    from fedge.scaleout.relay import Relay
 
     (root, s1, _), out, _ = sharded
     mine, theirs = IDS[0], IDS[-1]
@@ -478,11 +478,11 @@ def test_under_mtls_a_device_certificate_publishes_on_its_shard_only(
     from scaleout_helpers import FAST
 
     from fedge.common.messages import Message
-    from fedge.coordinator.aggregator import PartialAggregator
     from fedge.coordinator.config import EngineConfig
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
     from fedge.mqtt.device_transport import MqttDeviceTransport
-    from fedge.mqtt.relay import Relay
+    from fedge.scaleout.aggregator import PartialAggregator
+    from fedge.scaleout.relay import Relay
 
     (root, s1, s2), out, _ = mtls_sharded
     mine, neighbour_2 = IDS[0], IDS[-1]  # shard 1's first device, a device of shard 2

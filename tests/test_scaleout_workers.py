@@ -18,11 +18,11 @@ from scaleout_helpers import FAST, engine_config, root_engine, start_devices, st
 
 from fedge.common.messages import Message
 from fedge.common.signing import Signer
-from fedge.coordinator.aggregator import PartialAggregator
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.client import MqttClient
 from fedge.mqtt.topics import FleetTopics
-from fedge.mqtt.worker import AggregationWorker
+from fedge.scaleout.aggregator import PartialAggregator
+from fedge.scaleout.worker import AggregationWorker
 
 N = 12
 

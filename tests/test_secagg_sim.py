@@ -112,11 +112,11 @@ def test_a_group_below_the_threshold_is_abandoned_and_nothing_is_aggregated(capl
 def test_a_coordinator_over_mqtt_refuses_rather_than_run_a_plain_round() -> None:
     import argparse
 
-    from fedge.coordinator.cli import _engine_parts
+    from fedge.coordinator.fromfleet import engine_parts
 
     cfg = parse_fleet(fleet_doc("fedavg", {"secure_aggregation": True}))
     with pytest.raises(ConfigError, match=r"secure_aggregation runs in `fedge simulate` \(in-process\) only"):
-        _engine_parts(argparse.Namespace(), cfg, any_device=False)
+        engine_parts(argparse.Namespace(), cfg, any_device=False)
 
 
 @pytest.mark.parametrize("method", ["fedproto", "fedvtc"])

@@ -1,8 +1,10 @@
-"""``fedge coordinator run``: the coordinator service over MQTT.
+"""``fedge coordinator run``: the coordinator service over MQTT; and ``fedge dashboard``.
 
-This is the command layer: it may import the fleet layer (:mod:`fedge.fleet`) and
-the MQTT package lazily, which the coordinator library itself never does. The broker
-flags it shares with ``fedge edge run`` live with what they configure (:mod:`fedge.mqtt.flags`).
+This is the command layer: it imports the MQTT package lazily, which the coordinator library itself never
+does. The broker flags it shares with ``fedge edge run`` live with what they configure
+(:mod:`fedge.mqtt.flags`); the engine's configuration from the fleet config, which the scale-out commands
+(``fedge coordinator worker``, ``fedge relay``: :mod:`fedge.scaleout.cli`) build the same way, in
+:mod:`fedge.coordinator.fromfleet`.
 """
 
 from __future__ import annotations
@@ -10,41 +12,22 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Mapping
 from typing import Any, TypeAlias
 
 log = logging.getLogger(__name__)
 
-# flag dest -> [coordinator] key
-_FLAG_KEYS = {"min_devices": "min_devices", "quorum": "quorum", "quorum_timeout": "quorum_timeout_s",
-              "deadline_slack": "deadline_slack", "round_timeout": "round_timeout_s", "min_round": "min_round_s",
-              "max_round": "max_round_s", "max_update_bytes": "max_update_bytes", "aggregation": "aggregation",
-              "trim": "trim", "clip": "clip"}
-
-
-def coordinator_settings(args: argparse.Namespace, section: Any, source: str) -> Any:
-    """The fleet config's ``[coordinator]`` table (a ``CoordinatorSection``) with every flag given applied over it."""
-    from fedge.errors import ConfigError
-
-    flags = {key: getattr(args, dest) for dest, key in _FLAG_KEYS.items() if getattr(args, dest, None) is not None}
-    try:
-        return section.override(**flags)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: [coordinator] with the flags: {exc.message}", hint=exc.hint) from exc
-
-
 Parsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # argparse's type, generic for mypy only
 
 
-def add_parser(sub: Parsers) -> None:
-    """``fedge coordinator run | worker``, ``fedge dashboard`` and ``fedge relay``."""
+def add_parser(sub: Parsers) -> Parsers:
+    """``fedge coordinator run`` and ``fedge dashboard``; returns ``fedge coordinator``'s actions, to which
+    :mod:`fedge.cli` adds ``worker`` (:mod:`fedge.scaleout.cli`, beside ``fedge relay``)."""
     c = sub.add_parser("coordinator", help="run the coordinator against an MQTT broker",
                        description="The coordinator service: registers devices, runs rounds, checkpoints.")
     csub = c.add_subparsers(dest="coordinator_command", metavar="ACTION", required=True)
     _add_run_parser(csub)
     _add_dashboard_parser(sub)
-    _add_worker_parser(csub)
-    _add_relay_parser(sub)
+    return csub
 
 
 def _add_run_parser(csub: Parsers) -> None:
@@ -116,46 +99,6 @@ def _add_dashboard_parser(sub: Parsers) -> None:
     dash.set_defaults(func=_dashboard)
 
 
-def _add_worker_parser(csub: Parsers) -> None:
-    from fedge.mqtt.flags import add_broker_arguments
-
-    wk = csub.add_parser("worker", help="aggregate a share of the updates (MQTT 5 shared subscription)",
-                        description="An aggregation worker: reads its share of the fleet's updates through the "
-                                    "shared subscription $share/GROUP/fedge/FLEET/devices/+/update, checks each "
-                                    "with the coordinator's update gate, accumulates them and sends partial "
-                                    "aggregates to the coordinator (started with --workers). See docs/scale.md.")
-    _add_aggregator_arguments(wk)
-    add_broker_arguments(wk, required=True)
-    wk.add_argument("--group", default="fedge-workers", help="shared subscription group (default fedge-workers)")
-    wk.add_argument("--flush", type=float, default=0.05, metavar="S",
-                   help="send what accumulated every S seconds (default 0.05)")
-    wk.set_defaults(func=_worker)
-
-
-def _add_relay_parser(sub: Parsers) -> None:
-    from fedge.mqtt.flags import add_broker_arguments
-
-    rl = sub.add_parser("relay", help="relay one broker shard to its parent broker (hierarchical aggregation)",
-                        description="A relay: connected to its shard's broker (--shard) and to its parent's "
-                                    "(--broker) under one account; forwards the global state and round "
-                                    "descriptors down, the devices' hellos and statuses up, and one partial "
-                                    "aggregate of the shard's updates per round instead of the updates. See "
-                                    "docs/scale.md.")
-    _add_aggregator_arguments(rl)
-    add_broker_arguments(rl, required=True)
-    rl.add_argument("--shard", metavar="URL",
-                    help="the shard's broker (same credentials; default: the broker of this relay's shard in the "
-                         "fleet config's [[shards]], the shard NAME of --name relay-NAME)")
-    rl.add_argument("--state-dir", metavar="DIR",
-                    help="where the relay notes the devices it forwarded this round (a restarted relay does not "
-                         "count them twice) and keeps each round's per-device entries (rounds.jsonl)")
-    rl.add_argument("--margin", type=float, default=1.0, metavar="S",
-                    help="send the partial S seconds before the round's deadline at the latest (default 1)")
-    rl.add_argument("--hold", type=float, default=1.0, metavar="S",
-                    help="send what accumulated once nothing new came for S seconds (default 1)")
-    rl.set_defaults(func=_relay)
-
-
 def _add_scheduling_arguments(r: argparse.ArgumentParser) -> None:
     from fedge.coordinator.config import (
         SERVICE_DEFAULTS,
@@ -184,178 +127,6 @@ def _add_scheduling_arguments(r: argparse.ArgumentParser) -> None:
                         "for a device of unknown speed (a synchronous round's budget too)")
     s.add_argument("--min-round", type=float, metavar="S", help=f"shortest deadline (default {d['min_round_s']:g})")
     s.add_argument("--max-round", type=float, metavar="S", help=f"longest deadline (default {d['max_round_s']:g})")
-
-
-def _add_aggregator_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, metavar="FLEET.toml", help="the fleet config (the coordinator's)")
-    p.add_argument("--name", metavar="ACCOUNT",
-                   help="this aggregator's account: its partials go to fedge/FLEET/partials/ACCOUNT (default: "
-                        "--username)")
-    p.add_argument("--chunk-bytes", type=int, default=256 * 1024, help="chunk messages above this size")
-    p.add_argument("--rounds", type=int, help="override [run] rounds (as the coordinator does)")
-    p.add_argument("--detail", action="store_true",
-                   help="send each device's report entry (bytes, update info: ~100 B per device per round) in the "
-                        "partials, so the root's report has per-device figures; default: compact partials (the "
-                        "devices as runs of ids and one summary: bytes, mean metrics, training time), whose size "
-                        "does not grow with the devices (docs/scale.md)")
-    p.add_argument("--fp32-sums", action="store_true",
-                   help="send the partial's sums as float32 (half their bytes: about one update per partial) "
-                        "instead of float64 split in two float32 halves (the flat aggregate to 1 float32 ulp); "
-                        "each partial then adds one float32 rounding")
-
-
-def _aggregator(args: argparse.Namespace, command: str, cfg: Any = None) -> tuple[Any, Any, Any]:
-    """(the aggregator, the broker settings, the transport settings) of a worker or relay command (``command``,
-    for the refusal of an asynchronous fleet; ``cfg``: the fleet config, when the command loaded it)."""
-    import dataclasses
-
-    from fedge.common.asyncmode import refuse_in_parts
-    from fedge.coordinator.aggregator import PartialAggregator
-    from fedge.errors import ConfigError
-    from fedge.mqtt.flags import broker_settings
-    from fedge.mqtt.settings import TransportSettings
-
-    cfg = cfg or load_fleet_for(args)
-    refuse_in_parts(cfg.asynchronous, command, source=cfg.source)
-    if args.rounds is not None:
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
-    name = args.name or args.username
-    if not name:
-        raise ConfigError("an aggregator needs an account name", hint="pass --name (or --username)")
-    engine_cfg, strat = _engine_parts(args, cfg, any_device=False)
-    agg = PartialAggregator(strat, engine_cfg, name, detail=args.detail, exact=not args.fp32_sums)
-    return (agg, broker_settings(args),
-            TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes))
-
-
-def load_fleet_for(args: argparse.Namespace) -> Any:
-    from fedge.fleet.config import load_fleet
-
-    return load_fleet(args.config)
-
-
-def _engine_parts(args: argparse.Namespace, cfg: Any, *, any_device: bool) -> tuple[Any, Any]:
-    """The EngineConfig and the strategy a fleet config (and the command's flags) describe."""
-    import dataclasses
-
-    from fedge.coordinator.config import engine_config
-    from fedge.coordinator.service import KEEP_REPORTS
-    from fedge.errors import ConfigError
-    from fedge.fleet.registry import method_entry
-    from fedge.fleet.slots import checked_slots, fleet_classes
-
-    if cfg.privacy.secure_aggregation:
-        raise ConfigError(f"{cfg.source}: [privacy] secure_aggregation runs in `fedge simulate` (in-process) only; "
-                          "over MQTT it is not built yet, and a coordinator must not run it as a plain round",
-                          hint="leave secure_aggregation out of this fleet config (docs/security.md)")
-
-    engine_cfg = engine_config(coordinator_settings(args, cfg.coordinator, cfg.source), fleet=cfg.run.fleet,
-                               method=cfg.run.method, slots=checked_slots(cfg), own_data=cfg.own_data,
-                               privacy=cfg.privacy_mechanism, any_device=any_device, keep_reports=KEEP_REPORTS)
-    if engine_cfg.slots is not None:
-        engine_cfg = dataclasses.replace(engine_cfg, slots=_expected_task_times(cfg, engine_cfg.slots))
-    strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
-                                                         rounds=cfg.run.rounds)
-    return engine_cfg, strat
-
-
-def _expected_task_times(cfg: Any, checks: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Asynchronous mode: each slot check with its device's task time by the fleet config's clock model (its
-    training and evaluation on its profile's speed; fedge.fleet.clock), the basis of the default task timeout until
-    the device has delivered a task (EngineConfig.round_timeout_s). Unchanged for synchronous rounds, or when the
-    clock cannot be built (the command's other checks say why)."""
-    import dataclasses
-
-    from fedge.errors import FedgeError
-    from fedge.fleet.clock import fleet_clock
-    from fedge.fleet.slots import checked_slots
-
-    if cfg.asynchronous is None:
-        return checks
-    try:
-        clocks = fleet_clock(cfg, checked_slots(cfg)).devices
-    except (FedgeError, OSError) as exc:
-        log.warning("no clock-model task times (%s): a task's default timeout waits for its first update", exc)
-        return checks
-    return {d: dataclasses.replace(c, expected_task_s=clocks[d].train_s(1)) if d in clocks else c
-            for d, c in checks.items()}
-
-
-def _worker(args: argparse.Namespace) -> int:
-    from fedge.coordinator.service import install_stop_signals
-    from fedge.mqtt.worker import AggregationWorker
-
-    agg, broker, wire = _aggregator(args, "`fedge coordinator worker`")
-    worker = AggregationWorker(broker, agg.config.fleet, agg, group=args.group, flush_s=args.flush, settings=wire)
-    restore = install_stop_signals()
-    try:
-        worker.start()
-        print(f"worker {agg.name} of fleet {agg.config.fleet!r}: reading {worker.subscription} on {broker.url}, "
-              f"partials to {worker.topics.partial(agg.name)}", file=sys.stderr, flush=True)
-        worker.run_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        restore()
-        worker.stop()
-    return 0
-
-
-def shard_url(args: argparse.Namespace, cfg: Any, name: str, parent: Any) -> str:
-    """``--shard``, or the broker of relay ``name``'s shard in ``[[shards]]``; a parent shard there must be
-    the broker ``--broker`` names."""
-    from fedge.errors import ConfigError
-
-    layout = {s.relay: s for s in cfg.shard_layout}
-    mine = layout.get(name)
-    if mine is not None and mine.parent is not None:
-        up = next(s for s in cfg.shard_layout if s.name == mine.parent)
-        if (up.host, up.port) != (parent.host, parent.port):
-            raise ConfigError(f"{cfg.source}: [[shards]] {mine.name!r} reports to shard {up.name!r} at "
-                              f"{up.host}:{up.port}, but --broker is {parent.url}",
-                              hint=f"pass --broker mqtt://{up.host}:{up.port} (mqtts:// with TLS), or change "
-                                   f"{mine.name!r}'s parent")
-    if args.shard:
-        return str(args.shard)
-    if mine is None:
-        raise ConfigError(f"relay {name!r} needs --shard: {cfg.source} has no [[shards]] entry whose relay is {name}",
-                          hint="pass --shard mqtt://HOST:PORT, or --name relay-NAME for the shard NAME of "
-                               "[[shards]]" if cfg.shard_layout else "pass --shard mqtt://HOST:PORT")
-    scheme = mine.scheme or ("mqtts" if parent.tls else "mqtt")
-    return f"{scheme}://{mine.host}:{mine.port}"
-
-
-def _relay(args: argparse.Namespace) -> int:
-    from fedge.coordinator.service import install_stop_signals
-    from fedge.mqtt.client import parse_broker_url
-    from fedge.mqtt.relay import Relay
-
-    cfg = load_fleet_for(args)
-    agg, parent, wire = _aggregator(args, "`fedge relay`", cfg)
-    mine = next((s for s in cfg.shard_layout if s.relay == agg.name), None)
-    if mine is not None:  # [[shards]]: its child relays report their own subtrees only
-        from fedge.fleet.shards import reporters
-
-        agg.merger.allowed = reporters(cfg.shard_layout, mine.name)
-    child = parse_broker_url(shard_url(args, cfg, agg.name, parent), username=parent.username,
-                             password=parent.password,
-                             tls=True if parent.tls else None, ca_file=parent.ca_file, cert_file=parent.cert_file,
-                             key_file=parent.key_file)
-    relay = Relay(child, parent, agg.config.fleet, agg, settings=wire, state_dir=args.state_dir,
-                  margin_s=args.margin, hold_s=args.hold)
-    restore = install_stop_signals()
-    try:
-        relay.start()
-        print(f"relay {agg.name} of fleet {agg.config.fleet!r}: shard {child.url} -> parent {parent.url}",
-              file=sys.stderr, flush=True)
-        relay.run_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        restore()
-        relay.stop()
-    return 0
-
 
 
 DEFAULT_HTTP_PORT = 8321
@@ -541,6 +312,7 @@ def _run(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
+    from fedge.coordinator.fromfleet import engine_parts
     from fedge.coordinator.monitor import FleetMonitor, fleet_infos
     from fedge.coordinator.service import CoordinatorService
     from fedge.coordinator.store import REPORTS_FILE, read_reports
@@ -553,7 +325,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
     ids = [i for i, _ in device_ids(cfg)]
-    engine_cfg, strat = _engine_parts(args, cfg, any_device=args.any_device)
+    engine_cfg, strat = engine_parts(args, cfg, any_device=args.any_device)
     if args.workers:
         from fedge.common.asyncmode import refuse_in_parts
         from fedge.coordinator.partial import check_splittable

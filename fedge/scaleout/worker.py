@@ -4,7 +4,7 @@ Several workers share a fleet's update stream through an MQTT 5 **shared subscri
 (``$share/{group}/fedge/{fleet}/devices/+/update``): the broker hands each update to one member of the
 group. Each worker registers every device from its retained hello (the coordinator's checks, from the
 same fleet config), runs the update gate and the strategy's streaming ``accumulate`` over its share
-(:class:`~fedge.coordinator.aggregator.PartialAggregator`), and every ``flush_s`` sends what it
+(:class:`~fedge.scaleout.aggregator.PartialAggregator`), and every ``flush_s`` sends what it
 accumulated as one ``partial`` to ``fedge/{fleet}/partials/{its account}``, where the coordinator
 (started with ``--workers``, so it does not read the updates itself) merges it.
 
@@ -20,12 +20,12 @@ import logging
 import threading
 import time
 
-from fedge.coordinator.aggregator import PartialAggregator
 from fedge.mqtt.chunking import Reassembler, split
 from fedge.mqtt.client import BrokerSettings, MqttClient, Received
 from fedge.mqtt.inbound import InboundClassifier, RefusalLog
 from fedge.mqtt.settings import TransportSettings, TransportStats
 from fedge.mqtt.topics import FleetTopics, shared
+from fedge.scaleout.aggregator import PartialAggregator
 
 log = logging.getLogger(__name__)
 

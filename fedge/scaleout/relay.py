@@ -17,7 +17,7 @@ is connected to both brokers under its own account:
   shard broker publishes do not end the round for devices about to return —, ``fedge deploy`` follows
   the rollout; the parent's ACL lets this relay write exactly those of its shard's devices), and —
   instead of N updates — its partial aggregate: every update passes the update gate into the strategy's accumulators
-  (:class:`~fedge.coordinator.aggregator.PartialAggregator`), a child relay's partial is merged, and
+  (:class:`~fedge.scaleout.aggregator.PartialAggregator`), a child relay's partial is merged, and
   once every online device of the shard has answered (or the round's deadline is ``margin_s`` away, or
   nothing new came for ``hold_s``) one ``partial`` goes to ``fedge/{fleet}/partials/{account}`` on the
   parent.
@@ -51,13 +51,13 @@ from typing import Any
 
 from fedge.common.atomicfile import write_atomic
 from fedge.common.messages import Message, new_msg_id
-from fedge.coordinator.aggregator import PartialAggregator
 from fedge.mqtt.chunking import Reassembler, split
 from fedge.mqtt.client import BrokerSettings, MqttClient, Received, Will
 from fedge.mqtt.inbound import InboundClassifier, RefusalLog
 from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportStats
 from fedge.mqtt.status_book import StatusBook
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
+from fedge.scaleout.aggregator import PartialAggregator
 
 log = logging.getLogger(__name__)
 

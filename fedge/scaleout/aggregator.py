@@ -6,7 +6,7 @@ the network and their parent: devices register from their hellos exactly as at t
 strategy's streaming ``accumulate``, a child relay's partial passes the :class:`PartialMerger`, and
 :meth:`PartialAggregator.flush` turns what accumulated since the last flush into one ``partial``
 message (:mod:`fedge.coordinator.partial`), then starts the accumulators afresh. Numpy only: no
-transport here (``fedge.mqtt.worker`` and ``fedge.mqtt.relay`` move the bytes).
+transport here (``fedge.scaleout.worker`` and ``fedge.scaleout.relay`` move the bytes).
 
 A partial is **compact** by default: it lists its devices as runs of ids and one :class:`Summary` of their
 reports (bytes, metric sums, training time), so what it weighs does not grow with the devices it covers;
