@@ -27,6 +27,7 @@ The targets, per mode and seed:
   target at its end or not at all.
 
     OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.planner_trade --seeds 0 1 --modes sync async
+    python -m benchmarks.planner_trade --plans-only   # no training: the tiers and expected accuracies
 
 Writes each run to benchmarks/results/planner_trade/<variant>-<mode>-s<seed>.json (resumable; ``--force``
 recomputes) and the verdicts to benchmarks/results/planner_trade.json, and prints the tables.
@@ -49,6 +50,7 @@ from benchmarks.common import REPO, RESULTS, cached_cell, text_table
 FLEET = REPO / "benchmarks" / "fleets" / "issue48.toml"
 OUT = RESULTS / "planner_trade"
 SUMMARY = RESULTS / "planner_trade.json"
+PLANS = RESULTS / "planner_trade-plans.json"
 VARIANTS = ("old", "new", "largest")
 MODES = ("sync", "async")
 PROMISE_POINTS = 2.0  # issue 48: no device more than this below the largest tier its memory holds
@@ -86,6 +88,42 @@ def variant_archs(doc: dict[str, Any], variant: str) -> list[list[str]]:
     return out
 
 
+def pinned_doc(doc: dict[str, Any], archs: list[list[str]]) -> dict[str, Any]:
+    """``doc`` with each device's tier pinned (``archs``: per group, as :func:`variant_archs` gives them)."""
+    return {**doc, "devices": [{**g, "archs": a} for g, a in zip(doc["devices"], archs, strict=True)]}
+
+
+def planned(mode: str, seed: int, variants: list[str]) -> dict[str, Any]:
+    """Without training: each variant's tier per device and what the planner expects of it (the trade's chosen
+    side: epochs of work within the budget, seconds, local accuracy % from the curves)."""
+    from fedge.fleet.config import parse_fleet
+    from fedge.fleet.slots import device_slots
+
+    doc = fleet_doc(mode, seed)
+    out: dict[str, Any] = {"mode": mode, "seed": seed, "variants": {}}
+    for v in variants:
+        slots = device_slots(parse_fleet(pinned_doc(doc, variant_archs(doc, v)), source=str(FLEET)))
+        out["variants"][v] = [{"id": s.device_id, "samples": s.num_samples, "tier": s.plan.arch,
+                               "local_epochs": s.plan.local_epochs,
+                               "work_epochs": s.plan.trade["chosen"]["work_epochs"],
+                               "expected_s": s.plan.trade["chosen"]["time_s"],
+                               "expected_acc": s.plan.trade["chosen"]["acc"]} for s in slots]
+    if {"old", "new"} <= set(variants):
+        out["old_is_new"] = [d["tier"] for d in out["variants"]["old"]] == \
+            [d["tier"] for d in out["variants"]["new"]]
+    return out
+
+
+def print_plans(p: dict[str, Any]) -> None:
+    have = list(p["variants"])
+    rows = [[d["id"], str(d["samples"]),
+             *[f"{p['variants'][v][i]['tier'].removeprefix('tier-')} x{p['variants'][v][i]['local_epochs']} "
+               f"{p['variants'][v][i]['expected_acc'] or 0:.1f} %" for v in have]]
+            for i, d in enumerate(p["variants"][have[0]])]
+    print(f"\nplans, seed {p['seed']}, {p['mode']} (tier x epochs per round, expected local accuracy):")
+    print(text_table(["device", "samples", *have], rows))
+
+
 def simulate(doc: dict[str, Any]) -> dict[str, Any]:
     """``fedge simulate`` of ``doc`` in a child process (one torch thread): its results.json."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,7 +159,7 @@ def measure(mode: str, seed: int, variants: list[str], force: bool) -> dict[str,
         if twin is not None:
             cells[v] = {**cells[twin], "variant": v, "same_run_as": twin}
             continue
-        pinned = {**doc, "devices": [{**g, "archs": a} for g, a in zip(doc["devices"], archs, strict=True)]}
+        pinned = pinned_doc(doc, archs)
         print(f"  {v} {mode} seed {seed}: {sum(map(len, archs))} devices, tiers {archs}", flush=True)
         def run(pinned: dict[str, Any] = pinned, v: str = v, archs: list[list[str]] = archs) -> dict[str, Any]:
             return cell_of(simulate(pinned), v, mode, seed, archs)
@@ -205,7 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=None,
                     help="mean local accuracy (%%) the fleet's time is read at (default: 95 %% of old's final)")
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--plans-only", action="store_true",
+                    help=f"no training: each variant's tiers and expected accuracy, to {PLANS.relative_to(REPO)}")
     args = ap.parse_args(argv)
+    if args.plans_only:
+        plans = [planned(mode, seed, args.variants) for seed in args.seeds for mode in args.modes]
+        for p in plans:
+            print_plans(p)
+        PLANS.write_text(json.dumps(plans, indent=1) + "\n")
+        return 0
     summary: dict[str, Any] = {"fleet": str(FLEET.relative_to(REPO)), "promise_points": PROMISE_POINTS, "cells": []}
     for seed in args.seeds:
         for mode in args.modes:
