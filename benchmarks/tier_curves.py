@@ -3,7 +3,8 @@
 For each task (``fmnist``, ``digits``), each sample-count bucket and each draw, a device's share is drawn as a
 fleet's Dirichlet(α) partition gives it: class proportions ~ Dir(α), ``n`` training images in those proportions.
 Every model tier trains **alone** on that share from the same seed (the project's training loop,
-:func:`fedge.edge.training.train_epochs`, at the planner's learning rate (``--lr``) and batch 64)
+:func:`fedge.edge.training.train_epochs`, at the planner's learning rate (``--lr``), last-batch floor
+(``--min-tail``) and batch 64)
 and is evaluated after 1, 2, 5, 10, 20 and 40 epochs on the test set weighted by the share's class proportions —
 the device's *local* accuracy, what issue 48 promises does not drop. The curve of a (tier, bucket) is the median
 over the draws, in percent, made non-decreasing in the work (a planner reads "accuracy reachable within this many
@@ -37,7 +38,7 @@ from fedge.edge.models.zoo import build_model
 from fedge.edge.training import TrainConfig, accuracy, predict, train_epochs
 from fedge.fleet.config import TrainSection
 from fedge.profiles.accuracy import CURVES_DIR
-from fedge.profiles.planner import DEFAULT_LR
+from fedge.profiles.planner import DEFAULT_LR, MIN_BATCH
 
 SAMPLES = (100, 300)
 EPOCHS = (1, 2, 5, 10, 20, 40)
@@ -67,11 +68,12 @@ def local_accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, props: 
 
 
 def run_draw(task: str, n: int, draw: int, epochs: tuple[int, ...], train: Any, test: Any,
-             lr: float) -> dict[str, Any]:
+             lr: float, min_tail: int = 1) -> dict[str, Any]:
     rng = np.random.default_rng(1000 * draw + n)
     share, props = draw_share(train.y, n, ALPHA, rng)
     defaults = TrainSection()
-    cfg = TrainConfig(lr=lr, batch_size=BATCH, momentum=defaults.momentum, weight_decay=defaults.weight_decay)
+    cfg = TrainConfig(lr=lr, batch_size=BATCH, momentum=defaults.momentum, weight_decay=defaults.weight_decay,
+                      min_tail=min_tail)
     out: dict[str, Any] = {"task": task, "samples": n, "draw": draw, "classes": int((props > 0).sum()), "tiers": {}}
     for tier in TIERS:
         t0 = time.process_time()
@@ -97,7 +99,7 @@ def _monotone(xs: list[float]) -> list[float]:
 
 
 def summarise(task: str, cells: list[dict[str, Any]], samples: tuple[int, ...], epochs: tuple[int, ...],
-              command: str, lr: float) -> dict[str, Any]:
+              command: str, lr: float, min_tail: int = 1) -> dict[str, Any]:
     curves: dict[str, dict[str, list[float]]] = {}
     for tier in TIERS:
         curves[tier] = {}
@@ -105,7 +107,7 @@ def summarise(task: str, cells: list[dict[str, Any]], samples: tuple[int, ...], 
             rows = [c["tiers"][tier]["local_acc"] for c in cells if c["samples"] == n]
             curves[tier][str(n)] = _monotone([statistics.median(col) for col in zip(*rows, strict=True)])
     return {"task": task, "measure": "local accuracy %, median over draws, non-decreasing in epochs",
-            "alpha": ALPHA, "batch": BATCH, "lr": lr, "draws": len(cells) // len(samples),
+            "alpha": ALPHA, "batch": BATCH, "lr": lr, "min_tail": min_tail, "draws": len(cells) // len(samples),
             "samples": list(samples), "epochs": list(epochs), "curves": curves, "command": command,
             "measured": time.strftime("%Y-%m-%d")}
 
@@ -119,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, default=CURVES_DIR, help="where the planner's curve files go")
     ap.add_argument("--lr", type=float, default=DEFAULT_LR,
                     help=f"learning rate (default the planner's, {DEFAULT_LR:g}; the shipped curves used 0.1)")
+    ap.add_argument("--min-tail", type=int, default=MIN_BATCH,
+                    help=f"an epoch's last batch smaller than this joins the one before (default the planner's, "
+                         f"{MIN_BATCH}; the shipped curves kept every last batch, 1)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     samples = tuple(int(s) for s in args.samples.split(","))
@@ -129,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         train, test = load_dataset(task, train=True), load_dataset(task, train=False)
         keep = np.random.default_rng(0).permutation(len(test.y))[:TEST_CAP]
         test = test.subset(keep)
-        cells = [run_draw(task, n, d, epochs, train, test, args.lr) for n in samples for d in range(args.draws)]
+        cells = [run_draw(task, n, d, epochs, train, test, args.lr, args.min_tail)
+                 for n in samples for d in range(args.draws)]
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"tier_curves-{task}.json").write_text(json.dumps(cells, indent=1))
-        doc = summarise(task, cells, samples, epochs, command, args.lr)
+        doc = summarise(task, cells, samples, epochs, command, args.lr, args.min_tail)
         args.out_dir.mkdir(parents=True, exist_ok=True)
         (args.out_dir / f"{task}.json").write_text(json.dumps(doc, indent=1) + "\n")
         rows = [[f"tier-{t}", str(n), *[f"{a:.1f}" for a in doc["curves"][t][str(n)]]] for t in TIERS for n in samples]
