@@ -15,6 +15,7 @@ from fedge.common.messages import Message
 from fedge.common.transport import Inbound
 from fedge.errors import ConfigError, TransportError
 from fedge.mqtt.broker import MosquittoProcess, free_port
+from fedge.mqtt.broker_settings import BrokerSettings, parse_broker_url
 from fedge.mqtt.chunking import (
     ChunkError,
     Reassembler,
@@ -24,7 +25,7 @@ from fedge.mqtt.chunking import (
     parse_frame,
     split,
 )
-from fedge.mqtt.client import BrokerSettings, MqttClient, parse_broker_url
+from fedge.mqtt.client import MqttClient
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.mqtt.settings import TransportSettings

@@ -348,7 +348,7 @@ def test_a_clock_that_decides_who_delivers_stays_sequential(clock: dict[str, Any
     a parallel backend is refused before any work, naming the key."""
     import dataclasses
 
-    from fedge.fleet.config import ClockSection
+    from fedge.fleet.sim_sections import ClockSection
 
     cfg = dataclasses.replace(fleet(backend="process"), clock=ClockSection(**clock))
     with pytest.raises(ConfigError) as exc:

@@ -147,7 +147,7 @@ def _keep_best(state_dir: str, dev: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from fedge.edge.agent import DeviceAgent
     from fedge.edge.service import Bundle, EdgeOptions, EdgeService
-    from fedge.mqtt.client import parse_broker_url
+    from fedge.mqtt.broker_settings import parse_broker_url
     from fedge.mqtt.device_transport import MqttDeviceTransport
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.settings import TransportSettings

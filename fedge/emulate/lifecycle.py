@@ -214,7 +214,8 @@ def broker_address(emu: Emulation, client: Any) -> str:
 def wait_online(emu: Emulation, client: Any, *, timeout: float) -> None:
     """Wait until every device's retained status is "online" (read with the coordinator's account on the root
     broker: a sharded fleet's statuses come through the relays)."""
-    from fedge.mqtt.client import DEFAULT_PORT, BrokerSettings, MqttClient, Received
+    from fedge.mqtt.broker_settings import DEFAULT_PORT, BrokerSettings
+    from fedge.mqtt.client import MqttClient, Received
     from fedge.mqtt.topics import STATUS_ONLINE, FleetTopics
 
     topics = FleetTopics(emu.fleet)
