@@ -15,7 +15,6 @@ from fedge.common.messages import Message
 from fedge.common.transport import Inbound
 from fedge.errors import ConfigError, TransportError
 from fedge.mqtt.broker import MosquittoProcess, free_port
-from fedge.mqtt.broker_settings import BrokerSettings, parse_broker_url
 from fedge.mqtt.chunking import (
     ChunkError,
     Reassembler,
@@ -26,6 +25,7 @@ from fedge.mqtt.chunking import (
     split,
 )
 from fedge.mqtt.client import MqttClient
+from fedge.mqtt.connection import BrokerSettings, parse_broker_url
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.mqtt.settings import TransportSettings

@@ -183,7 +183,7 @@ def _agent(args: argparse.Namespace, cfg: Any, dev: Any, own: Any, transport: An
 
 def _run(args: argparse.Namespace) -> int:
     from fedge.edge.service import Bundle, EdgeOptions, EdgeService
-    from fedge.mqtt.broker_settings import parse_broker_url
+    from fedge.mqtt.connection import parse_broker_url
     from fedge.mqtt.device_transport import MqttDeviceTransport
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.settings import TransportSettings

@@ -36,7 +36,7 @@ from typing import Any, cast
 import paho.mqtt.client as paho
 
 from fedge.errors import TransportError
-from fedge.mqtt.broker_settings import BrokerSettings
+from fedge.mqtt.connection import BrokerSettings
 
 log = logging.getLogger(__name__)
 
