@@ -79,6 +79,7 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until:
 
     from fedge.edge.data.datasets import load_dataset
     from fedge.fleet.config import parse_fleet
+    from fedge.fleet.devices import show_global_test
     from fedge.sim.inprocess import run_inprocess
     from fedge.sim.report import build_results
     from fedge.sim.simulate import SimResult, build_fleet, run_timed
@@ -89,8 +90,7 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until:
     fleet, strat = build_fleet(cfg)
     test = load_dataset("fmnist", train=False)
     shown = test.subset(np.arange(min(args.eval_images, len(test))))
-    for d in fleet:  # the clock times each device's evaluation over the images it is given (run_inprocess)
-        d.method.ctx.global_test = shown
+    show_global_test(fleet, shown)  # the clock times each device's evaluation over those images (run_inprocess)
     holder: dict[str, Any] = {}
 
     def runner(c: Any, devices: Any) -> Any:
