@@ -148,10 +148,12 @@ def cell_of(res: dict[str, Any], variant: str, mode: str, seed: int, archs: list
                          "final_acc_local_generic": d.get("final_acc_local_generic")} for d in res["devices"]]}
 
 
-def measure(mode: str, seed: int, variants: list[str], force: bool) -> dict[str, dict[str, Any]]:
+def measure(mode: str, seed: int, variants: list[str], force: bool, workers: int = 0) -> dict[str, dict[str, Any]]:
     """Every variant's cell of ``mode`` and ``seed``; a variant pinning the same tiers as one before it reuses
-    that run."""
+    that run. ``workers``: synchronous runs train in that many worker processes (the same results, issue 30)."""
     doc = fleet_doc(mode, seed)
+    if workers and mode == "sync":
+        doc["simulation"] = {"backend": "process", "workers": workers}
     cells: dict[str, dict[str, Any]] = {}
     for v in variants:
         archs = variant_archs(doc, v)
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=None,
                     help="mean local accuracy (%%) the fleet's time is read at (default: 95 %% of old's final)")
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="synchronous runs in this many worker processes ([simulation] backend = \"process\")")
     ap.add_argument("--plans-only", action="store_true",
                     help=f"no training: each variant's tiers and expected accuracy, to {PLANS.relative_to(REPO)}")
     args = ap.parse_args(argv)
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {"fleet": str(FLEET.relative_to(REPO)), "promise_points": PROMISE_POINTS, "cells": []}
     for seed in args.seeds:
         for mode in args.modes:
-            cells = measure(mode, seed, args.variants, args.force)
+            cells = measure(mode, seed, args.variants, args.force, args.workers)
             v = verdict(cells, args.target) if set(VARIANTS) <= set(cells) else None
             print_tables(cells, mode, seed, v)
             summary["cells"].append({"mode": mode, "seed": seed, "verdict": v,
