@@ -158,3 +158,14 @@ def test_a_group_below_its_threshold_is_abandoned_and_the_state_is_unchanged(mos
         "abandoned")}}
     assert engine.globals == {} and engine.global_rounds == {}  # the state is as before the round
     assert sorted(r1.accepted) == [ids[1], ids[3]] and sorted(r1.missing) == [ids[0], ids[2]]
+
+
+def test_simulate_over_mqtt_sums_securely(embedded_broker: None) -> None:
+    """``fedge simulate --transport mqtt``: the engine drives the stages over the embedded broker and publishes
+    the in-process secure run's global state."""
+    ref = simulate(fleet("ref-sim-secure", 4))
+    res = simulate(fleet("sim-secure", 4), transport="mqtt")
+    members = sorted(a.device.device_id for a in res.agents)
+    assert res.reports[0].secure == {"tier-xs": {"survivors": members, "dropped": [], "abandoned": ""}}
+    for k, want in ref.globals[ARTIFACT].items():
+        np.testing.assert_allclose(res.globals[ARTIFACT][k], want, rtol=1e-6, atol=1e-7, err_msg=k)
