@@ -12,7 +12,8 @@ coordinator state machine the in-process simulation runs (:class:`~fedge.secagg.
    (:meth:`CoordinatorTransport.send_stages`), until every device asked answered, is offline, or
    ``secure_stage_s`` passed;
 5. the devices' ``update`` messages, which carry their metrics only (the gate admits no tensors in a secure
-   round), until each expected device's arrived, it is offline, or ``secure_stage_s`` passed.
+   round), until each expected device's arrived or it is offline, at most until the later of the round's
+   deadline and ``secure_stage_s`` from now.
 
 Every stage message passes the engine's gate (:meth:`UpdateGate.admit_stage`): what the state machine refuses
 is counted in the round report as ``secagg-<reason>``. A device lost after sharing its keys is unmasked with
@@ -82,7 +83,15 @@ class SecureRound(SyncRound):
             extra = {"secagg": {g: t.to_dict() for g, t in self.tasks.items()}}
             return Pass(Call(self.info, self.expected, self.pending, extra), self.stage_pending, self.info.deadline)
         deadline = time.time() + self.engine.config.secure_stage_s
-        return Pass(None, self.pending if self.stage == "updates" else self.stage_pending, deadline)
+        if self.stage != "updates":
+            return Pass(None, self.stage_pending, deadline)
+        # a device in no group this round (or whose group was abandoned early) sends its metrics once trained
+        return Pass(None, self.pending, max(deadline, self.info.deadline) if self.info.deadline else 0.0)
+
+    def admitted(self, item: Inbound, sender: str) -> None:
+        super().admitted(item, sender)
+        # the loop discards it from the pass's pending set, a stage's while a stage runs: the updates' too
+        self.pending.discard(sender)
 
     def stage_message(self, item: Inbound) -> bool:
         sender = item.origin or ""

@@ -30,6 +30,8 @@ from fedge.secagg.rounds import SecureTask
 
 log = logging.getLogger(__name__)
 
+NO_DEADLINE_WAIT_S = 3600.0  # longest wait for the roster in a round without a deadline
+
 
 @dataclass
 class SecureOutcome:
@@ -58,7 +60,8 @@ def secure_upload(transport: DeviceTransport, device_id: str, task: SecureTask, 
     """Run this device's four stages of ``task`` over ``transport`` with its upload ``arrays``.
 
     ``wait_until``: unix seconds until which the roster may be awaited (the round's deadline: the slowest device
-    trains until then), then ``task.stage_s`` more; every later stage message within ``task.stage_s``."""
+    trains until then; 0, no deadline: :data:`NO_DEADLINE_WAIT_S`), then ``task.stage_s`` more; every later
+    stage message within ``task.stage_s``."""
     out = SecureOutcome()
     values = terms.device_terms(task.method, {k: np.asarray(v) for k, v in arrays.items()}, num_samples=num_samples,
                                 cap=task.cap, clip=task.clip)
@@ -71,7 +74,10 @@ def secure_upload(transport: DeviceTransport, device_id: str, task: SecureTask, 
         out.sent = stage
 
     def receive(first: bool) -> bytes:
-        timeout = task.stage_s + (max(0.0, wait_until - time.time()) if first else 0.0)
+        # the roster comes once the slowest device has trained: until the round's deadline, and without one
+        # (a simulation, or a coordinator that waits for every device) up to NO_DEADLINE_WAIT_S
+        wait = (max(0.0, wait_until - time.time()) if wait_until else NO_DEADLINE_WAIT_S) if first else 0.0
+        timeout = task.stage_s + wait
         data = transport.receive_stage(timeout)
         if data is None:
             raise TimeoutError(f"no stage message from the coordinator within {timeout:.0f} s")
