@@ -253,7 +253,11 @@ def test_cli_keeps_passwords_unless_rotating(tmp_path: Path) -> None:
     acl = (out / "acl").read_text()
     assert ("user rpi4-2gb-1\ntopic write fedge/lab/devices/rpi4-2gb-1/status\n"
             "topic write fedge/lab/devices/rpi4-2gb-1/hello\ntopic write fedge/lab/devices/rpi4-2gb-1/update\n"
-            "topic write fedge/lab/devices/rpi4-2gb-1/health\ntopic read fedge/lab/rounds/#") in acl
+            "topic write fedge/lab/devices/rpi4-2gb-1/health\ntopic write fedge/lab/devices/rpi4-2gb-1/secagg\n"
+            "topic read fedge/lab/rounds/#") in acl
+    # secure aggregation: each device reads only its own stage messages; the coordinator writes them all
+    assert "topic read fedge/lab/secagg/rpi4-2gb-1\n" in acl and "topic read fedge/lab/secagg/rpi4-2gb-2\n" in acl
+    assert "topic readwrite fedge/lab/secagg/+\n" in acl
     assert (out / "bundles/rpi4-2gb-1/password").stat().st_mode & 0o077 == 0
     assert "allow_anonymous false" in (out / "mosquitto.conf").read_text()
     assert main(["broker", "config", "--fleet", str(fleet), "--out", str(out)]) == 0

@@ -12,8 +12,8 @@ from fedge.common.rounds import DeviceInfo, group_artifact
 from fedge.errors import ConfigError
 from fedge.fleet.config import parse_fleet
 from fedge.secagg.fixedpoint import plan_field
+from fedge.secagg.rounds import group_parameters
 from fedge.secagg.terms import device_terms, segments
-from fedge.sim.secure import group_parameters
 from fedge.sim.simulate import simulate
 
 
@@ -63,8 +63,11 @@ def test_a_group_smaller_than_the_threshold_is_refused_naming_it() -> None:
                                          {"profile": "rpi4-2gb", "count": 2, "arch": "tier-s", "id_prefix": "b"}]))
     with pytest.raises(ConfigError, match="group 'tier-s' has 2 device"):
         simulate(cfg)  # before any round
-    with pytest.raises(ConfigError, match="in-process simulation with the sequential backend only"):
-        simulate(parse_fleet(fleet_doc("fedavg", {"secure_aggregation": True})), transport="mqtt")
+    doc = fleet_doc("fedavg", {"secure_aggregation": True})
+    doc["simulation"] = {"backend": "process"}
+    with pytest.raises(ConfigError, match="secure_aggregation runs in the simulation with the sequential backend only "
+                                          "\\(here: backend 'process'\\)"):
+        simulate(parse_fleet(doc))
 
 
 def test_statistics_terms_sum_to_the_strategies_sufficient_statistics() -> None:
@@ -109,14 +112,21 @@ def test_a_group_below_the_threshold_is_abandoned_and_nothing_is_aggregated(capl
     assert res.reports[0].missing == sorted(a.device.device_id for a in res.agents)
 
 
-def test_a_coordinator_over_mqtt_refuses_rather_than_run_a_plain_round() -> None:
+def test_a_coordinator_over_mqtt_sums_securely_and_relays_and_workers_refuse() -> None:
+    """`fedge coordinator run` gets the settings (its rounds are SecureRound, fedge.coordinator.secure); relays and
+    aggregation workers, which carry no stage messages, refuse the fleet naming why."""
     import argparse
 
-    from fedge.coordinator.fromfleet import engine_parts
+    from fedge.coordinator.fromfleet import engine_parts, refuse_secure_in_parts
 
-    cfg = parse_fleet(fleet_doc("fedavg", {"secure_aggregation": True}))
-    with pytest.raises(ConfigError, match=r"secure_aggregation runs in `fedge simulate` \(in-process\) only"):
-        engine_parts(argparse.Namespace(), cfg, any_device=False)
+    cfg = parse_fleet(fleet_doc("fedavg", {"secure_aggregation": True, "clipping_range": 4.0}))
+    engine_cfg, _ = engine_parts(argparse.Namespace(), cfg, any_device=False)
+    assert engine_cfg.secure is not None and engine_cfg.secure.clipping_range == 4.0
+    with pytest.raises(ConfigError, match="runs with one coordinator on one broker; `fedge relay` do not carry its "
+                                          "stage messages yet"):
+        refuse_secure_in_parts(cfg, "`fedge relay`")
+    plain, _ = engine_parts(argparse.Namespace(), parse_fleet(fleet_doc("fedavg", None)), any_device=False)
+    assert plain.secure is None
 
 
 @pytest.mark.parametrize("method", ["fedproto", "fedvtc"])

@@ -78,13 +78,14 @@ class BrokerFiles:
 
 
 def acl_text(fleet: str, devices: list[str], coordinator: str, deploy: str | None = None) -> str:
-    """The ACL: each device writes exactly its own status, hello, update, health and OTA status topics and reads
-    rounds, globals, model packages and its own deployment order; the coordinator reads every device topic
+    """The ACL: each device writes exactly its own status, hello, update, health, secure-aggregation and OTA status
+    topics and reads rounds, globals, model packages, its own deployment order and its own secure-aggregation
+    stage messages; the coordinator reads every device topic
     and may clear (write) their retained copies; the deploy account writes ``ota/#`` and reads the devices'
     OTA statuses. Under mutual TLS the user name is the certificate's CN.
 
     Mosquitto's ACL cannot refuse the retain flag per topic, so a device could keep a retained
-    message on each topic it may write: four exact topics (no ``#``) bound that to four messages
+    message on each topic it may write: five exact topics (no ``#``) bound that to five messages
     of at most ``max_packet_size`` per device, and the coordinator deletes a retained update or a
     malformed retained status as soon as it sees one (:mod:`fedge.mqtt.coordinator_transport`).
     """
@@ -97,6 +98,7 @@ def acl_text(fleet: str, devices: list[str], coordinator: str, deploy: str | Non
         f"topic readwrite {t.base}/rounds/#",
         f"topic readwrite {t.base}/global/#",
         f"topic readwrite {t.base}/refused/+",
+        f"topic readwrite {t.base}/secagg/+",  # secure aggregation's stage messages to each device
         f"topic readwrite {t.fleet_keys}",  # the fleet key's rotations (the key chain)
         # partial aggregates of aggregation workers and relays (docs/scale.md), and the relays' statuses
         f"topic readwrite {t.partial_filter}",
@@ -109,7 +111,7 @@ def acl_text(fleet: str, devices: list[str], coordinator: str, deploy: str | Non
         lines += ["", f"user {dev}"]
         lines += [f"topic write {t.device(dev, kind)}" for kind in DEVICE_KINDS]  # type: ignore[arg-type]
         lines += [f"topic read {t.base}/rounds/#", f"topic read {t.base}/global/#", f"topic read {t.refused(dev)}",
-                  f"topic read {t.fleet_keys}"]
+                  f"topic read {t.secagg_to(dev)}", f"topic read {t.fleet_keys}"]
         if deploy is not None:
             lines += [f"topic write {t.ota_status(dev)}", f"topic read {t.ota_order(dev)}",
                       f"topic read {t.base}/ota/models/#"]

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
+
+from fedge.errors import TransportError
 
 
 @dataclass(frozen=True)
@@ -25,9 +27,10 @@ class Inbound:
     rejects an update whose envelope sender differs from its origin.
     ``reject`` = (reason, message) marks a payload the transport itself refused
     (a bad chunk checksum, an oversize transfer ...); the engine only counts it.
-    ``kind`` is ``update`` (a device's update) or ``partial`` (an aggregation worker's or a
+    ``kind`` is ``update`` (a device's update), ``partial`` (an aggregation worker's or a
     relay's partial aggregate, ``origin`` then being that aggregator's account; see
-    :mod:`fedge.coordinator.partial`).
+    :mod:`fedge.coordinator.partial`) or ``secagg`` (a device's secure-aggregation stage message,
+    :mod:`fedge.coordinator.secure`).
     """
 
     data: bytes
@@ -106,6 +109,15 @@ class CoordinatorTransport(ABC):
     def refuse(self, device_id: str, data: bytes | None) -> None:  # noqa: B027 - optional hook
         """Tell ``device_id`` why its hello was refused (a ``refused`` message), or clear that with None."""
 
+    # Whether it carries secure aggregation's stage messages: the devices' arrive from ``collect`` as kind
+    # ``secagg``, the coordinator's leave with :meth:`send_stages` (fedge.coordinator.secure).
+    stages: bool = False
+
+    def send_stages(self, messages: Mapping[str, bytes]) -> None:
+        """Send each device its secure-aggregation stage message (device id -> bytes)."""
+        raise TransportError(f"{type(self).__name__} carries no secure-aggregation stage messages",
+                             hint="run [privacy] secure_aggregation over MQTT or in `fedge simulate`")
+
     def end_run(self) -> None:  # noqa: B027 - optional hook
         """The run is over (after its final round): withdraw the round descriptor, so a device that
         starts before the next run waits for it instead of answering this run's rounds."""
@@ -138,6 +150,17 @@ class DeviceTransport(ABC):
 
     def send_health(self, data: bytes) -> None:  # noqa: B027 - optional hook
         """Publish a health message (a heartbeat; may be lost: the next one replaces it). Default: dropped."""
+
+    def send_stage(self, data: bytes) -> None:
+        """Send the coordinator one secure-aggregation stage message (fedge.edge.secure)."""
+        raise TransportError(f"{type(self).__name__} carries no secure-aggregation stage messages")
+
+    def receive_stage(self, timeout_s: float) -> bytes | None:
+        """The coordinator's next stage message for this device, waiting up to ``timeout_s`` (None: none came)."""
+        raise TransportError(f"{type(self).__name__} carries no secure-aggregation stage messages")
+
+    def clear_stages(self) -> None:  # noqa: B027 - optional hook
+        """Drop stage messages received so far (left from an earlier round)."""
 
     def wait_for_round(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` until a new round descriptor may be available.

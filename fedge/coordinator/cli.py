@@ -312,7 +312,7 @@ def _run(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
-    from fedge.coordinator.fromfleet import engine_parts
+    from fedge.coordinator.fromfleet import engine_parts, refuse_secure_in_parts
     from fedge.coordinator.monitor import FleetMonitor, fleet_infos
     from fedge.coordinator.service import CoordinatorService
     from fedge.coordinator.store import REPORTS_FILE, read_reports
@@ -331,6 +331,7 @@ def _run(args: argparse.Namespace) -> int:
         from fedge.coordinator.partial import check_splittable
 
         refuse_in_parts(cfg.asynchronous, "--workers", source=cfg.source)
+        refuse_secure_in_parts(cfg, "aggregation workers (--workers)")
         check_splittable(strat)
 
     embedded, settings = _broker(args)

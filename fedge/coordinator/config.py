@@ -8,10 +8,11 @@ from typing import Any, Protocol
 
 from fedge.common.asyncmode import AsyncSettings
 from fedge.common.coordinator_section import DEADLINE_KEYS, QUORUM_KEYS, Aggregation, CoordinatorSection
-from fedge.common.privacy import Mechanism
+from fedge.common.privacy import Mechanism, PrivacySettings
 from fedge.common.rounds import DeviceInfo
 from fedge.common.sampling import Sampling
 from fedge.errors import ConfigError
+from fedge.secagg.rounds import DEFAULT_STAGE_S
 
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
 # The default ("auto") timeout of a device's work over a network (EngineConfig.round_timeout_s = None): an
@@ -123,6 +124,11 @@ class EngineConfig:
     sampling: Sampling | None = None
     # [coordinator] mode = "async": buffered asynchronous aggregation (None: synchronous rounds).
     asynchronous: AsyncSettings | None = None
+    # [privacy] secure_aggregation over a transport that carries stage messages (fedge.coordinator.secure): the
+    # settings (threshold, neighbours, clipping range, field size); None: plain rounds. ``secure_stage_s``: how long
+    # each stage after the first waits for the devices' answers.
+    secure: PrivacySettings | None = None
+    secure_stage_s: float = DEFAULT_STAGE_S
 
     def __post_init__(self) -> None:
         if self.min_devices < 0:
@@ -134,6 +140,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_update_bytes < 1:
             raise ConfigError(f"max_update_bytes must be >= 1, got {self.max_update_bytes}")
+        if not self.secure_stage_s > 0:
+            raise ConfigError(f"secure_stage_s must be > 0, got {self.secure_stage_s}")
         if self.keep_reports < 0:
             raise ConfigError(f"keep_reports must be >= 0, got {self.keep_reports}")
 

@@ -44,11 +44,12 @@ from fedge.coordinator.merge import PartialMerger
 from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.policy import Call, RoundPolicy, SyncRound
 from fedge.coordinator.report import RoundReport, rolled_back
+from fedge.coordinator.secure import SecureRound
 from fedge.coordinator.selecting import Selector
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.coordinator.versions import VersionPolicy
-from fedge.errors import TransportError
+from fedge.errors import ConfigError, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ class RoundEngine:
         self.observers = list(observers)  # told what happens (fedge.coordinator.observer); never waited for
         strategy.aggregation = config.aggregation
         strategy.asynchronous = config.asynchronous
+        if config.secure is not None and not transport.stages:
+            raise ConfigError(f"[privacy] secure_aggregation: {type(transport).__name__} carries no stage messages",
+                              hint="run it over MQTT (fedge coordinator run) or in `fedge simulate`")
         self.gate = UpdateGate(strategy, config, refuse=self._refuse,
                                observe=lambda *a: self._notify("refused", *a),
                                registered=lambda dev: self._notify("registered", dev))
@@ -255,8 +259,14 @@ class RoundEngine:
         rounds :class:`~fedge.coordinator.versions.VersionPolicy`); announcing, collecting through the gate,
         closing, publishing and checkpointing are written here once."""
         t0 = time.perf_counter()
-        asynchronous = self.config.asynchronous is not None and rnd <= self.strategy.total_rounds()
-        policy: RoundPolicy = VersionPolicy(self, rnd) if asynchronous else SyncRound(self, rnd)
+        training = rnd <= self.strategy.total_rounds()
+        policy: RoundPolicy
+        if self.config.asynchronous is not None and training:
+            policy = VersionPolicy(self, rnd)
+        elif self.config.secure is not None and training:
+            policy = SecureRound(self, rnd, self.transport.send_stages)
+        else:
+            policy = SyncRound(self, rnd)
         policy.open()
         if not policy.final:
             self.strategy.begin_round(rnd)
@@ -294,6 +304,10 @@ class RoundEngine:
             received += 1
             if item.kind == "partial":  # a worker's or a relay's share of the round
                 policy.partial(item)
+                continue
+            if item.kind == "secagg":  # a secure-aggregation stage message (fedge.coordinator.secure)
+                if self.gate.admit_stage(item, policy.stage_message):
+                    break  # the stage is complete: the policy closes it and asks for the next
                 continue
             tasks = len(self.tasks)
             if self.gate.admit(item, policy.accept, self.transport.hellos):

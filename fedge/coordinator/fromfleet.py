@@ -45,19 +45,28 @@ def coordinator_settings(args: argparse.Namespace, section: CoordinatorSection, 
 def engine_parts(args: argparse.Namespace, cfg: FleetConfig, *, any_device: bool) -> tuple[EngineConfig, Strategy]:
     """The EngineConfig and the strategy a fleet config (``cfg``, a ``FleetConfig``) and the command's flags
     describe."""
-    if cfg.privacy.secure_aggregation:
-        raise ConfigError(f"{cfg.source}: [privacy] secure_aggregation runs in `fedge simulate` (in-process) only; "
-                          "over MQTT it is not built yet, and a coordinator must not run it as a plain round",
-                          hint="leave secure_aggregation out of this fleet config (docs/security.md)")
-
+    if cfg.shard_layout:
+        refuse_secure_in_parts(cfg, "[[shards]] (relays)")
     engine_cfg = engine_config(coordinator_settings(args, cfg.coordinator, cfg.source), fleet=cfg.run.fleet,
                                method=cfg.run.method, slots=checked_slots(cfg), own_data=cfg.own_data,
                                privacy=cfg.privacy_mechanism, any_device=any_device, keep_reports=KEEP_REPORTS)
     if engine_cfg.slots is not None:
         engine_cfg = dataclasses.replace(engine_cfg, slots=expected_task_times(cfg, engine_cfg.slots))
+    if cfg.privacy.secure_aggregation:  # synchronous rounds over MQTT (fedge.coordinator.secure)
+        engine_cfg = dataclasses.replace(engine_cfg, secure=cfg.privacy)
     strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
                                                          rounds=cfg.run.rounds)
     return engine_cfg, strat
+
+
+def refuse_secure_in_parts(cfg: FleetConfig, what: str) -> None:
+    """:class:`ConfigError` when ``cfg`` sums securely and ``what`` (relays, aggregation workers) would read its
+    rounds: they carry no stage messages yet, and a masked input means nothing outside its group's sum."""
+    if cfg.privacy.secure_aggregation:
+        raise ConfigError(f"{cfg.source}: [privacy] secure_aggregation runs with one coordinator on one broker; "
+                          f"{what} do not carry its stage messages yet",
+                          hint="leave secure_aggregation out, or run the fleet without relays and workers "
+                               "(docs/security.md#secure-aggregation)")
 
 
 def expected_task_times(cfg: FleetConfig, checks: Mapping[str, Any]) -> Mapping[str, Any]:

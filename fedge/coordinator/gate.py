@@ -273,6 +273,18 @@ class UpdateGate:
         self.remember(msg.msg_id)
         return True
 
+    def admit_stage(self, item: Inbound, accept: Callable[[Inbound], bool]) -> bool:
+        """A secure-aggregation stage message, inside the error boundary: the transport's refusal or
+        ``accept``'s (reasons ``secagg-*``) counted, never raised. Returns what ``accept`` returned (False if
+        refused)."""
+        try:
+            if item.reject is not None:
+                raise Rejected(f"secagg-{item.reject[0]}", item.reject[1])
+            return accept(item)
+        except Exception as exc:
+            self.reject(item.origin, exc, "stage message")
+            return False
+
     def restore(self, raw: bytes, accept: Callable[[Admitted], None]) -> Admitted:
         """An update this coordinator accepted (and persisted) before it restarted: decoded without the round
         checks it passed then, handed to ``accept`` again, and its message id remembered (a resent copy is a

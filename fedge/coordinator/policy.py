@@ -35,6 +35,7 @@ from fedge.coordinator.report import RoundReport, record_admitted
 from fedge.coordinator.selecting import Selector
 from fedge.coordinator.store import EngineStore
 from fedge.coordinator.strategy import FRESH, Contribution, Strategy
+from fedge.coordinator.validation import Rejected
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,13 @@ class RoundPolicy(ABC):
     @abstractmethod
     def partial(self, item: Inbound) -> None:
         """A partial aggregate from an aggregation worker or a relay."""
+
+    def stage_message(self, item: Inbound) -> bool:
+        """A device's secure-aggregation stage message (inside the gate's error boundary: raising refuses it);
+        returns whether the pass may end (everyone owing this stage answered). Default: refused, no secure sum
+        runs (:class:`fedge.coordinator.secure.SecureRound` takes them)."""
+        raise Rejected("secagg-late", f"a stage message from {(item.origin or '?')[:64]} in round {self.rnd}, "
+                                      "which sums nothing securely")
 
     @abstractmethod
     def end_pass(self, received: int) -> None:

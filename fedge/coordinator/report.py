@@ -47,6 +47,10 @@ class RoundReport:
     # [coordinator] selection = "oort" | "energy": device id -> why it was or was not tasked this round
     # (fedge.common.selection); empty for the other selections
     selection: dict[str, str] = field(default_factory=dict)
+    # [privacy] secure_aggregation over a transport (fedge.coordinator.secure): group -> {"survivors": devices
+    # whose values the group's sum holds, "dropped": devices lost after sharing their keys, "abandoned": why the
+    # group's sum was abandoned ("" when it completed)}
+    secure: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def total_bytes(self) -> tuple[int, int]:
         """(bytes up, bytes down) of every accepted update: per-device entries plus compact partials' totals."""

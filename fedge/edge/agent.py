@@ -21,7 +21,9 @@ from fedge.common.privacy import privatize, project_global
 from fedge.common.rounds import DeviceInfo, RoundInfo, evaluates_at
 from fedge.common.transport import DeviceTransport
 from fedge.edge.methods.base import DeviceMethod
+from fedge.edge.secure import secure_upload, task_for
 from fedge.errors import PayloadError
+from fedge.secagg.messages import Refusal
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class DeviceAgent:
             if run:
                 self.trained_runs.add(run)  # its run all the same: it may answer the final round
             return False
-        self.handle_round(info, len(raw))
+        self.handle_round(info, len(raw), secure=announce.info.get("secagg"))
         if not info.is_final and run:
             self.trained_runs.add(run)
         return True
@@ -149,7 +151,9 @@ class DeviceAgent:
             artifacts = project_global(artifacts, self.method.ctx.privacy)
         self.method.apply_global(info, artifacts)
 
-    def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:
+    def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0, *, secure: object = None) -> None:
+        """Evaluate, train and upload for ``info``'s round. ``secure``: the descriptor's ``secagg`` tasks — the
+        arrays then go into the group's secure sum (:mod:`fedge.edge.secure`) and the update carries metrics."""
         fetched = self._fetch_global(info)
         # info.train_s: this round's work on the device's own clock, from here. The fetches above wait on the
         # link (a subscription's round trip, then the bytes), which the virtual clock counts as the download,
@@ -171,17 +175,42 @@ class DeviceAgent:
                 # On the device, before anything leaves it; fresh OS entropy, so the coordinator (or anyone
                 # who knows the run's seed) cannot regenerate the noise and subtract it.
                 arrays = privatize(arrays, mech, self._noise_rng)
+        train_s = round(self.timer() - started, 6)
+        stage_up = 0
+        if secure is not None and not info.is_final:  # the stages wait on the coordinator: not the device's work
+            arrays, stage_up, down = self._secure(info, secure, arrays, down)
         update = Message(
             "update", self.device.device_id, info.round, self.fleet, tensors=arrays,
             info={"metrics": metrics, "bytes_down": down, "num_samples": self.device.num_samples, **extra,
-                  "train_s": round(self.timer() - started, 6)},
+                  "train_s": train_s},
         )
         data = update.to_bytes(self.device.upload_precision)
         self.transport.send_update(data)
-        self.traffic.append(Traffic(info.round, down, len(data)))
+        self.traffic.append(Traffic(info.round, down, len(data) + stage_up))
         self.last_round = info.round
         log.debug("%s: round %d (%s) up %d B down %d B", self.device.device_id, info.round, info.phase,
                   len(data), down)
+
+    def _secure(self, info: RoundInfo, tasks: object, arrays: dict[str, Any],
+                down: int) -> tuple[dict[str, Any], int, int]:
+        """This device's part of its group's secure sum of ``arrays``; what its update then carries (nothing),
+        the stage bytes sent, and ``down`` plus the stage bytes received."""
+        me = self.device.device_id
+        try:
+            task = task_for(me, tasks)
+        except Refusal as exc:
+            log.warning("%s: round %d: unreadable secure-aggregation task: %s", me, info.round, exc.message)
+            return {}, 0, down
+        if task is None:  # not in the round's groups (it joined after the round was planned): nothing to sum
+            log.info("%s: round %d: in no secure group this round; its update carries metrics only", me, info.round)
+            return {}, 0, down
+        # The values a plain upload carries (at this device's upload precision): the secure sum is the plain
+        # round's sum, and the in-process simulation's (fedge.sim.secure sums the decoded uploads).
+        wire = Message("update", me, info.round, self.fleet, tensors=arrays).to_bytes(self.device.upload_precision)
+        arrays = Message.from_bytes(wire).tensors
+        out = secure_upload(self.transport, me, task, arrays, num_samples=self.device.num_samples,
+                            wait_until=info.deadline)
+        return {}, out.bytes_up, down + out.bytes_down
 
 
 def measuring_copy(method: DeviceMethod) -> DeviceMethod:

@@ -101,9 +101,9 @@ class OwnDataAgent(DeviceAgent):
             self.scan = scan
         self._write_status(round_)
 
-    def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0) -> None:
+    def handle_round(self, info: RoundInfo, descriptor_bytes: int = 0, *, secure: object = None) -> None:
         self.refresh(info.round)
-        super().handle_round(info, descriptor_bytes)
+        super().handle_round(info, descriptor_bytes, secure=secure)
 
     def status(self, round_: int) -> dict[str, Any]:
         """What the device knows about its data: counts, skipped files and why, the last scan error."""

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 
 from fedge.common.health import MAX_HEALTH_BYTES
 from fedge.common.signing import Signer
@@ -48,6 +48,7 @@ class MqttCoordinatorTransport(CoordinatorTransport):
     """
 
     realtime = True  # updates come over the network, on the wall clock: the engine's auto timeouts apply
+    stages = True  # secure aggregation's stage messages: devices/{id}/secagg in, secagg/{id} out
 
     def __init__(self, broker: BrokerSettings, fleet: str, settings: TransportSettings | None = None, *,
                  client_id: str | None = None, signer: Signer | None = None, updates: bool = True,
@@ -98,6 +99,8 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         if updates:
             self.client.subscribe(self.topics.device_filter("update"))
         self.client.subscribe(self.topics.device_filter("health"))
+        # Secure aggregation's stage messages (fedge.coordinator.secure): read here, whoever reads the updates.
+        self.client.subscribe(self.topics.device_filter("secagg"))
 
     def start(self) -> MqttCoordinatorTransport:
         self.client.start(self.settings.connect_timeout_s)
@@ -164,7 +167,7 @@ class MqttCoordinatorTransport(CoordinatorTransport):
                     self._hello_from.add(t.device_id)
                     self._cond.notify_all()
             return
-        self._upload(t.device_id, m, "update")
+        self._upload(t.device_id, m, "secagg" if t.kind == "secagg" else "update")
 
     def _on_partial(self, account: str, m: Received) -> None:
         """A worker's or relay's partial aggregate (chunked when large), for the engine's merger."""
@@ -249,6 +252,17 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         for _, p in update.publish:
             self.stats.count_out(len(p))
         self.client.require_published(pubs, self.settings.publish_timeout_s, f"publishing global {artifact!r}")
+
+    def send_stages(self, messages: Mapping[str, bytes]) -> None:
+        """Each device's stage message on its own ``secagg/{id}`` topic (QoS 1, never retained; signed when this
+        coordinator signs), all published before waiting for the broker's acknowledgements."""
+        pubs = []
+        for device_id, data in messages.items():
+            topic = self.topics.secagg_to(device_id)
+            payload = self._seal(topic, data)
+            pubs.append(self.client.publish(topic, payload))
+            self.stats.count_out(len(payload))
+        self.client.require_published(pubs, self.settings.publish_timeout_s, "sending secure-aggregation stages")
 
     def hellos(self) -> list[Inbound]:
         with self._cond:

@@ -9,6 +9,7 @@ re-announces a round (see ``docs/protocol.md``, "Recovery").
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics, check_
 log = logging.getLogger(__name__)
 
 MAX_RESEND_BYTES = 1024  # a relay's resend request: {"descriptor": msg id, "id": request id}
+MAX_QUEUED_STAGES = 8  # secure-aggregation stage messages held for the device (fedge.edge.secure)
 
 
 class MqttDeviceTransport(DeviceTransport):
@@ -85,6 +87,10 @@ class MqttDeviceTransport(DeviceTransport):
         self.client.subscribe(self.topics.round)
         self.client.subscribe(self.topics.refused(device_id))
         self.client.subscribe(self.topics.resend)
+        # Secure aggregation's stage messages for this device (fedge.edge.secure), bounded: a coordinator sends one
+        # per stage and waits for the answer, so more than a few queued are stale or a flood.
+        self._stages: collections.deque[bytes] = collections.deque(maxlen=MAX_QUEUED_STAGES)
+        self.client.subscribe(self.topics.secagg_to(device_id))
 
     def start(self, wait: bool = True) -> MqttDeviceTransport:
         """Connect (in the background; with ``wait``, until the first connection or a clear error)."""
@@ -125,6 +131,9 @@ class MqttDeviceTransport(DeviceTransport):
         if m.topic == self.topics.resend:
             self._on_resend(m.payload)
             return
+        if m.topic == self.topics.secagg_to(self.device_id):
+            self._on_stage(m)
+            return
         if m.topic == self.topics.refused(self.device_id):
             raw = self._opened(m.topic, m.payload)
             if raw is not None:
@@ -152,6 +161,21 @@ class MqttDeviceTransport(DeviceTransport):
             return
         with self._cond:
             self._globals[g.artifact] = (rnd, whole)
+            self._cond.notify_all()
+
+    def _on_stage(self, m: Received) -> None:
+        """A stage message from the coordinator: verified when this device verifies, bounded, queued."""
+        if not m.payload or m.retain:
+            return  # the protocol never retains one: a retained copy is left from an earlier round
+        if len(m.payload) > self.settings.max_message_bytes:
+            self.stats.rejected["stage-oversize"] = self.stats.rejected.get("stage-oversize", 0) + 1
+            log.warning("%s: refused a %d-byte stage message", self.device_id, len(m.payload))
+            return
+        raw = self._opened(m.topic, m.payload)
+        if raw is None:
+            return
+        with self._cond:
+            self._stages.append(raw)
             self._cond.notify_all()
 
     def _on_refused(self, raw: bytes) -> None:
@@ -323,6 +347,26 @@ class MqttDeviceTransport(DeviceTransport):
         if not self.client.wait_published(pubs, self.settings.publish_timeout_s):
             log.warning("%s: update not acknowledged within %.0f s; it stays queued and is resent after the "
                         "reconnect", self.device_id, self.settings.publish_timeout_s)
+
+    def send_stage(self, data: bytes) -> None:
+        """One stage message on ``devices/{id}/secagg`` (QoS 1; chunked when above ``chunk_bytes``, as updates)."""
+        frames = split(data, self.settings.chunk_bytes)
+        pubs = [self.client.publish(self.topics.secagg(self.device_id), f) for f in frames]
+        for f in frames:
+            self.stats.count_out(len(f))
+        if not self.client.wait_published(pubs, self.settings.publish_timeout_s):
+            raise TransportError(f"{self.device_id}: a secure-aggregation stage message was not acknowledged "
+                                 f"within {self.settings.publish_timeout_s:.0f} s")
+
+    def receive_stage(self, timeout_s: float) -> bytes | None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: bool(self._stages), timeout_s):
+                return None
+            return self._stages.popleft()
+
+    def clear_stages(self) -> None:
+        with self._cond:
+            self._stages.clear()
 
     def send_health(self, data: bytes) -> None:
         """Publish a heartbeat at QoS 0, not retained: one lost or sent while disconnected is dropped, not

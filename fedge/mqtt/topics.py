@@ -6,6 +6,8 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/devices/{id}/hello         retained  hello message (profile, plan, architecture)
     fedge/{fleet}/devices/{id}/update        -         update message, or its chunk frames
     fedge/{fleet}/devices/{id}/health        -         health message (heartbeat, QoS 0)
+    fedge/{fleet}/devices/{id}/secagg        -         a secure-aggregation stage message (or its chunk frames)
+    fedge/{fleet}/secagg/{id}                -         the coordinator's stage messages for device {id}
     fedge/{fleet}/rounds/current             retained  round descriptor message
     fedge/{fleet}/rounds/resend              retained  a relay's request to send the cached update again (JSON)
     fedge/{fleet}/global/{artifact}          retained  global state message, or a chunk manifest
@@ -19,8 +21,8 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/partials/{account}         -         a partial aggregate from an aggregation worker or relay
     fedge/{fleet}/relays/{account}/status    retained  a relay's "online" | "offline" (last-will) on its parent
 
-A device writes only its own ``devices/{its id}/{status,hello,update,health}`` and reads
-``rounds/#``, ``global/#`` and its own ``refused/{its id}``; the coordinator reads
+A device writes only its own ``devices/{its id}/{status,hello,update,health,secagg}`` and reads
+``rounds/#``, ``global/#`` and its own ``refused/{its id}`` and ``secagg/{its id}``; the coordinator reads
 ``devices/#`` and writes the rest. The broker
 ACL written by ``fedge broker config`` enforces exactly this split, which is why
 the coordinator trusts the ``{id}`` segment of the topic an update arrived on
@@ -39,8 +41,8 @@ ROOT = "fedge"
 # Ids, fleet and artifact names become topic levels: no '/', '+', '#', no spaces, no '$'.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
-DeviceTopicKind = Literal["status", "hello", "update", "health"]
-DEVICE_KINDS: tuple[str, ...] = ("status", "hello", "update", "health")
+DeviceTopicKind = Literal["status", "hello", "update", "health", "secagg"]
+DEVICE_KINDS: tuple[str, ...] = ("status", "hello", "update", "health", "secagg")
 STATUS_ONLINE = b"online"
 STATUS_OFFLINE = b"offline"
 
@@ -109,6 +111,10 @@ class FleetTopics:
     def health(self, device_id: str) -> str:
         return self.device(device_id, "health")
 
+    def secagg(self, device_id: str) -> str:
+        """``fedge/{fleet}/devices/{id}/secagg``: the device's secure-aggregation stage messages."""
+        return self.device(device_id, "secagg")
+
     def device_filter(self, kind: DeviceTopicKind) -> str:
         """Subscription filter for one kind of message from every device."""
         return f"{self.base}/devices/+/{kind}"
@@ -136,6 +142,11 @@ class FleetTopics:
     def refused(self, device_id: str) -> str:
         """``fedge/{fleet}/refused/{id}``: the retained reason the coordinator refused a device."""
         return f"{self.base}/refused/{check_name(device_id, 'device id')}"
+
+    def secagg_to(self, device_id: str) -> str:
+        """``fedge/{fleet}/secagg/{id}``: the coordinator's secure-aggregation stage messages for one device
+        (never retained: a stage message is for one round's stage only)."""
+        return f"{self.base}/secagg/{check_name(device_id, 'device id')}"
 
     @property
     def refused_filter(self) -> str:

@@ -88,7 +88,7 @@ def _aggregator(args: argparse.Namespace, command: str, cfg: Any = None) -> tupl
     import dataclasses
 
     from fedge.common.asyncmode import refuse_in_parts
-    from fedge.coordinator.fromfleet import engine_parts
+    from fedge.coordinator.fromfleet import engine_parts, refuse_secure_in_parts
     from fedge.errors import ConfigError
     from fedge.fleet.config import load_fleet
     from fedge.mqtt.flags import broker_settings
@@ -97,6 +97,7 @@ def _aggregator(args: argparse.Namespace, command: str, cfg: Any = None) -> tupl
 
     cfg = cfg or load_fleet(args.config)
     refuse_in_parts(cfg.asynchronous, command, source=cfg.source)
+    refuse_secure_in_parts(cfg, command)
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
     name = args.name or args.username

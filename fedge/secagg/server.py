@@ -52,6 +52,7 @@ class SecAggServer:
         self.masked: dict[str, np.ndarray] = {}  # U3: device -> its masked words
         self.total: np.ndarray | None = None  # Σ y over U3, kept running instead of every upload
         self.unmasks: dict[str, tuple[dict[str, int], dict[str, int]]] = {}  # responder -> (seed, key shares)
+        self.last_refusal: Refusal | None = None  # why the latest refused message was (a carrier reports it)
 
     # -- receiving -------------------------------------------------------------------------------------------
     def receive(self, sender: str, data: bytes) -> bool:
@@ -71,6 +72,7 @@ class SecAggServer:
                 raise Refusal("late", f"a message from {sender!r} after the round's sum was {self.stage}")
         except Refusal as r:
             self.refusals[r.reason] += 1
+            self.last_refusal = r
             log.warning("group %s round %d: refused %s", self.setup.group, self.setup.round, r.message)
             return False
         return True

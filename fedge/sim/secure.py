@@ -27,26 +27,13 @@ from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.edge.agent import DeviceAgent
 from fedge.errors import ConfigError
 from fedge.fleet.clock import FleetClock
-from fedge.secagg import graph, terms
-from fedge.secagg.fixedpoint import plan_field
+from fedge.secagg import terms
 from fedge.secagg.inprocess import run_group
-from fedge.secagg.messages import RoundSetup
+from fedge.secagg.rounds import group_parameters, plan_task
 from fedge.secagg.server import Abandoned
 from fedge.sim.clocked import ClockedCoordinatorTransport
 
 log = logging.getLogger(__name__)
-
-
-def group_parameters(settings: PrivacySettings, group: str, size: int) -> tuple[int, int]:
-    """(neighbours, threshold) of a group of ``size`` devices; :class:`ConfigError` naming a group too small."""
-    degree = min(settings.neighbours or graph.default_degree(size), max(size - 1, 0))
-    threshold = settings.threshold or graph.default_threshold(degree)
-    if size < max(threshold, 2):
-        raise ConfigError(f"[privacy] secure_aggregation: group {group!r} has {size} device(s), fewer than the "
-                          f"threshold {max(threshold, 2)}: its sum would be one device's values or could never "
-                          "be unmasked", hint="give the group more devices, lower [privacy] threshold, or leave "
-                                              "secure_aggregation out")
-    return degree, threshold
 
 
 class SecureClockedTransport(ClockedCoordinatorTransport):
@@ -98,16 +85,12 @@ class SecureClockedTransport(ClockedCoordinatorTransport):
         assert self.strategy is not None, "bind_strategy before the first round"
         cap = float(max(max(self.devices[d].num_samples for d in members), 1))
         spec = self.strategy.expected_update(self.devices[members[0]], rnd) or {}
-        clip = self.settings.clipping_range
-        plan = plan_field(len(members), terms.segments(self.method, spec, clip=clip, cap=cap),
-                          self.settings.field_bits, group=group)
         try:
-            degree, threshold = group_parameters(self.settings, group, len(members))
             seed = hashlib.sha256(f"fedge-secagg|{self.seed}|{rnd}|{group}".encode()).digest()
-            setup = RoundSetup(rnd, group, tuple(members), degree, threshold, plan, seed)
+            task = plan_task(self.settings, self.method, rnd, group, members, spec, cap, seed)
             inputs = {d: terms.device_terms(self.method, uploads[d], num_samples=self.devices[d].num_samples,
-                                            cap=cap, clip=clip) for d in members if d in uploads}
-            result = run_group(setup, inputs)
+                                            cap=cap, clip=task.clip) for d in members if d in uploads}
+            result = run_group(task.setup, inputs)
         except (Abandoned, ConfigError) as exc:
             log.warning("round %d: group %s's secure sum abandoned: %s", rnd, group, exc.message)
             self.abandoned.append((rnd, group, exc.message))

@@ -8,6 +8,7 @@ transports are a table, :data:`fedge.sim.transports.TRANSPORTS`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -121,9 +122,12 @@ def _engine(cfg: FleetConfig, strat: Strategy, coord: CoordinatorTransport, slot
     aggregation, clipping, size limit, sampling and asynchronous mode, and the devices' hellos checked
     against the fleet config's slots. With availability, a round waits until one device is online (the clock
     moves to its return)."""
-    return RoundEngine(strat, coord, engine_config(
+    config = engine_config(
         cfg.coordinator, fleet=cfg.run.fleet, method=cfg.run.method, slots=slots, own_data=cfg.own_data,
-        privacy=cfg.privacy_mechanism, simulated=True, always_online=cfg.clock.availability == "always"))
+        privacy=cfg.privacy_mechanism, simulated=True, always_online=cfg.clock.availability == "always")
+    if cfg.privacy.secure_aggregation and coord.stages:  # over MQTT: the engine drives the stages
+        config = dataclasses.replace(config, secure=cfg.privacy)  # (in-process: fedge.sim.secure sums them)
+    return RoundEngine(strat, coord, config)
 
 
 def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | Path | None = None,
@@ -144,11 +148,10 @@ def simulate(cfg: FleetConfig, *, transport: str = "inprocess", out_dir: str | P
                  f'{sim.backend} backend (real devices in separate processes: `fedge edge run`, docs/mqtt.md)')
     check_transport(cfg.clock.availability, transport)
     cfg.coordinator.refuse_in_simulation(cfg.source)  # a wall-clock deadline or quorum: before any work
-    if cfg.privacy.secure_aggregation and (transport != "inprocess" or sim.parallel):
-        raise ConfigError(f"[privacy] secure_aggregation runs in the in-process simulation with the sequential "
-                          f"backend only (here: --transport {transport}, backend {sim.backend!r}); over MQTT and in "
-                          "worker processes it is not built yet",
-                          hint='use --transport inprocess and [simulation] backend = "sequential"')
+    if cfg.privacy.secure_aggregation and sim.parallel:
+        raise ConfigError(f"[privacy] secure_aggregation runs in the simulation with the sequential backend only "
+                          f"(here: backend {sim.backend!r}); in worker processes it is not built yet",
+                          hint='use [simulation] backend = "sequential" (--transport inprocess or mqtt)')
     cfg.check_backend()  # asynchronous mode: sequential only (again: --backend may have changed it since the load)
     if sim.parallel and (cfg.clock.availability != "always" or cfg.clock.deadline_s):
         key = (f"availability = {cfg.clock.availability!r}" if cfg.clock.availability != "always"
