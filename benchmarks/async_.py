@@ -10,7 +10,9 @@ every device's evaluation at the start of each round; asynchronous, the whole fl
 (its group's global model, or FedProto's and GeFL-F's own predictors, as a synchronous round evaluates), the devices
 scoring the first ``--eval-images`` test images — the clock times each device's own evaluation over those images
 in both modes. Reported side by side: the virtual time each mode needs to reach 95 % of the synchronous run's final
-accuracy and the ratio, and the accuracy of each at the synchronous run's end time. ``--churn`` adds an asynchronous
+accuracy and the ratio, and the accuracy of each at the synchronous run's end time; beside it the same ratio on the
+curve this script drew before issue 39 (each cell's ``curve_own``: the fleet's mean of each device's latest own
+evaluation, taken when it starts a round or task), read from the same runs. ``--churn`` adds an asynchronous
 run with devices online 70 % of the time (seeded on/off availability) against the same run without. ``--method
 geflf``: GeFL-F's three stages (LG-FedAvg warm-up, feature-generator rounds, head rounds) by round counts,
 ``--geflf-stages W G`` (the rest of ``--rounds`` trains the heads); an asynchronous version holds K updates where a
@@ -79,6 +81,7 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until:
 
     from fedge.edge.data.datasets import load_dataset
     from fedge.fleet.config import parse_fleet
+    from fedge.fleet.devices import show_global_test
     from fedge.sim.inprocess import run_inprocess
     from fedge.sim.report import build_results
     from fedge.sim.simulate import SimResult, build_fleet, run_timed
@@ -89,8 +92,7 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until:
     fleet, strat = build_fleet(cfg)
     test = load_dataset("fmnist", train=False)
     shown = test.subset(np.arange(min(args.eval_images, len(test))))
-    for d in fleet:  # the clock times each device's evaluation over the images it is given (run_inprocess)
-        d.method.ctx.global_test = shown
+    show_global_test(fleet, shown)  # the clock times each device's evaluation over those images (run_inprocess)
     holder: dict[str, Any] = {}
 
     def runner(c: Any, devices: Any) -> Any:
@@ -100,10 +102,16 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until:
 
     def on_round(rep: Any) -> None:
         reports.append(rep)
+        if rep.phase != "final":  # the curve before issue 39: each device's latest own evaluation, averaged
+            latest.update({d: m["acc_global"] for d, m in rep.metrics.items() if "acc_global" in m})
+            if latest:
+                own.append((holder["coord"].clock.now, float(np.mean(list(latest.values())))))
         if mode == "async" and rep.phase != "final" and holder["coord"].clock.now >= until:
             raise _Enough
 
     reports: list[Any] = []
+    latest: dict[str, float] = {}
+    own: list[tuple[float, float]] = []
     with contextlib.suppress(_Enough):  # the asynchronous run stops at ``until``
         run_timed(cfg, fleet, strat, transport=runner, on_round=on_round)
     clock = holder["coord"].clock
@@ -119,6 +127,7 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, churn: bool, until:
         "rejected": sum(sum(r.rejected.values()) for r in training),
         "mean_staleness": float(np.mean(stale)) if stale else 0.0,
         "curve": curve, "devices_per_point": [p["devices"] for p in points], "final_acc": curve[-1][1],
+        "curve_own": own,
         "virtual_s": clock.now, "wall_s": time.perf_counter() - t0,
     }
 
@@ -182,8 +191,14 @@ def compare(sync: dict[str, Any], asyn: dict[str, Any]) -> dict[str, Any]:
     level = TARGET * sync["final_acc"]
     ts, ta = time_to(sync["curve"], level), time_to(asyn["curve"], level)
     end = sync["virtual_s"]
+    own = {}
+    if "curve_own" in sync and "curve_own" in asyn:  # the same runs read as this script did before issue 39
+        own_level = TARGET * sync["curve_own"][-1][1]
+        os_, oa = time_to(sync["curve_own"], own_level), time_to(asyn["curve_own"], own_level)
+        own = {"own_level": own_level, "own_t_sync": os_, "own_t_async": oa,
+               "own_speedup": os_ / oa if os_ and oa else None}
     return {"seed": sync["seed"], "level": level, "t_sync": ts, "t_async": ta,
-            "speedup": ts / ta if ts and ta else None,
+            "speedup": ts / ta if ts and ta else None, **own,
             "acc_sync_at_end": sync["final_acc"], "acc_async_at_sync_end": acc_at(asyn["curve"], end),
             "sync_virtual_s": end, "async_virtual_s": asyn["virtual_s"]}
 
@@ -218,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         cmp_all.append(c)
         rows.append([str(seed), f"{100 * c['level']:.1f}", _s(c["t_sync"]), _s(c["t_async"]),
                      f"{c['speedup']:.2f}x" if c["speedup"] else "-", f"{100 * c['acc_sync_at_end']:.1f}",
-                     f"{100 * c['acc_async_at_sync_end']:.1f}", f"{asyn['mean_staleness']:.2f}", str(asyn["rejected"])])
+                     f"{100 * c['acc_async_at_sync_end']:.1f}", f"{asyn['mean_staleness']:.2f}", str(asyn["rejected"]),
+                     f"{c['own_speedup']:.2f}x" if c.get("own_speedup") else "-"])
         if args.churn:
             churned = cell(args, seed, "async", churn=True, until=sync["virtual_s"])
             end = sync["virtual_s"]  # both at the synchronous run's end time
@@ -231,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
           "Dirichlet(0.5), "
           f"sync {args.rounds} rounds vs async K = {args.buffer} ({args.weight}) for as long in virtual time")
     print(text_table(["seed", "95 % level", "sync t (s)", "async t (s)", "sync/async", "sync acc @end",
-                      "async acc @sync end", "async mean staleness", "async refused"], rows))
+                      "async acc @sync end", "async mean staleness", "async refused",
+                      "sync/async, latest own evaluations"], rows))
     if churn_all:
         print("\nasync with churn (70 % online) against no churn, accuracy at the synchronous run's end time")
         print(text_table(["seed", "no churn", "churn", "loss (points)", "2nd-half mean: no churn", "churn", "loss"],

@@ -145,7 +145,8 @@ def run_cell(args: argparse.Namespace, seed: int, mode: str, until: float | None
     from fedge.coordinator.store import REPORTS_FILE, read_reports
     from fedge.emulate import discovery, images, lifecycle, status
     from fedge.emulate.lifecycle import BROKER, COORDINATOR
-    from fedge.mqtt.client import DEFAULT_PORT, BrokerSettings, MqttClient
+    from fedge.mqtt.client import MqttClient
+    from fedge.mqtt.connection import DEFAULT_PORT, BrokerSettings
 
     client = discovery.docker_client()
     tags = images.ensure_images(client, "amd64")

@@ -138,6 +138,7 @@ def sampling_run(devices: int, rounds: int, sample: float | None, seed: int, fra
     from fedge.edge.data.datasets import load_dataset
     from fedge.edge.training import accuracy
     from fedge.fleet.config import parse_fleet
+    from fedge.fleet.devices import show_global_test
     from fedge.sim.simulate import build_fleet, run_timed
 
     torch.set_num_threads(1)
@@ -148,8 +149,7 @@ def sampling_run(devices: int, rounds: int, sample: float | None, seed: int, fra
     # the devices' own evaluations (every device, final round) see a slice of the test set; the global model is
     # scored once below on all of it
     small = test.subset(np.arange(min(eval_images, len(test))))
-    for d in fleet:
-        d.method.ctx.global_test = small
+    show_global_test(fleet, small)
     _, reports, clock = run_timed(cfg, fleet, strat)
     assert clock is not None  # in-process: always timed
     model = fleet[0].method.ctx.model  # after the final round every device holds the final global model

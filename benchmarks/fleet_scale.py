@@ -312,7 +312,7 @@ def coordinator_main(args: argparse.Namespace) -> None:
     from fedge.coordinator.aggregate import Aggregation
     from fedge.coordinator.engine import EngineConfig, RoundEngine
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
-    from fedge.mqtt.client import BrokerSettings
+    from fedge.mqtt.connection import BrokerSettings
     from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 
     rss_start = _rss_kb()

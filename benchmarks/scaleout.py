@@ -180,7 +180,7 @@ def worker_main(args: argparse.Namespace) -> None:
     from benchmarks.fleet_scale import CLASSES
     from fedge.coordinator.engine import EngineConfig
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
-    from fedge.mqtt.client import BrokerSettings
+    from fedge.mqtt.connection import BrokerSettings
     from fedge.scaleout.aggregator import PartialAggregator
     from fedge.scaleout.worker import AggregationWorker
 

@@ -58,7 +58,7 @@ QUIET_CORES = 0.2  # other jobs' mean CPU use (cores) above this while a backend
 def job_config(method: str, seed: int, rounds: int | None, devices: int | None, backend: str, workers: int) -> Any:
     """The fleet config of the job on ``backend``."""
     from benchmarks.generative.rows import build_config, table1_methods
-    from fedge.fleet.config import SimulationSection
+    from fedge.fleet.sim_sections import SimulationSection
 
     m = table1_methods(published=False, quick=True)[method]
     if rounds is not None:

@@ -35,7 +35,7 @@ from fedge.common.archs import TIERS
 from fedge.edge.data.datasets import load_dataset
 from fedge.edge.models.zoo import build_model
 from fedge.edge.training import TrainConfig, accuracy, predict, train_epochs
-from fedge.fleet.config import TrainSection
+from fedge.fleet.sections import TrainSection
 from fedge.profiles.accuracy import CURVES_DIR
 from fedge.profiles.planner import DEFAULT_LR
 

@@ -139,7 +139,7 @@ def worker_main(args: argparse.Namespace) -> None:
     """A worker process: the real AggregationWorker, its admissions counted and timed."""
     from fedge.coordinator.engine import EngineConfig
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
-    from fedge.mqtt.client import BrokerSettings
+    from fedge.mqtt.connection import BrokerSettings
     from fedge.scaleout.aggregator import PartialAggregator
     from fedge.scaleout.worker import AggregationWorker
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from fedge.broker.config import BrokerOptions, write_broker_config
 from fedge.mqtt.broker import MosquittoProcess, free_port
-from fedge.mqtt.client import BrokerSettings
+from fedge.mqtt.connection import BrokerSettings
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from fedge.common.rounds import DeviceInfo
 from fedge.common.signing import Signer, Verifier
 from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.coordinator.strategies.fedproto import FedProtoStrategy
-from fedge.mqtt.client import BrokerSettings
+from fedge.mqtt.connection import BrokerSettings
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.mqtt.settings import TransportSettings

@@ -64,7 +64,7 @@ profile = "rpi4-4gb"
 profile = "rpi-zero-2w"
 count = 2
 """
-KEEPALIVE_S = 15  # fedge.mqtt.client.BrokerSettings' default, which `fedge edge run` keeps
+KEEPALIVE_S = 15  # fedge.mqtt.connection.BrokerSettings' default, which `fedge edge run` keeps
 
 
 def fetch(url: str, token: str | None, *, basic: bool = False) -> tuple[int, bytes]:

@@ -291,7 +291,7 @@ def test_flash_puts_the_shard_address_in_the_payload_and_refuses_a_stale_bundle(
 def test_fedge_relay_finds_its_shard_in_the_fleet_config(tmp_path: Path) -> None:
     import argparse
 
-    from fedge.mqtt.client import parse_broker_url
+    from fedge.mqtt.connection import parse_broker_url
     from fedge.scaleout.cli import shard_url
 
     cfg = load_fleet(fleet(tmp_path, TREE.format(pa=2001, pb=2002, pc=2003)))

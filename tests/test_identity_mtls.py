@@ -24,7 +24,8 @@ from fedge.cli import main
 from fedge.edge.service import Bundle
 from fedge.errors import ConfigError, TransportError
 from fedge.mqtt.broker import MosquittoProcess
-from fedge.mqtt.client import BrokerSettings, MqttClient, Received, Will
+from fedge.mqtt.client import MqttClient, Received, Will
+from fedge.mqtt.connection import BrokerSettings
 from fedge.mqtt.topics import FleetTopics
 
 FLEET = "idf"

@@ -117,12 +117,19 @@ def test_round_wait_names_the_silent_and_the_offline_device(mosquitto: Mosquitto
     """Two registered devices never answer round 1; one of them dies mid-round (its last-will)."""
     caplog.set_level(logging.INFO)
     coord = MqttCoordinatorTransport(mosquitto.settings(), FLEET).start()
-    engine, mon = engine_and_monitor(coord, min_devices=2, round_timeout_s=4.0, quorum_timeout_s=10.0)
+    # The round ends at its timeout, wall time over a real broker: d2 dies 1.5 s into it, its offline status counts
+    # after offline_confirm_s (1 s), and the next wait line (every 0.5 s) must name it before the round ends. With
+    # 4 s that left ~1 s for the broker and the monitor's thread on a loaded machine; 8 s leaves ~5 s.
+    engine, mon = engine_and_monitor(coord, min_devices=2, round_timeout_s=8.0, quorum_timeout_s=10.0)
     d1, d2 = device(mosquitto, "d1"), device(mosquitto, "d2")
     mon.start()
     done = threading.Event()
     try:
         def later() -> None:
+            # 1.5 s into the round (not into the test): the first wait lines still find d2 online
+            deadline = time.monotonic() + 30
+            while mon.state != "round" and time.monotonic() < deadline:
+                time.sleep(0.01)
             time.sleep(1.5)
             d2.abort()  # vanishes: the broker publishes its last-will "offline"
 

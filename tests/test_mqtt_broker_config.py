@@ -21,7 +21,8 @@ from fedge.cli import main
 from fedge.edge.service import Bundle
 from fedge.errors import TransportError
 from fedge.mqtt.broker import MosquittoProcess
-from fedge.mqtt.client import BrokerSettings, MqttClient, Received, Will
+from fedge.mqtt.client import MqttClient, Received, Will
+from fedge.mqtt.connection import BrokerSettings
 from fedge.mqtt.topics import FleetTopics
 
 FLEET = "acl"
@@ -263,3 +264,18 @@ def test_cli_keeps_passwords_unless_rotating(tmp_path: Path) -> None:
     bundle = Bundle.load(out / "bundles/rpi4-2gb-1")
     assert bundle.device_id == "rpi4-2gb-1" and Path(bundle.fleet_config).is_file()
     assert bundle.broker == "mqtt://localhost:1883" and bundle.password() == pw_rotated
+
+
+def test_a_ca_key_of_the_old_layout_moves_out_of_what_the_broker_reads(tmp_path: Path) -> None:
+    """Broker directories written before the CA key had its own directory kept it in tls/: the next
+    `fedge broker config` moves it (one durable rename, fedge.common.atomicfile.rename_atomic), same key."""
+    from fedge.broker.config import open_ca
+    from fedge.broker.pki import CertificateAuthority, key_pem
+
+    tls = tmp_path / "tls"
+    tls.mkdir()
+    old = CertificateAuthority.load_or_create(tls / "ca.key", tls / "ca.crt", "acl")
+    before = key_pem(old.key)
+    ca = open_ca(tls, "acl")
+    assert not (tls / "ca.key").exists() and (tmp_path / "ca" / "ca.key").is_file()
+    assert key_pem(ca.key) == before and stat.S_IMODE((tmp_path / "ca" / "ca.key").stat().st_mode) == 0o600

@@ -24,7 +24,8 @@ from fedge.mqtt.chunking import (
     parse_frame,
     split,
 )
-from fedge.mqtt.client import BrokerSettings, MqttClient, parse_broker_url
+from fedge.mqtt.client import MqttClient
+from fedge.mqtt.connection import BrokerSettings, parse_broker_url
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.mqtt.settings import TransportSettings

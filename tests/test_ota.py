@@ -29,7 +29,8 @@ from fedge.common.signing import Signer, Verifier
 from fedge.errors import PayloadError
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.chunking import parse_frame
-from fedge.mqtt.client import BrokerSettings, MqttClient, Received
+from fedge.mqtt.client import MqttClient, Received
+from fedge.mqtt.connection import BrokerSettings
 from fedge.mqtt.ota import Order, OtaDevice, parse_status, release
 from fedge.mqtt.topics import FleetTopics
 from fedge.runtime.manifest import read_manifest, verify_files

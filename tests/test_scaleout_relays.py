@@ -36,7 +36,8 @@ from fedge.common.transport import Inbound
 from fedge.coordinator.engine import RoundEngine
 from fedge.coordinator.report import RoundReport
 from fedge.mqtt.broker import MosquittoProcess
-from fedge.mqtt.client import BrokerSettings, MqttClient, Received
+from fedge.mqtt.client import MqttClient, Received
+from fedge.mqtt.connection import BrokerSettings
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.topics import FleetTopics
 from fedge.scaleout.aggregator import PartialAggregator

@@ -31,7 +31,8 @@ from fedge.broker.shards import split_devices, write_sharded_config
 from fedge.errors import ConfigError, TransportError
 from fedge.fleet.config import device_ids, load_fleet
 from fedge.mqtt.broker import MosquittoProcess, free_port
-from fedge.mqtt.client import BrokerSettings, MqttClient, Received
+from fedge.mqtt.client import MqttClient, Received
+from fedge.mqtt.connection import BrokerSettings
 from fedge.mqtt.topics import FleetTopics, shared
 
 FLEET_TOML = Path(__file__).resolve().parents[1] / "examples" / "demo.toml"
@@ -336,7 +337,7 @@ def test_a_fleet_sharded_by_its_config_runs_through_the_commands_and_equals_the_
     from fedge.common.rounds import PROTOTYPES_ARTIFACT
     from fedge.common.tensorcodec import decode
     from fedge.coordinator.engine import EngineConfig, RoundEngine
-    from fedge.mqtt.client import parse_broker_url
+    from fedge.mqtt.connection import parse_broker_url
     from fedge.sim.inprocess import run_inprocess
     from fedge.sim.over_mqtt import start_fleet
     from fedge.sim.simulate import build_fleet

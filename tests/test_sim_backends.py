@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,12 +28,14 @@ from fedge.common.method_settings import FedAvgSettings
 from fedge.common.rounds import RoundInfo
 from fedge.edge.methods.base import Arrays, GlobalEval, model_arrays
 from fedge.edge.methods.fedavg import FedAvgDevice
+from fedge.edge.training import accuracy
 from fedge.errors import ConfigError, FedgeError
 from fedge.fleet.config import FleetConfig, parse_fleet
+from fedge.fleet.devices import show_global_test
 from fedge.fleet.registry import METHODS, MethodEntry, register_method
 from fedge.sim.parallel import RoundTiming
 from fedge.sim.report import build_results
-from fedge.sim.simulate import SimResult, simulate
+from fedge.sim.simulate import SimResult, build_fleet, simulate
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 NO_RAY = "Ray is not installed: pip install 'fedge[ray]' (CI installs it with fedge[all])"
@@ -216,6 +219,29 @@ def test_each_distinct_model_is_evaluated_once(monkeypatch: pytest.MonkeyPatch) 
     assert [d["acc_global"] for d in build_results(plain)["devices"]] == accs
 
 
+def test_a_slice_of_the_test_set_shown_to_the_fleet_is_still_scored_once_per_model() -> None:
+    """A benchmark that scores the devices on the first images only (show_global_test) keeps the shared cache:
+    four devices holding one model pass over the slice once, with the figure of a pass of their own. Replacing
+    ``global_test`` alone bypassed it (the fleet's GlobalEval answers only for the whole test set), and the
+    asynchronous benchmark's fleet curve paid a pass per device at every point."""
+    torch.set_num_threads(1)
+    devices, _ = build_fleet(fleet(archs=("tier-xs",), rounds=1))
+    whole = devices[0].method.ctx.global_eval
+    assert whole is not None
+    shown = whole.test.subset(np.arange(100))
+    show_global_test(devices, shown)
+    state = devices[0].method.ctx.model.state_dict()
+    for d in devices[1:]:  # one model on every device, as FedAvg's group holds after a round
+        d.method.ctx.model.load_state_dict(state)
+    accs = [d.method.evaluate()["acc_global"] for d in devices]
+    shared = devices[0].method.ctx.global_eval
+    assert shared is not None and shared is not whole and shared.test is shown
+    assert all(d.method.ctx.global_eval is shared and d.method.ctx.global_test is shown for d in devices)
+    assert (shared.passes, shared.hits, whole.passes) == (1, 3, 0)
+    model = devices[2].method.ctx.model
+    assert accs == [accuracy(model, shown.x, shown.y)] * 4
+
+
 @pytest.mark.parametrize(("every", "rounds", "evaluated"), [
     (1, 3, [0, 1, 2, 3]),  # every round, the initial model included
     (2, 3, [2, 3]),  # after round 2, and the final model
@@ -348,7 +374,7 @@ def test_a_clock_that_decides_who_delivers_stays_sequential(clock: dict[str, Any
     a parallel backend is refused before any work, naming the key."""
     import dataclasses
 
-    from fedge.fleet.config import ClockSection
+    from fedge.fleet.sim_sections import ClockSection
 
     cfg = dataclasses.replace(fleet(backend="process"), clock=ClockSection(**clock))
     with pytest.raises(ConfigError) as exc:

@@ -75,18 +75,18 @@ def test_a_failed_checkpoint_keeps_the_changes_for_the_next(tmp_path: Path, monk
     store = EngineStore(tmp_path)
     _save(store, 1, {"latest": doc})
     doc["a"] = 2
-    real = store_mod._atomic_write
+    real = store_mod._write_state_file
 
     def full_disk(path: Path, data: bytes) -> None:
         if path.name == STATE_FILE:
             raise OSError(28, "No space left on device")
         real(path, data)
 
-    monkeypatch.setattr(store_mod, "_atomic_write", full_disk)
+    monkeypatch.setattr(store_mod, "_write_state_file", full_disk)
     with pytest.raises(OSError):
         _save(store, 2, {"latest": doc})
     assert doc.changed == {"a"} and _load(tmp_path) == {"latest": {"a": 1}}
-    monkeypatch.setattr(store_mod, "_atomic_write", real)
+    monkeypatch.setattr(store_mod, "_write_state_file", real)
     _save(store, 2, {"latest": doc})
     assert _load(tmp_path) == {"latest": {"a": 2}} and not doc.changed
 

@@ -10,7 +10,8 @@ import dataclasses
 from typing import Any
 
 from benchmarks.common import REPO
-from fedge.fleet.config import DeviceGroup, FleetConfig, PartitionSection, load_fleet
+from fedge.fleet.config import FleetConfig, load_fleet
+from fedge.fleet.sections import DeviceGroup, PartitionSection
 from fedge.profiles import load_profile, plan
 
 BASE = REPO / "examples" / "gefl-protocol-fedavg.toml"

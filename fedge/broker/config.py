@@ -47,7 +47,7 @@ from fedge.broker.limits import QueueLimits, largest_model_bytes, queue_limits
 from fedge.broker.options import BrokerOptions
 from fedge.broker.passwords import hash_password, new_password
 from fedge.broker.pki import CertificateAuthority, cert_pem, key_pem, write_secret
-from fedge.common.atomicfile import write_atomic
+from fedge.common.atomicfile import rename_atomic, write_atomic
 from fedge.common.families import GEFL_FAMILY
 from fedge.common.signing import generate_key, load_private_key, public_pem
 from fedge.errors import ConfigError
@@ -259,7 +259,7 @@ def open_ca(tls_dir: Path, fleet: str, *, ca_dir: Path | None = None) -> Certifi
     os.chmod(ca_dir, 0o700)
     ca_key, ca_crt = ca_dir / "ca.key", tls_dir / "ca.crt"
     if (tls_dir / "ca.key").is_file() and not ca_key.exists():
-        os.replace(tls_dir / "ca.key", ca_key)
+        rename_atomic(tls_dir / "ca.key", ca_key)
     ca = CertificateAuthority.load_or_create(ca_key, ca_crt, fleet)
     os.chmod(ca_crt, 0o644)
     return ca
@@ -402,13 +402,8 @@ def _signing_key(coord: Path) -> tuple[Path, Path]:
     """The fleet's Ed25519 key (kept if it exists: devices already trust its public key) and ``fleet.pub``."""
     key, pub = coord / "signing.key", coord / "fleet.pub"
     if key.is_file():
-        _write_bytes(pub, public_pem(load_private_key(key).public_key()))
+        write_atomic(pub, public_pem(load_private_key(key).public_key()), 0o644)
     else:
         generate_key(key, pub)
         log.info("created the fleet's signing key %s", key)
     return key, pub
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    write_secret(path, data, 0o644)
-

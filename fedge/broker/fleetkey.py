@@ -26,6 +26,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedge.broker.pki import write_secret
+from fedge.common.atomicfile import rename_atomic
 from fedge.common.keyrotation import CHAIN_FILE, KeyChain
 from fedge.common.signing import generate_key, key_id, load_private_key, load_public_key, public_pem
 from fedge.errors import ConfigError
@@ -79,7 +80,7 @@ def rotate_fleet_key(out: str | os.PathLike[str], fleet: str) -> KeyRotation:
         new = generate_key(next_path)
         chain = chain.extend(old, new)
         write_secret(chain_path, chain.to_bytes(), 0o644)
-    os.replace(next_path, key_path)
+    rename_atomic(next_path, key_path)  # the rotation's commit: durable before a device is told
     new_pem = public_pem(new.public_key())
     old_ids = {lk.old for lk in chain.links}  # every retired key: a file an interrupted run did not reach too
     updated = []

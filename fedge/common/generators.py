@@ -88,6 +88,43 @@ def _log2(n: int) -> int:
     return k if n > 0 and 1 << k == n else -1
 
 
+class _ShapeBook:
+    """State-dict shapes as torch's layers name them, written layer by layer (the specs' ``param_shapes``)."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def conv(self, name: str, cin: int, cout: int, transposed: bool = False, size: int = 4) -> None:
+        self.shapes[f"{name}.weight"] = (cin, cout, size, size) if transposed else (cout, cin, size, size)
+        self.shapes[f"{name}.bias"] = (cout,)
+
+    def bn(self, name: str, ch: int) -> None:
+        for p in ("weight", "bias", "running_mean", "running_var"):
+            self.shapes[f"{name}.{p}"] = (ch,)
+        self.shapes[f"{name}.num_batches_tracked"] = ()
+
+    def linear(self, name: str, cin: int, cout: int) -> None:
+        self.shapes[f"{name}.weight"] = (cout, cin)
+        self.shapes[f"{name}.bias"] = (cout,)
+
+    def resblock(self, name: str, cin: int, cout: int, emb: int) -> None:
+        for norm, ch in (("n1", cin), ("n2", cout)):
+            self.shapes[f"{name}.{norm}.weight"] = (ch,)
+            self.shapes[f"{name}.{norm}.bias"] = (ch,)
+        self.conv(f"{name}.c1", cin, cout, size=3)
+        self.linear(f"{name}.emb", emb, cout)
+        self.conv(f"{name}.c2", cout, cout, size=3)
+        if cin != cout:
+            self.conv(f"{name}.skip", cin, cout, size=1)
+
+    def up_stack(self, name: str, up: list[int], c_out: int) -> None:
+        """``[convT, bn, relu] * (len(up) - 1) + [convT]`` from ``up[0]`` channels to ``c_out``."""
+        for i in range(len(up) - 1):
+            self.conv(f"{name}.{3 * i}", up[i], up[i + 1], transposed=True)
+            self.bn(f"{name}.{3 * i + 1}", up[i + 1])
+        self.conv(f"{name}.{3 * (len(up) - 1)}", up[-1], c_out, transposed=True)
+
+
 @dataclass(frozen=True)
 class GeneratorSpec:
     """Everything needed to build (and size) one conditional generator."""
@@ -151,93 +188,67 @@ class GeneratorSpec:
     # -- parameter shapes -----------------------------------------------------------------
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """State-dict names and shapes (BN buffers included, ``num_batches_tracked`` as ())."""
-        shapes: dict[str, tuple[int, ...]] = {}
-        c_out = self.out_shape[0]
-        k = self.num_classes
+        book = _ShapeBook()
+        {"cvae": self._cvae_shapes, "dcgan": self._dcgan_shapes, "ddpm": self._ddpm_shapes,
+         "vtc": self._vtc_shapes}[self.kind](book, self.out_shape[0], self.num_classes)
+        return book.shapes
 
-        def conv(name: str, cin: int, cout: int, transposed: bool = False, size: int = 4) -> None:
-            shapes[f"{name}.weight"] = (cin, cout, size, size) if transposed else (cout, cin, size, size)
-            shapes[f"{name}.bias"] = (cout,)
+    def _cvae_shapes(self, book: _ShapeBook, c_out: int, k: int) -> None:
+        chans = self.cvae_channels()
+        cin = c_out + k
+        for i, ch in enumerate(chans):  # enc = [conv, bn, relu] * L
+            book.conv(f"enc.{3 * i}", cin, ch)
+            book.bn(f"enc.{3 * i + 1}", ch)
+            cin = ch
+        book.linear("mu", chans[-1], self.latent)
+        book.linear("logvar", chans[-1], self.latent)
+        book.linear("dec_in", self.latent + k, chans[-1])
+        rev = chans[::-1]
+        for i in range(len(rev) - 1):  # dec = [convT, bn, relu] * (L-1) + [convT]
+            book.conv(f"dec.{3 * i}", rev[i], rev[i + 1], transposed=True)
+            book.bn(f"dec.{3 * i + 1}", rev[i + 1])
+        book.conv(f"dec.{3 * (len(rev) - 1)}", rev[-1], c_out, transposed=True)
 
-        def bn(name: str, ch: int) -> None:
-            for p in ("weight", "bias", "running_mean", "running_var"):
-                shapes[f"{name}.{p}"] = (ch,)
-            shapes[f"{name}.num_batches_tracked"] = ()
+    def _dcgan_shapes(self, book: _ShapeBook, c_out: int, k: int) -> None:
+        up = self.up_channels()
+        half = up[0] // 2
+        book.conv("gen.z_in.0", self.latent, half, transposed=True)
+        book.bn("gen.z_in.1", half)
+        book.conv("gen.y_in.0", k, half, transposed=True)
+        book.bn("gen.y_in.1", half)
+        book.up_stack("gen.up", up, c_out)
+        down = self.disc_channels()
+        book.conv("disc.x_in.0", c_out, down[0] // 2)
+        book.conv("disc.y_in.0", k, down[0] // 2)
+        for i in range(len(down) - 1):
+            book.conv(f"disc.down.{3 * i}", down[i], down[i + 1])
+            book.bn(f"disc.down.{3 * i + 1}", down[i + 1])
+        book.conv(f"disc.down.{3 * (len(down) - 1)}", down[-1], 1)
 
-        def linear(name: str, cin: int, cout: int) -> None:
-            shapes[f"{name}.weight"] = (cout, cin)
-            shapes[f"{name}.bias"] = (cout,)
+    def _ddpm_shapes(self, book: _ShapeBook, c_out: int, k: int) -> None:
+        w = self.base_width
+        emb = 4 * w
+        book.shapes["data_norm.running_mean"] = (c_out,)
+        book.shapes["data_norm.running_var"] = (c_out,)
+        book.linear("t_mlp.0", w, emb)
+        book.linear("t_mlp.2", emb, emb)
+        book.shapes["y_emb.weight"] = (k + 1, emb)  # the last row is the "no label" token of guidance
+        book.shapes["y_map.weight"] = (k + 1, c_out * self.side * self.side)
+        book.conv("inc", 2 * c_out, w, size=3)
+        book.conv("down", w, 2 * w)
+        book.resblock("mid1", 2 * w, 2 * w, emb)
+        book.resblock("mid2", 2 * w, 2 * w, emb)
+        book.conv("up", 2 * w, w, transposed=True)
+        book.resblock("out_block", 2 * w, w, emb)
+        book.shapes["out_norm.weight"] = (w,)
+        book.shapes["out_norm.bias"] = (w,)
+        book.conv("out", w, c_out, size=3)
 
-        def resblock(name: str, cin: int, cout: int, emb: int) -> None:
-            for norm, ch in (("n1", cin), ("n2", cout)):
-                shapes[f"{name}.{norm}.weight"] = (ch,)
-                shapes[f"{name}.{norm}.bias"] = (ch,)
-            conv(f"{name}.c1", cin, cout, size=3)
-            linear(f"{name}.emb", emb, cout)
-            conv(f"{name}.c2", cout, cout, size=3)
-            if cin != cout:
-                conv(f"{name}.skip", cin, cout, size=1)
-
-        if self.kind == "cvae":
-            chans = self.cvae_channels()
-            cin = c_out + k
-            for i, ch in enumerate(chans):  # enc = [conv, bn, relu] * L
-                conv(f"enc.{3 * i}", cin, ch)
-                bn(f"enc.{3 * i + 1}", ch)
-                cin = ch
-            linear("mu", chans[-1], self.latent)
-            linear("logvar", chans[-1], self.latent)
-            linear("dec_in", self.latent + k, chans[-1])
-            rev = chans[::-1]
-            for i in range(len(rev) - 1):  # dec = [convT, bn, relu] * (L-1) + [convT]
-                conv(f"dec.{3 * i}", rev[i], rev[i + 1], transposed=True)
-                bn(f"dec.{3 * i + 1}", rev[i + 1])
-            conv(f"dec.{3 * (len(rev) - 1)}", rev[-1], c_out, transposed=True)
-        elif self.kind == "dcgan":
-            up = self.up_channels()
-            half = up[0] // 2
-            conv("gen.z_in.0", self.latent, half, transposed=True)
-            bn("gen.z_in.1", half)
-            conv("gen.y_in.0", k, half, transposed=True)
-            bn("gen.y_in.1", half)
-            for i in range(len(up) - 1):
-                conv(f"gen.up.{3 * i}", up[i], up[i + 1], transposed=True)
-                bn(f"gen.up.{3 * i + 1}", up[i + 1])
-            conv(f"gen.up.{3 * (len(up) - 1)}", up[-1], c_out, transposed=True)
-            down = self.disc_channels()
-            conv("disc.x_in.0", c_out, down[0] // 2)
-            conv("disc.y_in.0", k, down[0] // 2)
-            for i in range(len(down) - 1):
-                conv(f"disc.down.{3 * i}", down[i], down[i + 1])
-                bn(f"disc.down.{3 * i + 1}", down[i + 1])
-            conv(f"disc.down.{3 * (len(down) - 1)}", down[-1], 1)
-        elif self.kind == "ddpm":
-            w = self.base_width
-            emb = 4 * w
-            shapes["data_norm.running_mean"] = (c_out,)
-            shapes["data_norm.running_var"] = (c_out,)
-            linear("t_mlp.0", w, emb)
-            linear("t_mlp.2", emb, emb)
-            shapes["y_emb.weight"] = (k + 1, emb)  # the last row is the "no label" token of guidance
-            shapes["y_map.weight"] = (k + 1, c_out * self.side * self.side)
-            conv("inc", 2 * c_out, w, size=3)
-            conv("down", w, 2 * w)
-            resblock("mid1", 2 * w, 2 * w, emb)
-            resblock("mid2", 2 * w, 2 * w, emb)
-            conv("up", 2 * w, w, transposed=True)
-            resblock("out_block", 2 * w, w, emb)
-            shapes["out_norm.weight"] = (w,)
-            shapes["out_norm.bias"] = (w,)
-            conv("out", w, c_out, size=3)
-        else:  # vtc
-            up = self.up_channels()
-            linear("dec_in", self.latent, up[0] * 16)
-            bn("dec_in_bn", up[0])
-            for i in range(len(up) - 1):
-                conv(f"dec.{3 * i}", up[i], up[i + 1], transposed=True)
-                bn(f"dec.{3 * i + 1}", up[i + 1])
-            conv(f"dec.{3 * (len(up) - 1)}", up[-1], c_out, transposed=True)
-        return shapes
+    def _vtc_shapes(self, book: _ShapeBook, c_out: int, k: int) -> None:
+        up = self.up_channels()
+        book.linear("dec_in", self.latent, up[0] * 16)
+        book.bn("dec_in_bn", up[0])
+        book.up_stack("dec", up, c_out)
 
     def upload_shapes(self) -> dict[str, tuple[int, ...]]:
         """What a device uploads: every float entry (BN counters are never sent)."""

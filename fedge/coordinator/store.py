@@ -54,7 +54,7 @@ LOG_SUFFIX = ".updates"  # buffer/<version>.updates: the version's accepted upda
 RECORD = struct.Struct("<QI")  # an accepted update's record in the log: its length and CRC-32, then its bytes
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _write_state_file(path: Path, data: bytes) -> None:
     """Replace one of the coordinator's files (its own: mode 0600), durably."""
     write_atomic(path, data, FILE_MODE)
 
@@ -106,7 +106,7 @@ class EngineStore:
         """Checkpoint after a round: globals, then ``report`` appended, then ``state.json``."""
         self.dir.mkdir(parents=True, exist_ok=True)
         tensors = {f"{a}/{k}": v for a, arrays in state.globals.items() for k, v in arrays.items()}
-        _atomic_write(self.dir / GLOBALS_FILE, encode(Payload(tensors)))
+        _write_state_file(self.dir / GLOBALS_FILE, encode(Payload(tensors)))
         # Reports are appended, not rewritten: rewriting every round's per-device report each round
         # costs O(rounds x devices) per round (seconds at 1000 devices).
         if report is not None:
@@ -133,7 +133,7 @@ class EngineStore:
             "tasks": state.tasks,
         }
         try:
-            _atomic_write(self.dir / STATE_FILE, _state_json(doc, self._logs))
+            _write_state_file(self.dir / STATE_FILE, _state_json(doc, self._logs))
         except BaseException:
             self._logs.abort()
             raise
@@ -268,7 +268,7 @@ class EngineStore:
         """The devices asked to train (device -> the version it was asked at), as announced for ``version``."""
         d = self.dir / BUFFER_DIR
         d.mkdir(parents=True, exist_ok=True)
-        _atomic_write(d / f"tasks-{version}.json", json.dumps(tasks, sort_keys=True).encode())
+        _write_state_file(d / f"tasks-{version}.json", json.dumps(tasks, sort_keys=True).encode())
 
     def buffer_load(self, version: int) -> tuple[list[bytes], dict[str, int] | None]:
         """The updates accepted into ``version`` so far, in order, and its saved tasks (None: none saved).
@@ -314,7 +314,7 @@ class EngineStore:
             raise CheckpointError(f"{path} holds {len(lines)} round reports, {count} expected",
                                   hint="the state directory is damaged; restore it or start another --state-dir")
         if len(lines) > count:
-            _atomic_write(path, b"".join(lines[:count]))
+            _write_state_file(path, b"".join(lines[:count]))
         return _parse_reports(path, lines[:count])
 
 

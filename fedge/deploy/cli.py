@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from fedge.common.atomicfile import write_atomic
 from fedge.errors import ConfigError
 
 
@@ -121,7 +122,7 @@ def _deploy(args: argparse.Namespace) -> int:
             skipped = report.stopped_at_canary and stage_no > 0
             print(f"{d:24s} {'not ordered (the canary stage failed)' if skipped else describe(report.statuses[d])}")
     if args.status_file:
-        Path(args.status_file).write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+        write_atomic(args.status_file, (json.dumps(report.to_dict(), indent=1) + "\n").encode(), durable=False)
     if report.stopped_at_canary:
         raise DeployError(f"the canary stage failed: version {args.version} went to no other device",
                           hint="see each canary's reason above; fix the model and deploy a new version")

@@ -15,9 +15,13 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedge.errors import ConfigError, FedgeError, ProfileError
+
+if TYPE_CHECKING:
+    from fedge.common.keyrotation import FleetKeyTrust
+    from fedge.edge.agent import DeviceAgent
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +148,42 @@ def _keep_best(state_dir: str, dev: Any) -> None:
               f"{best.path}", file=sys.stderr)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _fleet_key_trust(state_dir: str | None, fleet_key: str, fleet: str) -> FleetKeyTrust:
+    """The device's trust in the fleet's signing key: the bundle's fleet.pub, or the key this device rotated
+    to since (STATE_DIR/fleet-key.json), with replay protection kept in STATE_DIR."""
+    from fedge.common.keyrotation import FleetKeyTrust
+    from fedge.common.signing import ReplayGuard
+
+    state = None
+    if state_dir:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        state = Path(state_dir) / "signed-seen.json"
+    else:
+        log.warning("no --state-dir: a rotation of the fleet key is followed but not kept; after a restart this "
+                    "device trusts %s's key until the retained key chain arrives again", fleet_key)
+    return FleetKeyTrust.load(fleet_key, fleet, state_dir=state_dir, guard=ReplayGuard(state))
+
+
+def _agent(args: argparse.Namespace, cfg: Any, dev: Any, own: Any, transport: Any) -> DeviceAgent:
+    """The device loop: on the fleet's data share, or (``--data``) on the device's own folder."""
     from fedge.edge.agent import DeviceAgent
+
+    if own is None:
+        return DeviceAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every)
+    from fedge.edge.own_data import OwnDataAgent
+
+    data, scan = own
+    agent = OwnDataAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every,
+                         data=data, scan=scan, status_file=args.status_file)
+    skipped = f", {len(scan.skipped)} unreadable files skipped" if scan.skipped else ""
+    print(f"{dev.info.device_id}: own data {args.data}: {len(scan.train)} training and {len(scan.test)} "
+          f"local test images{skipped}", file=sys.stderr)
+    return agent
+
+
+def _run(args: argparse.Namespace) -> int:
     from fedge.edge.service import Bundle, EdgeOptions, EdgeService
-    from fedge.mqtt.client import parse_broker_url
+    from fedge.mqtt.connection import parse_broker_url
     from fedge.mqtt.device_transport import MqttDeviceTransport
     from fedge.mqtt.flags import broker_settings
     from fedge.mqtt.settings import TransportSettings
@@ -170,38 +206,14 @@ def _run(args: argparse.Namespace) -> int:
         settings = broker_settings(args)
     wire = TransportSettings(chunk_bytes=args.chunk_bytes, global_timeout_s=args.global_timeout)
     fleet_key = args.fleet_key or (b.fleet_key if args.bundle else None)
-    verifier = trust = None
-    if fleet_key is not None:
-        from fedge.common.keyrotation import FleetKeyTrust
-        from fedge.common.signing import ReplayGuard
-
-        state = None
-        if args.state_dir:
-            Path(args.state_dir).mkdir(parents=True, exist_ok=True)
-            state = Path(args.state_dir) / "signed-seen.json"
-        else:
-            log.warning("no --state-dir: a rotation of the fleet key is followed but not kept; after a restart this "
-                        "device trusts %s's key until the retained key chain arrives again", fleet_key)
-        # the bundle's fleet.pub, or the key this device rotated to since (STATE_DIR/fleet-key.json)
-        trust = FleetKeyTrust.load(fleet_key, cfg.run.fleet, state_dir=args.state_dir, guard=ReplayGuard(state))
-        verifier = trust.verifier
+    trust = None if fleet_key is None else _fleet_key_trust(args.state_dir, fleet_key, cfg.run.fleet)
+    verifier = None if trust is None else trust.verifier
     transport = MqttDeviceTransport(settings, cfg.run.fleet, dev.info.device_id, wire, verifier=verifier)
     if trust is not None:
         from fedge.mqtt.fleetkey import KeyChainFollower
 
         KeyChainFollower(transport.client, transport.topics, trust, dev.info.device_id, transport.stats)
-    agent: DeviceAgent
-    if own is not None:
-        from fedge.edge.own_data import OwnDataAgent
-
-        data, scan = own
-        agent = OwnDataAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every,
-                             data=data, scan=scan, status_file=args.status_file)
-        skipped = f", {len(scan.skipped)} unreadable files skipped" if scan.skipped else ""
-        print(f"{dev.info.device_id}: own data {args.data}: {len(scan.train)} training and {len(scan.test)} "
-              f"local test images{skipped}", file=sys.stderr)
-    else:
-        agent = DeviceAgent(dev.method, transport, dev.info, fleet=cfg.run.fleet, eval_every=cfg.run.eval_every)
+    agent = _agent(args, cfg, dev, own, transport)
     if args.state_dir:
         _keep_best(args.state_dir, dev)
     ota = _ota(args, cfg, dev, transport, verifier)

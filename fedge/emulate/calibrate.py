@@ -15,6 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from fedge.common.atomicfile import write_atomic
+
 log = logging.getLogger(__name__)
 
 
@@ -48,6 +50,6 @@ def calibrate(keys: set[tuple[str, int]], *, embed_dim: int, cache: Path | None 
             log.info("calibration: %s at batch %d trains at %.2f GMAC/s on one host core", arch, batch, rates[k] / 1e9)
         out[(arch, batch)] = rates[k]
     if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"host": detect_hardware(), "embed_dim": embed_dim, "rates": rates}, indent=1))
+        doc = {"host": detect_hardware(), "embed_dim": embed_dim, "rates": rates}
+        write_atomic(cache, json.dumps(doc, indent=1).encode(), durable=False)  # a cache: whole, not durable
     return out

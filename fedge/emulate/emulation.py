@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedge.common.atomicfile import write_atomic
 from fedge.emulate.compose import BROKER, COORDINATOR, Images
 from fedge.emulate.discovery import compose_command, project_containers
 from fedge.errors import ConfigError, EmulationError
@@ -68,7 +69,7 @@ class Emulation:
         doc = {"project": self.project, "arch": self.arch, "fleet": self.fleet, "images": self.images.__dict__,
                "plans": self.plans, "limits": self.limits, "oom_messages": self.messages,
                "http_port": self.http_port, "shards": self.shards}
-        (self.out / STATE).write_text(json.dumps(doc, indent=1) + "\n")
+        write_atomic(self.out / STATE, (json.dumps(doc, indent=1) + "\n").encode())
 
     @classmethod
     def load(cls, out: str | Path) -> Emulation:

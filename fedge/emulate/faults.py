@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any
 
+from fedge.common.atomicfile import write_atomic
 from fedge.emulate.compose import BROKER, COORDINATOR, NETWORK
 from fedge.emulate.discovery import docker_sdk
 from fedge.emulate.emulation import Emulation
@@ -142,7 +143,7 @@ def _partitions(emu: Emulation, device: str, address: str | None = None) -> str 
     old = known.pop(device, None)
     if address is not None:
         known[device] = address
-    path.write_text(json.dumps(known) + "\n")
+    write_atomic(path, (json.dumps(known) + "\n").encode())
     return address if address is not None else old
 
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedge.common.atomicfile import write_atomic
 from fedge.emulate.compose import (
     BROKER,
     COORDINATOR,
@@ -154,9 +155,8 @@ def _device_limits(plans: list[DevicePlan], rates: dict[tuple[str, int], float] 
 def _write_http_token(http_dir: Path) -> None:
     """The dashboard's token: a fresh one (0600) the coordinator reads and the operator types into the browser."""
     http_dir.mkdir(exist_ok=True)
-    fd = os.open(http_dir / HTTP_TOKEN, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+    # 0600 from its first byte, even over an older token a looser umask or a hand left readable
+    write_atomic(http_dir / HTTP_TOKEN, (secrets.token_urlsafe(32) + "\n").encode(), 0o600)
 
 
 def _plan_dict(p: DevicePlan) -> dict[str, Any]:
@@ -195,7 +195,7 @@ def start_coordinator(emu: Emulation) -> None:
         if mapping not in text:
             raise EmulationError(f"{compose} does not publish the dashboard on {mapping}",
                                  hint="it was edited by hand: run `fedge emulate up` again to write it anew")
-        compose.write_text(text.replace(mapping, f"127.0.0.1:{new}:{HTTP_PORT}"))
+        write_atomic(compose, text.replace(mapping, f"127.0.0.1:{new}:{HTTP_PORT}").encode())
         emu.http_port = new
         emu.save()
         log.warning("the dashboard's port %d was taken since compose.yaml was written; it is on %d", old, new)
@@ -214,7 +214,8 @@ def broker_address(emu: Emulation, client: Any) -> str:
 def wait_online(emu: Emulation, client: Any, *, timeout: float) -> None:
     """Wait until every device's retained status is "online" (read with the coordinator's account on the root
     broker: a sharded fleet's statuses come through the relays)."""
-    from fedge.mqtt.client import DEFAULT_PORT, BrokerSettings, MqttClient, Received
+    from fedge.mqtt.client import MqttClient, Received
+    from fedge.mqtt.connection import DEFAULT_PORT, BrokerSettings
     from fedge.mqtt.topics import STATUS_ONLINE, FleetTopics
 
     topics = FleetTopics(emu.fleet)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from fedge import __version__
+from fedge.common.atomicfile import rename_atomic
 from fedge.common.families import ModelSpec
 from fedge.common.preprocess import NORMALIZATION
 from fedge.edge.data.datasets import Dataset
@@ -88,8 +89,8 @@ def staged_output(out: str | os.PathLike[str], *, overwrite: bool = False) -> It
         raise
     old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
     if out.exists():
-        os.replace(out, old)
-    os.replace(stage, out)
+        rename_atomic(out, old, durable=False)
+    rename_atomic(stage, out, durable=False)  # an export promises whole files, not survival of a power cut
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -252,6 +252,30 @@ class _DeviceData:
         return share
 
 
+def _checkpoint_of(root: Path, dev_id: str, *, last: bool) -> Path:
+    """The checkpoint a device ships: ``checkpoints/<device>.safetensors`` (its best), or ``.last`` with ``last``."""
+    if Path(dev_id).name != dev_id or dev_id in (".", ".."):
+        raise ExportError(f"results.json: device id {dev_id!r} is not a plain name")
+    ckpt = root / "checkpoints" / f"{dev_id}{'.last' if last else ''}.safetensors"
+    if not ckpt.is_file():
+        raise ExportError(f"device {dev_id}: no checkpoint {ckpt}",
+                          hint="the run must have been started with an output directory"
+                               + (" (runs before issue 45 kept only one: export without --last)" if last else ""))
+    return ckpt
+
+
+def _plan_of(dev: dict[str, Any], meta: dict[str, str]) -> tuple[str, dict[str, Any]]:
+    """(profile, plan) a device's quantization is decided from: the plan results.json records, else its
+    profile planned again."""
+    plan = dev.get("plan") if isinstance(dev.get("plan"), dict) else None
+    profile = str(dev.get("profile") or meta.get("fedge.profile") or "")
+    if plan is None or "inference_quant" not in plan:
+        if not profile:
+            raise ExportError(f"device {dev['id']}: results.json records neither a plan nor a profile")
+        plan = resolve_profile(profile).plan or {}
+    return profile, plan
+
+
 def export_run(
     results_dir: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -292,38 +316,26 @@ def export_run(
         return tests[shape]
 
     shares = _DeviceData(results, data_dir)
-    train: Dataset | None = None
+    train: list[Dataset] = []  # the data set's training split, loaded once if a device's share is missing
+
+    def calibration_for(net: SplitNet, dev_id: str) -> tuple[np.ndarray, str]:
+        share = shares.share(dev_id)
+        if share is not None:
+            return share, f"device {dev_id}'s own training share ({len(share)} images)"
+        if not train:
+            train.append(load_dataset(str(dataset), train=True, data_dir=data_dir, **input_of(net)))
+        return train[0].x, f"{dataset} training split (the device's own share was not available)"
+
     manifests: dict[str, Manifest] = {}
     with staged_output(out, overwrite=overwrite) as stage:
         for dev in results["devices"]:
             dev_id = str(dev["id"])
-            if Path(dev_id).name != dev_id or dev_id in (".", ".."):
-                raise ExportError(f"results.json: device id {dev_id!r} is not a plain name")
-            ckpt = root / "checkpoints" / f"{dev_id}{'.last' if last else ''}.safetensors"
-            if not ckpt.is_file():
-                raise ExportError(f"device {dev_id}: no checkpoint {ckpt}",
-                                  hint="the run must have been started with an output directory"
-                                       + (" (runs before issue 45 kept only one: export without --last)"
-                                          if last else ""))
+            ckpt = _checkpoint_of(root, dev_id, last=last)
             net, meta = load_net(ckpt)
             check_arch(net, dev.get("arch"), source=str(ckpt), why=f"results.json says device {dev_id} runs")
-            plan = dev.get("plan") if isinstance(dev.get("plan"), dict) else None
-            profile = str(dev.get("profile") or meta.get("fedge.profile") or "")
-            if plan is None or "inference_quant" not in plan:
-                if not profile:
-                    raise ExportError(f"device {dev_id}: results.json records neither a plan nor a profile")
-                plan = resolve_profile(profile).plan or {}
+            profile, plan = _plan_of(dev, meta)
             request = request_quant(net.spec.name, override=quant, profile=profile or None, plan=plan)
-            calibration: np.ndarray | None = None
-            label = ""
-            if request.quant == "int8-static":
-                calibration = shares.share(dev_id)
-                if calibration is not None:
-                    label = f"device {dev_id}'s own training share ({len(calibration)} images)"
-                else:
-                    train = train or load_dataset(str(dataset), train=True, data_dir=data_dir, **input_of(net))
-                    calibration = train.x
-                    label = f"{dataset} training split (the device's own share was not available)"
+            calibration, label = calibration_for(net, dev_id) if request.quant == "int8-static" else (None, "")
             (stage / dev_id).mkdir()
             try:
                 manifests[dev_id] = _with_origin(stage / dev_id, export_into(

@@ -12,9 +12,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedge.common.atomicfile import write_atomic
 from fedge.errors import ConfigError, FedgeError
 from fedge.flash.boot import INITS, Init, detect_init, hook_for, looks_like_boot
-from fedge.flash.payload import PAYLOAD_DIR, DevicePlan, Source, payload_json, set_mode, write_tree
+from fedge.flash.payload import PAYLOAD_DIR, DevicePlan, Source, payload_json, write_tree
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,8 @@ def flash_dir(boot: Path, plan: DevicePlan, *, init: str | None = None, force: b
     write_tree(boot / PAYLOAD_DIR, sources)
     for name, data in hook.root.items():
         path = boot / name
-        tmp = path.with_name(name + ".fedge-tmp")
-        try:
-            tmp.write_bytes(data)
-            set_mode(tmp, 0o755 if name == "firstrun.sh" else 0o644)
-            os.replace(tmp, path)
+        try:  # durable: the card may be pulled right after; a FAT partition keeps its own modes
+            write_atomic(path, data, 0o755 if name == "firstrun.sh" else 0o644, modeless_ok=True)
         except OSError as exc:
             raise FedgeError(f"cannot write {path}: {exc}") from exc
     log.info("flashed %s (%s hook) to %s: %d files, %d bytes", plan.device_id, kind, boot, len(listing.files),

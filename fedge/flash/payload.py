@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fedge import __version__
+from fedge.common.atomicfile import rename_atomic
 from fedge.errors import ConfigError, ExportError, FedgeError, ProfileError
 from fedge.fleet.shards import Shard, parse_address
 
@@ -328,8 +329,8 @@ def write_tree(target: Path, sources: list[Source]) -> None:
             dest.write_bytes(s.data())
             set_mode(dest, s.mode)
         if target.exists():
-            os.replace(target, old)
-        os.replace(stage, target)
+            rename_atomic(target, old, durable=False)
+        rename_atomic(stage, target)
     except OSError as exc:
         raise FedgeError(f"cannot write {target}: {exc}", hint="check that the boot partition is mounted "
                                                                "read-write and has space") from exc

@@ -40,7 +40,8 @@ from fedge.common.families import ModelSpec
 from fedge.common.rounds import evaluates_at
 from fedge.errors import ConfigError
 from fedge.fleet.availability import Availability, OnOff, read_trace
-from fedge.fleet.config import ClockSection, FleetConfig
+from fedge.fleet.config import FleetConfig
+from fedge.fleet.sim_sections import ClockSection
 from fedge.fleet.slots import DeviceSlot, device_profile, test_labels
 from fedge.profiles.power import Power
 from fedge.profiles.schema import Network

@@ -68,6 +68,17 @@ def build_devices(cfg: FleetConfig, data: FleetData) -> list[SimDevice]:
     return devices
 
 
+def show_global_test(devices: list[SimDevice], test: Dataset) -> None:
+    """Give every device ``test`` as its global test set (a benchmark's slice of the dataset's test split), with
+    one :class:`GlobalEval` over it shared by them all: a model several devices hold is still scored once. A
+    device whose ``global_test`` alone were replaced would bypass the shared cache, which answers only for
+    the set it was made for, and every device would pass over the images itself."""
+    shared = GlobalEval(test)
+    for d in devices:
+        d.method.ctx.global_test = test
+        d.method.ctx.global_eval = shared
+
+
 def build_device(cfg: FleetConfig, data: FleetData, idx: int, *, global_eval: GlobalEval | None = None) -> SimDevice:
     """Build device number ``idx`` (fleet order) alone, as a real device does from the fleet config."""
     split = data.splits[idx]

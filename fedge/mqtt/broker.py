@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fedge.errors import ConfigError, TransportError
-from fedge.mqtt.client import BrokerSettings
+from fedge.mqtt.connection import BrokerSettings
 
 log = logging.getLogger(__name__)
 

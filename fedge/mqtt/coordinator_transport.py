@@ -21,7 +21,8 @@ from fedge.common.signing import Signer
 from fedge.common.transport import CoordinatorTransport, Inbound
 from fedge.errors import TransportError
 from fedge.mqtt.chunking import Reassembler
-from fedge.mqtt.client import BrokerSettings, MqttClient, Received
+from fedge.mqtt.client import MqttClient, Received
+from fedge.mqtt.connection import BrokerSettings
 from fedge.mqtt.inbound import InboundClassifier, RefusalLog
 from fedge.mqtt.retained import RetainedState
 from fedge.mqtt.settings import MAX_QUEUED_HEALTH, TransportSettings, TransportStats

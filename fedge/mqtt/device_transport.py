@@ -22,7 +22,8 @@ from fedge.common.tensorcodec import read_header
 from fedge.common.transport import DeviceTransport
 from fedge.errors import PayloadError, TransportError
 from fedge.mqtt.chunking import RetainedAssembler, split
-from fedge.mqtt.client import BrokerSettings, MqttClient, Received, Will
+from fedge.mqtt.client import MqttClient, Received, Will
+from fedge.mqtt.connection import BrokerSettings
 from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportStats
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics, check_name
 

@@ -1,6 +1,6 @@
 """The broker flags every MQTT command shares (``fedge coordinator run``, ``fedge edge run``).
 
-They configure a :class:`~fedge.mqtt.client.BrokerSettings`, so they live beside it:
+They configure a :class:`~fedge.mqtt.connection.BrokerSettings`, so they live beside it:
 no role's command line imports another's.
 """
 
@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from fedge.errors import ConfigError
-from fedge.mqtt.client import BrokerSettings, parse_broker_url
+from fedge.mqtt.connection import BrokerSettings, parse_broker_url
 
 
 def add_broker_arguments(p: argparse.ArgumentParser, *, required: bool = False) -> None:

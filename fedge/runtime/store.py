@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedge.common.atomicfile import fsync_dir, write_atomic
+from fedge.common.atomicfile import fsync_dir, rename_atomic, write_atomic
 from fedge.errors import ExportError, FedgeError
 from fedge.runtime.manifest import read_manifest, verify_files
 from fedge.runtime.package import ModelPackage
@@ -172,8 +172,7 @@ class ModelStore:
             fsync_dir(stage)
             if final.exists():  # an earlier install of it that was never switched in
                 shutil.rmtree(final)
-            os.rename(stage, final)
-            fsync_dir(self.versions)
+            rename_atomic(stage, final)
         except ExportError as exc:
             raise StoreError(f"model version {package.version} is not a whole export: {exc.message}",
                              hint="re-export the model and deploy it again") from exc
@@ -198,7 +197,7 @@ class ModelStore:
         tmp = self.root / f"{name}.tmp"
         tmp.unlink(missing_ok=True)
         os.symlink(f"versions/{version}", tmp)
-        os.replace(tmp, link)
+        rename_atomic(tmp, link)  # durable: a power cut after the switch keeps it
 
     def _save(self, event: dict[str, Any]) -> None:
         self.state.history = [*self.state.history[-49:], {"time": time.time(), **event}]

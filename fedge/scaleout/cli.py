@@ -158,7 +158,7 @@ def shard_url(args: argparse.Namespace, cfg: Any, name: str, parent: Any) -> str
 def _relay(args: argparse.Namespace) -> int:
     from fedge.coordinator.service import install_stop_signals
     from fedge.fleet.config import load_fleet
-    from fedge.mqtt.client import parse_broker_url
+    from fedge.mqtt.connection import parse_broker_url
     from fedge.scaleout.relay import Relay
 
     cfg = load_fleet(args.config)

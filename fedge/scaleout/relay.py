@@ -52,7 +52,8 @@ from typing import Any
 from fedge.common.atomicfile import write_atomic
 from fedge.common.messages import Message, new_msg_id
 from fedge.mqtt.chunking import Reassembler, split
-from fedge.mqtt.client import BrokerSettings, MqttClient, Received, Will
+from fedge.mqtt.client import MqttClient, Received, Will
+from fedge.mqtt.connection import BrokerSettings
 from fedge.mqtt.inbound import InboundClassifier, RefusalLog
 from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportStats
 from fedge.mqtt.status_book import StatusBook

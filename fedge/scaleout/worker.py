@@ -21,7 +21,8 @@ import threading
 import time
 
 from fedge.mqtt.chunking import Reassembler, split
-from fedge.mqtt.client import BrokerSettings, MqttClient, Received
+from fedge.mqtt.client import MqttClient, Received
+from fedge.mqtt.connection import BrokerSettings
 from fedge.mqtt.inbound import InboundClassifier, RefusalLog
 from fedge.mqtt.settings import TransportSettings, TransportStats
 from fedge.mqtt.topics import FleetTopics, shared

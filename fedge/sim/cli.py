@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedge.errors import ConfigError
-from fedge.fleet.config import BACKENDS, FleetConfig, load_fleet
+from fedge.fleet.config import FleetConfig, load_fleet
+from fedge.fleet.sim_sections import BACKENDS
 from fedge.sim.transports import TRANSPORTS
 
 if TYPE_CHECKING:

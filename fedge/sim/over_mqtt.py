@@ -25,7 +25,7 @@ from fedge.edge.service import EdgeService
 from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import SimDevice
 from fedge.mqtt.broker import EmbeddedBroker
-from fedge.mqtt.client import BrokerSettings
+from fedge.mqtt.connection import BrokerSettings
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.mqtt.settings import TransportSettings

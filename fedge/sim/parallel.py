@@ -38,9 +38,10 @@ from fedge.common.transport import CoordinatorTransport
 from fedge.edge.agent import DeviceAgent
 from fedge.errors import ConfigError, FedgeError
 from fedge.fleet.clock import fleet_clock
-from fedge.fleet.config import FleetConfig, SimulationSection
+from fedge.fleet.config import FleetConfig
 from fedge.fleet.devices import FleetData, SimDevice
 from fedge.fleet.registry import method_entry
+from fedge.fleet.sim_sections import SimulationSection
 from fedge.fleet.slots import DeviceSlot
 from fedge.sim.pool import WorkerLost, WorkerPool, dumps
 from fedge.sim.worker import DeviceShare, DeviceState, HostSpec, RoundResult, peak_rss_bytes

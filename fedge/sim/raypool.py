@@ -23,7 +23,7 @@ from typing import Any
 from fedge.common.extras import MissingExtraError
 from fedge.edge.data.datasets import Dataset
 from fedge.errors import ConfigError, FedgeError
-from fedge.fleet.config import SimulationSection
+from fedge.fleet.sim_sections import SimulationSection
 from fedge.sim.pool import WorkerLost, WorkerPool
 from fedge.sim.worker import DeviceHost, HostSpec
 

@@ -276,8 +276,13 @@ def _pct(x: float | None) -> str:
 
 def format_table(results: dict[str, Any]) -> str:
     """The per-device summary table the CLI prints (with the personal head's and the guard's columns
-    when the method reports them)."""
-    devs = results["devices"]
+    when the method reports them), then the run's summary in lines."""
+    return "\n".join([*_device_table(results["devices"]), "", *_summary_lines(results),
+                      *_virtual_time_lines(results), *_backend_and_privacy_lines(results)])
+
+
+def _device_table(devs: list[dict[str, Any]]) -> list[str]:
+    """One row per device, under a header and a rule; optional columns only where a device reports them."""
     personal = any("final_personal" in d for d in devs)
     guard = any("guard" in d for d in devs)
     stem = any("guard_stem" in d for d in devs)
@@ -310,13 +315,19 @@ def format_table(results: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def _summary_lines(results: dict[str, Any]) -> list[str]:
+    """The run's accuracy, the personal predictor's, the guards' decisions and the planner's trades."""
+    devs = results["devices"]
+    personal = any("final_personal" in d for d in devs)
+    guard = any("guard" in d for d in devs)
+    stem = any("guard_stem" in d for d in devs)
     s = results["summary"]
-    lines.append("")
-    lines.append(
-        f"{results['method']} on {results['dataset']}, {results['rounds']} rounds, "
-        f"{results['seconds']:.1f} s: mean global accuracy {_pct(s['mean_final_acc_global'])} % "
-        f"(best {_pct(s['mean_best_acc_global'])} %), local {_pct(s['mean_final_acc_local'])} %"
-    )
+    lines = [f"{results['method']} on {results['dataset']}, {results['rounds']} rounds, "
+             f"{results['seconds']:.1f} s: mean global accuracy {_pct(s['mean_final_acc_global'])} % "
+             f"(best {_pct(s['mean_best_acc_global'])} %), local {_pct(s['mean_final_acc_local'])} %"]
     if personal:
         lines.append(f"personal predictor chosen on {s['personal_devices']} of {len(devs)} devices; local accuracy "
                      f"with the federated model {_pct(s['mean_final_acc_local_generic'])} %, global accuracy "
@@ -331,6 +342,12 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(f"divergence guard: {s['rollbacks']} of {s['divergence_checks']} device-rounds undone"
                      + (f": {'; '.join(undone)}" if undone else ""))
     lines += trade_lines(results.get("tier_trades", []))
+    return lines
+
+
+def _virtual_time_lines(results: dict[str, Any]) -> list[str]:
+    """The virtual clock, time to accuracy and the fleet's energy (a run with a clock)."""
+    lines: list[str] = []
     ck = results.get("clock")
     if ck:
         lost = sum(len(v) for v in ck["lost"].values())
@@ -348,12 +365,18 @@ def format_table(results: dict[str, Any]) -> str:
                      f"{last['virtual_s']:.1f} virtual s; {100 * TARGET_SHARE:g} % of it ({_pct(level)} %) first at "
                      f"{'-' if reached is None else f'{reached:.1f}'} s")
         e = ck["energy"] if ck else {}
-        if e and e["devices_without_power"] < len(devs):
+        if e and e["devices_without_power"] < len(results["devices"]):
             to = e.get("fleet_j_to_target")
             lines.append(f"energy: {e['fleet_j']:.0f} J for the fleet ({e['task_j']:.0f} J of it tasks), "
                          f"{'-' if to is None else f'{to:.0f}'} J to {_pct(level)} %"
                          + (f"; {e['devices_without_power']} device(s) without a [power] model left out"
                             if e["devices_without_power"] else ""))
+    return lines
+
+
+def _backend_and_privacy_lines(results: dict[str, Any]) -> list[str]:
+    """A parallel backend's workers and losses; the privacy ledger's ε."""
+    lines: list[str] = []
     sim = results.get("simulation") or {}
     if sim.get("backend", "sequential") != "sequential":
         workers = sim.get("workers", [])
@@ -369,4 +392,4 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(f"privacy: ε = {eps} at δ = {p['delta']:g} after {p['training_rounds_released']} rounds "
                      f"(noise multiplier {p['noise_multiplier']:.3g}, clip {p['clip']:g}, σ clip {p['sigma_clip']:g})"
                      + (", budget spent" if p["budget_spent"] else ""))
-    return "\n".join(lines)
+    return lines
