@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.generative.checkpoint import CHECKPOINT_FILE, PROGRESS_FILE, Fork, fleet_at, kept_path
+from benchmarks.generative.checkpoint import CHECKPOINT_FILE, PROGRESS_FILE, Fork, current_report, fleet_at, kept_path
 from benchmarks.generative.quality import synthetic_accuracy
 from benchmarks.generative.runner import run_cell
+from fedge.coordinator.report import RoundReport
 from fedge.fleet.config import FleetConfig, load_fleet
 
 torch.set_num_threads(1)
@@ -131,3 +132,15 @@ def test_a_head_stage_ablation_forked_from_the_base_cell_equals_one_run_from_rou
     run_cell(x3, checkpoint=tmp_path / "other", expect=expect, fork=Fork(kept, {"config": {}}),
              after_round=trained.append)
     assert trained == [1, 2, 3, 4]
+
+
+def test_a_report_pickled_before_a_field_existed_is_restored_with_its_default() -> None:
+    """A long cell resumed under newer code: its checkpoint's reports were pickled without ``selection``."""
+    old = RoundReport(round=28, phase="head", accepted=["client-1"], metrics={"client-1": {"acc_global": 0.8}})
+    del vars(old)["selection"]  # what unpickling a report saved before issue 44 gives
+    with pytest.raises(AttributeError):
+        _ = old.selection
+    new = current_report(old)
+    assert new.selection == {}
+    assert (new.round, new.phase, new.accepted) == (28, "head", ["client-1"])
+    assert new.metrics == {"client-1": {"acc_global": 0.8}}

@@ -27,7 +27,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -204,8 +204,17 @@ def _load(path: Path, expect: dict[str, Any]) -> dict[str, Any] | None:
     return saved
 
 
+def current_report(old: RoundReport) -> RoundReport:
+    """``old`` as today's :class:`RoundReport`: a cell can outlive a release. Unpickling restores an object's
+    ``__dict__`` as it was saved, so a report pickled before a field was added lacks it (a resumed cell then
+    failed in ``build_results`` reading ``selection``); rebuilt, the missing fields take their defaults."""
+    saved = vars(old)
+    return RoundReport(**{f.name: saved[f.name] for f in fields(RoundReport) if f.name in saved})
+
+
 def _restore(saved: dict[str, Any], engine: RoundEngine, devices: list[SimDevice], agents: list[DeviceAgent],
              coord: Any, *, forked: bool = False) -> None:
+    saved["engine"].reports = [current_report(r) for r in saved["engine"].reports]
     engine._resume(saved["engine"])  # the engine's own restart path (as from its state directory)
     for d, agent in zip(devices, agents, strict=True):
         s = saved["devices"][d.info.device_id]
