@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import fedge.mqtt.client
+import fedge.mqtt.connection
 from fedge.emulate.compose import BROKER, Images
 from fedge.emulate.discovery import PROJECT_LABEL, SERVICE_LABEL
 from fedge.emulate.emulation import Emulation
@@ -69,7 +69,7 @@ def _device(broker: MosquittoProcess, device: str, status: bytes) -> MqttClient:
 @pytest.fixture
 def broker_port(mosquitto: MosquittoProcess, monkeypatch: pytest.MonkeyPatch) -> MosquittoProcess:
     # The emulation's broker listens on the MQTT port in its container; here on a free loopback port.
-    monkeypatch.setattr(fedge.mqtt.client, "DEFAULT_PORT", mosquitto.port)
+    monkeypatch.setattr(fedge.mqtt.connection, "DEFAULT_PORT", mosquitto.port)
     return mosquitto
 
 
@@ -124,7 +124,7 @@ def test_a_device_that_exits_while_booting_is_named_with_its_log(tmp_path: Path,
 def test_no_broker_is_an_emulation_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fedge.mqtt.broker import free_port
 
-    monkeypatch.setattr(fedge.mqtt.client, "DEFAULT_PORT", free_port())
+    monkeypatch.setattr(fedge.mqtt.connection, "DEFAULT_PORT", free_port())
     emu = _emulation(tmp_path, ["d1"])
     with pytest.raises(EmulationError, match="did not accept connections in 1 s") as err:
         wait_online(emu, FakeClient([FakeContainer(BROKER)]), timeout=1)

@@ -12,7 +12,7 @@ from fedge.common.privacy import Mechanism, PrivacySettings
 from fedge.common.rounds import DeviceInfo
 from fedge.common.sampling import Sampling
 from fedge.errors import ConfigError
-from fedge.secagg.rounds import DEFAULT_STAGE_S
+from fedge.secagg import DEFAULT_STAGE_S
 
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
 # The default ("auto") timeout of a device's work over a network (EngineConfig.round_timeout_s = None): an

@@ -15,3 +15,8 @@ Torch-free and transport-free. Layers, bottom up:
 
 docs/security.md#secure-aggregation says what it protects against and what it does not.
 """
+
+# A stage's deadline after the first (the first waits for the round's training). Here, not in ``rounds``, so the
+# coordinator's configuration reads it without loading the protocol's messages and with them `cryptography`
+# (``fedge infer`` must not: tests/test_flash_extras.py).
+DEFAULT_STAGE_S = 30.0

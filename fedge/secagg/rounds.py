@@ -15,11 +15,9 @@ from typing import Any
 
 from fedge.common.privacy import PrivacySettings
 from fedge.errors import ConfigError
-from fedge.secagg import graph, terms
+from fedge.secagg import DEFAULT_STAGE_S, graph, terms
 from fedge.secagg.fixedpoint import plan_field
 from fedge.secagg.messages import Refusal, RoundSetup
-
-DEFAULT_STAGE_S = 30.0  # a stage's deadline after the first (the first waits for the round's training)
 
 
 def group_parameters(settings: PrivacySettings, group: str, size: int) -> tuple[int, int]:
