@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from fedge.common.archs import tier_arch
+from fedge.common.heat import HeatGuard, HeatLimits, HeatReading, hot_after
 from fedge.common.rounds import DeviceInfo
 from fedge.common.sampling import Sampling
 from fedge.common.selection import UtilitySettings
@@ -68,32 +69,68 @@ def test_the_guard_skips_a_hot_device_and_tasks_it_again_once_it_has_cooled() ->
     clock = FleetClock([pi4("hot", 0), pi4("cool", 1, thermal=None), pi4("other", 2, thermal=None)])
     work = Participation(1000, 1000, trained=True)
     rnd = 1
-    while not selection_facts(clock, rnd, {})["hot"].hot:  # back to back until its next task would be too hot
+    probe = HeatGuard()
+    while not probe.judge("hot", selection_facts(clock, rnd, {})["hot"].heat):  # until its next task is too hot
         clock.sync_round(rnd, {"hot": work})
         rnd += 1
         assert rnd < 20, "never got hot"
     facts = selection_facts(clock, rnd, {})
-    assert facts["hot"].hot.startswith("hot: ") and "60 °C" in facts["hot"].hot and facts["cool"].hot == ""
+    assert facts["cool"].heat is None and facts["hot"].heat is not None
+    reason = HeatGuard().judge("hot", facts["hot"].heat)
+    assert reason.startswith("hot: ") and "60 °C" in reason
     devices = {d: DeviceInfo(d, "tier-m", "rpi4-4gb", "fp32", 200, 64) for d in clock.devices}
     guard = Sampling(3, "oort", fleet_size=3, seed=0, utility=UtilitySettings(explore=0.0, thermal_guard=True))
+    sel = Selector()
+    sel.trained = set(devices)  # every device trained before: no exploration
 
-    def choose(sampling: Sampling, system: dict) -> tuple[list[str], dict[str, str]]:
-        sel = Selector()
-        sel.trained = set(devices)  # every device trained before: no exploration
-        return sel.choose(sampling, rnd, devices, set(devices), [], system, lambda d: None), sel.why
+    def choose(sampling: Sampling, system: dict, selector: Selector = sel) -> list[str]:
+        return selector.choose(sampling, rnd, devices, set(devices), [], system, lambda d: None)
 
-    chosen, why = choose(guard, facts)
-    assert chosen == ["cool", "other"]  # every slot but its own
-    assert why["hot"] == facts["hot"].hot + ": not tasked until it cools"
+    assert choose(guard, facts) == ["cool", "other"]  # every slot but its own
+    assert sel.why["hot"] == reason + ": not tasked until it cools" and sel.held == ["hot"]
     # without the guard it is tasked, hot or not
-    assert "hot" in choose(replace(guard, utility=UtilitySettings(explore=0.0)), facts)[0]
+    other = Selector()
+    other.trained = set(devices)
+    assert "hot" in choose(replace(guard, utility=UtilitySettings(explore=0.0)), facts, other) and other.held == []
     # a minute idle later it has cooled: tasked again
     clock.now += 60.0
     cooled = selection_facts(clock, rnd, {})
-    assert cooled["hot"].hot == "" and choose(guard, cooled)[0] == ["cool", "hot", "other"]
+    assert choose(guard, cooled) == ["cool", "hot", "other"] and sel.held == []
+
+
+def test_hot_until_cooled_below_resume() -> None:
+    """One decision with hysteresis: hot at the limit (or when a task would reach it, or when the firmware throttles),
+    cool again only below resume_c with the flags clear."""
+    lim = HeatLimits(60.0)
+    assert lim.resume == 55.0 and HeatLimits(60.0, 50.0).resume == 50.0
+    assert not hot_after(False, 59.9, lim) and hot_after(False, 60.0, lim)
+    assert hot_after(False, 40.0, lim, peak_c=61.0)  # its task would take it past its limit
+    assert hot_after(True, 57.0, lim) and not hot_after(False, 57.0, lim)  # between the two: as it was
+    assert not hot_after(True, 54.9, lim)
+    assert hot_after(False, 40.0, lim, flags=0x50006) and not hot_after(True, 40.0, lim, flags=0x50000)
+    assert not hot_after(False, None, lim, flags=0x1)  # under-voltage alone is not heat
+    assert hot_after(True, None, lim, flags=0x4) and not hot_after(True, None, lim, flags=0)
+    g = HeatGuard()
+    assert g.judge("d", HeatReading(61.0, lim)) == "hot: 61.0 °C, at or above its limit of 60 °C"
+    assert g.judge("d", HeatReading(57.0, lim)) == "hot: 57.0 °C, not yet cooled below 55 °C"
+    assert g.judge("d", HeatReading(54.0, lim)) == "" and g.judge("d", HeatReading(57.0, lim)) == ""
+    assert g.judge("d", HeatReading(45.0, lim, flags=0x50006)) == "hot: its firmware throttles (flags 0x50006) at 45.0 °C"
+    assert g.judge("d", None) == "" and "d" in g.hot  # no new reading: the memory stays
+
+
+def test_the_firmware_throttles_until_the_device_has_cooled_below_resume() -> None:
+    box = replace(BOX, resume_c=50.0)
+    dev = pi4("hot", 0, thermal=box)
+    dev.temp_c, dev.temp_at = 61.0, 0.0  # hot: idling from 61 °C toward 41.6 °C
+    dev.hot = True
+    cross = 2.0 * math.log((61.0 - 41.6) / (50.0 - 41.6))  # when it reaches 50 °C
+    assert dev.throttled(cross - 0.01) and not dev.throttled(cross + 0.01)
+    dev.hot = False  # the same temperatures without having reached the limit: never throttled
+    assert not dev.throttled(cross - 0.01)
 
 
 @pytest.mark.parametrize(("table", "message"), [
+    ({"c_per_w": 8.0, "tau_s": 2.0, "limit_c": 60.0, "resume_c": 60.0}, "thermal.resume_c = 60: must be below limit_c"),
     ({"c_per_w": 0.0, "tau_s": 2.0, "limit_c": 60.0}, "thermal.c_per_w = 0: must be > 0"),
     ({"c_per_w": 8.0, "tau_s": -1.0, "limit_c": 60.0}, "thermal.tau_s = -1: must be > 0 seconds"),
     ({"c_per_w": 8.0, "tau_s": 2.0, "limit_c": 20.0}, "thermal.limit_c = 20: must be above ambient_c = 25"),

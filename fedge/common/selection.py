@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fedge.common.heat import HeatReading
 from fedge.errors import ConfigError
 
 UTILITY_SELECTIONS: dict[str, str] = {
@@ -93,8 +94,8 @@ class SystemFacts:
     task_j: float | None
     battery_j: float | None = None
     floor_j: float = 0.0
-    hot: str = ""
-    """Why the device is too hot to task (throttling, or its task would take it past its limit); empty: it is not."""
+    heat: HeatReading | None = None
+    """Its temperature, flags and the temperature its task would take it to, for the thermal guard (None: no model)."""
 
 
 @dataclass
@@ -103,6 +104,8 @@ class Choice:
 
     chosen: list[str]
     why: dict[str, str] = field(default_factory=dict)
+    held: list[str] = field(default_factory=list)
+    """The candidates the thermal guard held back (too hot), sorted."""
 
 
 def _fmt(x: float) -> str:
@@ -115,10 +118,10 @@ def select(policy: str, rnd: int, k: int, candidates: Sequence[str], facts: Mapp
     rng = np.random.default_rng([seed & 0xFFFF_FFFF, rnd, 0x0027])
     pool = sorted(candidates)
     why: dict[str, str] = {}
-    if settings.thermal_guard:  # a hot device waits until it has cooled
-        for d in [d for d in pool if facts[d].hot]:
-            why[d] = f"{facts[d].hot}: not tasked until it cools"
-            pool.remove(d)
+    held = [d for d in pool if facts[d].hot] if settings.thermal_guard else []
+    for d in held:  # a hot device waits until it has cooled
+        why[d] = f"{facts[d].hot}: not tasked until it cools"
+        pool.remove(d)
     if policy == "energy":
         pool = _above_floor(pool, facts, why)
     times = [t for d in pool if (t := facts[d].task_s) is not None]
@@ -139,7 +142,7 @@ def select(policy: str, rnd: int, k: int, candidates: Sequence[str], facts: Mapp
     for d in tried:
         utility[d], why[d] = _utility(policy, facts[d], preferred, settings.straggler_penalty, typical_j)
     exploit = _exploit(tried, utility, k - n_explore, rng, why)
-    return Choice(sorted(explored + exploit), why)
+    return Choice(sorted(explored + exploit), why, held)
 
 
 def _above_floor(pool: list[str], facts: Mapping[str, DeviceFacts], why: dict[str, str]) -> list[str]:

@@ -6,6 +6,10 @@ transport when it knows the devices' clock (``selection_facts(rnd)``: the simula
 every task in joules, :mod:`fedge.fleet.energy`); otherwise the task time is what the device's last update took
 or its hello's ``est_round_s``, and the joules are unknown (``energy`` then ranks by utility over the median
 joules, and, with no battery charge in the heartbeat yet, cannot enforce a floor over MQTT).
+
+The thermal guard (``[coordinator] thermal_guard``) judges each candidate's heat here, with one memory of who is hot
+(:class:`fedge.common.heat.HeatGuard`): from the clock's thermal model in simulation (``SystemFacts.heat``), from the
+devices' heartbeats over MQTT (``heat``: their temperature and the Pi firmware's throttling flags).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
+from fedge.common.heat import HeatGuard, HeatReading
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo
 from fedge.common.sampling import Sampling
 from fedge.common.selection import DeviceFacts, SystemFacts, select
@@ -30,6 +35,9 @@ class Selector:
         self.seen = 0  # the last round whose report was read
         self.why: dict[str, str] = {}
         """Why each registered device was or was not tasked in the last round chosen."""
+        self.guard = HeatGuard()
+        self.held: list[str] = []
+        """The devices the thermal guard held back in the last round chosen (too hot), sorted."""
 
     def observe(self, reports: Sequence[RoundReport]) -> None:
         """Read the reports of rounds not read yet: who trained, and the loss each reported."""
@@ -45,18 +53,23 @@ class Selector:
 
     def choose(self, sampling: Sampling, rnd: int, devices: Mapping[str, DeviceInfo], online: set[str],
                reports: Sequence[RoundReport], system: Mapping[str, SystemFacts] | None,
-               estimate: Callable[[str], float | None]) -> list[str]:
-        """The devices ``sampling`` (oort or energy) picks for round ``rnd`` from the online registered ones."""
+               estimate: Callable[[str], float | None], heat: Mapping[str, HeatReading] | None = None) -> list[str]:
+        """The devices ``sampling`` (oort or energy) picks for round ``rnd`` from the online registered ones
+        (``heat``: what the heartbeats say of each device's heat, where ``system`` has no thermal model)."""
         self.observe(reports)
         facts = {}
         for d in sorted(online & set(devices)):
             sf = (system or {}).get(d)
+            reading = sf.heat if sf is not None and sf.heat is not None else (heat or {}).get(d)
             facts[d] = DeviceFacts(
                 samples=devices[d].num_samples, loss=self.loss.get(d), trained=d in self.trained,
                 task_s=sf.task_s if sf is not None else estimate(d), task_j=sf.task_j if sf is not None else None,
                 battery_j=sf.battery_j if sf is not None else None, floor_j=sf.floor_j if sf is not None else 0.0,
-                hot=sf.hot if sf is not None else "")
+                hot=self.guard.judge(d, reading))
         choice = select(sampling.selection, rnd, sampling.count, list(facts), facts, sampling.utility, sampling.seed)
         self.why = {d: "offline at the round's start" for d in devices if d not in facts} | choice.why
+        self.held = choice.held
+        if choice.held:
+            log.info("round %d: thermal guard holds %s", rnd, ", ".join(f"{d} ({facts[d].hot})" for d in choice.held))
         log.debug("round %d: %s chose %s", rnd, sampling.selection, ", ".join(choice.chosen))
         return choice.chosen

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from fedge.common.families import ModelSpec
+from fedge.common.heat import hot_after
 from fedge.common.rounds import evaluates_at
 from fedge.errors import ConfigError
 from fedge.fleet.availability import Availability, OnOff, read_trace
@@ -114,6 +115,8 @@ class DeviceClock:
     temp_c: float | None = None
     """Its temperature at ``temp_at`` (thermal model only; None: the air's, at the start)."""
     temp_at: float = 0.0
+    hot: bool = False
+    """Whether its firmware was throttling at ``temp_at`` (the hysteresis of :func:`fedge.common.heat.hot_after`)."""
 
     def _factor(self, rnd: int, part: str) -> float:
         if self.jitter <= 0:
@@ -165,9 +168,11 @@ class DeviceClock:
         return th.after(temp, self.power.idle_w, t - self.temp_at)
 
     def throttled(self, t: float) -> bool:
-        """Whether it is at or above its thermal limit at ``t`` (its firmware slows it)."""
+        """Whether its firmware slows it at ``t``: it reached its thermal limit and has not yet cooled below its
+        ``resume_c`` (:func:`fedge.common.heat.hot_after`; idling, its temperature moves monotonically, so the state
+        at its last piece of work and the temperature now decide)."""
         temp = self.temperature(t)
-        return temp is not None and self.thermal is not None and temp >= self.thermal.limit_c
+        return temp is not None and self.thermal is not None and hot_after(self.hot, temp, self.thermal.limits)
 
     def _heat(self, start: float, t: Timing, worked_s: float) -> None:
         """Its temperature after a piece of work started at ``start``: idle power while it transfers, busy power
@@ -177,11 +182,13 @@ class DeviceClock:
             return
         temp = self.temperature(start)
         assert temp is not None
+        hot = self.throttled(start)
         left = worked_s
         for part, watts in ((t.download_s, power.idle_w), (t.compute_s, power.busy_w), (t.upload_s, power.idle_w)):
             s = min(part, max(0.0, left))
             temp, left = th.after(temp, watts, s), left - s
-        self.temp_c, self.temp_at = temp, start + worked_s
+            hot = hot_after(hot, temp, th.limits)  # each part heats or cools monotonically
+        self.temp_c, self.temp_at, self.hot = temp, start + worked_s, hot
 
     def timing(self, rnd: int, *, bytes_down: int, bytes_up: int, work: TrainWork | None,
                eval_round: int | None = None, start: float | None = None) -> Timing:

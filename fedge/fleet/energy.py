@@ -14,8 +14,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from fedge.common.heat import HeatReading
 from fedge.common.selection import SystemFacts
 from fedge.fleet.clock import DeviceClock, DeviceRound, FleetClock, RoundTime
+
+THROTTLED_NOW = 0x6
+"""The flags a simulated device's firmware reports while it throttles: frequency capped and throttled (bits 1, 2)."""
 
 
 class EnergyLedger:
@@ -96,18 +100,16 @@ def selection_facts(clock: FleetClock, rnd: int, moved: Mapping[str, tuple[int, 
         down, up = moved.get(dev, (0, 0))
         t = dataclasses.replace(c, jitter=0.0).timing(rnd, bytes_down=down, bytes_up=up, work=c.work, start=clock.now)
         out[dev] = SystemFacts(t.total_s, c.task_j(t, bytes_down=down, bytes_up=up), ledger.battery_left_j(dev),
-                               c.power.floor_j if c.power is not None else 0.0, _hot(c, clock.now, t.compute_s))
+                               c.power.floor_j if c.power is not None else 0.0, heat_reading(c, clock.now, t.compute_s))
     return out
 
 
-def _hot(c: DeviceClock, now: float, compute_s: float) -> str:
-    """Why ``c`` is too hot for a task of ``compute_s`` seconds of compute now (empty: it is not)."""
+def heat_reading(c: DeviceClock, now: float, compute_s: float) -> HeatReading | None:
+    """What the thermal guard (:class:`fedge.common.heat.HeatGuard`) knows of ``c`` now, as a real device's heartbeat
+    would tell it: its temperature and, while its firmware throttles it, the Pi's flags; and the temperature a task of
+    ``compute_s`` seconds of compute would take it to (None: no thermal model)."""
     temp, th = c.temperature(now), c.thermal
     if temp is None or th is None or c.power is None:
-        return ""
-    if temp >= th.limit_c:
-        return f"hot: throttling at {temp:.1f} °C (limit {th.limit_c:g} °C)"
-    peak = th.after(temp, c.power.busy_w, compute_s)
-    if peak >= th.limit_c:
-        return f"hot: {temp:.1f} °C, its task would take it to {peak:.1f} °C, past its limit of {th.limit_c:g} °C"
-    return ""
+        return None
+    return HeatReading(temp, th.limits, flags=THROTTLED_NOW if c.throttled(now) else 0,
+                       peak_c=th.after(temp, c.power.busy_w, compute_s))
