@@ -114,7 +114,8 @@ def test_hot_until_cooled_below_resume() -> None:
     assert g.judge("d", HeatReading(61.0, lim)) == "hot: 61.0 °C, at or above its limit of 60 °C"
     assert g.judge("d", HeatReading(57.0, lim)) == "hot: 57.0 °C, not yet cooled below 55 °C"
     assert g.judge("d", HeatReading(54.0, lim)) == "" and g.judge("d", HeatReading(57.0, lim)) == ""
-    assert g.judge("d", HeatReading(45.0, lim, flags=0x50006)) == "hot: its firmware throttles (flags 0x50006) at 45.0 °C"
+    assert g.judge("d", HeatReading(45.0, lim, flags=0x50006)) == ("hot: its firmware throttles (flags 0x50006) at "
+                                                                   "45.0 °C")
     assert g.judge("d", None) == "" and "d" in g.hot  # no new reading: the memory stays
 
 

@@ -100,7 +100,9 @@ class HealthRecord:
         return [name for bit, name in THROTTLE_BITS.items() if self.throttled >> bit & 1]
 
 
-def _check(name: str, value: object) -> object:
+def check_field(name: str, value: object) -> object:
+    """``value`` of field ``name`` checked against :data:`FIELDS` (a float field's int as a float); :class:`HealthError`
+    (reason ``malformed`` or ``range``) otherwise."""
     kind, lo, hi, nullable = FIELDS[name]
     if value is None:
         if nullable:
@@ -132,4 +134,4 @@ def parse_health(raw: object) -> HealthRecord:
     required = [k for k, (_, _, _, nullable) in FIELDS.items() if not nullable and k not in raw]
     if required:
         raise HealthError("malformed", f"info.health lacks {', '.join(required)}")
-    return HealthRecord(**{k: _check(k, v) for k, v in raw.items()})  # type: ignore[arg-type]
+    return HealthRecord(**{k: check_field(k, v) for k, v in raw.items()})  # type: ignore[arg-type]

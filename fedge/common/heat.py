@@ -117,5 +117,6 @@ class HeatGuard:
         if reading.temp_c is not None and reading.temp_c >= lim.limit_c:
             return f"hot: {temp}, at or above its limit of {lim.limit_c:g} °C"
         if reading.peak_c is not None and reading.peak_c >= lim.limit_c:
-            return f"hot: {temp}, its task would take it to {reading.peak_c:.1f} °C, past its limit of {lim.limit_c:g} °C"
+            return (f"hot: {temp}, its task would take it to {reading.peak_c:.1f} °C, past its limit of "
+                    f"{lim.limit_c:g} °C")
         return f"hot: {temp}, not yet cooled below {lim.resume:g} °C"

@@ -68,6 +68,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument("--heartbeat", type=float, default=10.0, metavar="S",
                    help="publish a health record (memory, CPU, temperature, throttling, disk, last round and "
                         "error) every S seconds (default 10; 0: never)")
+    r.add_argument("--health-override", metavar="FILE",
+                   help="for tests and emulation: a JSON object whose fields (cpu_temp_c, throttled, cpu_mhz, "
+                        "cpu_max_mhz) replace the sensors' readings in every health record, read at each heartbeat "
+                        "(absent: the real readings; default $FEDGE_HEALTH_OVERRIDE)")
     r.set_defaults(func=_run)
 
 
@@ -182,6 +186,7 @@ def _agent(args: argparse.Namespace, cfg: Any, dev: Any, own: Any, transport: An
 
 
 def _run(args: argparse.Namespace) -> int:
+    from fedge.edge.health import health_override
     from fedge.edge.service import Bundle, EdgeOptions, EdgeService
     from fedge.mqtt.connection import parse_broker_url
     from fedge.mqtt.device_transport import MqttDeviceTransport
@@ -190,6 +195,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.status_file and not args.data:
         raise ConfigError("--status-file reports on the device's own data: give --data DIR too")
+    override = health_override(args.health_override)  # a malformed file fails now, before anything loads
     if args.bundle:
         if args.config or args.device_id:
             raise ConfigError("give either --bundle or --config/--device-id, not both")
@@ -221,7 +227,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--heartbeat must be >= 0 seconds, got {args.heartbeat:g}")
     private = (args.data, str(Path(args.data).resolve())) if args.data else ()
     service = EdgeService(agent, transport, EdgeOptions(exit_after_final=not args.keep_running,
-                                                        heartbeat_s=args.heartbeat, private_paths=private))
+                                                        heartbeat_s=args.heartbeat, private_paths=private,
+                                                        health_override=override))
     stopped = []
 
     def on_term(*_: object) -> None:  # systemd's stop: leave cleanly (offline status, disconnect)

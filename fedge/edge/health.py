@@ -6,10 +6,16 @@ container reports what it may use, not the host's RAM), CPU from the process's o
 temperature from the hottest CPU thermal zone, the clock from cpufreq, the Pi firmware's throttle
 flags from ``get_throttled`` where the kernel exposes it, free disk with ``statvfs``. Whatever the
 machine cannot tell is sent as null. The schema and its limits are :mod:`fedge.common.health`.
+
+For tests and emulation, a JSON file (``fedge edge run --health-override FILE``, or ``$FEDGE_HEALTH_OVERRIDE``) may
+override the sensors' readings (:data:`OVERRIDABLE`): ``{"cpu_temp_c": 84.0, "throttled": 327686}`` makes the
+device report itself hot and throttling, as ``fedge emulate fault throttle`` does inside a container
+(:class:`HealthOverride`). It is read at every heartbeat; while it is absent the device reports its real readings.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -19,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from fedge import __version__
-from fedge.common.health import FIELDS, MAX_NAME, MAX_TEXT
+from fedge.common.health import FIELDS, MAX_NAME, MAX_TEXT, HealthError, check_field
 from fedge.common.messages import Message
+from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +38,10 @@ SYS = Path("/sys")
 PI_THROTTLED = SYS / "devices/platform/soc/soc:firmware/get_throttled"
 # Thermal zones whose type names the CPU (Pi: cpu-thermal; x86: x86_pkg_temp, coretemp; others: soc, cpu0 ...).
 CPU_ZONE_WORDS = ("cpu", "x86_pkg", "soc", "core", "package")
+HEALTH_OVERRIDE_ENV = "FEDGE_HEALTH_OVERRIDE"
+OVERRIDABLE = ("cpu_temp_c", "throttled", "cpu_mhz", "cpu_max_mhz")
+"""The readings a health override may set: the sensors of heat and throttling."""
+MAX_OVERRIDE_BYTES = 4096
 
 
 def _read(path: Path) -> str | None:
@@ -130,14 +141,99 @@ def disk_free(path: str | os.PathLike[str] = "/") -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+class HealthOverride:
+    """A JSON object whose fields (:data:`OVERRIDABLE`) replace the sensors' readings in every health record.
+
+    :meth:`read` returns them ({} while the file does not exist); a file that is not a JSON object of those fields,
+    each of the schema's type and range (``throttled`` also as a hex string, ``"0x50006"``), is refused with a
+    :class:`~fedge.errors.ConfigError` naming the file and the field. :meth:`fields` is what a heartbeat uses: a
+    refused file is logged (once per distinct problem) and the real readings are sent.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._last_problem = ""
+
+    def read(self) -> dict[str, Any]:
+        """The fields the file overrides ({} while it does not exist); :class:`ConfigError` if it is malformed."""
+        try:
+            with self.path.open("rb") as f:
+                raw = f.read(MAX_OVERRIDE_BYTES + 1)
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise ConfigError(f"health override {self.path}: cannot read it: {exc.strerror or exc}",
+                              hint="make it a readable file, or remove it for the real readings") from exc
+        if len(raw) > MAX_OVERRIDE_BYTES:
+            raise ConfigError(f"health override {self.path}: more than {MAX_OVERRIDE_BYTES} bytes",
+                              hint=f"a JSON object of at most these fields: {', '.join(OVERRIDABLE)}")
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"health override {self.path}: not JSON: {exc}",
+                              hint='write a JSON object, e.g. {"cpu_temp_c": 84.0, "throttled": "0x50006"}') from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"health override {self.path}: must be a JSON object, got {type(data).__name__}",
+                              hint='e.g. {"cpu_temp_c": 84.0, "throttled": "0x50006"}')
+        out: dict[str, Any] = {}
+        for name, value in data.items():
+            if name not in OVERRIDABLE:
+                raise ConfigError(f"health override {self.path}: unknown field {str(name)[:40]!r}",
+                                  hint=f"it may set {', '.join(OVERRIDABLE)}")
+            if name == "throttled" and isinstance(value, str):
+                try:
+                    value = int(value, 16) if value.lower().startswith("0x") else int(value)
+                except ValueError:
+                    raise ConfigError(f"health override {self.path}: throttled = {value[:24]!r} is not a number",
+                                      hint='the Pi firmware flags as an integer or a hex string, e.g. "0x50006"'
+                                      ) from None
+            try:
+                out[name] = check_field(name, value)
+            except HealthError as exc:
+                raise ConfigError(f"health override {self.path}: {exc.message}",
+                                  hint=f"{name}: {_OVERRIDE_HINTS[name]}") from exc
+        return out
+
+    def fields(self) -> dict[str, Any]:
+        """:meth:`read`, or {} with a warning (once per distinct problem) when the file is malformed."""
+        try:
+            out = self.read()
+        except ConfigError as exc:
+            if exc.message != self._last_problem:
+                log.warning("%s; reporting the real readings", exc.message)
+                self._last_problem = exc.message
+            return {}
+        self._last_problem = ""
+        return out
+
+
+_OVERRIDE_HINTS = {"cpu_temp_c": "°C, e.g. 84.0", "throttled": 'the Pi firmware flags, e.g. "0x50006" or 327686',
+                   "cpu_mhz": "MHz, e.g. 600", "cpu_max_mhz": "MHz, e.g. 1500"}
+
+
+def health_override(path: str | os.PathLike[str] | None) -> HealthOverride | None:
+    """The override of ``path``, else of ``$FEDGE_HEALTH_OVERRIDE`` (None: neither), checked now if it exists: a
+    malformed file fails the start (:class:`ConfigError`) rather than a heartbeat later."""
+    chosen = path or os.environ.get(HEALTH_OVERRIDE_ENV) or None
+    if chosen is None:
+        return None
+    override = HealthOverride(chosen)
+    found = override.read()
+    log.info("health override %s: %s", chosen, f"overriding {', '.join(sorted(found))}" if found else
+             "no such file yet: the real readings until it appears")
+    return override
+
+
 class HealthSampler:
-    """Builds one health record per call; CPU % is the agent's share since the previous call."""
+    """Builds one health record per call; CPU % is the agent's share since the previous call; ``override``: the
+    readings a :class:`HealthOverride` replaces."""
 
     def __init__(self, model: str, *, disk_path: str | os.PathLike[str] = "/",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, override: HealthOverride | None = None) -> None:
         self.model = model[:MAX_NAME]
         self.disk_path = disk_path
         self.clock = clock
+        self.override = override
         self.started = clock()
         self.seq = 0
         self._cpu = (clock(), _cpu_seconds())
@@ -168,6 +264,8 @@ class HealthSampler:
             "last_round": max(0, last_round),
             "last_error": last_error[:MAX_TEXT] if last_error else None,
         }
+        if self.override is not None:
+            rec.update(self.override.fields())
         return {k: _clamp(k, v) for k, v in rec.items()}
 
 

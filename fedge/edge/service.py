@@ -19,7 +19,7 @@ from fedge.common.messages import Message
 from fedge.common.rounds import RoundInfo
 from fedge.common.transport import DeviceTransport
 from fedge.edge.agent import DeviceAgent
-from fedge.edge.health import DEFAULT_HEARTBEAT_S, HealthSampler, Heartbeat
+from fedge.edge.health import DEFAULT_HEARTBEAT_S, HealthOverride, HealthSampler, Heartbeat
 from fedge.errors import ConfigError, FedgeError, PayloadError
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,8 @@ class EdgeOptions:
     # Paths that must not leave the device in a health record's last error (a device's own data folder):
     # each is replaced by "<data>".
     private_paths: tuple[str, ...] = ()
+    # Readings a JSON file overrides in every health record (fedge edge run --health-override; None: the sensors').
+    health_override: HealthOverride | None = None
 
 
 class EdgeService:
@@ -52,7 +54,8 @@ class EdgeService:
         self.finished = False
         self.last_error: str | None = None  # the last failure, for the health record
         info = agent.device
-        self.heartbeat = Heartbeat(info.device_id, agent.fleet, HealthSampler(info.arch), transport.send_health,
+        sampler = HealthSampler(info.arch, override=self.options.health_override)
+        self.heartbeat = Heartbeat(info.device_id, agent.fleet, sampler, transport.send_health,
                                    self._health_state, self.options.heartbeat_s)
 
     def _health_state(self) -> tuple[int, int, str | None]:

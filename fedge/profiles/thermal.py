@@ -8,8 +8,9 @@ with ``P`` the busy power while it computes and the idle power otherwise. At or 
 throttles: the device computes at ``throttle_share`` of its speed (a Raspberry Pi's firmware caps the ARM clock from
 its soft limit, 80 °C on a Pi 4 or 5, 60 °C configurable: Raspberry Pi's documentation, "Frequency management and
 thermal control") until it has cooled below ``resume_c`` (default ``limit_c`` − 5 °C): the hysteresis of
-:mod:`fedge.common.heat`, the same decision the thermal guard makes over MQTT. The figures depend on the enclosure and the cooling more than on the board, so no built-in
-profile has this table: a user's profile sets its own (measured, e.g., from the heartbeat's temperature under load).
+:mod:`fedge.common.heat`, the same decision the thermal guard makes over MQTT. The figures depend on the enclosure
+and the cooling more than on the board, so no built-in profile has this table: a user's profile sets its own
+(measured, e.g., from the heartbeat's temperature under load).
 """
 
 from __future__ import annotations
