@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedge.emulate.compose import NETWORK
+from fedge.emulate.compose import HEALTH_OVERRIDE_PATH, NETWORK
 from fedge.emulate.discovery import PROJECT_LABEL, SERVICE_LABEL
 
 
@@ -20,6 +20,8 @@ class Container:
         self.exit_code = exit_code
         self.networks = set(networks if networks is not None else (f"{project}_{NETWORK}",))
         self.calls: list[str] = []
+        self.cpu_period, self.cpu_quota = 0, 0
+        self.env = [f"FEDGE_HEALTH_OVERRIDE={HEALTH_OVERRIDE_PATH}"]
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -27,7 +29,8 @@ class Container:
                           "Paused": self.status == "paused", "ExitCode": self.exit_code,
                           "FinishedAt": "2026-12-01T04:47:51.215Z", "OOMKilled": False},
                 "NetworkSettings": {"Networks": {n: {"IPAddress": "10.200.0.5"} for n in self.networks}},
-                "HostConfig": {"CpuPeriod": 0, "CpuQuota": 0}}
+                "HostConfig": {"CpuPeriod": self.cpu_period, "CpuQuota": self.cpu_quota},
+                "Config": {"Env": self.env}}
 
     def reload(self) -> None:
         pass
@@ -51,6 +54,10 @@ class Container:
     def unpause(self) -> None:
         self.calls.append("unpause")
         self.status = "running"
+
+    def update(self, cpu_period: int | None = None, cpu_quota: int | None = None) -> None:
+        self.calls.append(f"update {cpu_period} {cpu_quota}")
+        self.cpu_period, self.cpu_quota = cpu_period or 0, max(0, cpu_quota or 0)
 
     def exec_run(self, cmd: list[str], user: str = "") -> tuple[int, bytes]:
         self.calls.append("exec " + " ".join(cmd))

@@ -8,5 +8,8 @@ from ``docker/``. Running a fleet, through the Docker SDK for Python and the com
 :mod:`fedge.emulate.emulation` is one emulation's directory and state (``emulation.json``);
 :mod:`fedge.emulate.lifecycle` writes, starts, waits for and takes down a fleet;
 :mod:`fedge.emulate.status` reports each device's state and figures; :mod:`fedge.emulate.faults`
-kills, pauses, partitions and restarts its containers.
+kills, pauses, partitions, throttles (:mod:`fedge.emulate.throttle`) and restarts its containers.
 """
+
+FAULTS = ("kill", "pause", "partition", "throttle", "resume", "restart")
+"""The words of ``fedge emulate fault`` (read by its command line without loading the Docker SDK)."""

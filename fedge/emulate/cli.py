@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from fedge.emulate import FAULTS
+
 if TYPE_CHECKING:
     from fedge.emulate.emulation import Emulation
     from fedge.emulate.status import DeviceStatus
@@ -66,13 +68,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     lg.add_argument("--dir", default=DEFAULT_DIR)
     lg.set_defaults(func=_logs)
 
-    f = esub.add_parser("fault", help="kill, pause or partition a device; restart broker or coordinator",
+    f = esub.add_parser("fault", help="kill, pause, partition or throttle a device; restart broker or coordinator",
                         description="kill DEVICE (SIGKILL; --for S starts it again: a reboot), pause DEVICE "
-                                    "(freeze), partition DEVICE (disconnect from the fleet network), resume DEVICE "
-                                    "(undo pause/partition; start a killed device again), restart broker|coordinator. "
+                                    "(freeze), partition DEVICE (disconnect from the fleet network), throttle DEVICE "
+                                    "(its CPU quota x0.6, and it reports itself hot with the Pi firmware's throttling "
+                                    "flags), resume DEVICE (undo pause/partition/throttle; start a killed device "
+                                    "again), restart broker|coordinator. "
                                     "In a sharded fleet each shard's broker-NAME and relay-NAME take all five. "
                                     "A fault the device's state rules out (killing an exited device) says so.")
-    f.add_argument("action", choices=("kill", "pause", "partition", "resume", "restart"))
+    f.add_argument("action", choices=FAULTS)
     f.add_argument("target", help="device id, or broker/coordinator for restart; broker-NAME or relay-NAME (shard "
                                   "NAME) for any")
     f.add_argument("--for", dest="duration", type=float, metavar="S", help="undo the fault after S seconds")

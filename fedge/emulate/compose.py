@@ -36,6 +36,9 @@ HTTP_TOKEN = "token"  # its file in DIR/http/
 NETWORK = "fleet"
 ROLE_LABEL = "io.fedge.role"
 PROFILE_LABEL = "io.fedge.profile"
+HEALTH_OVERRIDE_PATH = "/run/fedge-health-override.json"
+"""Inside a device container: the health override its agent reads (``$FEDGE_HEALTH_OVERRIDE``), written by
+``fedge emulate fault throttle`` (:mod:`fedge.emulate.throttle`); absent, the device reports its real readings."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,7 @@ def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: C
                 "FEDGE_DOWNLINK_KBIT": str(lim.downlink_kbit),
                 "FEDGE_DELAY_MS": f"{lim.delay_ms:g}",
                 "FEDGE_LOSS_PCT": f"{lim.loss_pct:g}",
+                "FEDGE_HEALTH_OVERRIDE": HEALTH_OVERRIDE_PATH,  # fault throttle writes it (fedge.emulate.throttle)
             },
             "depends_on": [home.get(lim.device_id, BROKER)],
             "networks": [NETWORK],

@@ -1,8 +1,9 @@
 """Faults injected into a running emulation with the engine's own operations.
 
 ``kill`` (SIGKILL; undone by starting the container again: a device that reboots), ``pause`` (the
-cgroup freezer), ``partition`` (disconnect from the fleet network), ``resume`` (undo pause and
-partition now) of a device — or, in a sharded fleet, of a shard's broker or relay (``broker-NAME``,
+cgroup freezer), ``partition`` (disconnect from the fleet network), ``throttle`` (a lower CPU quota and the Pi
+firmware's throttling flags in its heartbeat: :mod:`fedge.emulate.throttle`), ``resume`` (undo pause, partition
+and throttle now) of a device — or, in a sharded fleet, of a shard's broker or relay (``broker-NAME``,
 ``relay-NAME``) — and ``restart`` of the broker, the coordinator, a shard's broker or a relay.
 """
 
@@ -15,9 +16,11 @@ import time
 from typing import Any
 
 from fedge.common.atomicfile import write_atomic
+from fedge.emulate import FAULTS
 from fedge.emulate.compose import BROKER, COORDINATOR, NETWORK
 from fedge.emulate.discovery import docker_sdk
 from fedge.emulate.emulation import Emulation
+from fedge.emulate.throttle import cool, throttle, throttled_devices
 from fedge.errors import ConfigError, EmulationError
 
 log = logging.getLogger(__name__)
@@ -34,7 +37,8 @@ def fault(emu: Emulation, client: Any, action: str, target: str, *, duration: fl
 
     kill: SIGKILL the container (with ``duration``: start it again, a device that reboots);
     pause: freeze its processes (cgroup freezer); partition: disconnect it from the fleet network;
-    resume: undo pause/partition now, or start a killed device again; restart: restart the broker or
+    throttle (devices only): lower its CPU quota and make it report itself hot and throttling;
+    resume: undo pause/partition/throttle now, or start a killed device again; restart: restart the broker or
     the coordinator. A sharded fleet's shard brokers and relays take every one of them. A fault that makes
     no sense in the container's state (killing an exited device, pausing a paused one) is an
     :class:`EmulationError` in words, and so is whatever else the engine refuses: an operator command never
@@ -74,8 +78,10 @@ def _fault(emu: Emulation, client: Any, action: str, target: str, duration: floa
                               hint=f"to reboot a device: fedge emulate fault kill DEVICE --for S{listed}")
         emu.container(client, target).restart(timeout=5)
         return f"restarted {target}"
-    if action not in ("kill", "pause", "partition", "resume"):
-        raise ConfigError(f"unknown fault {action!r}", hint="kill, pause, partition, resume or restart")
+    if action not in FAULTS:
+        raise ConfigError(f"unknown fault {action!r}", hint=f"one of {', '.join(FAULTS)}")
+    if action == "throttle" and target not in emu.devices:
+        raise ConfigError(f"fault throttle takes a device, not {target!r}", hint=f"devices: {', '.join(emu.devices)}")
     if target not in (*emu.devices, *shard):
         raise ConfigError(f"{target!r} is not a device{', shard broker or relay' if shard else ''} of this emulation",
                           hint=f"devices: {', '.join(emu.devices)}{listed}")
@@ -89,6 +95,11 @@ def _fault(emu: Emulation, client: Any, action: str, target: str, duration: floa
                              hint=f"start it again with `{again}`" if status == "exited" else None)
     if action == "pause" and status == "paused":
         raise EmulationError(f"{target} is already paused", hint=f"undo it with `{again}`")
+    if action == "throttle":
+        if status == "paused":
+            raise EmulationError(f"{target} is paused: a frozen device cannot report its heat",
+                                 hint=f"unfreeze it first with `{again}`")
+        return throttle(emu, c, target, duration)
     net = client.networks.get(f"{emu.project}_{NETWORK}")
     if action == "kill":
         c.kill()
@@ -120,11 +131,14 @@ def _resume(emu: Emulation, client: Any, c: Any, target: str, status: str) -> st
     reconnect it to the fleet network; in words, what was done (or that nothing held it)."""
     if status == "exited":
         c.start()
-        return f"started {target} again"
+        started = f"started {target} again"
+        return started + (f"; {cool(emu, c, target)}" if target in throttled_devices(emu) else "")
     done = []
     if status == "paused":
         c.unpause()
         done.append("unpaused")
+    if target in throttled_devices(emu):
+        done.append(cool(emu, c, target))
     net = client.networks.get(f"{emu.project}_{NETWORK}")
     c.reload()
     if net.name not in c.attrs["NetworkSettings"]["Networks"]:
