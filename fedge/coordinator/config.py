@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from fedge.common.asyncmode import AsyncSettings
 from fedge.common.coordinator_section import DEADLINE_KEYS, QUORUM_KEYS, Aggregation, CoordinatorSection
+from fedge.common.heat import HeatLimits
 from fedge.common.privacy import Mechanism, PrivacySettings
 from fedge.common.rounds import DeviceInfo
 from fedge.common.sampling import Sampling
@@ -49,6 +50,9 @@ class DeviceSlotCheck:
     # Seconds one task of this device takes by the fleet config's clock model (its compute, evaluation and
     # transfers; None: not known): its task timeout's basis until it has delivered one (EngineConfig.round_timeout_s).
     expected_task_s: float | None = None
+    # Where its profile says it becomes hot and cools again ([thermal] limit_c, resume_c; None: the defaults): the
+    # thermal guard's limits for its heartbeats (fedge.common.heat).
+    heat: HeatLimits | None = None
 
     def mismatches(self, hello: DeviceInfo) -> list[str]:
         """How ``hello`` differs from this slot: one ``"field: expected X, got Y"`` per field."""

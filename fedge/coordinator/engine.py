@@ -23,9 +23,11 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+from fedge.common.health import HealthRecord
+from fedge.common.heat import HeatReading
 from fedge.common.messages import Message
 from fedge.common.privacy import PrivacyLedger
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
@@ -45,7 +47,7 @@ from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.policy import Call, RoundPolicy, SyncRound
 from fedge.coordinator.report import RoundReport, rolled_back
 from fedge.coordinator.secure import SecureRound
-from fedge.coordinator.selecting import Selector
+from fedge.coordinator.selecting import Selector, heartbeat_heat
 from fedge.coordinator.store import REPORTS_FILE, EngineState, EngineStore, StateMismatchError
 from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.coordinator.versions import VersionPolicy
@@ -92,6 +94,9 @@ class RoundEngine:
         self.task_since: dict[str, float] = {}  # ... and when (unix seconds) it was handed out, for its timeout
         self.gate.assigned = self.tasks
         self.selector = Selector()  # selection = "oort" / "energy": what devices reported (issue 44)
+        # the devices' last accepted heartbeats (the fleet monitor's health_records), for the thermal guard over a
+        # network; None: none (in process, a simulation's clock tells selection_facts instead)
+        self.health: Callable[[], Mapping[str, HealthRecord]] | None = None
         self.store: EngineStore | None = EngineStore(state_dir) if state_dir else None
         if self.store is not None and self.store.exists():
             self._resume(self.store.load(method=config.method, fleet=config.fleet))
@@ -245,11 +250,19 @@ class RoundEngine:
         s = self.config.sampling
         if s is None or s.full or rnd > self.strategy.total_rounds():
             return None
-        if s.selection in UTILITY_SELECTIONS:  # facts from the reports and, simulated, the clock
+        if s.selection in UTILITY_SELECTIONS:  # facts from the reports, the heartbeats and, simulated, the clock
             facts = getattr(self.transport, "selection_facts", None)
             return self.selector.choose(s, rnd, self.devices, online, self.reports, facts(rnd) if facts else None,
-                                        lambda d: self._estimate(d, self.strategy.phase(rnd)))
+                                        lambda d: self._estimate(d, self.strategy.phase(rnd)), self._heat())
         return s.choose(rnd, {d: dev.profile for d, dev in self.devices.items()}, online)
+
+    def _heat(self) -> dict[str, HeatReading] | None:
+        """The thermal guard's readings from the devices' heartbeats (None: no heartbeats, or no guard)."""
+        s = self.config.sampling
+        if self.health is None or s is None or not s.utility.thermal_guard:
+            return None
+        slots = self.config.slots or {}
+        return heartbeat_heat(self.health(), lambda d: slots[d].heat if d in slots else None)
 
     def run_round(self, rnd: int) -> RoundReport:
         """Announce round ``rnd``, aggregate what arrives, publish the new global state.

@@ -15,14 +15,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedge.common.coordinator_section import CoordinatorSection
+from fedge.common.heat import HeatLimits
 from fedge.coordinator.config import EngineConfig, engine_config
 from fedge.coordinator.service import KEEP_REPORTS
 from fedge.coordinator.strategy import Strategy
 from fedge.errors import ConfigError, FedgeError
 from fedge.fleet.clock import fleet_clock
-from fedge.fleet.config import FleetConfig
+from fedge.fleet.config import FleetConfig, device_ids
 from fedge.fleet.registry import method_entry
-from fedge.fleet.slots import checked_slots, fleet_classes
+from fedge.fleet.slots import checked_slots, device_profile, fleet_classes
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def engine_parts(args: argparse.Namespace, cfg: FleetConfig, *, any_device: bool
                                method=cfg.run.method, slots=checked_slots(cfg), own_data=cfg.own_data,
                                privacy=cfg.privacy_mechanism, any_device=any_device, keep_reports=KEEP_REPORTS)
     if engine_cfg.slots is not None:
-        engine_cfg = dataclasses.replace(engine_cfg, slots=expected_task_times(cfg, engine_cfg.slots))
+        engine_cfg = dataclasses.replace(engine_cfg, slots=heat_limits(cfg, expected_task_times(cfg, engine_cfg.slots)))
     if cfg.privacy.secure_aggregation:  # synchronous rounds over MQTT (fedge.coordinator.secure)
         engine_cfg = dataclasses.replace(engine_cfg, secure=cfg.privacy)
     strat = method_entry(cfg.run.method).build_strategy(cfg.method_config, num_classes=len(fleet_classes(cfg)),
@@ -67,6 +68,23 @@ def refuse_secure_in_parts(cfg: FleetConfig, what: str) -> None:
                           f"{what} do not carry its stage messages yet",
                           hint="leave secure_aggregation out, or run the fleet without relays and workers "
                                "(docs/security.md#secure-aggregation)")
+
+
+def heat_limits(cfg: FleetConfig, checks: Mapping[str, Any]) -> Mapping[str, Any]:
+    """With ``[coordinator] thermal_guard``: each slot check with its profile's ``[thermal]`` limits (the guard reads
+    the heartbeats against them; a profile without the table keeps the defaults, :class:`HeatLimits`)."""
+    s = cfg.coordinator.sampling
+    if s is None or not s.utility.thermal_guard:
+        return checks
+    limits: dict[int, HeatLimits | None] = {}
+    out = dict(checks)
+    for d, gi in device_ids(cfg):
+        if gi not in limits:
+            thermal = device_profile(cfg, gi).thermal
+            limits[gi] = thermal.limits if thermal is not None else None
+        if d in out and limits[gi] is not None:
+            out[d] = dataclasses.replace(out[d], heat=limits[gi])
+    return out
 
 
 def expected_task_times(cfg: FleetConfig, checks: Mapping[str, Any]) -> Mapping[str, Any]:

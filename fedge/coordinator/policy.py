@@ -173,7 +173,8 @@ class SyncRound(RoundPolicy):
         deadline_s = max(0.0, self.info.deadline - time.time())
         self.report = RoundReport(round=rnd, phase=self.info.phase, deadline_s=deadline_s,
                                   sampled=list(self.sampled or []),
-                                  selection=e.selector.why if self.sampled else {})
+                                  selection=e.selector.why if self.sampled else {},
+                                  hot=list(e.selector.held) if self.sampled else [])
         return self.report
 
     def done(self) -> bool:

@@ -47,6 +47,9 @@ class RoundReport:
     # [coordinator] selection = "oort" | "energy": device id -> why it was or was not tasked this round
     # (fedge.common.selection); empty for the other selections
     selection: dict[str, str] = field(default_factory=dict)
+    # [coordinator] thermal_guard: the candidates held out of this round because they were hot (fedge.common.heat;
+    # why: ``selection``)
+    hot: list[str] = field(default_factory=list)
     # [privacy] secure_aggregation over a transport (fedge.coordinator.secure): group -> {"survivors": devices
     # whose values the group's sum holds, "dropped": devices lost after sharing their keys, "abandoned": why the
     # group's sum was abandoned ("" when it completed)}

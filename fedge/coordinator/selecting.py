@@ -17,13 +17,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
-from fedge.common.heat import HeatGuard, HeatReading
+from fedge.common.health import HealthRecord
+from fedge.common.heat import HeatGuard, HeatLimits, HeatReading
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo
 from fedge.common.sampling import Sampling
 from fedge.common.selection import DeviceFacts, SystemFacts, select
 from fedge.coordinator.report import RoundReport
 
 log = logging.getLogger(__name__)
+
+
+def heartbeat_heat(records: Mapping[str, HealthRecord], limits: Callable[[str], HeatLimits | None]
+                   ) -> dict[str, HeatReading]:
+    """What the devices' last heartbeats say of their heat (their ``cpu_temp_c`` and the Pi firmware's ``throttled``
+    flags), with each device's limits (``limits(device)``; None: :class:`HeatLimits`' defaults). A record that
+    tells neither says nothing."""
+    out = {}
+    for d, rec in records.items():
+        if rec.cpu_temp_c is None and rec.throttled is None:
+            continue
+        out[d] = HeatReading(rec.cpu_temp_c, limits(d) or HeatLimits(), flags=rec.throttled)
+    return out
 
 
 class Selector:

@@ -232,9 +232,9 @@ class DeviceClock:
         finish = start + t.total_s
         worked = min(finish, until) - start
         joules = self.task_j(t, bytes_down=bytes_down, bytes_up=bytes_up, worked_s=worked)
-        temp = self.temperature(start)
+        temp, hot = self.temperature(start), self.throttled(start)
         self._heat(start, t, worked)
-        return DeviceRound(start, t.download_s, t.compute_s, t.upload_s, finish, not lost, lost, joules, temp)
+        return DeviceRound(start, t.download_s, t.compute_s, t.upload_s, finish, not lost, lost, joules, temp, hot)
 
 
 @dataclass(frozen=True)
@@ -253,6 +253,8 @@ class DeviceRound:
     """What the work cost the device (:meth:`DeviceClock.task_j`; None: its profile has no ``[power]``)."""
     temp_c: float | None = None
     """Its temperature when the work started (None: no ``[thermal]`` model)."""
+    throttled: bool = False
+    """Whether its firmware throttled it when the work started (it computed at ``[thermal] throttle_share``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

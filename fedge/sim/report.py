@@ -84,7 +84,7 @@ def build_results(res: SimResult) -> dict[str, Any]:
              **({"rolled_back": undone} if (undone := rolled_back(r)) else {}),
              **({"virtual_start_s": spans[r.round][0], "virtual_end_s": spans[r.round][1],
                  "joules": sum(joules[r.round].values())} if r.round in spans else {}),
-             **({"selection": r.selection} if r.selection else {})}
+             **({"selection": r.selection} if r.selection else {}), **({"hot": r.hot} if r.hot else {})}
             for r in reports
         ],
         "privacy": _privacy(res),
