@@ -49,6 +49,10 @@ PREFERRED_S = 1.0
 statistical utility alone (a fleet that sets its preferred round to its deadline)."""
 
 
+HELD_KINDS = {"throttling": "firmware throttles", "at limit": "at or above its limit",
+              "task would pass limit": "its task would take it", "not yet cooled": "not yet cooled"}
+
+
 def fleet_config(run: str, *, seed: int, rounds: int, sample: int, per_profile: int, work: Path) -> Path:
     """The fleet config of one run (and the hot Pi 4's profile beside it); returns its path."""
     from fedge.profiles import builtin_dir
@@ -109,12 +113,18 @@ def run(name: str, *, seed: int, rounds: int, sample: int, per_profile: int) -> 
     pi4 = [d for d in doc["devices"] if d["id"].startswith("rpi4-4gb")]
     tasks = [v for d in pi4 for v in d["virtual"] if v is not None]
     held = [r.get("hot", []) for r in doc["rounds_log"]]
+    why: dict[str, int] = {}  # why the guard held them: the kinds of fedge.common.heat.HeatGuard's reasons
+    for r in doc["rounds_log"]:
+        for d in r.get("hot", []):
+            text = r["selection"][d]
+            kind = next((k for k, words in HELD_KINDS.items() if words in text), "other")
+            why[kind] = why.get(kind, 0) + 1
     return {"run": name, "seed": seed, "rounds": rounds, "sample": sample, "devices": len(doc["devices"]),
             "curve": doc["time_to_accuracy"], "final_acc": doc["time_to_accuracy"][-1]["mean_acc_global"],
             "virtual_s": res.clock.now, "pi4_tasks": len(tasks), "pi4_throttled": sum(bool(v["throttled"])
                                                                                        for v in tasks),
             "pi4_max_temp_c": max((v["temp_c"] for v in tasks if v["temp_c"] is not None), default=None),
-            "rounds_with_held": sum(bool(h) for h in held), "held": sum(len(h) for h in held),
+            "rounds_with_held": sum(bool(h) for h in held), "held": sum(len(h) for h in held), "held_why": why,
             "round_s": [r["virtual_end_s"] - r["virtual_start_s"] for r in doc["rounds_log"]
                         if "virtual_end_s" in r],
             "wall_s": time.perf_counter() - t0}
@@ -155,6 +165,8 @@ def print_table(res: dict[str, Any]) -> None:
                          f"{r['held']} in {r['rounds_with_held']}"])
     print(text_table(["seed", "run", "final acc %", "s to target", "run s", "run s / cool", "Pi 4 tasks throttled",
                       "Pi 4 max start °C", "held (device-rounds)"], rows))
+    for seed, runs in res["runs"].items():
+        print(f"seed {seed}: the guard held, by reason: {runs['guarded']['held_why']}")
     for seed, s in res["seeds"].items():
         print(f"seed {seed}: target {100 * s['level']:.1f} %; to it, throttled {f(s['throttled_ratio'], '.2f')}x "
               f"and guarded {f(s['guarded_ratio'], '.2f')}x the cool fleet's time "
