@@ -34,19 +34,12 @@ PROFILES = ("rpi-zero-2w", "rpi3b", "rpi4-4gb", "rpi5-8gb", "jetson-nano", "x86-
 LOW_BATTERY = ("zero-low-battery", 0.02, 0.004)  # name, battery_wh, floor_wh
 
 
-def fleet_config(policy: str, *, seed: int, rounds: int, sample: int, per_profile: int, work: Path) -> Path:
-    """The fleet config of one run (and the low-battery profile beside it); returns its path."""
-    from fedge.profiles import builtin_dir
-
-    name, wh, floor = LOW_BATTERY
-    zero = (builtin_dir() / "rpi-zero-2w.toml").read_text().replace('name = "rpi-zero-2w"', f'name = "{name}"')
-    zero = zero.replace("battery_wh = 37.0\nfloor_wh = 3.7", f"battery_wh = {wh}\nfloor_wh = {floor}")
-    (work / f"{name}.toml").write_text(zero)
-    groups = "".join(f'\n[[devices]]\nprofile = "{p}"\ncount = {per_profile}\narch = "tier-xs"\n'
-                     for p in (*PROFILES, f"{name}.toml"))
-    text = f"""
+def fedavg_digits(name: str, *, seed: int, rounds: int) -> str:
+    """The fleet config's tables but the devices, clock and coordinator: FedAvg on tier-xs, digits with
+    Dirichlet(0.5) label skew, 2 local epochs, one thread (the energy and thermal benchmarks share it)."""
+    return f"""
 [run]
-name = "energy-{policy}-s{seed}"
+name = "{name}"
 method = "fedavg"
 rounds = {rounds}
 dataset = "digits"
@@ -66,7 +59,20 @@ val_fraction = 0.0
 
 [simulation]
 threads = 1
+"""
 
+
+def fleet_config(policy: str, *, seed: int, rounds: int, sample: int, per_profile: int, work: Path) -> Path:
+    """The fleet config of one run (and the low-battery profile beside it); returns its path."""
+    from fedge.profiles import builtin_dir
+
+    name, wh, floor = LOW_BATTERY
+    zero = (builtin_dir() / "rpi-zero-2w.toml").read_text().replace('name = "rpi-zero-2w"', f'name = "{name}"')
+    zero = zero.replace("battery_wh = 37.0\nfloor_wh = 3.7", f"battery_wh = {wh}\nfloor_wh = {floor}")
+    (work / f"{name}.toml").write_text(zero)
+    groups = "".join(f'\n[[devices]]\nprofile = "{p}"\ncount = {per_profile}\narch = "tier-xs"\n'
+                     for p in (*PROFILES, f"{name}.toml"))
+    text = fedavg_digits(f"energy-{policy}-s{seed}", seed=seed, rounds=rounds) + f"""
 [clock]
 availability = "onoff"
 online_mean_s = 120

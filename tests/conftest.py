@@ -332,3 +332,13 @@ def docker_env(request: pytest.FixtureRequest) -> tuple[Any, Any]:
         pytest.skip(f"Docker tests need a running engine: {exc.message} ({exc.hint})")
     building = request.config.stash.get(_IMAGES, None)
     return client, (building.result() if building is not None else _ensure_images(client))
+
+
+@pytest.fixture
+def emulation() -> Iterator[list[Any]]:
+    """The emulations (``fedge.emulate.emulation.Emulation``) a test starts: taken down afterwards whatever
+    happens. Used with ``docker_env``."""
+    started: list[Any] = []
+    yield started
+    for emu in started:
+        emu.compose("down", "--remove-orphans", "--timeout", "2", check=False)

@@ -1,5 +1,5 @@
 """A stand-in for the Docker engine as ``fedge.emulate`` uses it (containers found by their compose labels, their
-state, kill/start/pause/restart, the fleet network), for the fault and status tests that need no engine."""
+state, kill/start/pause/restart/update, the fleet network), for the fault and status tests that need no engine."""
 
 from __future__ import annotations
 

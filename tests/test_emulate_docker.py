@@ -41,15 +41,6 @@ from fedge.emulate.emulation import Emulation, project_name
 # test `docker`, and without an engine it skips, saying why.
 
 
-@pytest.fixture
-def emulation(tmp_path: Path) -> Iterator[list[Emulation]]:
-    """Emulations a test starts; taken down afterwards whatever happens."""
-    started: list[Emulation] = []
-    yield started
-    for emu in started:
-        emu.compose("down", "--remove-orphans", "--timeout", "2", check=False)
-
-
 def _write(tmp_path: Path, name: str, text: str) -> Path:
     p = tmp_path / name
     p.write_text(text)
