@@ -409,10 +409,10 @@ def coordinator_main(args: argparse.Namespace) -> None:
 def _serve(engine: Any, transport: Any, args: argparse.Namespace) -> None:
     """What ``fedge coordinator run --http`` adds to the coordinator: the monitor, /metrics and the page."""
     from fedge.common.rounds import DeviceInfo
-    from fedge.coordinator.dashboard import monitor_routes
-    from fedge.coordinator.metrics import FleetMetrics
-    from fedge.coordinator.monitor import FleetMonitor
-    from fedge.coordinator.web import DashboardServer, Endpoint
+    from fedge.observe.dashboard import monitor_routes
+    from fedge.observe.metrics import FleetMetrics
+    from fedge.observe.monitor import FleetMonitor
+    from fedge.observe.web import DashboardServer, Endpoint
 
     ids = [f"dev-{i:04d}" for i in range(args.n)]
     monitor = FleetMonitor(fleet=args.fleet, method="fedproto", total_rounds=args.rounds, transport=transport,

@@ -113,11 +113,11 @@ def drawing_ms(n: int, rounds: int = 40, repeat: int = 20) -> dict[str, float]:
     apart from the network and the machine's load."""
     from fedge.common.health import parse_health
     from fedge.common.rounds import DeviceInfo
-    from fedge.coordinator.dashboard import page
-    from fedge.coordinator.metrics import FleetMetrics
-    from fedge.coordinator.monitor import FleetMonitor
     from fedge.coordinator.report import RoundReport
     from fedge.edge.health import HealthSampler
+    from fedge.observe.dashboard import page
+    from fedge.observe.metrics import FleetMetrics
+    from fedge.observe.monitor import FleetMonitor
 
     rec = parse_health(HealthSampler("tier-m").sample(last_round=rounds, model_round=rounds, last_error=None))
     ids = [f"dev-{i:04d}" for i in range(n)]

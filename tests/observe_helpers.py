@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 import pytest
 
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
-from fedge.coordinator.metrics import FleetMetrics
-from fedge.coordinator.monitor import FleetMonitor, fleet_infos
 from fedge.fleet.config import FleetConfig, device_ids, load_fleet
 from fedge.mqtt.broker import MosquittoProcess, free_port
+from fedge.observe.metrics import FleetMetrics
+from fedge.observe.monitor import FleetMonitor, fleet_infos
 from fedge.sim.over_mqtt import start_fleet
 from fedge.sim.simulate import build_fleet
 

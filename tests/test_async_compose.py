@@ -17,13 +17,13 @@ from fedge.common.asyncmode import AsyncSettings
 from fedge.common.messages import Message
 from fedge.common.rounds import RoundInfo
 from fedge.common.transport import Inbound
-from fedge.coordinator.dashboard import page
-from fedge.coordinator.fileview import monitor_from_state_dir
-from fedge.coordinator.metrics import FleetMetrics
-from fedge.coordinator.monitor import FleetMonitor
 from fedge.coordinator.observer import EngineObserver
 from fedge.errors import ConfigError
 from fedge.fleet.config import parse_fleet
+from fedge.observe.dashboard import page
+from fedge.observe.fileview import monitor_from_state_dir
+from fedge.observe.metrics import FleetMetrics
+from fedge.observe.monitor import FleetMonitor
 
 ASYNC_TOML = """
 [run]

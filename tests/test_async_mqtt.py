@@ -153,9 +153,9 @@ def test_an_async_fleet_over_mosquitto_is_watched_in_versions(tmp_path: Path, mo
     from observe_helpers import Prometheus, run_watched, small_fleet
     from prometheus_client.parser import text_string_to_metric_families
 
-    from fedge.coordinator.dashboard import monitor_routes
     from fedge.coordinator.store import REPORTS_FILE, read_reports
-    from fedge.coordinator.web import DashboardServer, Endpoint
+    from fedge.observe.dashboard import monitor_routes
+    from fedge.observe.web import DashboardServer, Endpoint
 
     cfg = small_fleet(tmp_path, "async-watched", rounds=3, extra=ASYNC_WATCHED)
     run = run_watched(cfg, mosquitto, state_dir=tmp_path / "state")

@@ -26,18 +26,18 @@ from observe_helpers import (
 
 from fedge.common.messages import Message
 from fedge.coordinator.config import EngineConfig, slot_checks
-from fedge.coordinator.dashboard import monitor_routes, profile_colours
 from fedge.coordinator.engine import RoundEngine
-from fedge.coordinator.metrics import FleetMetrics
-from fedge.coordinator.monitor import FleetMonitor
 from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.report import RoundReport
 from fedge.coordinator.store import REPORTS_FILE, read_reports
-from fedge.coordinator.web import DashboardServer, Endpoint
 from fedge.fleet.config import device_ids
 from fedge.fleet.slots import checked_slots
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.device_transport import MqttDeviceTransport
+from fedge.observe.dashboard import monitor_routes, profile_colours
+from fedge.observe.metrics import FleetMetrics
+from fedge.observe.monitor import FleetMonitor
+from fedge.observe.web import DashboardServer, Endpoint
 from fedge.sim.over_mqtt import start_fleet
 from fedge.sim.simulate import build_fleet
 
@@ -202,7 +202,7 @@ def test_the_dashboard_of_a_state_directory_after_the_fact(tmp_path: Path, mosqu
 
 
 def test_colours_never_repeat() -> None:
-    from fedge.coordinator.dashboard import device_colour
+    from fedge.observe.dashboard import device_colour
 
     assert len({device_colour(i) for i in range(1000)}) == 1000
     assert len(set(profile_colours([f"p{i}" for i in range(30)]).values())) == 30

@@ -143,8 +143,8 @@ def test_metrics_estimate_a_live_devices_power_from_its_heartbeat() -> None:
     from fedge.common.messages import Message
     from fedge.common.rounds import DeviceInfo
     from fedge.common.transport import Inbound
-    from fedge.coordinator.metrics import device_gauges
-    from fedge.coordinator.monitor import FleetMonitor
+    from fedge.observe.metrics import device_gauges
+    from fedge.observe.monitor import FleetMonitor
 
     devices = {"pi4": DeviceInfo("pi4", "tier-m", "rpi4-4gb", "fp32", 100, 64),
                "mine": DeviceInfo("mine", "tier-m", "my-board.toml", "fp32", 100, 64)}

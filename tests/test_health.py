@@ -18,7 +18,6 @@ from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.common.tensorcodec import Payload, encode
 from fedge.common.transport import Inbound
-from fedge.coordinator.monitor import FleetMonitor
 from fedge.edge import health as edge_health
 from fedge.edge.health import HealthSampler, Heartbeat
 from fedge.mqtt.broker import MosquittoProcess
@@ -26,6 +25,7 @@ from fedge.mqtt.client import new_paho_client
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.mqtt.topics import FleetTopics
+from fedge.observe.monitor import FleetMonitor
 
 
 def record(**over: Any) -> dict[str, Any]:
@@ -194,7 +194,7 @@ def test_refused_heartbeats_are_logged_once_a_minute_per_device_and_once_for_all
     now = [1000.0]
     mon = FleetMonitor(fleet="f", method="fedproto", total_rounds=2, wait_log_s=0, clock=lambda: now[0],
                        fleet_devices={"d1": DeviceInfo("d1", "tier-m", "rpi4-4gb")})
-    caplog.set_level(logging.WARNING, logger="fedge.coordinator.heartbeats")
+    caplog.set_level(logging.WARNING, logger="fedge.observe.heartbeats")
     bad = raw_message('{"health": {"seq": NaN}}')
     for i in range(20):
         assert not mon.add_health(Inbound(bad, "d1", now[0]))
@@ -222,8 +222,8 @@ def test_what_a_device_says_reaches_the_page_escaped_and_metrics_parseable() -> 
     /metrics stays valid exposition text (no device text is a label or a value there)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from fedge.coordinator.dashboard import monitor_routes
-    from fedge.coordinator.metrics import FleetMetrics
+    from fedge.observe.dashboard import monitor_routes
+    from fedge.observe.metrics import FleetMetrics
 
     mon = monitor()
     evil = '<script>alert("x")</script><img src=x onerror=alert(1)> "quoted" \\ back\nslash'

@@ -23,6 +23,8 @@ def test_coordinator_side_does_not_import_torch() -> None:
         "import fedge.coordinator.engine, fedge.coordinator.strategies, fedge.coordinator.cli\n"
         "import fedge.fleet.config, fedge.fleet.slots, fedge.profiles, fedge.mqtt.coordinator_transport\n"
         "import fedge.scaleout.relay, fedge.scaleout.worker, fedge.scaleout.cli, fedge.coordinator.fromfleet\n"
+        "import fedge.observe.monitor, fedge.observe.metrics, fedge.observe.dashboard, fedge.observe.fileview\n"
+        "import fedge.observe.tensorboard\n"
         "from fedge.fleet.registry import METHODS\n"
         "assert {'local', 'fedavg', 'lgfedavg', 'fedproto', 'gefl', 'geflf', 'fedvtc'} <= set(METHODS)\n"
         "for entry in METHODS.values(): entry.coordinator_half()\n"

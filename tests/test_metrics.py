@@ -19,11 +19,11 @@ import pytest
 from observe_helpers import Prometheus, run_watched, small_fleet
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedge.coordinator.dashboard import monitor_routes
 from fedge.coordinator.store import REPORTS_FILE, read_reports
-from fedge.coordinator.web import DashboardServer, Endpoint, Routes, check_bind, load_token, parse_endpoint
 from fedge.errors import ConfigError
 from fedge.mqtt.broker import MosquittoProcess
+from fedge.observe.dashboard import monitor_routes
+from fedge.observe.web import DashboardServer, Endpoint, Routes, check_bind, load_token, parse_endpoint
 
 
 def get(url: str, token: str | None = None, *, basic: bool = False, method: str = "GET") -> tuple[int, bytes]:
@@ -72,7 +72,7 @@ def test_a_token_is_printable_ascii_and_its_file_private(tmp_path: Path, monkeyp
     """A token a header cannot carry unchanged is refused; one in a file others may read works, with a warning
     that never shows the token."""
     monkeypatch.delenv("FEDGE_HTTP_TOKEN", raising=False)
-    caplog.set_level(logging.WARNING, logger="fedge.coordinator.web")
+    caplog.set_level(logging.WARNING, logger="fedge.observe.web")
     for bad in ("with a space inside 123", "tab\there-and-more-chars", "ümlaut-is-not-ascii-token"):
         monkeypatch.setenv("FEDGE_HTTP_TOKEN", bad)
         with pytest.raises(ConfigError, match="must be printable ASCII without spaces"):

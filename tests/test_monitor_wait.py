@@ -16,12 +16,12 @@ from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.coordinator.config import DeviceSlotCheck, EngineConfig
 from fedge.coordinator.engine import RoundEngine
-from fedge.coordinator.monitor import FleetMonitor, fleet_infos
 from fedge.errors import TransportError
 from fedge.fleet.registry import method_entry
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.mqtt.device_transport import MqttDeviceTransport
+from fedge.observe.monitor import FleetMonitor, fleet_infos
 
 FLEET = "waits"
 
@@ -48,7 +48,7 @@ def device(broker: MosquittoProcess, dev: str, arch: str = "tier-xs") -> MqttDev
 
 
 def lines(caplog: pytest.LogCaptureFixture, start: str) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "fedge.coordinator.monitor" and r.getMessage().startswith(start)]
+    return [r for r in caplog.records if r.name == "fedge.observe.monitor" and r.getMessage().startswith(start)]
 
 
 def test_quorum_wait_names_the_refused_device_and_its_reason(mosquitto: MosquittoProcess,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fedge.coordinator.report import RoundReport
-from fedge.coordinator.tensorboard import TensorBoardWriter, crc32c
+from fedge.observe.tensorboard import TensorBoardWriter, crc32c
 
 
 def test_crc32c_known_answers() -> None:

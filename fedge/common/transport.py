@@ -103,7 +103,7 @@ class CoordinatorTransport(ABC):
 
     def connections(self) -> int:
         """Connections to the broker so far: 1 + reconnections (in-process: always 1). The fleet monitor says what
-        the coordinator waits for after each reconnection (fedge.coordinator.monitor)."""
+        the coordinator waits for after each reconnection (fedge.observe.monitor)."""
         return 1
 
     def refuse(self, device_id: str, data: bytes | None) -> None:  # noqa: B027 - optional hook

@@ -151,9 +151,9 @@ def _state_dir_of(run_dir: str) -> Any:
 def _dashboard(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fedge.coordinator.dashboard import page, routes_for
-    from fedge.coordinator.fileview import FileView
-    from fedge.coordinator.web import DashboardServer, check_bind, load_token, parse_endpoint
+    from fedge.observe.dashboard import page, routes_for
+    from fedge.observe.fileview import FileView
+    from fedge.observe.web import DashboardServer, check_bind, load_token, parse_endpoint
 
     state_dir = _state_dir_of(args.run_dir)
     config = args.config
@@ -170,7 +170,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     check_bind(endpoint, token)
     render = None
     try:
-        from fedge.coordinator.metrics import FleetMetrics
+        from fedge.observe.metrics import FleetMetrics
     except ModuleNotFoundError as exc:
         if exc.name != "prometheus_client":
             raise
@@ -198,8 +198,8 @@ def _fleet_devices(config: str) -> dict[str, Any]:
 
 def _check_watch_flags(args: argparse.Namespace) -> tuple[Any, str | None]:
     """(the --http endpoint or None, the token): refused before anything connects when they are wrong."""
-    from fedge.coordinator.web import check_bind, load_token, parse_endpoint
     from fedge.errors import ConfigError
+    from fedge.observe.web import check_bind, load_token, parse_endpoint
 
     if args.wait_log < 0:
         raise ConfigError(f"--wait-log must be >= 0 seconds, got {args.wait_log:g}")
@@ -215,13 +215,13 @@ def _check_watch_flags(args: argparse.Namespace) -> tuple[Any, str | None]:
 
 def start_web(monitor: Any, endpoint: Any, token: str | None) -> tuple[Any, list[Any]]:
     """The dashboard and /metrics server for ``monitor``: (server, the observers the engine must tell)."""
-    from fedge.coordinator.dashboard import monitor_routes
-    from fedge.coordinator.web import DashboardServer
+    from fedge.observe.dashboard import monitor_routes
+    from fedge.observe.web import DashboardServer
 
     observers: list[Any] = []
     render = None
     try:
-        from fedge.coordinator.metrics import FleetMetrics
+        from fedge.observe.metrics import FleetMetrics
     except ModuleNotFoundError as exc:
         if exc.name != "prometheus_client":
             raise
@@ -313,12 +313,12 @@ def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fedge.coordinator.fromfleet import engine_parts, refuse_secure_in_parts
-    from fedge.coordinator.monitor import FleetMonitor, fleet_infos
     from fedge.coordinator.service import CoordinatorService
     from fedge.coordinator.store import REPORTS_FILE, read_reports
     from fedge.fleet.config import device_ids, load_fleet
     from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
     from fedge.mqtt.settings import TransportSettings
+    from fedge.observe.monitor import FleetMonitor, fleet_infos
 
     endpoint, token = _check_watch_flags(args)
     cfg = load_fleet(args.config)
@@ -357,7 +357,7 @@ def _run(args: argparse.Namespace) -> int:
                 monitor.add_report(rep)
         monitor.start()
         if args.tensorboard:
-            from fedge.coordinator.tensorboard import TensorBoardWriter
+            from fedge.observe.tensorboard import TensorBoardWriter
 
             board = TensorBoardWriter(args.tensorboard)
             board.profiles({d: i.profile for d, i in fleet_infos(engine_cfg.slots, ids).items()})

@@ -136,7 +136,7 @@ def compose_dict(out: Path, images: Images, limits: list[DeviceLimits], coord: C
     }
     if coord.http_port is not None:
         # Inside its container the coordinator must bind all of its addresses to be reachable through the
-        # published port, so it needs the token (fedge.coordinator.web refuses otherwise); the host side is
+        # published port, so it needs the token (fedge.observe.web refuses otherwise); the host side is
         # published on loopback only.
         services[COORDINATOR]["command"] += ["--http", f"0.0.0.0:{HTTP_PORT}", "--http-token-file",
                                              f"/fedge/http/{HTTP_TOKEN}"]

@@ -67,7 +67,7 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self._updates: queue.Queue[Inbound] = queue.Queue()
         self._hellos: list[Inbound] = []
         self._hello_from: set[str] = set()  # every device a hello ever came from
-        # Heartbeats for the monitor (fedge.coordinator.monitor), bounded: the oldest go first.
+        # Heartbeats for the monitor (fedge.observe.monitor), bounded: the oldest go first.
         self._health: collections.deque[Inbound] = collections.deque(maxlen=MAX_QUEUED_HEALTH)
         self.health_dropped = 0  # heartbeats dropped unread (queue full) or oversize
         # For people, not for decisions: each device's latest status as received (believed or not) and the

@@ -1,4 +1,4 @@
-"""What the fleet monitor keeps (:mod:`fedge.coordinator.monitor`): one :class:`DeviceState` per device, one
+"""What the fleet monitor keeps (:mod:`fedge.observe.monitor`): one :class:`DeviceState` per device, one
 :class:`RoundSummary` per finished round, and :func:`device_state`, a device's state in one word."""
 
 from __future__ import annotations

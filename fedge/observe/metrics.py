@@ -1,6 +1,6 @@
 """``/metrics``: the fleet in the Prometheus exposition format, with ``prometheus_client`` (``fedge[observe]``).
 
-The numbers are read from the :class:`~fedge.coordinator.monitor.FleetMonitor` at scrape time by a
+The numbers are read from the :class:`~fedge.observe.monitor.FleetMonitor` at scrape time by a
 custom collector (nothing is updated per message on the engine's thread), except the two histograms,
 which the :class:`MetricsObserver` feeds once per round. Names (every counter also has ``_created``
 as prometheus_client writes them):
@@ -53,9 +53,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from fedge.common.health import HealthRecord
-from fedge.coordinator.monitor import FleetMonitor, device_state
 from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.report import RoundReport
+from fedge.observe.monitor import FleetMonitor, device_state
 from fedge.profiles import list_profiles, load_profile
 from fedge.profiles.power import Power
 

@@ -1,6 +1,6 @@
 """The dashboard page: one HTML page drawn on the server, charts as inline SVG, no build step, no library.
 
-It renders a fleet view (:meth:`fedge.coordinator.monitor.FleetMonitor.view`: live from a coordinator, or
+It renders a fleet view (:meth:`fedge.observe.monitor.FleetMonitor.view`: live from a coordinator, or
 replayed from a state directory) as:
 
 * the state line (the round in progress and its deadline, or what the coordinator waits for) and the
@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedge.common.units import format_bytes
-from fedge.coordinator.monitor import FleetMonitor
-from fedge.coordinator.web import Routes
+from fedge.observe.monitor import FleetMonitor
+from fedge.observe.web import Routes
 
 REFRESH_MS = 2000
 BIG_FLEET = 200  # above this many devices the page refreshes every BIG_REFRESH_MS (drawing it takes ~50 ms at 1,000)

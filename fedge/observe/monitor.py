@@ -1,10 +1,10 @@
 """The fleet as an operator sees it: each device's state, health and history, and what the coordinator waits for.
 
 A :class:`FleetMonitor` watches a running engine (it is an :class:`~fedge.coordinator.observer.EngineObserver`)
-and its transport: it drains the devices' heartbeats into its :class:`~fedge.coordinator.heartbeats.HealthIntake`
+and its transport: it drains the devices' heartbeats into its :class:`~fedge.observe.heartbeats.HealthIntake`
 (a bad one is refused, counted by reason and logged, never stored), keeps one record per device of the fleet
-config (:mod:`fedge.coordinator.fleetrecords`), and per round the figures the dashboard draws. Its thread also
-says what the coordinator waits for (:mod:`fedge.coordinator.waiting`): every ``wait_log_s`` seconds while a
+config (:mod:`fedge.observe.fleetrecords`), and per round the figures the dashboard draws. Its thread also
+says what the coordinator waits for (:mod:`fedge.observe.waiting`): every ``wait_log_s`` seconds while a
 round, the quorum or the fleet's hellos are incomplete, one log line names the missing devices and why
 (offline, refused and the reason, no hello yet, no update yet).
 
@@ -13,7 +13,7 @@ says so (``mode``, ``unit``), the engine announces a version again whenever it h
 start time stays that of its first announcement), the devices it waits for are those training (holding a
 task), and each finished version keeps the staleness of its updates.
 
-The same view is built after the fact from a state directory (:mod:`fedge.coordinator.fileview`), from
+The same view is built after the fact from a state directory (:mod:`fedge.observe.fileview`), from
 ``reports.jsonl`` and ``state.json`` alone, so the dashboard shows a finished run with the numbers of
 its reports. Everything is plain Python: no torch, no numpy, no paho.
 
@@ -33,11 +33,11 @@ from typing import Any
 
 from fedge.common.rounds import DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport, Inbound
-from fedge.coordinator.fleetrecords import UNKNOWN, DeviceState, RoundSummary, device_state
-from fedge.coordinator.heartbeats import HealthIntake
 from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.report import RoundReport
-from fedge.coordinator.waiting import NAMES_IN_A_LINE, Statuses, Waiting, WaitState, waiting, waiting_line, why
+from fedge.observe.fleetrecords import UNKNOWN, DeviceState, RoundSummary, device_state
+from fedge.observe.heartbeats import HealthIntake
+from fedge.observe.waiting import NAMES_IN_A_LINE, Statuses, Waiting, WaitState, waiting, waiting_line, why
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class FleetMonitor(EngineObserver):
             self._pending = ()
             self.version += 1
 
-    # -- heartbeats (fedge.coordinator.heartbeats) ------------------------------------------
+    # -- heartbeats (fedge.observe.heartbeats) ------------------------------------------
     @property
     def health_refused(self) -> Counter[str]:
         """Heartbeats refused, by reason (``health-`` + the check's reason)."""
@@ -256,7 +256,7 @@ class FleetMonitor(EngineObserver):
 
     def waiting(self) -> Waiting | None:
         """(what the coordinator waits for, [(device, why)]) while it waits for devices; None otherwise
-        (:func:`fedge.coordinator.waiting.waiting`)."""
+        (:func:`fedge.observe.waiting.waiting`)."""
         now = self.clock()
         statuses = self.transport.statuses() if self.transport is not None else {}
         with self._lock:

@@ -2,7 +2,7 @@
 and for each device not there yet why — offline, refused and the reason, no hello yet, no update yet.
 
 Pure functions of a :class:`WaitState` (what the fleet monitor last heard from the engine, copied under its lock)
-and the monitor's device records; :mod:`fedge.coordinator.monitor` logs the line and the page shows the rows.
+and the monitor's device records; :mod:`fedge.observe.monitor` logs the line and the page shows the rows.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fedge.common.rounds import RoundInfo
-from fedge.coordinator.fleetrecords import DeviceState
+from fedge.observe.fleetrecords import DeviceState
 
 NAMES_IN_A_LINE = 10  # devices a "waiting for" line names before "and N more"
 

@@ -1,5 +1,5 @@
 """The fleet view of a coordinator's state directory, after the fact or following a run still going: a
-:class:`~fedge.coordinator.monitor.FleetMonitor` rebuilt from ``state.json`` and ``reports.jsonl`` alone
+:class:`~fedge.observe.monitor.FleetMonitor` rebuilt from ``state.json`` and ``reports.jsonl`` alone
 (:func:`monitor_from_state_dir`), so the dashboard shows a finished run with the numbers of its reports, and
 :class:`FileView`, which rebuilds it only when those files changed."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from fedge.common.rounds import DeviceInfo
-from fedge.coordinator.monitor import FleetMonitor
 from fedge.coordinator.store import REPORTS_FILE, STATE_FILE, read_reports
+from fedge.observe.monitor import FleetMonitor
 
 
 def monitor_from_state_dir(state_dir: str | Path, *,

@@ -1,7 +1,7 @@
 """The devices' heartbeats at the coordinator: each one checked with :func:`fedge.common.health.parse_health` and
 stored on its device's record, or refused — counted by reason and logged at a bounded rate, never stored.
 
-The fleet monitor (:mod:`fedge.coordinator.monitor`) owns a :class:`HealthIntake` and drains the transport's
+The fleet monitor (:mod:`fedge.observe.monitor`) owns a :class:`HealthIntake` and drains the transport's
 heartbeats into it on its thread. Everything derived from a device's bytes passes :meth:`HealthIntake.add`, the
 error boundary: no heartbeat, however malformed, stops the coordinator.
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from fedge.common.health import HEALTH_KIND, MAX_HEALTH_BYTES, HealthError, parse_health
 from fedge.common.messages import Message
 from fedge.common.transport import CoordinatorTransport, Inbound
-from fedge.coordinator.fleetrecords import UNKNOWN, DeviceState
 from fedge.coordinator.gate import reason_of
+from fedge.observe.fleetrecords import UNKNOWN, DeviceState
 
 log = logging.getLogger(__name__)
 

@@ -275,7 +275,7 @@ def _handler(server: DashboardServer, request_timeout_s: float) -> type[BaseHTTP
                         self._send(HTTPStatus.NOT_IMPLEMENTED, b"/metrics needs prometheus_client: "
                                    b"pip install 'fedge[observe]'\n", "text/plain; charset=utf-8")
                     else:
-                        from fedge.coordinator.metrics import CONTENT_TYPE
+                        from fedge.observe.metrics import CONTENT_TYPE
 
                         self._send(200, routes.metrics(), CONTENT_TYPE)
                 elif path == "/healthz":

@@ -22,9 +22,9 @@ import struct
 import time
 from pathlib import Path
 
-from fedge.coordinator.monitor import DEVICE_SERIES_LIMIT
 from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.report import RoundReport
+from fedge.observe.monitor import DEVICE_SERIES_LIMIT
 
 log = logging.getLogger(__name__)
 
