@@ -347,6 +347,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         transport.start()
         service = CoordinatorService(strat, transport, engine_cfg, args.state_dir, observers=[monitor])
+        service.engine.health = monitor.health_records  # the thermal guard reads the heartbeats (issue 44)
         if cfg.shard_layout and not args.workers:  # [[shards]]: each relay reports its own subtree only
             from fedge.fleet.shards import reporters
 

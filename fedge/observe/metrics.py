@@ -17,6 +17,8 @@ as prometheus_client writes them):
                                                      (``hello-slot``, ``late``, ``nonfinite`` ...)
 ``fedge_health_accepted_total``           counter    heartbeats accepted
 ``fedge_health_refused_total{reason}``    counter    heartbeats refused (``health-malformed`` ...)
+``fedge_thermal_held_total``              counter    candidates the thermal guard held out of a round (hot:
+                                                     ``[coordinator] thermal_guard``), summed over rounds
 ``fedge_bytes_up_total``                  counter    bytes of accepted updates
 ``fedge_bytes_down_total``                counter    bytes devices received for their accepted rounds
 ``fedge_round_duration_seconds``          histogram  a round, announce to checkpoint
@@ -109,6 +111,8 @@ class FleetCollector(Collector):
                 CounterMetricFamily("fedge_rounds_completed", "rounds completed", value=mon.completed),
                 CounterMetricFamily("fedge_updates_accepted", "updates accepted", value=mon.updates_accepted),
                 CounterMetricFamily("fedge_health_accepted", "heartbeats accepted", value=mon.health_accepted),
+                CounterMetricFamily("fedge_thermal_held", "candidates the thermal guard held out of a round (hot)",
+                                    value=mon.thermal_held),
                 CounterMetricFamily("fedge_bytes_up", "bytes of accepted updates", value=mon.bytes_up),
                 CounterMetricFamily("fedge_bytes_down", "bytes devices received for their accepted rounds",
                                     value=mon.bytes_down),

@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
+from fedge.common.health import HealthRecord
 from fedge.common.rounds import DeviceInfo, RoundInfo
 from fedge.common.transport import CoordinatorTransport, Inbound
 from fedge.coordinator.observer import EngineObserver
@@ -77,6 +78,7 @@ class FleetMonitor(EngineObserver):
         self.updates_refused: Counter[str] = Counter()  # reason -> messages, from the round reports
         self.updates_accepted = 0
         self.staleness: Counter[int] = Counter()  # asynchronous mode: staleness -> accepted updates (/metrics)
+        self.thermal_held = 0  # candidates the thermal guard held out of a round, summed over rounds (/metrics)
         self.bytes_up = 0
         self.bytes_down = 0
         self.completed = 0
@@ -189,6 +191,7 @@ class FleetMonitor(EngineObserver):
                     target.refused.update(reasons)
             self.updates_refused.update(report.rejected)
             self.updates_accepted += len(report.accepted)
+            self.thermal_held += len(report.hot)
             up, down = report.total_bytes()  # compact partials: their totals, not per device
             self.bytes_up += up
             self.bytes_down += down
@@ -223,6 +226,11 @@ class FleetMonitor(EngineObserver):
     def health_accepted(self) -> int:
         """Heartbeats accepted and stored."""
         return self.health.accepted
+
+    def health_records(self) -> dict[str, HealthRecord]:
+        """Each device's last accepted heartbeat (the thermal guard reads them: ``RoundEngine.health``)."""
+        with self._lock:
+            return {d: dev.health for d, dev in self.devices.items() if dev.health is not None}
 
     def poll_health(self) -> int:
         """Check and store the heartbeats the transport received since the last call; returns how many

@@ -1,0 +1,109 @@
+"""The thermal guard over MQTT (issue 44): devices say how hot they are in their heartbeats (here through
+``fedge edge run --health-override``'s file: fedge's real heartbeat over a real Mosquitto), the fleet monitor keeps
+the last one of each, and ``selection = "oort"`` with ``thermal_guard = true`` holds a hot device out of selection —
+named in the round report's ``hot`` and counted in ``/metrics`` — until it has cooled below its ``resume_c``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from gate_helpers import FLEET, device
+from scaleout_helpers import FAST, start_devices, stop_devices
+
+from fedge.common.heat import HeatLimits
+from fedge.common.sampling import Sampling
+from fedge.common.selection import UtilitySettings
+from fedge.coordinator.config import DeviceSlotCheck, EngineConfig
+from fedge.coordinator.engine import RoundEngine
+from fedge.coordinator.report import RoundReport
+from fedge.coordinator.strategies.fedproto import FedProtoStrategy
+from fedge.edge.health import HealthOverride, HealthSampler, Heartbeat
+from fedge.mqtt.broker import MosquittoProcess
+from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
+from fedge.observe.metrics import FleetMetrics
+from fedge.observe.monitor import FleetMonitor
+
+N, ROUNDS = 4, 3
+# d2's profile has a [thermal] table (limit 70 °C, resume 60 °C); the others keep the defaults (80 °C, 75 °C)
+LIMITS = {"d2": HeatLimits(70.0, 60.0)}
+# what each device's heartbeat says before each training round
+HEAT: dict[int, dict[str, dict[str, Any]]] = {
+    1: {"d0": {"cpu_temp_c": 50.0}, "d1": {"cpu_temp_c": 85.0, "throttled": "0x50006"}, "d2": {"cpu_temp_c": 72.0},
+        "d3": {"cpu_temp_c": 50.0}},
+    # between resume_c and limit_c: still hot, as they were
+    2: {"d1": {"cpu_temp_c": 77.0, "throttled": "0x50000"}, "d2": {"cpu_temp_c": 65.0}},
+    # cooled below resume_c; d0 and d3 got hot, so the two slots must go to d1 and d2
+    3: {"d0": {"cpu_temp_c": 81.0}, "d1": {"cpu_temp_c": 70.0, "throttled": "0x50000"}, "d2": {"cpu_temp_c": 55.0},
+        "d3": {"cpu_temp_c": 60.0, "throttled": "0x6"}},
+}
+
+
+def test_a_hot_device_is_held_out_of_selection_until_it_has_cooled(mosquitto: MosquittoProcess,
+                                                                   tmp_path: Path) -> None:
+    ids = [f"d{i}" for i in range(N)]
+    files = {d: tmp_path / f"{d}.json" for d in ids}
+    temps: dict[str, float] = {}
+
+    def heat(rnd: int) -> None:
+        for d, fields in HEAT[rnd].items():
+            files[d].write_text(json.dumps(fields))
+            temps[d] = float(fields["cpu_temp_c"])
+
+    heat(1)
+    tr = MqttCoordinatorTransport(mosquitto.settings(), FLEET, FAST, client_id="coord").start()
+    cfg = EngineConfig(fleet=FLEET, method="fedproto", min_devices=N, quorum_timeout_s=60,
+                       sampling=Sampling(2, "oort", fleet_size=N, seed=0,
+                                         utility=UtilitySettings(explore=0.0, thermal_guard=True)),
+                       slots={d: DeviceSlotCheck(device(i), heat=LIMITS.get(d)) for i, d in enumerate(ids)})
+    engine = RoundEngine(FedProtoStrategy(num_classes=10, rounds=ROUNDS), tr, cfg)
+    monitor = FleetMonitor(fleet=FLEET, method="fedproto", total_rounds=ROUNDS, transport=tr, poll_s=0.05,
+                           fleet_devices={d: device(i) for i, d in enumerate(ids)}).start()
+    metrics = FleetMetrics(monitor)
+    engine.observers += [monitor, metrics.observer]
+    engine.health = monitor.health_records
+    devs = start_devices(lambda d: mosquitto.settings(), range(N))
+    beats = [Heartbeat(d.info.device_id, FLEET,
+                       HealthSampler("tier-xs", override=HealthOverride(files[d.info.device_id])),
+                       d.transport.send_health, lambda: (0, 0, None), interval_s=0.1).start() for d in devs]
+
+    def heard(rnd: int) -> bool:
+        recs = monitor.health_records()
+        return all(d in recs and recs[d].cpu_temp_c == temps[d] for d in ids)
+
+    def wait_heard(rnd: int) -> None:
+        end = time.monotonic() + 30
+        while not heard(rnd):
+            assert time.monotonic() < end, f"round {rnd}: heartbeats not heard: {monitor.health_records()}"
+            time.sleep(0.05)
+
+    def next_heat(rep: RoundReport) -> None:  # on the engine's thread, before the next round is chosen
+        if rep.round + 1 in HEAT:
+            heat(rep.round + 1)
+            wait_heard(rep.round + 1)
+
+    wait_heard(1)
+    try:
+        reports = engine.run(on_round=next_heat)
+    finally:
+        for b in beats:
+            b.stop(last_beat=False)
+        stop_devices(devs)
+        monitor.stop()
+        tr.close()
+    r1, r2, r3, final = reports
+    assert (r1.hot, r1.sampled) == (["d1", "d2"], ["d0", "d3"])
+    assert r1.selection["d1"] == ("hot: its firmware throttles (flags 0x50006) at 85.0 °C: not tasked until it "
+                                  "cools")
+    assert r1.selection["d2"] == "hot: 72.0 °C, at or above its limit of 70 °C: not tasked until it cools"
+    assert (r2.hot, r2.sampled) == (["d1", "d2"], ["d0", "d3"])  # cooler, not yet below resume_c: still held
+    assert r2.selection["d1"] == "hot: 77.0 °C, not yet cooled below 75 °C: not tasked until it cools"
+    assert r2.selection["d2"] == "hot: 65.0 °C, not yet cooled below 60 °C: not tasked until it cools"
+    assert (r3.hot, r3.sampled) == (["d0", "d3"], ["d1", "d2"])  # cooled: tasked again
+    assert sorted(r3.accepted) == ["d1", "d2"]
+    assert final.hot == [] and sorted(final.accepted) == ids
+    assert monitor.thermal_held == 6
+    text = metrics.render().decode()
+    assert "fedge_thermal_held_total 6.0" in text, text
