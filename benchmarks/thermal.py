@@ -5,17 +5,14 @@ One fleet of ``--per-profile`` devices each of three profiles: ``rpi4-4gb`` (the
 task), ``rpi5-8gb`` and ``x86-gateway``, always online; FedAvg on tier-xs (one averaging group) on scikit-learn's
 digits with Dirichlet label skew, ``--rounds`` rounds of ``--sample`` devices chosen by ``selection = "oort"`` with
 :data:`PREFERRED_S` (no straggler penalty: Oort chooses by statistical utility, so the devices with the most loss
-are tasked round after round, and the slowest ones compute through most of each round). Four runs per seed, the
+are tasked round after round, and the slowest ones compute through most of each round). Three runs per seed, the
 same but for heat:
 
 * ``cool``: no ``[thermal]`` table anywhere: nothing throttles;
 * ``throttled``: the Pi 4s in a hot enclosure (a copy of ``rpi4-4gb`` with :data:`HOT_BOX` as its ``[thermal]``):
   a Pi 4 that works back to back heats past its limit and computes at 0.6x its speed until it has cooled below its
   ``resume_c``; the guard off;
-* ``guarded``: the same with ``thermal_guard = true``: a hot Pi 4 is not tasked until it has cooled;
-* ``reactive`` (an ablation, not a setting): the guard without its prediction — the simulated readings carry no
-  ``peak_c``, so a device is held only once it is at its limit or throttling, as over MQTT, where a heartbeat says
-  what the device is, not what its next task would make it.
+* ``guarded``: the same with ``thermal_guard = true``: a hot Pi 4 is not tasked until it has cooled.
 
 The thermal time constant is scaled to the workload: a digits task on tier-xs computes for ~0.1-0.3 virtual seconds
 on a Pi 4, where a real board's constant is minutes, so the box's ``tau_s`` is 0.2 s, and its resistance puts the
@@ -35,19 +32,16 @@ Writes benchmarks/results/thermal-nN-rR-kK-sSEEDS.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS, text_table
 from benchmarks.energy import fedavg_digits
 
-RUNS = ("cool", "throttled", "guarded", "reactive")
+RUNS = ("cool", "throttled", "guarded")
 PROFILES = ("rpi4-4gb", "rpi5-8gb", "x86-gateway")
 HOT = "rpi4-hot-box"
 HOT_BOX = {"c_per_w": 10.0, "tau_s": 0.2, "ambient_c": 25.0, "limit_c": 74.0, "resume_c": 62.0,
@@ -59,7 +53,7 @@ statistical utility alone (a fleet that sets its preferred round to its deadline
 
 
 HELD_KINDS = {"throttling": "firmware throttles", "at limit": "at or above its limit",
-              "task would pass limit": "its task would take it", "not yet cooled": "not yet cooled"}
+              "not yet cooled": "not yet cooled"}
 
 
 def fleet_config(run: str, *, seed: int, rounds: int, sample: int, per_profile: int, work: Path) -> Path:
@@ -77,32 +71,11 @@ def fleet_config(run: str, *, seed: int, rounds: int, sample: int, per_profile: 
 sample = {sample}
 selection = "oort"
 preferred_round_s = {PREFERRED_S}
-thermal_guard = {"true" if run in ("guarded", "reactive") else "false"}
+thermal_guard = {"true" if run == "guarded" else "false"}
 {groups}"""
     path = work / f"{run}-s{seed}.toml"
     path.write_text(text)
     return path
-
-
-@contextlib.contextmanager
-def _reactive(on: bool) -> Iterator[None]:
-    """While ``on``: the simulated heat readings without the temperature a task would reach (``peak_c``)."""
-    from fedge.fleet import energy
-
-    if not on:
-        yield
-        return
-    original = energy.heat_reading
-
-    def reactive(*args: Any, **kw: Any) -> Any:
-        r = original(*args, **kw)
-        return None if r is None else dataclasses.replace(r, peak_c=None)
-
-    energy.heat_reading = reactive
-    try:
-        yield
-    finally:
-        energy.heat_reading = original
 
 
 def run(name: str, *, seed: int, rounds: int, sample: int, per_profile: int) -> dict[str, Any]:
@@ -112,7 +85,7 @@ def run(name: str, *, seed: int, rounds: int, sample: int, per_profile: int) -> 
     from fedge.sim.report import build_results
     from fedge.sim.simulate import simulate
 
-    with tempfile.TemporaryDirectory() as tmp, _reactive(name == "reactive"):
+    with tempfile.TemporaryDirectory() as tmp:
         path = fleet_config(name, seed=seed, rounds=rounds, sample=sample, per_profile=per_profile, work=Path(tmp))
         t0 = time.perf_counter()
         res = simulate(load_fleet(path), out_dir=None)
@@ -152,7 +125,7 @@ def summarise(runs: dict[str, dict[str, Any]], target: float) -> dict[str, Any]:
         return None if a is None or b is None or b == 0 else a / b
 
     out = {"level": level, "at": at, "throttled_ratio": ratio(at["throttled"], at["cool"]),
-           "guarded_ratio": ratio(at["guarded"], at["cool"]), "reactive_ratio": ratio(at["reactive"], at["cool"]),
+           "guarded_ratio": ratio(at["guarded"], at["cool"]),
            "run_s_ratio": {k: ratio(r["virtual_s"], runs["cool"]["virtual_s"]) for k, r in runs.items()}}
     g = out["guarded_ratio"]
     out["met"] = g is not None and g <= 1.2
@@ -174,12 +147,10 @@ def print_table(res: dict[str, Any]) -> None:
     print(text_table(["seed", "run", "final acc %", "s to target", "run s", "run s / cool", "Pi 4 tasks throttled",
                       "Pi 4 max start °C", "held (device-rounds)"], rows))
     for seed, runs in res["runs"].items():
-        print(f"seed {seed}: the guard held, by reason: {runs['guarded']['held_why']}; the reactive guard: "
-              f"{runs['reactive']['held_why']}")
+        print(f"seed {seed}: the guard held, by reason: {runs['guarded']['held_why']}")
     for seed, s in res["seeds"].items():
         print(f"seed {seed}: target {100 * s['level']:.1f} %; to it, throttled {f(s['throttled_ratio'], '.2f')}x, "
-              f"guarded {f(s['guarded_ratio'], '.2f')}x and reactive {f(s['reactive_ratio'], '.2f')}x the cool "
-              f"fleet's time "
+              f"guarded {f(s['guarded_ratio'], '.2f')}x the cool fleet's time "
               f"({'met' if s['met'] else 'NOT met'}: guarded <= 1.2x)")
 
 

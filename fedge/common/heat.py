@@ -12,9 +12,10 @@ Three readers:
   ``throttle_share`` of its speed (:func:`hot_after`);
 * the thermal guard of ``selection = "oort"`` / ``"energy"`` (``[coordinator] thermal_guard``), in simulation and
   over MQTT alike (:class:`HeatGuard`, kept by :class:`fedge.coordinator.selecting.Selector`): a hot device is not
-  tasked until it has cooled. In simulation the reading also carries the temperature its next task would take it to
-  (``peak_c``): a device whose task would take it to its limit is held too;
-* over MQTT the reading is the device's heartbeat (``cpu_temp_c``, ``throttled``: :mod:`fedge.common.health`).
+  tasked until it has cooled. It reads what a heartbeat says (``cpu_temp_c``, ``throttled``:
+  :mod:`fedge.common.health`), over MQTT from the devices, in simulation from the virtual clock's thermal model. It
+  does not predict: a guard that also held a device whose next task would take it to its limit held the slowest
+  devices far more often and cost accuracy for nothing (docs/results.md, "The thermal guard").
 
 Plain Python.
 """
@@ -67,14 +68,12 @@ def throttling(flags: int | None) -> bool:
     return bool(flags and flags & THROTTLING_NOW)
 
 
-def hot_after(was_hot: bool, temp_c: float | None, limits: HeatLimits, *, flags: int | None = None,
-              peak_c: float | None = None) -> bool:
-    """Whether a device is hot now: it reached ``limit_c`` (or its task would: ``peak_c``), or its firmware
-    throttles; or it was hot and has not yet cooled below ``resume_c`` with the flags clear."""
+def hot_after(was_hot: bool, temp_c: float | None, limits: HeatLimits, *, flags: int | None = None) -> bool:
+    """Whether a device is hot now: it reached ``limit_c`` or its firmware throttles; or it was hot and has not yet
+    cooled below ``resume_c`` with the flags clear."""
     if throttling(flags):
         return True
-    reached = max((t for t in (temp_c, peak_c) if t is not None), default=None)
-    if reached is not None and reached >= limits.limit_c:
+    if temp_c is not None and temp_c >= limits.limit_c:
         return True
     if not was_hot:
         return False
@@ -84,13 +83,12 @@ def hot_after(was_hot: bool, temp_c: float | None, limits: HeatLimits, *, flags:
 
 @dataclass(frozen=True)
 class HeatReading:
-    """What is known of one device's heat now: its temperature, a Pi's firmware flags, the temperature its next task
-    would take it to (simulation), and its limits."""
+    """What is known of one device's heat now (what its heartbeat says): its temperature, a Pi's firmware flags, and
+    its limits."""
 
     temp_c: float | None
     limits: HeatLimits
     flags: int | None = None
-    peak_c: float | None = None
 
 
 class HeatGuard:
@@ -106,7 +104,7 @@ class HeatGuard:
             return ""
         was = device_id in self.hot
         lim = reading.limits
-        if not hot_after(was, reading.temp_c, lim, flags=reading.flags, peak_c=reading.peak_c):
+        if not hot_after(was, reading.temp_c, lim, flags=reading.flags):
             self.hot.discard(device_id)
             return ""
         self.hot.add(device_id)
@@ -116,7 +114,4 @@ class HeatGuard:
             return f"hot: its firmware throttles (flags {reading.flags:#x}) at {temp}"
         if reading.temp_c is not None and reading.temp_c >= lim.limit_c:
             return f"hot: {temp}, at or above its limit of {lim.limit_c:g} °C"
-        if reading.peak_c is not None and reading.peak_c >= lim.limit_c:
-            return (f"hot: {temp}, its task would take it to {reading.peak_c:.1f} °C, past its limit of "
-                    f"{lim.limit_c:g} °C")
         return f"hot: {temp}, not yet cooled below {lim.resume:g} °C"

@@ -52,7 +52,8 @@ class UtilitySettings:
     preferred_round_s: float = 0.0
     straggler_penalty: float = 2.0
     thermal_guard: bool = False
-    """Never task a device that is throttling or whose task would take it past its thermal limit."""
+    """Never task a device that is hot (throttling, or at its thermal limit) until it has cooled
+    (:mod:`fedge.common.heat`)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.explore <= 1:
@@ -95,7 +96,7 @@ class SystemFacts:
     battery_j: float | None = None
     floor_j: float = 0.0
     heat: HeatReading | None = None
-    """Its temperature, flags and the temperature its task would take it to, for the thermal guard (None: no model)."""
+    """Its temperature and throttling flags, for the thermal guard (None: no thermal model)."""
 
 
 @dataclass

@@ -100,16 +100,14 @@ def selection_facts(clock: FleetClock, rnd: int, moved: Mapping[str, tuple[int, 
         down, up = moved.get(dev, (0, 0))
         t = dataclasses.replace(c, jitter=0.0).timing(rnd, bytes_down=down, bytes_up=up, work=c.work, start=clock.now)
         out[dev] = SystemFacts(t.total_s, c.task_j(t, bytes_down=down, bytes_up=up), ledger.battery_left_j(dev),
-                               c.power.floor_j if c.power is not None else 0.0, heat_reading(c, clock.now, t.compute_s))
+                               c.power.floor_j if c.power is not None else 0.0, heat_reading(c, clock.now))
     return out
 
 
-def heat_reading(c: DeviceClock, now: float, compute_s: float) -> HeatReading | None:
+def heat_reading(c: DeviceClock, now: float) -> HeatReading | None:
     """What the thermal guard (:class:`fedge.common.heat.HeatGuard`) knows of ``c`` now, as a real device's heartbeat
-    would tell it: its temperature and, while its firmware throttles it, the Pi's flags; and the temperature a task of
-    ``compute_s`` seconds of compute would take it to (None: no thermal model)."""
+    would tell it: its temperature and, while its firmware throttles it, the Pi's flags (None: no thermal model)."""
     temp, th = c.temperature(now), c.thermal
-    if temp is None or th is None or c.power is None:
+    if temp is None or th is None:
         return None
-    return HeatReading(temp, th.limits, flags=THROTTLED_NOW if c.throttled(now) else 0,
-                       peak_c=th.after(temp, c.power.busy_w, compute_s))
+    return HeatReading(temp, th.limits, flags=THROTTLED_NOW if c.throttled(now) else 0)
