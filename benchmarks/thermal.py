@@ -24,7 +24,10 @@ The target accuracy is a share (``--target``) of the cool run's final fleet mean
 virtual seconds to it, the whole run's virtual seconds, the Pi 4s' tasks and how many of them ran throttled, and
 the rounds a hot device was held. Issue 44's target: the guarded run's time to target within 1.2x the cool run's.
 
-    python -m benchmarks.thermal [--seeds 0 1] [--rounds 30] [--sample 8] [--per-profile 6]
+    python -m benchmarks.thermal [--seeds 0 1] [--rounds 30] [--sample 8] [--per-profile 6] [--wide]
+
+``--wide``: issue 44's fleet for its targets instead, the six built-ins of ``benchmarks.energy`` (the Pi 4s in the
+hot box) with its on/off churn.
 
 Writes benchmarks/results/thermal-nN-rR-kK-sSEEDS.json and prints a table.
 """
@@ -39,10 +42,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS, text_table
+from benchmarks.energy import PROFILES as ENERGY_PROFILES
 from benchmarks.energy import fedavg_digits
 
 RUNS = ("cool", "throttled", "guarded")
 PROFILES = ("rpi4-4gb", "rpi5-8gb", "x86-gateway")
+WIDE = ENERGY_PROFILES
+"""``--wide``: the six built-ins of the energy benchmark (Pi Zero 2 W and Pi 3 B on slow links, the Jetson Nano)
+with on/off churn: issue 44's fleet of >= 50 devices of >= 6 profiles."""
+CHURN = '\n[clock]\navailability = "onoff"\nonline_mean_s = 120\noffline_mean_s = 40\n'
+"""``--wide``'s availability: as the energy benchmark's."""
 HOT = "rpi4-hot-box"
 HOT_BOX = {"c_per_w": 10.0, "tau_s": 0.2, "ambient_c": 25.0, "limit_c": 74.0, "resume_c": 62.0,
            "throttle_share": 0.6}
@@ -56,17 +65,19 @@ HELD_KINDS = {"throttling": "firmware throttles", "at limit": "at or above its l
               "not yet cooled": "not yet cooled"}
 
 
-def fleet_config(run: str, *, seed: int, rounds: int, sample: int, per_profile: int, work: Path) -> Path:
-    """The fleet config of one run (and the hot Pi 4's profile beside it); returns its path."""
+def fleet_config(run: str, *, seed: int, rounds: int, sample: int, per_profile: int, work: Path,
+                 wide: bool = False) -> Path:
+    """The fleet config of one run (and the hot Pi 4's profile beside it); returns its path. ``wide``: the six
+    profiles of :data:`WIDE` with churn."""
     from fedge.profiles import builtin_dir
 
     pi4 = (builtin_dir() / "rpi4-4gb.toml").read_text().replace('name = "rpi4-4gb"', f'name = "{HOT}"')
     pi4 += "\n[thermal]\n" + "".join(f"{k} = {v!r}\n" for k, v in HOT_BOX.items())
     (work / f"{HOT}.toml").write_text(pi4)
-    profiles = [f"{HOT}.toml" if p == "rpi4-4gb" and run != "cool" else p for p in PROFILES]
+    profiles = [f"{HOT}.toml" if p == "rpi4-4gb" and run != "cool" else p for p in (WIDE if wide else PROFILES)]
     groups = "".join(f'\n[[devices]]\nprofile = "{p}"\ncount = {per_profile}\narch = "tier-xs"\nid_prefix = '
                      f'"{p.removesuffix(".toml").replace(HOT, "rpi4-4gb")}"\n' for p in profiles)
-    text = fedavg_digits(f"thermal-{run}-s{seed}", seed=seed, rounds=rounds) + f"""
+    text = fedavg_digits(f"thermal-{run}-s{seed}", seed=seed, rounds=rounds) + (CHURN if wide else "") + f"""
 [coordinator]
 sample = {sample}
 selection = "oort"
@@ -78,7 +89,7 @@ thermal_guard = {"true" if run == "guarded" else "false"}
     return path
 
 
-def run(name: str, *, seed: int, rounds: int, sample: int, per_profile: int) -> dict[str, Any]:
+def run(name: str, *, seed: int, rounds: int, sample: int, per_profile: int, wide: bool = False) -> dict[str, Any]:
     """One simulation: its time-to-accuracy curve, the Pi 4s' tasks (throttled or not), the rounds with a hot device
     held and the round lengths."""
     from fedge.fleet.config import load_fleet
@@ -86,7 +97,8 @@ def run(name: str, *, seed: int, rounds: int, sample: int, per_profile: int) -> 
     from fedge.sim.simulate import simulate
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = fleet_config(name, seed=seed, rounds=rounds, sample=sample, per_profile=per_profile, work=Path(tmp))
+        path = fleet_config(name, seed=seed, rounds=rounds, sample=sample, per_profile=per_profile, work=Path(tmp),
+                            wide=wide)
         t0 = time.perf_counter()
         res = simulate(load_fleet(path), out_dir=None)
         doc = build_results(res)
@@ -159,19 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--sample", type=int, default=8)
-    ap.add_argument("--per-profile", type=int, default=6, help="devices of each of the three profiles")
+    ap.add_argument("--per-profile", type=int, default=6, help="devices of each profile")
+    ap.add_argument("--wide", action="store_true", help="six profiles (the energy benchmark's) with on/off churn")
     ap.add_argument("--target", type=float, default=0.95, help="share of the cool run's final accuracy to reach")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     res: dict[str, Any] = {"args": vars(args), "hot_box": HOT_BOX, "runs": {}, "seeds": {}}
     for seed in args.seeds:
-        runs = {k: run(k, seed=seed, rounds=args.rounds, sample=args.sample, per_profile=args.per_profile)
-                for k in RUNS}
+        runs = {k: run(k, seed=seed, rounds=args.rounds, sample=args.sample, per_profile=args.per_profile,
+                       wide=args.wide) for k in RUNS}
         res["runs"][str(seed)] = runs
         res["seeds"][str(seed)] = summarise(runs, args.target)
-    n = args.per_profile * len(PROFILES)
-    out = Path(args.out) if args.out else RESULTS / (
-        f"thermal-n{n}-r{args.rounds}-k{args.sample}-s{''.join(map(str, args.seeds))}.json")
+    n = args.per_profile * len(WIDE if args.wide else PROFILES)
+    out = Path(args.out) if args.out else RESULTS / (f"thermal-n{n}{'-wide' if args.wide else ''}-r{args.rounds}-"
+                                                     f"k{args.sample}-s{''.join(map(str, args.seeds))}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     print_table(res)
