@@ -1,4 +1,4 @@
-"""``fedge coordinator run``: the coordinator service over MQTT; and ``fedge dashboard``.
+"""``fedge coordinator run``: the coordinator service over MQTT (``fedge dashboard`` is :mod:`fedge.observe.cli`).
 
 This is the command layer: it imports the MQTT package lazily, which the coordinator library itself never
 does. The broker flags it shares with ``fedge edge run`` live with what they configure
@@ -20,13 +20,12 @@ Parsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # ar
 
 
 def add_parser(sub: Parsers) -> Parsers:
-    """``fedge coordinator run`` and ``fedge dashboard``; returns ``fedge coordinator``'s actions, to which
+    """``fedge coordinator run``; returns ``fedge coordinator``'s actions, to which
     :mod:`fedge.cli` adds ``worker`` (:mod:`fedge.scaleout.cli`, beside ``fedge relay``)."""
     c = sub.add_parser("coordinator", help="run the coordinator against an MQTT broker",
                        description="The coordinator service: registers devices, runs rounds, checkpoints.")
     csub = c.add_subparsers(dest="coordinator_command", metavar="ACTION", required=True)
     _add_run_parser(csub)
-    _add_dashboard_parser(sub)
     return csub
 
 
@@ -82,23 +81,6 @@ def _add_run_parser(csub: Parsers) -> None:
     r.set_defaults(func=_run)
 
 
-def _add_dashboard_parser(sub: Parsers) -> None:
-    dash = sub.add_parser("dashboard", help="the dashboard of a run directory (live while its coordinator runs)",
-                       description="Serve the dashboard of a coordinator's state directory (reports.jsonl, "
-                                   "state.json), or of an emulation directory (its coordinator/), on loopback: the "
-                                   "fleet table, rounds, accuracy and traffic per device and per profile, read "
-                                   "from the files (a run still going is followed as reports.jsonl grows). Live "
-                                   "device health is on `fedge coordinator run --http`'s page.")
-    dash.add_argument("run_dir", metavar="RUN_DIR", help="a --state-dir, or an emulation directory")
-    dash.add_argument("--config", metavar="FLEET.toml", help="the fleet config (profiles of devices that never said "
-                                                         "hello; default: RUN_DIR/fleet.toml if there is one)")
-    dash.add_argument("--http", default=f"127.0.0.1:{DEFAULT_HTTP_PORT}", metavar="HOST:PORT",
-                   help=f"where to serve (default 127.0.0.1:{DEFAULT_HTTP_PORT}; any other address needs a token)")
-    dash.add_argument("--http-token-file", metavar="FILE", help="the token every request must carry")
-    dash.add_argument("--once", metavar="PAGE.html", help="write the page to this file and exit (no server)")
-    dash.set_defaults(func=_dashboard)
-
-
 def _add_scheduling_arguments(r: argparse.ArgumentParser) -> None:
     from fedge.coordinator.config import (
         SERVICE_DEFAULTS,
@@ -129,108 +111,14 @@ def _add_scheduling_arguments(r: argparse.ArgumentParser) -> None:
     s.add_argument("--max-round", type=float, metavar="S", help=f"longest deadline (default {d['max_round_s']:g})")
 
 
-DEFAULT_HTTP_PORT = 8321
-
-
-def _state_dir_of(run_dir: str) -> Any:
-    """The state directory in ``run_dir``: itself, or an emulation's ``coordinator/``."""
-    from pathlib import Path
-
-    from fedge.coordinator.store import REPORTS_FILE, STATE_FILE
-    from fedge.errors import ConfigError
-
-    base = Path(run_dir)
-    for candidate in (base, base / "coordinator"):
-        if (candidate / REPORTS_FILE).is_file() or (candidate / STATE_FILE).is_file():
-            return candidate
-    raise ConfigError(f"{run_dir} holds no coordinator state (no {REPORTS_FILE} or {STATE_FILE}, here or in "
-                      "its coordinator/)", hint="pass the --state-dir of `fedge coordinator run`, or the --out of "
-                                                "`fedge emulate up`")
-
-
-def _dashboard(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from fedge.observe.dashboard import page, routes_for
-    from fedge.observe.fileview import FileView
-    from fedge.observe.web import DashboardServer, check_bind, load_token, parse_endpoint
-
-    state_dir = _state_dir_of(args.run_dir)
-    config = args.config
-    if config is None and (Path(args.run_dir) / "fleet.toml").is_file():
-        config = str(Path(args.run_dir) / "fleet.toml")
-    fleet_devices = _fleet_devices(config) if config else {}
-    files = FileView(state_dir, fleet_devices)
-    if args.once:
-        Path(args.once).write_text(page(files.view(), title=str(state_dir), every_row=True))
-        print(f"wrote {args.once}")
-        return 0
-    endpoint = parse_endpoint(args.http)
-    token = load_token(args.http_token_file)
-    check_bind(endpoint, token)
-    render = None
-    try:
-        from fedge.observe.metrics import FleetMetrics
-    except ModuleNotFoundError as exc:
-        if exc.name != "prometheus_client":
-            raise
-    else:
-        def render() -> bytes:
-            return FleetMetrics(files.monitor()).render()
-    server = DashboardServer(routes_for(files.view, render, title=str(state_dir)), endpoint, token).start()
-    print(f"dashboard of {state_dir} on {server.url}/ (Ctrl-C to stop)", file=sys.stderr, flush=True)
-    try:
-        import threading
-
-        threading.Event().wait()
-    finally:
-        server.stop()
-    return 0
-
-
-def _fleet_devices(config: str) -> dict[str, Any]:
-    """Device id -> DeviceInfo (profile, arch) of every device of a fleet config, from its slots."""
-    from fedge.fleet.config import load_fleet
-    from fedge.fleet.slots import checked_slots
-
-    return {s.device_id: s.info() for s in checked_slots(load_fleet(config))}
-
-
 def _check_watch_flags(args: argparse.Namespace) -> tuple[Any, str | None]:
     """(the --http endpoint or None, the token): refused before anything connects when they are wrong."""
     from fedge.errors import ConfigError
-    from fedge.observe.web import check_bind, load_token, parse_endpoint
+    from fedge.observe.serve import http_flags
 
     if args.wait_log < 0:
         raise ConfigError(f"--wait-log must be >= 0 seconds, got {args.wait_log:g}")
-    if args.http is None:
-        if args.http_token_file:
-            raise ConfigError("--http-token-file without --http", hint="add --http HOST:PORT")
-        return None, None
-    endpoint = parse_endpoint(args.http)
-    token = load_token(args.http_token_file)
-    check_bind(endpoint, token)
-    return endpoint, token
-
-
-def start_web(monitor: Any, endpoint: Any, token: str | None) -> tuple[Any, list[Any]]:
-    """The dashboard and /metrics server for ``monitor``: (server, the observers the engine must tell)."""
-    from fedge.observe.dashboard import monitor_routes
-    from fedge.observe.web import DashboardServer
-
-    observers: list[Any] = []
-    render = None
-    try:
-        from fedge.observe.metrics import FleetMetrics
-    except ModuleNotFoundError as exc:
-        if exc.name != "prometheus_client":
-            raise
-        log.warning("/metrics is off: prometheus_client is not installed (pip install 'fedge[observe]')")
-    else:
-        metrics = FleetMetrics(monitor)
-        observers.append(metrics.observer)
-        render = metrics.render
-    return DashboardServer(monitor_routes(monitor, render), endpoint, token).start(), observers
+    return http_flags(args.http, args.http_token_file)
 
 
 def _signer(args: argparse.Namespace) -> Any:
@@ -319,6 +207,7 @@ def _run(args: argparse.Namespace) -> int:
     from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
     from fedge.mqtt.settings import TransportSettings
     from fedge.observe.monitor import FleetMonitor, fleet_infos
+    from fedge.observe.serve import start_web
 
     endpoint, token = _check_watch_flags(args)
     cfg = load_fleet(args.config)
