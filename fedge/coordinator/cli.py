@@ -12,7 +12,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from fedge.common.signing import Signer
+    from fedge.coordinator.report import RoundReport
+    from fedge.fleet.config import FleetConfig
+    from fedge.mqtt.broker import EmbeddedBroker, MosquittoProcess
+    from fedge.mqtt.connection import BrokerSettings
+    from fedge.observe.web import DashboardServer, Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +119,7 @@ def _add_scheduling_arguments(r: argparse.ArgumentParser) -> None:
     s.add_argument("--max-round", type=float, metavar="S", help=f"longest deadline (default {d['max_round_s']:g})")
 
 
-def _check_watch_flags(args: argparse.Namespace) -> tuple[Any, str | None]:
+def _check_watch_flags(args: argparse.Namespace) -> tuple[Endpoint | None, str | None]:
     """(the --http endpoint or None, the token): refused before anything connects when they are wrong."""
     from fedge.errors import ConfigError
     from fedge.observe.serve import http_flags
@@ -121,7 +129,7 @@ def _check_watch_flags(args: argparse.Namespace) -> tuple[Any, str | None]:
     return http_flags(args.http, args.http_token_file)
 
 
-def _signer(args: argparse.Namespace) -> Any:
+def _signer(args: argparse.Namespace) -> Signer | None:
     """The fleet's signer from --signing-key, else STATE_DIR/signing.key if present, else None (unsigned)."""
     from pathlib import Path
 
@@ -135,7 +143,7 @@ def _signer(args: argparse.Namespace) -> Any:
     return signer
 
 
-def _key_chain(signer: Any, args: argparse.Namespace) -> bytes | None:
+def _key_chain(signer: Signer | None, args: argparse.Namespace) -> bytes | None:
     """The fleet key's rotations beside the signing key (fleet-keys.json), to publish retained; None if none."""
     from pathlib import Path
 
@@ -150,7 +158,7 @@ def _key_chain(signer: Any, args: argparse.Namespace) -> bytes | None:
     return chain.to_bytes()
 
 
-def _broker(args: argparse.Namespace) -> tuple[Any, Any]:
+def _broker(args: argparse.Namespace) -> tuple[EmbeddedBroker | MosquittoProcess | None, BrokerSettings]:
     """(the embedded broker started when no --broker is given, else None; the broker settings)."""
     from fedge.mqtt.flags import broker_settings
 
@@ -158,7 +166,7 @@ def _broker(args: argparse.Namespace) -> tuple[Any, Any]:
         return None, broker_settings(args)
     from fedge.mqtt.broker import EmbeddedBroker, MosquittoProcess, free_port
 
-    embedded: Any
+    embedded: EmbeddedBroker | MosquittoProcess
     if args.embedded == "mosquitto":
         embedded = MosquittoProcess(port=args.port or free_port()).start()
     else:
@@ -168,7 +176,7 @@ def _broker(args: argparse.Namespace) -> tuple[Any, Any]:
     return embedded, broker_settings(args, embedded.url)
 
 
-def _print_topics(cfg: Any, devices: int, run_id: str) -> None:
+def _print_topics(cfg: FleetConfig, devices: int, run_id: str) -> None:
     from fedge.mqtt.topics import FleetTopics
 
     topics = FleetTopics(cfg.run.fleet)
@@ -177,7 +185,7 @@ def _print_topics(cfg: Any, devices: int, run_id: str) -> None:
           f"update), rounds on {topics.round}, global state on {topics.base}/global/#", file=sys.stderr)
 
 
-def round_line(rep: Any, total: int) -> str:
+def round_line(rep: RoundReport, total: int) -> str:
     """The line ``fedge coordinator run`` prints after each round (``rep``, a RoundReport) of ``total``."""
     rejected = ", ".join(f"{k} {v}" for k, v in sorted(rep.rejected.items())) or "none"
     # metrics passed the gate (finite numbers), but a printout must not be what stops a coordinator
@@ -214,7 +222,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
     ids = [i for i, _ in device_ids(cfg)]
-    engine_cfg, strat = engine_parts(args, cfg, any_device=args.any_device)
+    # [[shards]] without --workers: the root hears its relays, each for its own subtree
+    engine_cfg, strat = engine_parts(args, cfg, any_device=args.any_device, relays_report=not args.workers)
     if args.workers:
         from fedge.common.asyncmode import refuse_in_parts
         from fedge.coordinator.partial import check_splittable
@@ -232,14 +241,10 @@ def _run(args: argparse.Namespace) -> int:
                            transport=transport, fleet_devices=fleet_infos(engine_cfg.slots, ids),
                            wait_log_s=args.wait_log,
                            buffer_size=cfg.asynchronous.buffer_size if cfg.asynchronous is not None else 0)
-    web: Any = None
+    web: DashboardServer | None = None
     try:
         transport.start()
         service = CoordinatorService(strat, transport, engine_cfg, args.state_dir, observers=[monitor])
-        if cfg.shard_layout and not args.workers:  # [[shards]]: each relay reports its own subtree only
-            from fedge.fleet.shards import reporters
-
-            service.engine.partials.allowed = reporters(cfg.shard_layout)
         monitor.run_id = service.engine.run_id
         if service.resumed_from:  # the rounds before the restart, for the dashboard
             for rep in read_reports(Path(args.state_dir) / REPORTS_FILE):
