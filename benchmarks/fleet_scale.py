@@ -309,7 +309,7 @@ def run_fedge(port: int, n: int, rounds: int, workdir: Path, aggregation: str = 
 
 def coordinator_main(args: argparse.Namespace) -> None:
     from fedge.common.asyncmode import AsyncSettings
-    from fedge.coordinator.aggregate import Aggregation
+    from fedge.coordinator.accumulators import Aggregation
     from fedge.coordinator.engine import EngineConfig, RoundEngine
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
     from fedge.mqtt.connection import BrokerSettings
@@ -433,7 +433,7 @@ def aggregate_state_bytes(n: int, rule: str, clip: float) -> int:
     ``accumulate``): the numpy memory still allocated once the updates are in, each update's arrays
     dropped after ``accumulate`` as the engine drops them (tracemalloc, numpy's domain).
     """
-    from fedge.coordinator.aggregate import Aggregation
+    from fedge.coordinator.accumulators import Aggregation
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
 
     strat = FedProtoStrategy(num_classes=CLASSES, rounds=1)

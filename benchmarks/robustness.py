@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.common import RESULTS
 from fedge.common.rounds import RoundInfo
-from fedge.coordinator.aggregate import Aggregation
+from fedge.coordinator.accumulators import Aggregation
 from fedge.coordinator.engine import EngineConfig, RoundEngine
 from fedge.edge.methods.fedproto import FedProtoDevice
 from fedge.fleet.config import parse_fleet

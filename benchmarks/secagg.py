@@ -6,7 +6,7 @@ One group of ``--devices`` devices (100 by default) sums a ``tier-m`` model's st
 default neighbours (8 ⌈log2 n⌉) and threshold (a majority of each neighbourhood). Side by side in one run:
 
 * ``plain``: each device encodes its update as fedge's fp32 ``update`` message; the coordinator decodes every
-  message and folds it into a :class:`~fedge.coordinator.aggregate.WeightedMean` (what a round does today);
+  message and folds it into a :class:`~fedge.coordinator.accumulators.WeightedMean` (what a round does today);
 * ``secure``: the four stages of :mod:`fedge.secagg` run in this process (``fedge.secagg.inprocess``); a
   device's CPU is the time in its four stage calls (keys, shares, fixed-point encoding, masking, unmask
   answers), the coordinator's the time in its state machine (validating, routing, the running sum,
@@ -45,7 +45,7 @@ from benchmarks.common import RESULTS, markdown_table, text_table, write_docs_se
 from fedge.common.archs import tier_arch
 from fedge.common.messages import Message
 from fedge.common.tensorcodec import decode
-from fedge.coordinator.aggregate import WeightedMean
+from fedge.coordinator.accumulators import WeightedMean
 from fedge.secagg import graph
 from fedge.secagg.fixedpoint import Segment, plan_field
 from fedge.secagg.inprocess import run_group

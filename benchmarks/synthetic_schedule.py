@@ -59,7 +59,7 @@ import torch
 
 from benchmarks.common import RESULTS, text_table
 from fedge.common.generators import GeneratorSpec
-from fedge.coordinator.aggregate import WeightedMean
+from fedge.coordinator.accumulators import WeightedMean
 from fedge.edge.data.datasets import load_dataset
 from fedge.edge.data.partition import iid_fraction
 from fedge.edge.generators.modules import ConditionalDDPM, ConditionalGenerator, build_generator

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from fedge.common.rounds import DeviceInfo, RoundInfo
 from fedge.common.settings import MethodSettings, setting
-from fedge.coordinator.aggregate import WeightedMean
+from fedge.coordinator.accumulators import WeightedMean
 from fedge.coordinator.strategy import FRESH, Arrays, Contribution, Strategy, UpdateSpec
 from fedge.edge.methods.base import DeviceMethod, load_arrays, model_arrays
 from fedge.edge.training import train_epochs

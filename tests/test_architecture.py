@@ -118,11 +118,11 @@ def test_no_module_imports_a_circle() -> None:
 # -- the package table names every module -----------------------------------------------------------------------
 
 def table_rows(text: str) -> dict[str, set[str]]:
-    """docs/architecture.md's package table: package -> every name its row writes in backticks (``models``,
-    ``strategies/`` and ``fedge.x.y``'s last part too)."""
+    """docs/architecture.md's package table: package (``fedge.x``, or a sub-package ``fedge.x.y``) -> every name
+    its row writes in backticks (``models``, ``strategies/`` and ``fedge.x.y``'s last part too)."""
     rows: dict[str, set[str]] = {}
     for line in text.splitlines():
-        m = re.match(r"\| `(fedge\.\w+)` \| (.*) \|$", line)
+        m = re.match(r"\| `(fedge(?:\.\w+)+)` \| (.*) \|$", line)
         if m:
             names = set(re.findall(r"`([\w./]+)`", m.group(2)))
             rows[m.group(1)] = names | {n.rstrip("/").rsplit(".", 1)[-1] for n in names}
@@ -130,10 +130,13 @@ def table_rows(text: str) -> dict[str, set[str]]:
 
 
 def package_modules(root: Path) -> dict[str, set[str]]:
-    """Every package directly under ``root`` (fedge/): its modules and sub-packages, by name."""
-    return {f"fedge.{pkg.name}": {p.stem for p in pkg.glob("*.py") if p.stem != "__init__"}
+    """Every package under ``root`` (fedge/), sub-packages at any depth included: its modules and sub-packages,
+    by name."""
+    packages = sorted(init.parent for init in root.rglob("__init__.py") if init.parent != root)
+    return {".".join(("fedge", *pkg.relative_to(root).parts)):
+            {p.stem for p in pkg.glob("*.py") if p.stem != "__init__"}
             | {p.name for p in pkg.iterdir() if (p / "__init__.py").is_file()}
-            for pkg in sorted(root.iterdir()) if (pkg / "__init__.py").is_file()}
+            for pkg in packages}
 
 
 def unnamed(rows: dict[str, set[str]], packages: dict[str, set[str]]) -> list[str]:
@@ -153,20 +156,42 @@ def test_the_package_table_names_every_module() -> None:
 
 
 def test_the_table_check_fails_for_a_missing_module(tmp_path: Path) -> None:
-    for name in ("alpha.py", "beta.py", "__init__.py", "sub/__init__.py"):
+    for name in ("alpha.py", "beta.py", "__init__.py", "sub/__init__.py", "sub/gamma.py", "sub/deep/__init__.py",
+                 "sub/deep/delta.py"):
         (tmp_path / "pkg" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "pkg" / name).write_text("")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "__init__.py").write_text("")
     packages = package_modules(tmp_path)
-    assert packages == {"fedge.other": set(), "fedge.pkg": {"alpha", "beta", "sub"}}
-    rows = table_rows("| package | holds |\n|---|---|\n| `fedge.pkg` | `alpha` (a), `fedge.pkg.sub` (s) |\n")
-    assert unnamed(rows, packages) == ["fedge.other (no row)", "fedge.pkg.beta"]
+    assert packages == {"fedge.other": set(), "fedge.pkg": {"alpha", "beta", "sub"}, "fedge.pkg.sub": {"gamma", "deep"},
+                        "fedge.pkg.sub.deep": {"delta"}}
+    rows = table_rows("| package | holds |\n|---|---|\n| `fedge.pkg` | `alpha` (a), `fedge.pkg.sub` (s) |\n"
+                      "| `fedge.pkg.sub` | `deep/` (d) |\n")
+    assert unnamed(rows, packages) == ["fedge.other (no row)", "fedge.pkg.sub.deep (no row)", "fedge.pkg.beta",
+                                       "fedge.pkg.sub.gamma"]
+
+
+def test_the_real_table_fails_without_one_of_its_modules() -> None:
+    """Take one module's name out of the real table (observe's ``monitor``, a sub-package's ``running``): the
+    check names exactly it."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    packages = package_modules(ROOT / "fedge")
+    assert {"fedge.observe", "fedge.coordinator.strategies", "fedge.edge.models.families"} <= set(packages)
+    for package, module in (("fedge.observe", "monitor"), ("fedge.coordinator.strategies", "running")):
+        (row,) = [line for line in text.splitlines() if line.startswith(f"| `{package}` |")]
+        cut = row.replace(f"`{module}`", module)
+        assert unnamed(table_rows(text.replace(row, cut)), packages) == [f"{package}.{module}"]
 
 
 def test_the_readme_layout_names_every_package() -> None:
+    """README's layout lists every package (``fedge/x/``) and names each sub-package (``y/``) in its package's
+    lines; the modules are docs/architecture.md's table's to name."""
     readme = (ROOT / "README.md").read_text()
     layout = readme.split("## Layout", 1)[1].split("```", 2)[1]
     listed = set(re.findall(r"fedge/(\w+)/", layout))
-    missing = sorted(set(p.removeprefix("fedge.") for p in package_modules(ROOT / "fedge")) - listed)
+    packages = package_modules(ROOT / "fedge")
+    top = {p.removeprefix("fedge.") for p in packages if p.count(".") == 1}
+    missing = sorted(top - listed)
     assert missing == [], f"README's layout does not list fedge/{{{', '.join(missing)}}}/"
+    subs = sorted(p for p in packages if p.count(".") > 1 and not re.search(rf"\b{p.rsplit('.', 1)[1]}/", layout))
+    assert subs == [], f"README's layout does not name the sub-packages {', '.join(subs)} (as name/)"

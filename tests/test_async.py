@@ -284,7 +284,7 @@ def test_fedproto_sums_by_version_as_it_would_device_by_device(tmp_path: Path) -
     """The running aggregate kept per version trained from (each group's sum kept until it changes) gives the
     device-by-device staleness-weighted mean; so does a restart from the checkpoint the store writes."""
     from fedge.common.rounds import DeviceInfo
-    from fedge.coordinator.aggregate import ClassMean
+    from fedge.coordinator.accumulators import ClassMean
     from fedge.coordinator.store import EngineState, EngineStore
     from fedge.coordinator.strategies.fedproto import FedProtoStrategy
     from fedge.coordinator.strategy import Contribution

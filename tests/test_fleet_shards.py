@@ -84,10 +84,37 @@ def test_a_tree_loads_in_fleet_order_with_its_parents(tmp_path: Path) -> None:
     assert subtree(cfg.shard_layout, "a") == ["rpi4-4gb-1", "rpi4-4gb-2", "rpi-zero-2w-1", "rpi-zero-2w-2"]
     assert depth(cfg.shard_layout) == 2
     assert load_fleet(fleet(tmp_path, "")).shard_layout == []
-    # what each parent lets its relays report (PartialMerger.allowed: the coordinator's, relay-a's)
+    # what each parent lets its relays report (EngineConfig.partial_reporters: the coordinator's, relay-a's)
     assert reporters(cfg.shard_layout) == {"relay-a": frozenset(subtree(cfg.shard_layout, "a")),
                                            "relay-b": frozenset({"x86-gateway-1", "x86-gateway-2"})}
     assert reporters(cfg.shard_layout, "a") == {"relay-c": frozenset({"rpi-zero-2w-1", "rpi-zero-2w-2"})}
+
+
+def test_the_one_factory_gives_each_parent_the_relays_it_hears(tmp_path: Path) -> None:
+    """engine_parts sets EngineConfig.partial_reporters: the root (``fedge coordinator run`` without --workers)
+    hears relay-a and relay-b, relay-a hears relay-c, each for its own subtree; with workers, or without
+    [[shards]], any account is heard. The engine's and a relay's merger read it from there."""
+    import argparse
+
+    from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport
+    from fedge.coordinator.engine import RoundEngine
+    from fedge.coordinator.fromfleet import engine_parts
+    from fedge.scaleout.aggregator import PartialAggregator
+
+    cfg = load_fleet(fleet(tmp_path, TREE.format(pa=2001, pb=2002, pc=2003)))
+    flags = argparse.Namespace()
+    root, strat = engine_parts(flags, cfg, any_device=False, relays_report=True)
+    assert root.partial_reporters == reporters(cfg.shard_layout) and set(root.partial_reporters) == {"relay-a",
+                                                                                                     "relay-b"}
+    assert RoundEngine(strat, InMemoryCoordinatorTransport(InMemoryBus()), root).partials.allowed == \
+        root.partial_reporters
+    relay_a, strat_a = engine_parts(flags, cfg, any_device=False, relays_report=True, shard="a")
+    assert relay_a.partial_reporters == {"relay-c": frozenset({"rpi-zero-2w-1", "rpi-zero-2w-2"})}
+    assert PartialAggregator(strat_a, relay_a, "relay-a").merger.allowed == relay_a.partial_reporters
+    workers, _ = engine_parts(flags, cfg, any_device=False)
+    assert workers.partial_reporters is None
+    flat, _ = engine_parts(flags, load_fleet(fleet(tmp_path, "")), any_device=False, relays_report=True)
+    assert flat.partial_reporters is None
 
 
 def test_overlapping_devices_are_refused_naming_the_device_and_both_shards(tmp_path: Path) -> None:

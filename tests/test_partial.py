@@ -19,7 +19,7 @@ from gate_helpers import CLASSES, FLEET, device, hello, honest_update
 from fedge.common.messages import Message
 from fedge.common.rounds import DeviceInfo
 from fedge.common.transport import Inbound
-from fedge.coordinator.aggregate import Aggregation
+from fedge.coordinator.accumulators import Aggregation
 from fedge.coordinator.config import EngineConfig
 from fedge.coordinator.gate import UpdateGate
 from fedge.coordinator.merge import PartialMerger

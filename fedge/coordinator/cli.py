@@ -1,4 +1,4 @@
-"""``fedge coordinator run``: the coordinator service over MQTT; and ``fedge dashboard``.
+"""``fedge coordinator run``: the coordinator service over MQTT (``fedge dashboard`` is :mod:`fedge.observe.cli`).
 
 This is the command layer: it imports the MQTT package lazily, which the coordinator library itself never
 does. The broker flags it shares with ``fedge edge run`` live with what they configure
@@ -12,7 +12,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from fedge.common.signing import Signer
+    from fedge.coordinator.report import RoundReport
+    from fedge.fleet.config import FleetConfig
+    from fedge.mqtt.broker import EmbeddedBroker, MosquittoProcess
+    from fedge.mqtt.connection import BrokerSettings
+    from fedge.observe.web import DashboardServer, Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -20,13 +28,12 @@ Parsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # ar
 
 
 def add_parser(sub: Parsers) -> Parsers:
-    """``fedge coordinator run`` and ``fedge dashboard``; returns ``fedge coordinator``'s actions, to which
+    """``fedge coordinator run``; returns ``fedge coordinator``'s actions, to which
     :mod:`fedge.cli` adds ``worker`` (:mod:`fedge.scaleout.cli`, beside ``fedge relay``)."""
     c = sub.add_parser("coordinator", help="run the coordinator against an MQTT broker",
                        description="The coordinator service: registers devices, runs rounds, checkpoints.")
     csub = c.add_subparsers(dest="coordinator_command", metavar="ACTION", required=True)
     _add_run_parser(csub)
-    _add_dashboard_parser(sub)
     return csub
 
 
@@ -82,23 +89,6 @@ def _add_run_parser(csub: Parsers) -> None:
     r.set_defaults(func=_run)
 
 
-def _add_dashboard_parser(sub: Parsers) -> None:
-    dash = sub.add_parser("dashboard", help="the dashboard of a run directory (live while its coordinator runs)",
-                       description="Serve the dashboard of a coordinator's state directory (reports.jsonl, "
-                                   "state.json), or of an emulation directory (its coordinator/), on loopback: the "
-                                   "fleet table, rounds, accuracy and traffic per device and per profile, read "
-                                   "from the files (a run still going is followed as reports.jsonl grows). Live "
-                                   "device health is on `fedge coordinator run --http`'s page.")
-    dash.add_argument("run_dir", metavar="RUN_DIR", help="a --state-dir, or an emulation directory")
-    dash.add_argument("--config", metavar="FLEET.toml", help="the fleet config (profiles of devices that never said "
-                                                         "hello; default: RUN_DIR/fleet.toml if there is one)")
-    dash.add_argument("--http", default=f"127.0.0.1:{DEFAULT_HTTP_PORT}", metavar="HOST:PORT",
-                   help=f"where to serve (default 127.0.0.1:{DEFAULT_HTTP_PORT}; any other address needs a token)")
-    dash.add_argument("--http-token-file", metavar="FILE", help="the token every request must carry")
-    dash.add_argument("--once", metavar="PAGE.html", help="write the page to this file and exit (no server)")
-    dash.set_defaults(func=_dashboard)
-
-
 def _add_scheduling_arguments(r: argparse.ArgumentParser) -> None:
     from fedge.coordinator.config import (
         SERVICE_DEFAULTS,
@@ -129,111 +119,17 @@ def _add_scheduling_arguments(r: argparse.ArgumentParser) -> None:
     s.add_argument("--max-round", type=float, metavar="S", help=f"longest deadline (default {d['max_round_s']:g})")
 
 
-DEFAULT_HTTP_PORT = 8321
-
-
-def _state_dir_of(run_dir: str) -> Any:
-    """The state directory in ``run_dir``: itself, or an emulation's ``coordinator/``."""
-    from pathlib import Path
-
-    from fedge.coordinator.store import REPORTS_FILE, STATE_FILE
-    from fedge.errors import ConfigError
-
-    base = Path(run_dir)
-    for candidate in (base, base / "coordinator"):
-        if (candidate / REPORTS_FILE).is_file() or (candidate / STATE_FILE).is_file():
-            return candidate
-    raise ConfigError(f"{run_dir} holds no coordinator state (no {REPORTS_FILE} or {STATE_FILE}, here or in "
-                      "its coordinator/)", hint="pass the --state-dir of `fedge coordinator run`, or the --out of "
-                                                "`fedge emulate up`")
-
-
-def _dashboard(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from fedge.observe.dashboard import page, routes_for
-    from fedge.observe.fileview import FileView
-    from fedge.observe.web import DashboardServer, check_bind, load_token, parse_endpoint
-
-    state_dir = _state_dir_of(args.run_dir)
-    config = args.config
-    if config is None and (Path(args.run_dir) / "fleet.toml").is_file():
-        config = str(Path(args.run_dir) / "fleet.toml")
-    fleet_devices = _fleet_devices(config) if config else {}
-    files = FileView(state_dir, fleet_devices)
-    if args.once:
-        Path(args.once).write_text(page(files.view(), title=str(state_dir), every_row=True))
-        print(f"wrote {args.once}")
-        return 0
-    endpoint = parse_endpoint(args.http)
-    token = load_token(args.http_token_file)
-    check_bind(endpoint, token)
-    render = None
-    try:
-        from fedge.observe.metrics import FleetMetrics
-    except ModuleNotFoundError as exc:
-        if exc.name != "prometheus_client":
-            raise
-    else:
-        def render() -> bytes:
-            return FleetMetrics(files.monitor()).render()
-    server = DashboardServer(routes_for(files.view, render, title=str(state_dir)), endpoint, token).start()
-    print(f"dashboard of {state_dir} on {server.url}/ (Ctrl-C to stop)", file=sys.stderr, flush=True)
-    try:
-        import threading
-
-        threading.Event().wait()
-    finally:
-        server.stop()
-    return 0
-
-
-def _fleet_devices(config: str) -> dict[str, Any]:
-    """Device id -> DeviceInfo (profile, arch) of every device of a fleet config, from its slots."""
-    from fedge.fleet.config import load_fleet
-    from fedge.fleet.slots import checked_slots
-
-    return {s.device_id: s.info() for s in checked_slots(load_fleet(config))}
-
-
-def _check_watch_flags(args: argparse.Namespace) -> tuple[Any, str | None]:
+def _check_watch_flags(args: argparse.Namespace) -> tuple[Endpoint | None, str | None]:
     """(the --http endpoint or None, the token): refused before anything connects when they are wrong."""
     from fedge.errors import ConfigError
-    from fedge.observe.web import check_bind, load_token, parse_endpoint
+    from fedge.observe.serve import http_flags
 
     if args.wait_log < 0:
         raise ConfigError(f"--wait-log must be >= 0 seconds, got {args.wait_log:g}")
-    if args.http is None:
-        if args.http_token_file:
-            raise ConfigError("--http-token-file without --http", hint="add --http HOST:PORT")
-        return None, None
-    endpoint = parse_endpoint(args.http)
-    token = load_token(args.http_token_file)
-    check_bind(endpoint, token)
-    return endpoint, token
+    return http_flags(args.http, args.http_token_file)
 
 
-def start_web(monitor: Any, endpoint: Any, token: str | None) -> tuple[Any, list[Any]]:
-    """The dashboard and /metrics server for ``monitor``: (server, the observers the engine must tell)."""
-    from fedge.observe.dashboard import monitor_routes
-    from fedge.observe.web import DashboardServer
-
-    observers: list[Any] = []
-    render = None
-    try:
-        from fedge.observe.metrics import FleetMetrics
-    except ModuleNotFoundError as exc:
-        if exc.name != "prometheus_client":
-            raise
-        log.warning("/metrics is off: prometheus_client is not installed (pip install 'fedge[observe]')")
-    else:
-        metrics = FleetMetrics(monitor)
-        observers.append(metrics.observer)
-        render = metrics.render
-    return DashboardServer(monitor_routes(monitor, render), endpoint, token).start(), observers
-
-
-def _signer(args: argparse.Namespace) -> Any:
+def _signer(args: argparse.Namespace) -> Signer | None:
     """The fleet's signer from --signing-key, else STATE_DIR/signing.key if present, else None (unsigned)."""
     from pathlib import Path
 
@@ -247,7 +143,7 @@ def _signer(args: argparse.Namespace) -> Any:
     return signer
 
 
-def _key_chain(signer: Any, args: argparse.Namespace) -> bytes | None:
+def _key_chain(signer: Signer | None, args: argparse.Namespace) -> bytes | None:
     """The fleet key's rotations beside the signing key (fleet-keys.json), to publish retained; None if none."""
     from pathlib import Path
 
@@ -262,7 +158,7 @@ def _key_chain(signer: Any, args: argparse.Namespace) -> bytes | None:
     return chain.to_bytes()
 
 
-def _broker(args: argparse.Namespace) -> tuple[Any, Any]:
+def _broker(args: argparse.Namespace) -> tuple[EmbeddedBroker | MosquittoProcess | None, BrokerSettings]:
     """(the embedded broker started when no --broker is given, else None; the broker settings)."""
     from fedge.mqtt.flags import broker_settings
 
@@ -270,7 +166,7 @@ def _broker(args: argparse.Namespace) -> tuple[Any, Any]:
         return None, broker_settings(args)
     from fedge.mqtt.broker import EmbeddedBroker, MosquittoProcess, free_port
 
-    embedded: Any
+    embedded: EmbeddedBroker | MosquittoProcess
     if args.embedded == "mosquitto":
         embedded = MosquittoProcess(port=args.port or free_port()).start()
     else:
@@ -280,7 +176,7 @@ def _broker(args: argparse.Namespace) -> tuple[Any, Any]:
     return embedded, broker_settings(args, embedded.url)
 
 
-def _print_topics(cfg: Any, devices: int, run_id: str) -> None:
+def _print_topics(cfg: FleetConfig, devices: int, run_id: str) -> None:
     from fedge.mqtt.topics import FleetTopics
 
     topics = FleetTopics(cfg.run.fleet)
@@ -289,7 +185,7 @@ def _print_topics(cfg: Any, devices: int, run_id: str) -> None:
           f"update), rounds on {topics.round}, global state on {topics.base}/global/#", file=sys.stderr)
 
 
-def round_line(rep: Any, total: int) -> str:
+def round_line(rep: RoundReport, total: int) -> str:
     """The line ``fedge coordinator run`` prints after each round (``rep``, a RoundReport) of ``total``."""
     rejected = ", ".join(f"{k} {v}" for k, v in sorted(rep.rejected.items())) or "none"
     # metrics passed the gate (finite numbers), but a printout must not be what stops a coordinator
@@ -319,13 +215,15 @@ def _run(args: argparse.Namespace) -> int:
     from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
     from fedge.mqtt.settings import TransportSettings
     from fedge.observe.monitor import FleetMonitor, fleet_infos
+    from fedge.observe.serve import start_web
 
     endpoint, token = _check_watch_flags(args)
     cfg = load_fleet(args.config)
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
     ids = [i for i, _ in device_ids(cfg)]
-    engine_cfg, strat = engine_parts(args, cfg, any_device=args.any_device)
+    # [[shards]] without --workers: the root hears its relays, each for its own subtree
+    engine_cfg, strat = engine_parts(args, cfg, any_device=args.any_device, relays_report=not args.workers)
     if args.workers:
         from fedge.common.asyncmode import refuse_in_parts
         from fedge.coordinator.partial import check_splittable
@@ -343,15 +241,11 @@ def _run(args: argparse.Namespace) -> int:
                            transport=transport, fleet_devices=fleet_infos(engine_cfg.slots, ids),
                            wait_log_s=args.wait_log,
                            buffer_size=cfg.asynchronous.buffer_size if cfg.asynchronous is not None else 0)
-    web: Any = None
+    web: DashboardServer | None = None
     try:
         transport.start()
         service = CoordinatorService(strat, transport, engine_cfg, args.state_dir, observers=[monitor])
         service.engine.health = monitor.health_records  # the thermal guard reads the heartbeats (issue 44)
-        if cfg.shard_layout and not args.workers:  # [[shards]]: each relay reports its own subtree only
-            from fedge.fleet.shards import reporters
-
-            service.engine.partials.allowed = reporters(cfg.shard_layout)
         monitor.run_id = service.engine.run_id
         if service.resumed_from:  # the rounds before the restart, for the dashboard
             for rep in read_reports(Path(args.state_dir) / REPORTS_FILE):

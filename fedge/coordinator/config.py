@@ -112,6 +112,11 @@ class EngineConfig:
     max_round_s: float = 0.0  # 0: no upper bound
     # Devices allowed to register (None: any device that says hello).
     allowed_devices: frozenset[str] | None = None
+    # [[shards]]: relay account -> the devices it may report in its partials (a relay listing another shard's
+    # device is refused, partial-foreign; an account that is none of these, partial-unauthorized). None: any
+    # account the broker lets publish a partial, for any registered device (aggregation workers). Set by the one
+    # factory, fedge.coordinator.fromfleet.engine_parts, for the root and for each relay.
+    partial_reporters: Mapping[str, frozenset[str]] | None = None
     # What each device of the fleet config is (None: unchecked): a hello that contradicts its
     # device's slot is refused (reason hello-slot), and its updates count only its own classes.
     slots: Mapping[str, DeviceSlotCheck] | None = None

@@ -78,7 +78,8 @@ class RoundEngine:
                                observe=lambda *a: self._notify("refused", *a),
                                registered=lambda dev: self._notify("registered", dev))
         # partial aggregates from aggregation workers and relays (fedge.coordinator.merge)
-        self.partials = PartialMerger(strategy, self.gate, fleet=config.fleet, max_bytes=config.max_update_bytes)
+        self.partials = PartialMerger(strategy, self.gate, fleet=config.fleet, max_bytes=config.max_update_bytes,
+                                      allowed=config.partial_reporters)
         self.globals: dict[str, Arrays] = {}
         self.reports: list[RoundReport] = []
         self.completed = 0

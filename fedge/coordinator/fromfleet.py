@@ -23,6 +23,7 @@ from fedge.errors import ConfigError, FedgeError
 from fedge.fleet.clock import fleet_clock
 from fedge.fleet.config import FleetConfig, device_ids
 from fedge.fleet.registry import method_entry
+from fedge.fleet.shards import reporters
 from fedge.fleet.slots import checked_slots, device_profile, fleet_classes
 
 log = logging.getLogger(__name__)
@@ -43,14 +44,22 @@ def coordinator_settings(args: argparse.Namespace, section: CoordinatorSection, 
         raise ConfigError(f"{source}: [coordinator] with the flags: {exc.message}", hint=exc.hint) from exc
 
 
-def engine_parts(args: argparse.Namespace, cfg: FleetConfig, *, any_device: bool) -> tuple[EngineConfig, Strategy]:
+def engine_parts(args: argparse.Namespace, cfg: FleetConfig, *, any_device: bool, relays_report: bool = False,
+                 shard: str | None = None) -> tuple[EngineConfig, Strategy]:
     """The EngineConfig and the strategy a fleet config (``cfg``, a ``FleetConfig``) and the command's flags
-    describe."""
+    describe.
+
+    ``relays_report``: this node merges the partials of ``[[shards]]``' relays whose parent is ``shard`` (None:
+    the root, ``fedge coordinator run`` without ``--workers``; a relay's shard name for ``fedge relay``), each
+    for its own subtree only (:attr:`EngineConfig.partial_reporters`). Otherwise, or without ``[[shards]]``, any
+    account the broker lets publish a partial is heard (aggregation workers)."""
     if cfg.shard_layout:
         refuse_secure_in_parts(cfg, "[[shards]] (relays)")
     engine_cfg = engine_config(coordinator_settings(args, cfg.coordinator, cfg.source), fleet=cfg.run.fleet,
                                method=cfg.run.method, slots=checked_slots(cfg), own_data=cfg.own_data,
                                privacy=cfg.privacy_mechanism, any_device=any_device, keep_reports=KEEP_REPORTS)
+    if relays_report and cfg.shard_layout:
+        engine_cfg = dataclasses.replace(engine_cfg, partial_reporters=reporters(cfg.shard_layout, shard))
     if engine_cfg.slots is not None:
         engine_cfg = dataclasses.replace(engine_cfg, slots=heat_limits(cfg, expected_task_times(cfg, engine_cfg.slots)))
     if cfg.privacy.secure_aggregation:  # synchronous rounds over MQTT (fedge.coordinator.secure)

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from fedge.common.rounds import DeviceInfo
-from fedge.coordinator.aggregate import ClassMean, GroupedMean, RobustMean, WeightedMean, mean
+from fedge.coordinator.accumulators import ClassMean, GroupedMean, RobustMean, WeightedMean, mean
 from fedge.coordinator.strategy import Arrays, Strategy
 from fedge.coordinator.validation import Rejected
 from fedge.errors import ConfigError

@@ -12,7 +12,7 @@ import numpy as np
 from fedge.common.asyncmode import AsyncSettings
 from fedge.common.rounds import TRAIN_PHASE, DeviceInfo
 from fedge.common.settings import MethodName, MethodSettings
-from fedge.coordinator.aggregate import Aggregation
+from fedge.coordinator.accumulators import Aggregation
 from fedge.errors import ConfigError
 
 Arrays = dict[str, np.ndarray]
@@ -87,7 +87,7 @@ class Strategy(ABC):
     settings_type: ClassVar[type[MethodSettings]]  # the method's [method] descriptor
     settings: MethodSettings  # subclasses narrow the type
     # How updates are combined; the engine sets its EngineConfig's. Strategies create their
-    # accumulators from it (fedge.coordinator.aggregate.mean / GroupedMean / ClassMean).
+    # accumulators from it (fedge.coordinator.accumulators.mean / GroupedMean / ClassMean).
     aggregation: Aggregation = Aggregation()
     # Asynchronous mode (docs/async.md): the engine sets ``asynchronous`` (its AsyncSettings; None: synchronous
     # rounds), and hands each accumulate the update's staleness weight and the version it trained from (a

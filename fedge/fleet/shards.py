@@ -245,8 +245,9 @@ def subtree(shards: list[Shard], name: str) -> list[str]:
 
 def reporters(shards: list[Shard], parent: str | None = None) -> dict[str, frozenset[str]]:
     """Relay account -> the devices it may report, for the relays whose parent is ``parent`` (None: the
-    root): what a parent's ``PartialMerger.allowed`` holds, so a relay that lists another shard's device is
-    refused (``partial-foreign``) and an account that is no relay of it too (``partial-unauthorized``)."""
+    root): a parent's ``EngineConfig.partial_reporters`` (set by fedge.coordinator.fromfleet), so a relay that
+    lists another shard's device is refused (``partial-foreign``) and an account that is no relay of it too
+    (``partial-unauthorized``)."""
     return {s.relay: frozenset(subtree(shards, s.name)) for s in shards if s.parent == parent}
 
 

@@ -47,7 +47,8 @@ class PartialAggregator:
         self.name = name
         strategy.aggregation = config.aggregation
         self.gate = UpdateGate(strategy, config)  # refusals of hellos are the root's to tell devices
-        self.merger = PartialMerger(strategy, self.gate, fleet=config.fleet, max_bytes=config.max_update_bytes)
+        self.merger = PartialMerger(strategy, self.gate, fleet=config.fleet, max_bytes=config.max_update_bytes,
+                                    allowed=config.partial_reporters)
         self.round = 0
         self.final = False
         self.descriptor = ""

@@ -82,9 +82,11 @@ def _add_aggregator_arguments(p: argparse.ArgumentParser) -> None:
 
 
 
-def _aggregator(args: argparse.Namespace, command: str, cfg: Any = None) -> tuple[Any, Any, Any]:
+def _aggregator(args: argparse.Namespace, command: str, cfg: Any = None, *, relay: bool = False
+                ) -> tuple[Any, Any, Any]:
     """(the aggregator, the broker settings, the transport settings) of a worker or relay command (``command``,
-    for the refusal of an asynchronous fleet; ``cfg``: the fleet config, when the command loaded it)."""
+    for the refusal of an asynchronous fleet; ``cfg``: the fleet config, when the command loaded it). A
+    ``relay`` of a ``[[shards]]`` entry hears its child relays only, each for its own subtree."""
     import dataclasses
 
     from fedge.common.asyncmode import refuse_in_parts
@@ -103,7 +105,9 @@ def _aggregator(args: argparse.Namespace, command: str, cfg: Any = None) -> tupl
     name = args.name or args.username
     if not name:
         raise ConfigError("an aggregator needs an account name", hint="pass --name (or --username)")
-    engine_cfg, strat = engine_parts(args, cfg, any_device=False)
+    mine = next((s for s in cfg.shard_layout if s.relay == name), None) if relay else None
+    engine_cfg, strat = engine_parts(args, cfg, any_device=False, relays_report=mine is not None,
+                                     shard=mine.name if mine is not None else None)
     agg = PartialAggregator(strat, engine_cfg, name, detail=args.detail, exact=not args.fp32_sums)
     return (agg, broker_settings(args),
             TransportSettings(chunk_bytes=args.chunk_bytes, max_message_bytes=engine_cfg.max_update_bytes))
@@ -163,12 +167,7 @@ def _relay(args: argparse.Namespace) -> int:
     from fedge.scaleout.relay import Relay
 
     cfg = load_fleet(args.config)
-    agg, parent, wire = _aggregator(args, "`fedge relay`", cfg)
-    mine = next((s for s in cfg.shard_layout if s.relay == agg.name), None)
-    if mine is not None:  # [[shards]]: its child relays report their own subtrees only
-        from fedge.fleet.shards import reporters
-
-        agg.merger.allowed = reporters(cfg.shard_layout, mine.name)
+    agg, parent, wire = _aggregator(args, "`fedge relay`", cfg, relay=True)
     child = parse_broker_url(shard_url(args, cfg, agg.name, parent), username=parent.username,
                              password=parent.password,
                              tls=True if parent.tls else None, ca_file=parent.ca_file, cert_file=parent.cert_file,

@@ -7,7 +7,7 @@ loop (:class:`fedge.edge.service.EdgeService`) in a thread; the coordinator is
 the same round engine the in-process run uses. Round 1 starts only once every
 device has said hello, so the fleet — and with the same seeds, every aggregate —
 is the in-process run's. Updates arrive in network order, not fleet order: a robust
-rule (:func:`fedge.coordinator.aggregate.robust_combine`) sorts them by content
+rule (:func:`fedge.coordinator.accumulators.robust_combine`) sorts them by content
 first, so its aggregates are bit for bit the in-process ones; the plain mean's
 streaming float64 sums agree within float tolerance (addition is not associative).
 """

@@ -8,7 +8,7 @@ from fedge.common.families import spec_by_name
 from fedge.common.method_settings import FedAvgSettings, LGFedAvgSettings
 from fedge.common.rounds import EXTRACTOR_ARTIFACT, EXTRACTOR_PREFIX, DeviceInfo, group_artifact
 from fedge.common.settings import MethodSettings
-from fedge.coordinator.aggregate import GroupedMean, mean
+from fedge.coordinator.accumulators import GroupedMean, mean
 from fedge.coordinator.strategy import FRESH, Arrays, Contribution, Strategy, UpdateSpec
 
 

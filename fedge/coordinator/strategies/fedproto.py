@@ -8,7 +8,7 @@ import numpy as np
 
 from fedge.common.method_settings import FedProtoSettings
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo, class_stats_spec
-from fedge.coordinator.aggregate import ClassMean
+from fedge.coordinator.accumulators import ClassMean
 from fedge.coordinator.strategies.running import LatestUploads
 from fedge.coordinator.strategy import FRESH, Arrays, Contribution, Strategy, UpdateSpec
 

@@ -20,7 +20,7 @@ from fedge.common.rounds import (
     DeviceInfo,
     generator_artifact,
 )
-from fedge.coordinator.aggregate import GroupedMean
+from fedge.coordinator.accumulators import GroupedMean
 from fedge.coordinator.strategies.fedavg import FedAvgStrategy, LGFedAvgStrategy, weight_spec
 from fedge.coordinator.strategy import FRESH, Arrays, Contribution, Strategy, UpdateSpec
 from fedge.errors import ConfigError

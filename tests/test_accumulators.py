@@ -14,7 +14,7 @@ from gate_helpers import FLEET, expected_prototypes, honest_arrays, stats_fleet
 
 from fedge.common.messages import Message
 from fedge.common.rounds import PROTOTYPES_ARTIFACT, DeviceInfo
-from fedge.coordinator.aggregate import (
+from fedge.coordinator.accumulators import (
     Aggregation,
     ClassMean,
     RobustMean,
