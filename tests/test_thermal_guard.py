@@ -7,24 +7,31 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from gate_helpers import FLEET, device
 from scaleout_helpers import FAST, start_devices, stop_devices
 
+from fedge.cli import build_parser
 from fedge.common.heat import HeatLimits
 from fedge.common.sampling import Sampling
 from fedge.common.selection import UtilitySettings
 from fedge.coordinator.config import DeviceSlotCheck, EngineConfig
 from fedge.coordinator.engine import RoundEngine
+from fedge.coordinator.fromfleet import engine_parts
 from fedge.coordinator.report import RoundReport
 from fedge.coordinator.strategies.fedproto import FedProtoStrategy
 from fedge.edge.health import HealthOverride, HealthSampler, Heartbeat
+from fedge.fleet.config import load_fleet
 from fedge.mqtt.broker import MosquittoProcess
 from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
 from fedge.observe.metrics import FleetMetrics
 from fedge.observe.monitor import FleetMonitor
+from fedge.profiles import load_profile
+from fedge.profiles.loader import dump_profile
+from fedge.profiles.thermal import Thermal
 
 N, ROUNDS = 4, 3
 # d2's profile has a [thermal] table (limit 70 °C, resume 60 °C); the others keep the defaults (80 °C, 75 °C)
@@ -107,3 +114,40 @@ def test_a_hot_device_is_held_out_of_selection_until_it_has_cooled(mosquitto: Mo
     assert monitor.thermal_held == 6
     text = metrics.render().decode()
     assert "fedge_thermal_held_total 6.0" in text, text
+
+
+def test_each_device_is_judged_by_its_profiles_limits(tmp_path: Path) -> None:
+    """``fedge coordinator run``'s engine: with ``thermal_guard``, each slot carries its profile's ``[thermal]``
+    limits (a profile without the table: the defaults); without the guard no profile is read for them."""
+    box = Thermal(c_per_w=8.0, tau_s=60.0, limit_c=65.0, resume_c=58.0)
+    (tmp_path / "hot-pi.toml").write_text(dump_profile(replace(load_profile("rpi4-4gb"), thermal=box)))
+    fleet = """
+[run]
+method = "fedavg"
+rounds = 2
+dataset = "digits"
+
+[coordinator]
+sample = 2
+selection = "oort"
+thermal_guard = {guard}
+
+[[devices]]
+profile = "hot-pi.toml"
+count = 2
+arch = "tier-xs"
+
+[[devices]]
+profile = "x86-gateway"
+count = 1
+arch = "tier-xs"
+"""
+    args = build_parser().parse_args(["coordinator", "run", "--config", "f.toml", "--state-dir", "s"])
+    for guard in ("true", "false"):
+        path = tmp_path / f"{guard}.toml"
+        path.write_text(fleet.format(guard=guard))
+        engine_cfg, _ = engine_parts(args, load_fleet(path), any_device=False)
+        assert engine_cfg.slots is not None
+        heat = {d: c.heat for d, c in engine_cfg.slots.items()}
+        assert heat == ({"hot-pi-1": HeatLimits(65.0, 58.0), "hot-pi-2": HeatLimits(65.0, 58.0), "x86-gateway-1": None}
+                        if guard == "true" else dict.fromkeys(heat))
