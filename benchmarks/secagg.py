@@ -153,7 +153,7 @@ def accuracy_config(args: argparse.Namespace, method: str, seed: int, secure: bo
                                      "val_fraction": 0.0},
                            "devices": [{"profile": "rpi4-2gb", "count": args.acc_devices, "arch": "tier-xs"}]}
     if secure:
-        doc["privacy"] = {"secure_aggregation": True}
+        doc["privacy"] = {"secure_aggregation": True, **({"clipping_range": args.clip} if args.clip else {})}
     return doc
 
 
@@ -231,15 +231,17 @@ def accuracy(args: argparse.Namespace) -> None:
             print(f"{method} seed {seed}: plain {plain:.2f} secure {secure:.2f} ±1 ulp {ulp:.2f}", flush=True)
     header = ["method", "seed", "plain %", "secure %", "secure − plain", "±1 ulp %", "±1 ulp − plain",
               "round-1 gap secure", "round-1 gap ±1 ulp"]
-    out = RESULTS / f"secagg-accuracy-{args.dataset}.json"
+    tag = f"-clip{args.clip:g}" if args.clip else ""
+    out = RESULTS / f"secagg-accuracy-{args.dataset}{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"dataset": args.dataset, "devices": args.acc_devices, "fraction": args.fraction,
+    out.write_text(json.dumps({"dataset": args.dataset, "clip": args.clip or None, "devices": args.acc_devices,
+                               "fraction": args.fraction,
                                "rounds": args.rounds, "test_images": len(test), "seeds": args.seeds,
                                "cells": cells}, indent=1))
     print(text_table(header, rows))
     print(f"written {out}")
     if args.docs:
-        write_docs_section(f"secagg-accuracy-{args.dataset}", markdown_table(header, rows))
+        write_docs_section(f"secagg-accuracy-{args.dataset}{tag}", markdown_table(header, rows))
 
 
 def main() -> None:
@@ -254,6 +256,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="--accuracy: training rounds (default 6)")
     ap.add_argument("--test-images", type=int, default=10_000, help="--accuracy: test images scored (10,000)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--accuracy: seeds (default 0 1)")
+    ap.add_argument("--clip", type=float, default=0.0,
+                    help="--accuracy: [privacy] clipping_range of the secure runs (default: fedge's, 8)")
     args = ap.parse_args()
     if args.accuracy:
         accuracy(args)

@@ -82,9 +82,11 @@ def _add_aggregator_arguments(p: argparse.ArgumentParser) -> None:
 
 
 
-def _aggregator(args: argparse.Namespace, command: str, cfg: Any = None) -> tuple[Any, Any, Any]:
-    """(the aggregator, the broker settings, the transport settings) of a worker or relay command (``command``,
-    for the refusal of an asynchronous fleet; ``cfg``: the fleet config, when the command loaded it)."""
+def _aggregator(args: argparse.Namespace, command: str, cfg: Any = None, *, relay: bool = False
+                ) -> tuple[Any, Any, Any]:
+    """(the aggregator, the broker settings, the transport settings) of a worker or relay (``relay``) command
+    (``command``, for the refusal of an asynchronous or, for a worker, secure fleet; ``cfg``: the fleet config,
+    when the command loaded it)."""
     import dataclasses
 
     from fedge.common.asyncmode import refuse_in_parts
@@ -97,7 +99,8 @@ def _aggregator(args: argparse.Namespace, command: str, cfg: Any = None) -> tupl
 
     cfg = cfg or load_fleet(args.config)
     refuse_in_parts(cfg.asynchronous, command, source=cfg.source)
-    refuse_secure_in_parts(cfg, command)
+    if not relay:  # a relay sums its shard's masked inputs; a worker has no stage messages to carry
+        refuse_secure_in_parts(cfg, command)
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
     name = args.name or args.username
@@ -163,7 +166,7 @@ def _relay(args: argparse.Namespace) -> int:
     from fedge.scaleout.relay import Relay
 
     cfg = load_fleet(args.config)
-    agg, parent, wire = _aggregator(args, "`fedge relay`", cfg)
+    agg, parent, wire = _aggregator(args, "`fedge relay`", cfg, relay=True)
     mine = next((s for s in cfg.shard_layout if s.relay == agg.name), None)
     if mine is not None:  # [[shards]]: its child relays report their own subtrees only
         from fedge.fleet.shards import reporters
