@@ -160,8 +160,10 @@ def accuracy_config(args: argparse.Namespace, method: str, seed: int, secure: bo
 def perturb_ulp(artifacts: dict[str, dict[str, np.ndarray]], rng: np.random.Generator) -> None:
     """Move every float value of ``artifacts`` one ulp up or down (a random sign each), in place: the size of
     change a different summation order makes to a plain mean."""
-    for arrays in artifacts.values():
-        for k, v in arrays.items():
+    for name in sorted(artifacts):  # sorted: a strategy may build its dicts from sets, whose order varies
+        arrays = artifacts[name]
+        for k in sorted(arrays):
+            v = arrays[k]
             if isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating) and v.size:
                 toward = np.where(rng.random(v.shape) < 0.5, -np.inf, np.inf).astype(v.dtype)
                 arrays[k] = np.nextafter(v, toward)
