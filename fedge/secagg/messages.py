@@ -69,6 +69,12 @@ class RoundSetup:
     plan: FieldPlan
     seed: bytes  # the round seed the neighbour graph is drawn from
 
+    @property
+    def sum_id(self) -> str:
+        """Which secure sum of the round a message belongs to (the graph seed's first 8 bytes, hex): a coordinator
+        restarted mid-round plans the round's sum afresh, and a stage message of the sum before must not pass."""
+        return self.seed[:8].hex()
+
     def number(self, device: str) -> int:
         """The Shamir share number of ``device`` (1-based)."""
         return self._numbers[device]
@@ -142,7 +148,8 @@ def unb64(text: object, what: str, size: int | None = None) -> bytes:
 
 def encode(setup: RoundSetup, stage: str, sender: str, body: dict[str, Any]) -> bytes:
     """A JSON stage message (every stage but ``masked``)."""
-    doc = {"v": VERSION, "stage": stage, "round": setup.round, "group": setup.group, "sender": sender, **body}
+    doc = {"v": VERSION, "stage": stage, "round": setup.round, "group": setup.group, "sum": setup.sum_id,
+           "sender": sender, **body}
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -155,6 +162,9 @@ def check_envelope(setup: RoundSetup, doc: dict[str, Any], stage: str, sender: s
     if doc.get("round") != setup.round or doc.get("group") != setup.group:
         raise Refusal("round", f"a message of round {str(doc.get('round'))[:12]} group {str(doc.get('group'))[:40]!r}"
                                f" in round {setup.round} group {setup.group!r} (replayed or misrouted)")
+    if doc.get("sum") != setup.sum_id:
+        raise Refusal("round", f"a message of another secure sum of round {setup.round} group {setup.group!r} "
+                               "(from before the coordinator restarted, or replayed)")
     if doc.get("sender") != sender:
         raise Refusal("spoofed", f"message names sender {str(doc.get('sender'))[:64]!r} but came from {sender!r}")
 
@@ -204,7 +214,7 @@ def encode_masked_sum(setup: RoundSetup, sender: str, devices: list[str], words:
 def _encode_words(setup: RoundSetup, stage: str, sender: str, words: np.ndarray, extra: dict[str, str]) -> bytes:
     signed = words.view(np.int32 if words.dtype == np.uint32 else np.int64)
     meta = {"secagg.v": str(VERSION), "secagg.stage": stage, "secagg.round": str(setup.round),
-            "secagg.group": setup.group, "secagg.sender": sender, **extra}
+            "secagg.group": setup.group, "secagg.sum": setup.sum_id, "secagg.sender": sender, **extra}
     return tensorcodec.encode(tensorcodec.Payload({MASKED_TENSOR: signed}, meta))
 
 
@@ -264,6 +274,7 @@ def _decode_words(setup: RoundSetup, data: bytes, stage: str, sender: str, limit
         doc = {"v": int(meta.get("secagg.v", "0")) if meta.get("secagg.v", "").isdigit() else None,
                "stage": meta.get("secagg.stage"), "group": meta.get("secagg.group"),
                "round": int(meta["secagg.round"]) if meta.get("secagg.round", "").isdigit() else None,
+               "sum": meta.get("secagg.sum"),
                "sender": meta.get("secagg.sender")}
         check_envelope(setup, doc, stage, sender)
         spec = {MASKED_TENSOR: ((setup.plan.length,), "int")}
