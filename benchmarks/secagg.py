@@ -22,11 +22,13 @@ would travel in over MQTT adds the same few hundred bytes as a plain update's).
 
     nice -n 10 env OMP_NUM_THREADS=1 python -m benchmarks.secagg            # writes results/secagg.json
     nice -n 10 env OMP_NUM_THREADS=1 python -m benchmarks.secagg --devices 1000 --docs
-    nice -n 10 env OMP_NUM_THREADS=1 python -m benchmarks.secagg --accuracy   # results/secagg-accuracy.json
+    nice -n 10 env OMP_NUM_THREADS=1 python -m benchmarks.secagg --accuracy   # results/secagg-accuracy-fmnist.json
 
-``--accuracy`` trains FedAvg and FedProto with and without ``[privacy] secure_aggregation`` on a small
-digits fleet (6 tier-xs devices, IID, 8 rounds of 2 local epochs at lr 0.05, momentum 0.9, no validation
-hold-out), seeds 0 and 1, in-process, and compares the mean final accuracy on the global test set.
+``--accuracy`` trains FedAvg and FedProto with and without ``[privacy] secure_aggregation`` on Fashion-MNIST (8
+tier-xs devices on an IID 30 % of the training set, 6 rounds of one local epoch at lr 0.05 with momentum 0.9,
+no validation hold-out), seeds 0 and 1, in-process, beside a control: the plain run with its published global
+state moved by ±1 ulp every round (what float summation order alone changes). It compares the devices' mean
+final accuracy on 10,000 test images and the largest gap of the global state after round 1.
 """
 
 from __future__ import annotations
@@ -138,37 +140,112 @@ def secure_round(updates: dict[str, dict[str, np.ndarray]], shapes: dict[str, tu
             "field_bits": plan.bits, "degree": degree, "threshold": setup.threshold, "length": plan.length}
 
 
-def accuracy_cell(method: str, seed: int, secure: bool) -> float:
-    """Mean final global-test accuracy (%) over the devices of one small in-process run."""
-    from fedge.fleet.config import parse_fleet
-    from fedge.sim.report import build_results
-    from fedge.sim.simulate import simulate
+ACC_METHODS = ("fedavg", "fedproto")
+ACC_VARIANTS = ("plain", "secure", "plain ±1 ulp")
 
-    # momentum and no validation hold-out: a schedule that converges (89 % for FedAvg), and no discrete choice of
-    # the shipped model (the best on a 10 % fold) or undone round (the divergence guard) that a 1e-8 difference
-    # in the global state could flip
-    doc: dict[str, Any] = {"run": {"method": method, "rounds": 8, "dataset": "digits", "seed": seed},
-                           "partition": {"kind": "iid"},
-                           "train": {"local_epochs": 2, "lr": 0.05, "momentum": 0.9, "val_fraction": 0.0},
-                           "devices": [{"profile": "rpi4-2gb", "count": 6, "arch": "tier-xs"}]}
+
+def accuracy_config(args: argparse.Namespace, method: str, seed: int, secure: bool) -> dict[str, Any]:
+    """The fleet of one accuracy run: ``--acc-devices`` tier-xs devices on an IID ``--fraction`` of the dataset."""
+    # momentum and no validation hold-out: no discrete choice of the shipped model (the best on a small fold) or
+    # undone round (the divergence guard) that a 1e-8 difference in the global state could flip
+    doc: dict[str, Any] = {"run": {"method": method, "rounds": args.rounds, "dataset": args.dataset, "seed": seed,
+                                   "eval_every": args.rounds, "name": f"secagg-acc-{method}"},
+                           "partition": {"kind": "iid", "fraction": args.fraction},
+                           "train": {"local_epochs": 1, "lr": 0.05, "momentum": 0.9, "batch_size": 32,
+                                     "val_fraction": 0.0},
+                           "devices": [{"profile": "rpi4-2gb", "count": args.acc_devices, "arch": "tier-xs"}]}
     if secure:
-        doc["privacy"] = {"secure_aggregation": True}
-    devices = build_results(simulate(parse_fleet(doc)))["devices"]
-    return 100 * float(np.mean([d["final_acc_global"] for d in devices]))
+        doc["privacy"] = {"secure_aggregation": True, **({"clipping_range": args.clip} if args.clip else {})}
+    return doc
 
 
-def accuracy() -> None:
-    """FedAvg and FedProto with and without secure aggregation, two seeds (issue 42's accuracy target)."""
-    cells, rows = {}, []
-    for method in ("fedavg", "fedproto"):
-        for seed in (0, 1):
-            plain, secure = accuracy_cell(method, seed, False), accuracy_cell(method, seed, True)
-            cells[f"{method}-s{seed}"] = {"plain": plain, "secure": secure}
-            rows.append([method, str(seed), f"{plain:.2f}", f"{secure:.2f}", f"{secure - plain:+.2f}"])
-    out = RESULTS / "secagg-accuracy.json"
+def perturb_ulp(artifacts: dict[str, dict[str, np.ndarray]], rng: np.random.Generator) -> None:
+    """Move every float value of ``artifacts`` one ulp up or down (a random sign each), in place: the size of
+    change a different summation order makes to a plain mean."""
+    for name in sorted(artifacts):  # sorted: a strategy may build its dicts from sets, whose order varies
+        arrays = artifacts[name]
+        for k in sorted(arrays):
+            v = arrays[k]
+            if isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating) and v.size:
+                toward = np.where(rng.random(v.shape) < 0.5, -np.inf, np.inf).astype(v.dtype)
+                arrays[k] = np.nextafter(v, toward)
+
+
+def accuracy_run(args: argparse.Namespace, method: str, seed: int, variant: str, test: Any) -> dict[str, Any]:
+    """One run: the devices' mean final accuracy (%) on ``test`` and the global state published after round 1."""
+    import torch
+
+    from fedge.fleet.config import parse_fleet
+    from fedge.fleet.devices import show_global_test
+    from fedge.sim.simulate import build_fleet, run_timed
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    cfg = parse_fleet(accuracy_config(args, method, seed, variant == "secure"), source="benchmarks/secagg.py")
+    fleet, strat = build_fleet(cfg)
+    show_global_test(fleet, test)
+    first: dict[str, dict[str, np.ndarray]] = {}
+    finish, rng = strat.finish_round, np.random.default_rng(1000 + seed)
+
+    def finish_round(rnd: int) -> dict[str, Any]:
+        out = finish(rnd)
+        if variant == "plain ±1 ulp":
+            perturb_ulp(out, rng)
+        if rnd == 1:
+            first.update({a: {k: np.array(v, dtype=np.float64) for k, v in arrays.items()
+                              if np.issubdtype(np.asarray(v).dtype, np.floating)} for a, arrays in out.items()})
+        return out
+
+    strat.finish_round = finish_round  # type: ignore[method-assign]
+    _, reports, _ = run_timed(cfg, fleet, strat)
+    final = reports[-1]
+    accs = [m["acc_global"] for m in final.metrics.values() if "acc_global" in m]
+    if len(accs) != args.acc_devices:
+        raise RuntimeError(f"{method} seed {seed} {variant}: {len(accs)} final evaluations of {args.acc_devices}")
+    return {"acc": 100 * float(np.mean(accs)), "round1": first, "wall_s": time.perf_counter() - t0}
+
+
+def max_gap(a: dict[str, dict[str, np.ndarray]], b: dict[str, dict[str, np.ndarray]]) -> float:
+    """The largest absolute difference between two published global states (same artifacts and tensors)."""
+    if sorted(a) != sorted(b):
+        raise RuntimeError(f"the runs published different artifacts: {sorted(a)} vs {sorted(b)}")
+    return max(float(np.abs(a[n][k] - b[n][k]).max()) for n in a for k in a[n])
+
+
+def accuracy(args: argparse.Namespace) -> None:
+    """FedAvg and FedProto with and without secure aggregation, and the plain run perturbed by ±1 ulp, two seeds
+    (issue 42's accuracy target, and the size of the training's own sensitivity beside it)."""
+    from fedge.edge.data.datasets import load_dataset
+
+    test_set = load_dataset(args.dataset, train=False)
+    test = test_set.subset(np.arange(min(args.test_images, len(test_set))))
+    cells: dict[str, Any] = {}
+    rows = []
+    for method in ACC_METHODS:
+        for seed in args.seeds:
+            runs = {v: accuracy_run(args, method, seed, v, test) for v in ACC_VARIANTS}
+            plain, secure, ulp = (runs[v]["acc"] for v in ACC_VARIANTS)
+            gap_secure = max_gap(runs["plain"]["round1"], runs["secure"]["round1"])
+            gap_ulp = max_gap(runs["plain"]["round1"], runs["plain ±1 ulp"]["round1"])
+            cells[f"{method}-s{seed}"] = {"plain": plain, "secure": secure, "plain_ulp": ulp,
+                                         "round1_gap_secure": gap_secure, "round1_gap_ulp": gap_ulp,
+                                         "wall_s": {v: r["wall_s"] for v, r in runs.items()}}
+            rows.append([method, str(seed), f"{plain:.2f}", f"{secure:.2f}", f"{secure - plain:+.2f}",
+                         f"{ulp:.2f}", f"{ulp - plain:+.2f}", f"{gap_secure:.1e}", f"{gap_ulp:.1e}"])
+            print(f"{method} seed {seed}: plain {plain:.2f} secure {secure:.2f} ±1 ulp {ulp:.2f}", flush=True)
+    header = ["method", "seed", "plain %", "secure %", "secure − plain", "±1 ulp %", "±1 ulp − plain",
+              "round-1 gap secure", "round-1 gap ±1 ulp"]
+    tag = f"-clip{args.clip:g}" if args.clip else ""
+    out = RESULTS / f"secagg-accuracy-{args.dataset}{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(cells, indent=1))
-    print(text_table(["method", "seed", "plain %", "secure %", "secure - plain"], rows))
+    out.write_text(json.dumps({"dataset": args.dataset, "clip": args.clip or None, "devices": args.acc_devices,
+                               "fraction": args.fraction,
+                               "rounds": args.rounds, "test_images": len(test), "seeds": args.seeds,
+                               "cells": cells}, indent=1))
+    print(text_table(header, rows))
+    print(f"written {out}")
+    if args.docs:
+        write_docs_section(f"secagg-accuracy-{args.dataset}{tag}", markdown_table(header, rows))
 
 
 def main() -> None:
@@ -177,9 +254,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--docs", action="store_true", help="write the table into docs/results.md")
     ap.add_argument("--accuracy", action="store_true", help="accuracy with and without secure aggregation instead")
+    ap.add_argument("--dataset", default="fmnist", help="--accuracy: the dataset (default fmnist)")
+    ap.add_argument("--acc-devices", type=int, default=8, help="--accuracy: tier-xs devices (default 8)")
+    ap.add_argument("--fraction", type=float, default=0.3, help="--accuracy: share of the training set (0.3)")
+    ap.add_argument("--rounds", type=int, default=6, help="--accuracy: training rounds (default 6)")
+    ap.add_argument("--test-images", type=int, default=10_000, help="--accuracy: test images scored (10,000)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="--accuracy: seeds (default 0 1)")
+    ap.add_argument("--clip", type=float, default=0.0,
+                    help="--accuracy: [privacy] clipping_range of the secure runs (default: fedge's, 8)")
     args = ap.parse_args()
     if args.accuracy:
-        accuracy()
+        accuracy(args)
         return
     shapes, updates = model(args.seed, args.devices)
     members = sorted(updates)

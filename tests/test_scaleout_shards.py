@@ -165,6 +165,48 @@ def test_relays_forward_only_their_shard_and_workers_write_only_their_partials(
             c.stop()
 
 
+def test_secure_rounds_relays_carry_their_shards_stage_messages_and_devices_cannot_pose_as_relays(
+        sharded: tuple[list[MosquittoProcess], Path, int]) -> None:
+    """Secure aggregation behind relays (fedge.secagg.partial): on the root, relay-1 writes its own devices' stage
+    messages and its own masked sums, reads its devices' ``secagg/{id}`` and nothing of another shard's; on the
+    shard, a device cannot publish on a relay's ``relays/{account}/secagg`` (where child relays' sums arrive)."""
+    (root, s1, _), out, _ = sharded
+    mine, theirs = IDS[0], IDS[-1]
+    seen: list[Received] = []
+    coord = _client(root.port, "fedge-coordinator", out / "coordinator" / "password", got=seen)
+    coord.subscribe(f"{T.base}/#")
+    down: list[Received] = []
+    relay = _client(root.port, "relay-1", out / "relays" / "relay-1" / "password", got=down)
+    relay.subscribe(f"{T.base}/secagg/+")
+    on_shard: list[Received] = []
+    shard_relay = _client(s1.port, "relay-1", out / "relays" / "relay-1" / "password", got=on_shard)
+    shard_relay.subscribe(T.relay_secagg_filter)
+    shard_relay.subscribe(T.device_filter("secagg"))
+    dev = _client(s1.port, mine, out / "bundles" / mine / "password")
+    try:
+        time.sleep(0.3)
+        relay.wait_published([relay.publish(T.secagg(mine), b"forwarded keys"),
+                              relay.publish(T.secagg(theirs), b"another shard's keys"),
+                              relay.publish(T.relay_secagg("relay-1"), b"my masked sum"),
+                              relay.publish(T.relay_secagg("relay-2"), b"posing as relay-2")], 5)
+        coord.wait_published([coord.publish(T.secagg_to(mine), b"roster for mine"),
+                              coord.publish(T.secagg_to(theirs), b"roster for theirs")], 5)
+        dev.wait_published([dev.publish(T.relay_secagg("relay-1"), b"a device posing as a child relay"),
+                            dev.publish(T.relay_secagg("relay-2"), b"and as another"),
+                            dev.publish(T.secagg(mine), b"its own masked input")], 5)
+        _settle(seen, 6)
+        _settle(down, 1)
+        _settle(on_shard, 1)
+        assert sorted((m.topic, m.payload) for m in seen) == sorted([
+            (T.secagg(mine), b"forwarded keys"), (T.relay_secagg("relay-1"), b"my masked sum"),
+            (T.secagg_to(mine), b"roster for mine"), (T.secagg_to(theirs), b"roster for theirs")])
+        assert [(m.topic, m.payload) for m in down] == [(T.secagg_to(mine), b"roster for mine")]
+        assert [(m.topic, m.payload) for m in on_shard] == [(T.secagg(mine), b"its own masked input")]
+    finally:
+        for c in (coord, relay, shard_relay, dev):
+            c.stop()
+
+
 def test_a_signing_tls_sharded_fleet_shares_the_roots_key_and_ca(mosquitto_bin: str) -> None:
     base = _ports(2)
     work = Path(tempfile.mkdtemp(prefix="fedge-shards-sign-"))

@@ -150,7 +150,9 @@ def test_setup_round_trips_and_malformed_setups_are_refused() -> None:
     (b'{"v": 2, "stage": "keys", "round": 3, "group": "tier-s", "sender": "a"}', "version"),
     (b'{"v": 1, "stage": "unmask", "round": 3, "group": "tier-s", "sender": "a"}', "stage"),
     (b'{"v": 1, "stage": "keys", "round": 2, "group": "tier-s", "sender": "a"}', "round"),
-    (b'{"v": 1, "stage": "keys", "round": 3, "group": "tier-s", "sender": "b"}', "spoofed"),
+    # the same round and group, another sum of it: from before the coordinator restarted (b"seed" is 73656564)
+    (b'{"v": 1, "stage": "keys", "round": 3, "group": "tier-s", "sum": "0011223344556677", "sender": "a"}', "round"),
+    (b'{"v": 1, "stage": "keys", "round": 3, "group": "tier-s", "sum": "73656564", "sender": "b"}', "spoofed"),
 ])
 def test_a_bad_stage_message_is_refused_with_its_reason(data: bytes, reason: str) -> None:
     with pytest.raises(Refusal) as err:

@@ -4,7 +4,15 @@ below its threshold is abandoned with the state unchanged, and hostile stage mes
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,10 +20,14 @@ import pytest
 
 from fedge.common.messages import Message
 from fedge.common.rounds import group_artifact
+from fedge.common.tensorcodec import decode
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
 from fedge.edge.agent import DeviceAgent
-from fedge.fleet.config import FleetConfig, parse_fleet
+from fedge.fleet.config import FleetConfig, load_fleet, parse_fleet
 from fedge.mqtt.broker import MosquittoProcess
+from fedge.mqtt.client import MqttClient
+from fedge.mqtt.settings import TransportSettings
+from fedge.mqtt.topics import FleetTopics
 from fedge.sim.over_mqtt import start_fleet
 from fedge.sim.simulate import build_fleet, simulate
 
@@ -169,3 +181,112 @@ def test_simulate_over_mqtt_sums_securely(embedded_broker: None) -> None:
     assert res.reports[0].secure == {"tier-xs": {"survivors": members, "dropped": [], "abandoned": ""}}
     for k, want in ref.globals[ARTIFACT].items():
         np.testing.assert_allclose(res.globals[ARTIFACT][k], want, rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+SECURE_TOML = """
+[run]
+method = "fedavg"
+rounds = 3
+dataset = "digits"
+fleet = "{fleet}"
+seed = 3
+
+[partition]
+kind = "iid"
+fraction = 0.15
+
+[train]
+local_epochs = 1
+
+[privacy]
+secure_aggregation = true
+
+[[devices]]
+profile = "rpi4-2gb"
+count = 4
+arch = "tier-xs"
+"""
+
+
+@pytest.mark.slow
+def test_a_coordinator_killed_mid_secure_round_runs_it_again_with_a_fresh_sum(tmp_path: Path,
+                                                                             mosquitto: MosquittoProcess) -> None:
+    """`fedge coordinator run` (no round deadline) killed with SIGKILL in round 2 once its first roster is out
+    (the devices wait for the next stage), and in round 3 while the devices train: each restarted process
+    re-announces the round with a fresh secure sum; the devices run its stages with the arrays they trained
+    (they do not train again), the dead process's stage messages queued for it are refused, and the run ends
+    in the uninterrupted secure run's state."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(SECURE_TOML.format(fleet="secure-kill"))
+    cfg = load_fleet(path)
+    ref = simulate(cfg)
+    devices, _ = build_fleet(cfg)
+    ids = sorted(d.info.device_id for d in devices)
+    _, agents, stop = start_fleet(cfg, devices, mosquitto.settings(reconnect_min_s=0.2, reconnect_max_s=1.0),
+                                  TransportSettings(global_timeout_s=20), coordinator=False)
+    trained: list[int] = []
+    for agent in agents:
+        train = agent.method.train_round
+
+        def slow(info: Any, _train: Any = train) -> Any:
+            trained.append(info.round)
+            time.sleep(1.0)  # keeps round 3's training open long enough to kill the coordinator inside it
+            return _train(info)
+
+        agent.method.train_round = slow  # type: ignore[method-assign]
+    seen: list[tuple[str, int]] = []  # (stage, round) of what the coordinator sent, and round descriptors
+    cond = threading.Condition()
+
+    def on_message(m: Any) -> None:
+        if not m.payload:
+            return
+        if m.topic.endswith("/rounds/current"):
+            item = ("round", Message.from_bytes(m.payload).round)
+        else:
+            doc = json.loads(m.payload)
+            item = (str(doc.get("stage")), int(doc.get("round", 0)))
+        with cond:
+            seen.append(item)
+            cond.notify_all()
+
+    topics = FleetTopics(cfg.run.fleet)
+    spy = MqttClient(mosquitto.settings(), "secure-spy", on_message=on_message).start(5)
+    spy.subscribe(topics.round)
+    spy.subscribe(f"{topics.base}/secagg/+")
+    state = tmp_path / "state"
+    cmd = [sys.executable, "-m", "fedge", "coordinator", "run", "--config", str(path), "--broker", mosquitto.url,
+           "--state-dir", str(state), "--min-devices", "4", "--round-timeout", "0", "--deadline-slack", "0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        for rnd, after in ((2, "roster"), (3, "round")):
+            mark = len(seen)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+            def reached(item: tuple[str, int] = (after, rnd), mark: int = mark) -> bool:
+                return item in seen[mark:]
+
+            with cond:  # this process reaches round `rnd`: its first roster out, or its announcement
+                assert cond.wait_for(reached, 120), (rnd, seen[mark:], proc.poll())
+            time.sleep(0.3 if after == "round" else 0.0)
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        last = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=300)
+        out = last.stdout.decode()
+        assert last.returncode == 0, out
+    finally:
+        stop()
+        spy.stop()
+    reports = [json.loads(line) for line in (state / "reports.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in reports] == [1, 2, 3, 4]
+    for r in reports[:3]:
+        assert r["secure"] == {"tier-xs": {"survivors": ids, "dropped": [], "abandoned": ""}}, r
+        assert sorted(r["accepted"]) == ids and not r["missing"], r
+        # the dead process's stage messages, queued for the restarted one: of another sum (round), another stage,
+        # or larger than the stage it is at allows (its shares while it collects keys); which, depends on timing
+        assert set(r["rejected"]) <= {"secagg-round", "secagg-stage", "secagg-oversize"}, r["rejected"]
+    assert sorted(trained) == sorted([1, 2, 3] * len(ids))  # every device trained each round once
+    flat = decode((state / "globals.safetensors").read_bytes()).tensors
+    got = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith(ARTIFACT + "/")}
+    assert sorted(got) == sorted(ref.globals[ARTIFACT])
+    for k, want in ref.globals[ARTIFACT].items():
+        np.testing.assert_allclose(got[k], want, rtol=1e-6, atol=1e-7, err_msg=k)

@@ -112,9 +112,10 @@ def test_a_group_below_the_threshold_is_abandoned_and_nothing_is_aggregated(capl
     assert res.reports[0].missing == sorted(a.device.device_id for a in res.agents)
 
 
-def test_a_coordinator_over_mqtt_sums_securely_and_relays_and_workers_refuse() -> None:
-    """`fedge coordinator run` gets the settings (its rounds are SecureRound, fedge.coordinator.secure); relays and
-    aggregation workers, which carry no stage messages, refuse the fleet naming why."""
+def test_a_coordinator_over_mqtt_sums_securely_and_workers_refuse() -> None:
+    """`fedge coordinator run` gets the settings (its rounds are SecureRound, fedge.coordinator.secure); aggregation
+    workers, which carry no stage messages, refuse the fleet naming why (relays carry them:
+    tests/test_secagg_relays.py)."""
     import argparse
 
     from fedge.coordinator.fromfleet import engine_parts, refuse_secure_in_parts
@@ -122,9 +123,9 @@ def test_a_coordinator_over_mqtt_sums_securely_and_relays_and_workers_refuse() -
     cfg = parse_fleet(fleet_doc("fedavg", {"secure_aggregation": True, "clipping_range": 4.0}))
     engine_cfg, _ = engine_parts(argparse.Namespace(), cfg, any_device=False)
     assert engine_cfg.secure is not None and engine_cfg.secure.clipping_range == 4.0
-    with pytest.raises(ConfigError, match="runs with one coordinator on one broker; `fedge relay` do not carry its "
-                                          "stage messages yet"):
-        refuse_secure_in_parts(cfg, "`fedge relay`")
+    with pytest.raises(ConfigError, match="runs with one coordinator per broker tree; aggregation workers do not "
+                                          "carry its stage messages"):
+        refuse_secure_in_parts(cfg, "aggregation workers")
     plain, _ = engine_parts(argparse.Namespace(), parse_fleet(fleet_doc("fedavg", None)), any_device=False)
     assert plain.secure is None
 

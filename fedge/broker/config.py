@@ -103,6 +103,7 @@ def acl_text(fleet: str, devices: list[str], coordinator: str, deploy: str | Non
         # partial aggregates of aggregation workers and relays (docs/scale.md), and the relays' statuses
         f"topic readwrite {t.partial_filter}",
         f"topic read {t.base}/relays/+/status",
+        f"topic read {t.relay_secagg_filter}",  # relays' sums of their devices' masked inputs (secure rounds)
     ]
     if deploy is not None:
         lines += ["", f"user {deploy}", f"topic readwrite {t.base}/ota/#", f"topic read {t.ota_status_filter()}",

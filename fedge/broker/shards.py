@@ -30,10 +30,12 @@ CRL, copied into every broker's ``tls/crl.pem``: ``fedge broker revoke/rotate ID
 ACLs (the same with passwords or certificates): on a shard a device has exactly the flat fleet's rights — and no
 account at all on another shard or on the root, so it can publish into no other shard. On its parent's broker,
 relay NAME may write the ``hello`` and ``status`` topics of the devices it reports (its shard's and its child
-shards') only (it forwards them), its own ``partials/relay-NAME`` and ``relays/relay-NAME/status``, and read
-rounds, global state, model packages and its devices' ``refused/{id}`` and OTA orders, and write their OTA
-statuses; on its shard it also writes ``ota/#`` (it forwards ``fedge deploy``'s updates); worker K may read updates
-and hellos (its shared subscription) and rounds, and write ``partials/worker-K`` only. (Under mutual TLS a device's
+shards') only (it forwards them), its own ``partials/relay-NAME``, ``relays/relay-NAME/status`` and
+``relays/relay-NAME/secagg`` (its sums of masked inputs), and read rounds, global state, model packages and its
+devices' ``refused/{id}`` and OTA orders, and write their OTA statuses; in secure rounds it writes its devices'
+``devices/{id}/secagg`` and reads their ``secagg/{id}`` (the stage messages it forwards); on its shard it also
+writes ``ota/#`` (it forwards ``fedge deploy``'s updates); worker K may read updates and hellos (its shared
+subscription) and rounds, and write ``partials/worker-K`` only. (Under mutual TLS a device's
 certificate does connect to another broker of the tree — Mosquitto checks it against the CA, not against a list of
 accounts — but that broker's ACL names it nowhere: it can publish and read nothing.)
 """
@@ -96,11 +98,13 @@ def root_acl_extra(fleet: str, relays: dict[str, list[str]], workers: list[str])
     lines: list[str] = []
     for relay, devices in relays.items():
         lines += ["", f"user {relay}", f"topic write {t.partial(relay)}", f"topic readwrite {t.relay_status(relay)}",
+                  f"topic write {t.relay_secagg(relay)}",  # its sums of masked inputs (secure rounds)
                   f"topic read {t.round}", f"topic read {t.base}/global/#", f"topic read {t.base}/ota/models/#",
                   f"topic read {t.fleet_keys}"]
-        for dev in devices:
+        for dev in devices:  # secure rounds: it forwards their stage messages both ways
             lines += [f"topic write {t.hello(dev)}", f"topic write {t.status(dev)}", f"topic read {t.refused(dev)}",
-                      f"topic read {t.ota_order(dev)}", f"topic write {t.ota_status(dev)}"]
+                      f"topic read {t.ota_order(dev)}", f"topic write {t.ota_status(dev)}",
+                      f"topic write {t.secagg(dev)}", f"topic read {t.secagg_to(dev)}"]
     for worker in workers:
         lines += ["", f"user {worker}", f"topic read {t.device_filter('update')}",
                   f"topic read {t.device_filter('hello')}", f"topic read {t.round}", f"topic write {t.partial(worker)}"]

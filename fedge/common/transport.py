@@ -29,8 +29,9 @@ class Inbound:
     (a bad chunk checksum, an oversize transfer ...); the engine only counts it.
     ``kind`` is ``update`` (a device's update), ``partial`` (an aggregation worker's or a
     relay's partial aggregate, ``origin`` then being that aggregator's account; see
-    :mod:`fedge.coordinator.partial`) or ``secagg`` (a device's secure-aggregation stage message,
-    :mod:`fedge.coordinator.secure`).
+    :mod:`fedge.coordinator.partial`), ``secagg`` (a device's secure-aggregation stage message,
+    :mod:`fedge.coordinator.secure`) or ``secagg-sum`` (a relay's sum of its devices' masked inputs,
+    :mod:`fedge.secagg.partial`, ``origin`` being the relay's account).
     """
 
     data: bytes

@@ -319,7 +319,7 @@ class RoundEngine:
             if item.kind == "partial":  # a worker's or a relay's share of the round
                 policy.partial(item)
                 continue
-            if item.kind == "secagg":  # a secure-aggregation stage message (fedge.coordinator.secure)
+            if item.kind in ("secagg", "secagg-sum"):  # a stage message, a relay's masked sum (coordinator.secure)
                 if self.gate.admit_stage(item, policy.stage_message):
                     break  # the stage is complete: the policy closes it and asks for the next
                 continue

@@ -53,8 +53,6 @@ def engine_parts(args: argparse.Namespace, cfg: FleetConfig, *, any_device: bool
     the root, ``fedge coordinator run`` without ``--workers``; a relay's shard name for ``fedge relay``), each
     for its own subtree only (:attr:`EngineConfig.partial_reporters`). Otherwise, or without ``[[shards]]``, any
     account the broker lets publish a partial is heard (aggregation workers)."""
-    if cfg.shard_layout:
-        refuse_secure_in_parts(cfg, "[[shards]] (relays)")
     engine_cfg = engine_config(coordinator_settings(args, cfg.coordinator, cfg.source), fleet=cfg.run.fleet,
                                method=cfg.run.method, slots=checked_slots(cfg), own_data=cfg.own_data,
                                privacy=cfg.privacy_mechanism, any_device=any_device, keep_reports=KEEP_REPORTS)
@@ -70,13 +68,15 @@ def engine_parts(args: argparse.Namespace, cfg: FleetConfig, *, any_device: bool
 
 
 def refuse_secure_in_parts(cfg: FleetConfig, what: str) -> None:
-    """:class:`ConfigError` when ``cfg`` sums securely and ``what`` (relays, aggregation workers) would read its
-    rounds: they carry no stage messages yet, and a masked input means nothing outside its group's sum."""
+    """:class:`ConfigError` when ``cfg`` sums securely and ``what`` (aggregation workers) would read its rounds:
+    workers share out the devices' updates, which in a secure round carry metrics only, and a masked input means
+    nothing outside its group's sum (relays do carry secure rounds: they sum their shard's masked inputs,
+    :mod:`fedge.secagg.partial`)."""
     if cfg.privacy.secure_aggregation:
-        raise ConfigError(f"{cfg.source}: [privacy] secure_aggregation runs with one coordinator on one broker; "
-                          f"{what} do not carry its stage messages yet",
-                          hint="leave secure_aggregation out, or run the fleet without relays and workers "
-                               "(docs/security.md#secure-aggregation)")
+        raise ConfigError(f"{cfg.source}: [privacy] secure_aggregation runs with one coordinator per broker tree; "
+                          f"{what} do not carry its stage messages",
+                          hint="leave secure_aggregation out, or run the fleet without aggregation workers (relays "
+                               "and [[shards]] work: docs/security.md#secure-aggregation)")
 
 
 def heat_limits(cfg: FleetConfig, checks: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -17,7 +17,8 @@ logged — and the coordinator carries on. The checks, in order:
   reports (totals of bytes, metric sums and counts, training time) bounded by their number (``summary``);
 * the tensors: exactly what this coordinator's strategy would produce for those devices
   (:func:`~fedge.coordinator.partial.check_partial`: names, shapes, dtypes, finite, weights within
-  the devices' samples), none in the final round.
+  the devices' samples), none in the final round or in a round summed securely (its sums come masked:
+  :mod:`fedge.coordinator.secure`).
 """
 
 from __future__ import annotations
@@ -235,6 +236,8 @@ class PartialMerger:
             msg = Message.from_bytes(item.data, max_bytes=self.max_bytes, max_info_bytes=MAX_PARTIAL_INFO_BYTES)
             sender = sender or msg.sender
             entries, compact = self._check(msg, item, counted)
+            if self.strategy.secure_sums and msg.tensors:  # a secure round's values arrive masked, summed
+                raise Rejected("schema", f"{msg.sender}'s partial carries tensors in a round summed securely")
             if not self._final:
                 check_splittable(self.strategy)
                 devices = [e.device for e in entries] + (compact.devices if compact is not None else [])

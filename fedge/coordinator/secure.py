@@ -16,9 +16,14 @@ coordinator state machine the in-process simulation runs (:class:`~fedge.secagg.
    deadline and ``secure_stage_s`` from now.
 
 Every stage message passes the engine's gate (:meth:`UpdateGate.admit_stage`): what the state machine refuses
-is counted in the round report as ``secagg-<reason>``. A device lost after sharing its keys is unmasked with
-its neighbours' shares; a group whose survivors fall below its threshold is abandoned: nothing of it reaches
-the strategy, so its global state stays as it was, and ``report.secure[group]["abandoned"]`` says why.
+is counted in the round report as ``secagg-<reason>``. Behind relays (a sharded fleet) the stage messages arrive
+as the devices sent them, but a shard's masked inputs arrive summed by its relay (``secagg-sum``,
+:mod:`fedge.secagg.partial`): :meth:`SecAggServer.receive_sum` adds the sum and counts its devices as having
+sent theirs, refusing a forged one — another field or length, a device counted twice, one that shared no keys,
+or (with ``[[shards]]``, the engine's ``partials.allowed``) one outside the relay's shard. A device lost after
+sharing its keys is unmasked with its neighbours' shares; a group whose survivors fall below its threshold is
+abandoned: nothing of it reaches the strategy, so its global state stays as it was, and
+``report.secure[group]["abandoned"]`` says why.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from fedge.coordinator.report import RoundReport
 from fedge.coordinator.validation import Rejected
 from fedge.errors import ConfigError
 from fedge.secagg import terms
+from fedge.secagg.messages import Refusal, masked_group
 from fedge.secagg.rounds import SecureTask, plan_task
 from fedge.secagg.server import Abandoned, SecAggServer
 
@@ -94,6 +100,8 @@ class SecureRound(SyncRound):
         self.pending.discard(sender)
 
     def stage_message(self, item: Inbound) -> bool:
+        if item.kind == "secagg-sum":
+            return self._masked_sum(item)
         sender = item.origin or ""
         group = self.member_of.get(sender)
         if group is None or group not in self.servers:
@@ -105,6 +113,28 @@ class SecureRound(SyncRound):
             assert refusal is not None
             raise Rejected(f"secagg-{refusal.reason}", refusal.message)
         self.stage_pending.discard(sender)
+        return not self.stage_pending
+
+    def _masked_sum(self, item: Inbound) -> bool:
+        """A relay's sum of its devices' masked inputs (inside the gate's error boundary: refusals raise)."""
+        relay = item.origin or ""
+        allowed = self.engine.partials.allowed  # [[shards]]: the devices each relay reports
+        if allowed is not None and relay not in allowed:
+            raise Rejected("secagg-foreign", f"a masked sum from {relay[:64]!r}, no relay of this fleet's shards")
+        try:
+            group = masked_group(item.data)
+        except Refusal as r:
+            raise Rejected(f"secagg-{r.reason}", r.message) from r
+        server = self.servers.get(group)
+        if server is None:
+            raise Rejected("secagg-late", f"a masked sum from {relay[:64]!r} for group {group[:40]!r}, in no secure "
+                                          f"sum of round {self.rnd} still running")
+        devices = server.receive_sum(relay, item.data, None if allowed is None else allowed[relay])
+        if not devices:
+            refusal = server.last_refusal
+            assert refusal is not None
+            raise Rejected(f"secagg-{refusal.reason}", refusal.message)
+        self.stage_pending.difference_update(devices)
         return not self.stage_pending
 
     def end_pass(self, received: int) -> None:

@@ -7,6 +7,7 @@ over MQTT (stepped by its own loop), so the bytes it counts are the wire bytes.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -21,11 +22,13 @@ from fedge.common.privacy import privatize, project_global
 from fedge.common.rounds import DeviceInfo, RoundInfo, evaluates_at
 from fedge.common.transport import DeviceTransport
 from fedge.edge.methods.base import DeviceMethod
-from fedge.edge.secure import secure_upload, task_for
+from fedge.edge.secure import SecureOutcome, secure_upload, task_for, task_seed
 from fedge.errors import PayloadError
 from fedge.secagg.messages import Refusal
+from fedge.secagg.rounds import SecureTask
 
 log = logging.getLogger(__name__)
+MAX_REPLANS = 3  # re-planned secure sums of one round a device answers again (restarts of its coordinator)
 
 
 @dataclass
@@ -53,6 +56,9 @@ class DeviceAgent:
         self.trained_runs: set[str] = set()  # run ids (of round descriptors) this agent trained a round in
         self._ignored_run = ""
         self._noise_rng = np.random.default_rng()  # [privacy] noise: OS entropy, never the run's seed
+        # The last secure sum this device took part in: (round, its graph seed, the arrays it summed), kept so that
+        # a round re-announced with another sum (a restarted coordinator) is answered without training again.
+        self._secure_answered: tuple[int, bytes, dict[str, Any]] | None = None
         # what info.train_s is measured with; a simulator on a virtual clock replaces it (fedge.sim.clocked)
         self.timer: Callable[[], float] = time.perf_counter
         self.task_done: tuple[str, int] | None = None  # asynchronous mode: (run, task) last trained
@@ -76,6 +82,8 @@ class DeviceAgent:
         run = run if isinstance(run, str) else ""
         if info.assigned is not None:
             return self._step_async(info, run, len(raw))
+        if info.round == self.last_round and self._secure_replanned(info, raw):
+            return True
         if info.round <= self.last_round:
             return False
         if info.is_final and run and run not in self.trained_runs:
@@ -191,6 +199,21 @@ class DeviceAgent:
         log.debug("%s: round %d (%s) up %d B down %d B", self.device.device_id, info.round, info.phase,
                   len(data), down)
 
+    def _secure_replanned(self, info: RoundInfo, raw: bytes) -> bool:
+        """A round this device answered re-announced with another secure sum (a coordinator restarted after this
+        device's update): run the new sum's stages with the arrays it summed, without training again (its
+        transport sent the cached update again, which carries metrics only). Whether it did."""
+        answered = self._secure_answered
+        if answered is None or answered[0] != info.round or info.is_final:
+            return False
+        seed = task_seed(self.device.device_id, raw, info.round)
+        if seed is None or seed == answered[1]:
+            return False
+        log.warning("%s: round %d was re-announced with another secure sum (a restarted coordinator): its stages "
+                    "again, with the arrays it summed", self.device.device_id, info.round)
+        self._secure_stages(info, answered[2])
+        return True
+
     def _secure(self, info: RoundInfo, tasks: object, arrays: dict[str, Any],
                 down: int) -> tuple[dict[str, Any], int, int]:
         """This device's part of its group's secure sum of ``arrays``; what its update then carries (nothing),
@@ -207,10 +230,48 @@ class DeviceAgent:
         # The values a plain upload carries (at this device's upload precision): the secure sum is the plain
         # round's sum, and the in-process simulation's (fedge.sim.secure sums the decoded uploads).
         wire = Message("update", me, info.round, self.fleet, tensors=arrays).to_bytes(self.device.upload_precision)
-        arrays = Message.from_bytes(wire).tensors
-        out = secure_upload(self.transport, me, task, arrays, num_samples=self.device.num_samples,
-                            wait_until=info.deadline)
+        out = self._secure_stages(info, Message.from_bytes(wire).tensors, task)
         return {}, out.bytes_up, down + out.bytes_down
+
+    def _secure_stages(self, info: RoundInfo, arrays: dict[str, Any], task: SecureTask | None = None
+                       ) -> SecureOutcome:
+        """The four stages of this device's task in the round's current descriptor (else ``task``), again for each
+        re-planned sum (:data:`MAX_REPLANS` at most); what they sent and received in all."""
+        me = self.device.device_id
+        total = SecureOutcome()
+        for _ in range(MAX_REPLANS + 1):
+            current = self._current_task(info.round)
+            task = current or task
+            if task is None:
+                break
+            seed = task.setup.seed
+            replanned = functools.partial(self._replanned, info.round, seed)
+            out = secure_upload(self.transport, me, task, arrays, num_samples=self.device.num_samples,
+                                wait_until=info.deadline, superseded=replanned)
+            total.bytes_up += out.bytes_up
+            total.bytes_down += out.bytes_down
+            total.sent, total.error = out.sent, out.error
+            total.refusals.update(out.refusals)
+            self._secure_answered = (info.round, seed, arrays)
+            if not out.superseded:
+                break
+            log.warning("%s: round %d was re-announced with another secure sum (a restarted coordinator): its "
+                        "stages again, with the same arrays", me, info.round)
+        return total
+
+    def _current_task(self, rnd: int) -> SecureTask | None:
+        """This device's secure task in the current descriptor, if that is of round ``rnd``."""
+        raw = self.transport.current_round()
+        try:
+            msg = Message.from_bytes(raw) if raw else None
+            return task_for(self.device.device_id, msg.info.get("secagg")) if msg and msg.round == rnd else None
+        except (PayloadError, Refusal):
+            return None
+
+    def _replanned(self, rnd: int, seed: bytes) -> bool:
+        """Whether the current descriptor plans another secure sum of round ``rnd`` for this device than ``seed``'s."""
+        now = task_seed(self.device.device_id, self.transport.current_round(), rnd)
+        return now is not None and now != seed
 
 
 def measuring_copy(method: DeviceMethod) -> DeviceMethod:

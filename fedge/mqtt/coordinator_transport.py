@@ -101,6 +101,7 @@ class MqttCoordinatorTransport(CoordinatorTransport):
         self.client.subscribe(self.topics.device_filter("health"))
         # Secure aggregation's stage messages (fedge.coordinator.secure): read here, whoever reads the updates.
         self.client.subscribe(self.topics.device_filter("secagg"))
+        self.client.subscribe(self.topics.relay_secagg_filter)  # ... and relays' sums of their masked inputs
 
     def start(self) -> MqttCoordinatorTransport:
         self.client.start(self.settings.connect_timeout_s)
@@ -123,6 +124,11 @@ class MqttCoordinatorTransport(CoordinatorTransport):
             account = self.topics.parse_partial(m.topic)
             if account is not None and m.payload:
                 self._on_partial(account, m)
+            relay = self.topics.parse_relay_secagg(m.topic)
+            if relay is not None and m.payload:  # a relay's sum of masked inputs (fedge.secagg.partial)
+                self.stats.messages_in += 1
+                self.stats.bytes_in += len(m.payload)
+                self._upload(relay, m, "secagg-sum")
             refused = self.topics.parse_refused(m.topic)
             # Only a retained copy (sent on subscribing) tells what the broker holds; our own refusals come back
             # live, and are already known (refuse()), possibly older than a clear sent since.

@@ -20,6 +20,7 @@ Every topic lives under ``fedge/{fleet}/``::
     fedge/{fleet}/devices/{id}/ota           retained  the device's model version and update state (JSON)
     fedge/{fleet}/partials/{account}         -         a partial aggregate from an aggregation worker or relay
     fedge/{fleet}/relays/{account}/status    retained  a relay's "online" | "offline" (last-will) on its parent
+    fedge/{fleet}/relays/{account}/secagg    -         a relay's sum of its devices' masked inputs (secure rounds)
 
 A device writes only its own ``devices/{its id}/{status,hello,update,health,secagg}`` and reads
 ``rounds/#``, ``global/#`` and its own ``refused/{its id}`` and ``secagg/{its id}``; the coordinator reads
@@ -205,6 +206,22 @@ class FleetTopics:
     def relay_status(self, account: str) -> str:
         """``fedge/{fleet}/relays/{account}/status``: a relay's status on its parent broker (last-will)."""
         return f"{self.base}/relays/{check_name(account, 'relay account')}/status"
+
+    def relay_secagg(self, account: str) -> str:
+        """``fedge/{fleet}/relays/{account}/secagg``: a relay's sums of its devices' masked inputs, on its parent
+        broker (:mod:`fedge.secagg.partial`; chunked when large, never retained)."""
+        return f"{self.base}/relays/{check_name(account, 'relay account')}/secagg"
+
+    @property
+    def relay_secagg_filter(self) -> str:
+        return f"{self.base}/relays/+/secagg"
+
+    def parse_relay_secagg(self, topic: str) -> str | None:
+        """The relay account of a ``relays/{account}/secagg`` topic of this fleet, else None."""
+        parts = topic.split("/")
+        if len(parts) != 5 or parts[:3] != [ROOT, self.fleet, "relays"] or parts[4] != "secagg":
+            return None
+        return parts[3] if _NAME.match(parts[3]) else None
 
     def parse_partial(self, topic: str) -> str | None:
         """The account of a partial's topic of this fleet, else None."""

@@ -114,7 +114,7 @@ class PartialAggregator:
             return False
 
         def accept(up: Admitted) -> None:
-            if not self.final:
+            if not self.final and not self.strategy.secure_sums:  # secure: metrics only, the sums come masked
                 self.strategy.accumulate(up.device, up.msg.tensors, up.msg.info)
             self._detailed(up.msg.sender, up.size, up.msg.info, up.bytes_down, up.metrics, up.info.get("train_s"))
             self.answered.add(up.msg.sender)
@@ -160,7 +160,7 @@ class PartialAggregator:
         if self.round == 0 or not self.dirty:
             return None
         rejections = self.gate.drain()
-        tensors = {} if self.final else export_partial(self.strategy, exact=self.exact)
+        tensors = {} if self.final or self.strategy.secure_sums else export_partial(self.strategy, exact=self.exact)
         if self.detail:  # each device's entry; a compact child's devices stay compact
             info = partial_info(self.descriptor, self._pending, rejections.by_device,
                                 ids=pack_ids(self._compact) if self._compact else None, summary=self._compact_summary)

@@ -84,9 +84,10 @@ def _add_aggregator_arguments(p: argparse.ArgumentParser) -> None:
 
 def _aggregator(args: argparse.Namespace, command: str, cfg: Any = None, *, relay: bool = False
                 ) -> tuple[Any, Any, Any]:
-    """(the aggregator, the broker settings, the transport settings) of a worker or relay command (``command``,
-    for the refusal of an asynchronous fleet; ``cfg``: the fleet config, when the command loaded it). A
-    ``relay`` of a ``[[shards]]`` entry hears its child relays only, each for its own subtree."""
+    """(the aggregator, the broker settings, the transport settings) of a worker or relay (``relay``) command
+    (``command``, for the refusal of an asynchronous or, for a worker, secure fleet; ``cfg``: the fleet config,
+    when the command loaded it). A ``relay`` of a ``[[shards]]`` entry hears its child relays only, each for its
+    own subtree."""
     import dataclasses
 
     from fedge.common.asyncmode import refuse_in_parts
@@ -99,7 +100,8 @@ def _aggregator(args: argparse.Namespace, command: str, cfg: Any = None, *, rela
 
     cfg = cfg or load_fleet(args.config)
     refuse_in_parts(cfg.asynchronous, command, source=cfg.source)
-    refuse_secure_in_parts(cfg, command)
+    if not relay:  # a relay sums its shard's masked inputs; a worker has no stage messages to carry
+        refuse_secure_in_parts(cfg, command)
     if args.rounds is not None:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=args.rounds))
     name = args.name or args.username

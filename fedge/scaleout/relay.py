@@ -24,6 +24,15 @@ is connected to both brokers under its own account:
 
 A relay of relays is the same program with a relay's shard as its child broker: trees of any depth.
 
+**Secure rounds** (``[privacy] secure_aggregation``, a descriptor carrying ``secagg``): the relay forwards the
+coordinator's stage messages (``secagg/{id}``) down and its devices' ``keys``, ``shares`` and ``unmask`` messages
+up byte for byte, never retained; it does not forward their masked inputs but adds them up modulo the round's
+field, with its child relays' sums (:class:`~fedge.secagg.partial.RelaySums`), and sends each group's sum to
+``relays/{account}/secagg`` on its parent once every device whose shares it forwarded has sent its masked input
+(or is offline), or nothing new came for ``hold_s``. Neither it nor its parent sees one device's values; what
+it refuses (a malformed or repeated masked input, a child's forged sum) is counted as ``secagg-{reason}`` in
+the round's report through its next partial.
+
 **Compact partials.** A partial lists its devices as runs of ids with one summary of their reports (the
 aggregator's default; ``--detail`` sends one entry per device), so the bytes through the parent do not grow
 with the shard; with ``state_dir`` the relay keeps each round's per-device entries itself
@@ -51,6 +60,7 @@ from typing import Any
 
 from fedge.common.atomicfile import write_atomic
 from fedge.common.messages import Message, new_msg_id
+from fedge.common.transport import Inbound
 from fedge.mqtt.chunking import Reassembler, split
 from fedge.mqtt.client import MqttClient, Received, Will
 from fedge.mqtt.connection import BrokerSettings
@@ -59,6 +69,7 @@ from fedge.mqtt.settings import MAX_HELLO_BYTES, TransportSettings, TransportSta
 from fedge.mqtt.status_book import StatusBook
 from fedge.mqtt.topics import STATUS_OFFLINE, STATUS_ONLINE, FleetTopics
 from fedge.scaleout.aggregator import PartialAggregator
+from fedge.secagg.partial import RelaySums
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +129,8 @@ class Relay:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.partials_sent = 0
+        self.secure = RelaySums(self.name)  # a secure round's masked inputs, summed (fedge.secagg.partial)
+        self.sums_sent = 0
         self.up = MqttClient(parent, self.name, clean_session=True, on_message=self._on_parent,
                              on_connect=self._on_parent_connect,
                              will=Will(t.relay_status(self.name), STATUS_OFFLINE))
@@ -125,10 +138,12 @@ class Relay:
         # and the fleet key's rotations (the retained key chain), which devices verify themselves
         for topic in (t.round, f"{t.base}/global/#", f"{t.base}/refused/+", f"{t.base}/ota/#", t.fleet_keys):
             self.up.subscribe(topic)
+        self.up.subscribe(f"{t.base}/secagg/+")  # secure rounds: the coordinator's stage messages to devices
         self.down = MqttClient(child, self.name, clean_session=False, on_message=self._on_child,
                                on_connect=self._on_child_connect, on_disconnect=self._on_child_disconnect)
-        for kind in ("status", "hello", "update"):
+        for kind in ("status", "hello", "update", "secagg"):
             self.down.subscribe(t.device_filter(kind))
+        self.down.subscribe(t.relay_secagg_filter)  # child relays' sums of masked inputs
         self.down.subscribe(t.partial_filter)
         self.down.subscribe(t.ota_status_filter())
         self.down.subscribe(t.round)  # what the shard holds (retained) when this relay connects
@@ -164,6 +179,11 @@ class Relay:
         self.up_stats.bytes_in += len(m.payload)
         if m.topic == self.topics.round:
             self._inbox.put(("round", m.payload))
+            return
+        if m.topic.startswith(f"{self.topics.base}/secagg/"):  # a stage message: for this round's stage only
+            if m.payload and not m.retain:
+                self.down.publish(m.topic, m.payload)
+                self.down_stats.count_out(len(m.payload))
             return
         self._forward_down(m.topic, m.payload)  # global state, chunk parts, refusals, OTA: byte for byte
 
@@ -211,6 +231,10 @@ class Relay:
         if account is not None:
             self._upload("partial", account, m)
             return
+        account = self.topics.parse_relay_secagg(m.topic)
+        if account is not None:
+            self._upload("secagg-sum", account, m)
+            return
         t = self.topics.parse_device(m.topic)
         if t is None:
             return
@@ -233,7 +257,8 @@ class Relay:
                 self._inbox.put(("hello", hello))
                 self._forward_up(m.topic, m.payload, retain=True)
             return
-        self._upload("update", t.device_id, m)
+        if t.kind in ("update", "secagg"):
+            self._upload(t.kind, t.device_id, m)
 
     def _upload(self, kind: str, source: str, m: Received) -> None:
         item = self.inbound.upload(source, m.payload, m.retain, m.received, kind=kind)
@@ -277,6 +302,8 @@ class Relay:
                     self._owed.discard(arg.origin)
                 else:
                     self._owed_stale = True
+        elif kind in ("secagg", "secagg-sum"):
+            self._stage(kind, arg)
         elif kind == "partial":
             if agg.admit_partial(arg):
                 self._last_accept = time.monotonic()
@@ -293,6 +320,34 @@ class Relay:
         elif kind == "reissue" and self._descriptor is not None:
             self._ask_resend = False
             self._request_resend()
+
+    def _stage(self, kind: str, item: Inbound) -> None:
+        """A device's stage message (forwarded up, or a masked input summed) or a child relay's masked sum."""
+        origin = item.origin or "?"
+        if item.reject is not None:
+            self.aggregator.gate.rejections.add(origin, f"secagg-{item.reject[0]}")
+            return
+        before = self.secure.refusals.total()
+        if kind == "secagg":
+            forward = self.secure.upward(origin, item.data)
+            if forward is not None:
+                self._publish_up(self.topics.secagg(origin), forward, wait=False)
+        else:
+            allowed = self.aggregator.merger.allowed
+            if allowed is not None and origin not in allowed:
+                self.aggregator.gate.rejections.add(origin, "secagg-foreign")
+                log.warning("relay %s: a masked sum from %r, no child relay of this shard", self.name, origin)
+                return
+            self.secure.child_sum(origin, item.data, None if allowed is None else allowed[origin])
+        if self.secure.refusals.total() > before and self.secure.last_refusal is not None:
+            self.aggregator.gate.rejections.add(origin, f"secagg-{self.secure.last_refusal.reason}")
+
+    def _publish_up(self, topic: str, data: bytes, *, wait: bool = True) -> bool:
+        """``data`` on the parent's ``topic`` (QoS 1, chunked as a device would, never retained); with ``wait``,
+        whether the parent acknowledged it within the publish timeout."""
+        pubs = [self.up.publish(topic, f) for f in split(data, self.settings.chunk_bytes)]
+        self.up_stats.count_out(len(data))
+        return not wait or self.up.wait_published(pubs, self.settings.publish_timeout_s)
 
     def _on_round(self, raw: bytes) -> None:
         if not raw:  # the run is over: the parent withdrew its descriptor
@@ -320,6 +375,8 @@ class Relay:
                          msg.round, len(saved.get("forwarded", [])))
             self._saved = {"run": run, "round": msg.round, "forwarded": sorted(self.aggregator.answered)}
             self._record_round(run, previous)
+        if self.secure.begin(msg.round, msg.info.get("secagg")) and self.secure.active:
+            self.aggregator.strategy.secure_sums = True  # its devices' updates carry metrics only
         # Byte for byte: a signed descriptor keeps the coordinator's signature (its topic is the same on every
         # broker of the tree, the fleet's ``rounds/current``), and every shard sees the same message id.
         self._forward_down(self.topics.round, raw)
@@ -387,6 +444,8 @@ class Relay:
 
     def _maybe_send(self) -> None:
         agg = self.aggregator
+        if self.secure.pending:
+            self._maybe_send_sums()
         if agg.round == 0 or not agg.dirty:
             return
         now = time.monotonic()
@@ -396,13 +455,24 @@ class Relay:
         if complete or closing or idle:
             self._send(agg.flush())
 
+    def _maybe_send_sums(self) -> None:
+        """Send the masked sums once every device whose shares went up through here has sent its masked input
+        (or is offline), or nothing new came for ``hold_s``."""
+        with self._book_lock:
+            offline = self._book.offline()
+        complete = not (self.secure.waiting() - offline)
+        if complete or time.monotonic() - self.secure.last_added >= self.hold_s:
+            for data in self.secure.flush():
+                if not self._publish_up(self.topics.relay_secagg(self.name), data):
+                    log.warning("relay %s: the parent did not acknowledge a masked sum within %.0f s", self.name,
+                                self.settings.publish_timeout_s)
+                self.sums_sent += 1
+
     def _send(self, data: bytes | None) -> None:
         if data is None:
             return
-        pubs = [self.up.publish(self.topics.partial(self.name), f) for f in split(data, self.settings.chunk_bytes)]
-        self.up_stats.count_out(len(data))
         self.partials_sent += 1
-        if self.up.wait_published(pubs, self.settings.publish_timeout_s):
+        if self._publish_up(self.topics.partial(self.name), data):
             self._saved["forwarded"] = sorted(self.aggregator.answered)
             self._save_state()
         else:

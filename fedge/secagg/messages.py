@@ -12,6 +12,12 @@ The stages (device → coordinator, then coordinator → each device):
 2. ``shares`` (a sealed share per neighbour)         → ``inbox`` (the shares sealed for it)
 3. ``masked`` (the masked vector, safetensors)       → ``unmask-request`` (who survived, who dropped)
 4. ``unmask`` (share values: survivors' seeds, dropped devices' mask keys)
+
+Between a shard and the coordinator a relay forwards every stage message untouched except the masked inputs of
+its devices, which it adds up modulo the field (:mod:`fedge.secagg.partial`) and sends as one ``masked-sum``
+(relay → its parent): the same safetensors layout, the relay as sender, the field's bits and the devices whose
+masked inputs it holds. A sum of masked inputs is as uniform as one masked input: the masks cancel only in the
+group's total.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ from fedge.secagg.fixedpoint import FieldPlan, Segment
 
 VERSION = 1
 STAGES = ("keys", "roster", "shares", "inbox", "masked", "unmask-request", "unmask")
+MASKED_SUM = "masked-sum"  # a relay's sum of its devices' masked inputs (not a device's stage)
 # Every reason a stage message is refused for, as counted (docs/security.md#secure-aggregation).
 REASONS = ("oversize", "malformed", "version", "stage", "round", "spoofed", "unknown-sender", "duplicate", "shape",
-           "late", "forged", "inconsistent")
+           "late", "forged", "inconsistent", "foreign")
 MAX_DEPTH = 4
 MASKED_TENSOR = "masked"
 _SEALED_SHARE = crypto.NONCE_BYTES + 16 + 2 * shamir.VALUE_BYTES  # nonce, tag, two share values
@@ -61,6 +68,12 @@ class RoundSetup:
     threshold: int  # shares that recover a device's secrets (its own share counts)
     plan: FieldPlan
     seed: bytes  # the round seed the neighbour graph is drawn from
+
+    @property
+    def sum_id(self) -> str:
+        """Which secure sum of the round a message belongs to (the graph seed's first 8 bytes, hex): a coordinator
+        restarted mid-round plans the round's sum afresh, and a stage message of the sum before must not pass."""
+        return self.seed[:8].hex()
 
     def number(self, device: str) -> int:
         """The Shamir share number of ``device`` (1-based)."""
@@ -135,7 +148,8 @@ def unb64(text: object, what: str, size: int | None = None) -> bytes:
 
 def encode(setup: RoundSetup, stage: str, sender: str, body: dict[str, Any]) -> bytes:
     """A JSON stage message (every stage but ``masked``)."""
-    doc = {"v": VERSION, "stage": stage, "round": setup.round, "group": setup.group, "sender": sender, **body}
+    doc = {"v": VERSION, "stage": stage, "round": setup.round, "group": setup.group, "sum": setup.sum_id,
+           "sender": sender, **body}
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -148,6 +162,9 @@ def check_envelope(setup: RoundSetup, doc: dict[str, Any], stage: str, sender: s
     if doc.get("round") != setup.round or doc.get("group") != setup.group:
         raise Refusal("round", f"a message of round {str(doc.get('round'))[:12]} group {str(doc.get('group'))[:40]!r}"
                                f" in round {setup.round} group {setup.group!r} (replayed or misrouted)")
+    if doc.get("sum") != setup.sum_id:
+        raise Refusal("round", f"a message of another secure sum of round {setup.round} group {setup.group!r} "
+                               "(from before the coordinator restarted, or replayed)")
     if doc.get("sender") != sender:
         raise Refusal("spoofed", f"message names sender {str(doc.get('sender'))[:64]!r} but came from {sender!r}")
 
@@ -184,24 +201,82 @@ def str_list(doc: dict[str, Any], key: str) -> list[str]:
 
 def encode_masked(setup: RoundSetup, sender: str, words: np.ndarray) -> bytes:
     """The masked input: one integer tensor (the words' bits as int32 / int64) in a safetensors payload."""
+    return _encode_words(setup, "masked", sender, words, {})
+
+
+def encode_masked_sum(setup: RoundSetup, sender: str, devices: list[str], words: np.ndarray) -> bytes:
+    """A relay's sum of the masked inputs of ``devices`` (mod the field), as :func:`encode_masked` lays out a
+    device's, with the field's bits and the devices in its metadata."""
+    return _encode_words(setup, MASKED_SUM, sender, words, {
+        "secagg.bits": str(setup.plan.bits), "secagg.devices": json.dumps(sorted(devices), separators=(",", ":"))})
+
+
+def _encode_words(setup: RoundSetup, stage: str, sender: str, words: np.ndarray, extra: dict[str, str]) -> bytes:
     signed = words.view(np.int32 if words.dtype == np.uint32 else np.int64)
-    meta = {"secagg.v": str(VERSION), "secagg.stage": "masked", "secagg.round": str(setup.round),
-            "secagg.group": setup.group, "secagg.sender": sender}
+    meta = {"secagg.v": str(VERSION), "secagg.stage": stage, "secagg.round": str(setup.round),
+            "secagg.group": setup.group, "secagg.sum": setup.sum_id, "secagg.sender": sender, **extra}
     return tensorcodec.encode(tensorcodec.Payload({MASKED_TENSOR: signed}, meta))
 
 
 def decode_masked(setup: RoundSetup, data: bytes, sender: str) -> np.ndarray:
     """The words of a masked input from ``sender`` (:class:`Refusal` unless it is exactly one of this setup)."""
-    limit = setup.limit("masked")
+    return _decode_words(setup, data, "masked", sender, setup.limit("masked"))[0]
+
+
+def masked_sum_limit(setup: RoundSetup) -> int:
+    """The most bytes a valid ``masked-sum`` of this setup can have (every member listed)."""
+    return setup.limit("masked") + int(len(setup.members) * setup._id_bytes) + 64
+
+
+def decode_masked_sum(setup: RoundSetup, data: bytes, sender: str) -> tuple[list[str], np.ndarray]:
+    """(devices, words) of relay ``sender``'s ``masked-sum``: :class:`Refusal` for another field (``shape``), a
+    device list that is not a non-empty list of distinct members (``malformed``, ``duplicate``,
+    ``unknown-sender``), or anything :func:`decode_masked` refuses."""
+    words, meta = _decode_words(setup, data, MASKED_SUM, sender, masked_sum_limit(setup))
+    if meta.get("secagg.bits") != str(setup.plan.bits):
+        raise Refusal("shape", f"{sender!r} sums in a {str(meta.get('secagg.bits'))[:8]}-bit field, the round's has "
+                               f"{setup.plan.bits} bits")
+    try:
+        devices = json.loads(meta.get("secagg.devices", ""))
+    except ValueError as exc:
+        raise Refusal("malformed", f"{sender!r}'s masked sum lists its devices in no JSON list") from exc
+    if not isinstance(devices, list) or not devices or not all(isinstance(d, str) for d in devices):
+        raise Refusal("malformed", f"{sender!r}'s masked sum must list its devices (a non-empty list of ids)")
+    if len(set(devices)) != len(devices):
+        raise Refusal("duplicate", f"{sender!r}'s masked sum counts a device twice")
+    outside = sorted(set(devices) - set(setup.members))
+    if outside:
+        raise Refusal("unknown-sender", f"{sender!r}'s masked sum holds {outside[0][:64]!r}, not a member of group "
+                                        f"{setup.group!r}")
+    return devices, words
+
+
+def masked_group(data: bytes) -> str:
+    """The group a ``masked`` or ``masked-sum`` payload names (:class:`Refusal` ``malformed`` if none): which
+    group's sum to check it against."""
+    try:
+        _, meta = tensorcodec.read_header(data)
+    except PayloadError as exc:
+        raise Refusal("malformed", exc.message) from exc
+    group = meta.get("secagg.group")
+    if not group:
+        raise Refusal("malformed", "a masked payload that names no group")
+    return group
+
+
+def _decode_words(setup: RoundSetup, data: bytes, stage: str, sender: str, limit: int
+                  ) -> tuple[np.ndarray, dict[str, str]]:
+    """The words and metadata of a ``stage`` payload (``masked`` or ``masked-sum``) from ``sender``."""
     if len(data) > limit:
-        raise Refusal("oversize", f"masked input of {len(data)} bytes exceeds {limit}")
+        raise Refusal("oversize", f"{stage} of {len(data)} bytes exceeds {limit}")
     try:
         header, meta = tensorcodec.read_header(data)
         doc = {"v": int(meta.get("secagg.v", "0")) if meta.get("secagg.v", "").isdigit() else None,
                "stage": meta.get("secagg.stage"), "group": meta.get("secagg.group"),
                "round": int(meta["secagg.round"]) if meta.get("secagg.round", "").isdigit() else None,
+               "sum": meta.get("secagg.sum"),
                "sender": meta.get("secagg.sender")}
-        check_envelope(setup, doc, "masked", sender)
+        check_envelope(setup, doc, stage, sender)
         spec = {MASKED_TENSOR: ((setup.plan.length,), "int")}
         entries = tensorcodec.check_layout(header, len(data) - 8 - tensorcodec.header_length(data))
         try:
@@ -210,10 +285,13 @@ def decode_masked(setup: RoundSetup, data: bytes, sender: str) -> np.ndarray:
             raise Refusal("shape", exc.message) from exc
         want = "I32" if setup.plan.dtype == np.uint32 else "I64"
         if entries[MASKED_TENSOR].dtype != want:
-            raise Refusal("shape", f"masked input of dtype {entries[MASKED_TENSOR].dtype}, the field needs {want}")
+            raise Refusal("shape", f"{stage} of dtype {entries[MASKED_TENSOR].dtype}, the field needs {want}")
         tensors = tensorcodec.load_tensors(data, header, spec, sender)
     except Refusal:
         raise
     except PayloadError as exc:
         raise Refusal("malformed", exc.message) from exc
-    return np.ascontiguousarray(tensors[MASKED_TENSOR]).view(setup.plan.dtype)
+    words = np.ascontiguousarray(tensors[MASKED_TENSOR]).view(setup.plan.dtype)
+    if setup.plan.bits not in (32, 64) and bool((words >> setup.plan.dtype(setup.plan.bits)).any()):
+        raise Refusal("shape", f"{stage} from {sender!r} holds words outside the {setup.plan.bits}-bit field")
+    return words, meta

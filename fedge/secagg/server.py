@@ -15,6 +15,12 @@ stage's ``close_*``, which returns what to send to each device:
 At any stage, fewer than ``threshold`` devices, or a secret that fewer than ``threshold`` shares reach, abandons
 the round: :class:`Abandoned` is raised, nothing is summed, and the caller's state is left as it was.
 Refused messages are counted by reason in :attr:`refusals` and never change the state.
+
+Behind relays (:mod:`fedge.secagg.partial`) the masked inputs of a shard's devices arrive as one sum:
+:meth:`receive_sum` adds a relay's ``masked-sum`` to the running total and counts its devices as survivors, as
+if each had sent its masked input here; what it cannot be — another field or length, a device counted already or
+listed twice, one that sent no shares, one outside the relay's shard — is refused whole (a sum cannot be taken
+apart). Neither the relay nor this state machine ever holds one device's unmasked input.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ class SecAggServer:
         self.refusals: Counter[str] = Counter()
         self.keys: dict[str, tuple[bytes, bytes]] = {}  # U1: device -> (c public key, s public key)
         self.shares: dict[str, dict[str, str]] = {}  # U2: sender -> receiver -> sealed share (base64, opaque)
-        self.masked: dict[str, np.ndarray] = {}  # U3: device -> its masked words
+        self.masked: dict[str, str] = {}  # U3: device -> who delivered its masked input (itself, or a relay)
         self.total: np.ndarray | None = None  # Σ y over U3, kept running instead of every upload
         self.unmasks: dict[str, tuple[dict[str, int], dict[str, int]]] = {}  # responder -> (seed, key shares)
         self.last_refusal: Refusal | None = None  # why the latest refused message was (a carrier reports it)
@@ -71,11 +77,44 @@ class SecAggServer:
             else:
                 raise Refusal("late", f"a message from {sender!r} after the round's sum was {self.stage}")
         except Refusal as r:
-            self.refusals[r.reason] += 1
-            self.last_refusal = r
-            log.warning("group %s round %d: refused %s", self.setup.group, self.setup.round, r.message)
+            self._refused(r)
             return False
         return True
+
+    def receive_sum(self, relay: str, data: bytes, allowed: Collection[str] | None = None) -> list[str]:
+        """Take relay ``relay``'s sum of its devices' masked inputs; ``allowed``: the devices it may speak for
+        (its shard's, None: any member). Returns the devices it sums; none if refused (counted; nothing of it
+        is kept)."""
+        try:
+            if self.stage != "masked":
+                reason = "stage" if self.stage in ("keys", "shares") else "late"
+                raise Refusal(reason, f"a masked sum from {relay[:64]!r} while the round's sum is at {self.stage}")
+            devices, words = msg.decode_masked_sum(self.setup, data, relay)
+            outside = sorted(d for d in devices if allowed is not None and d not in allowed)
+            if outside:
+                raise Refusal("foreign", f"{relay!r} sums {outside[0]!r}, a device outside its shard")
+            twice = sorted(d for d in devices if d in self.masked)
+            if twice:
+                raise Refusal("duplicate", f"{relay!r} sums {twice[0]!r}, whose masked input was counted already "
+                                           f"(from {self.masked[twice[0]]!r})")
+            absent = sorted(d for d in devices if d not in self.shares)
+            if absent:
+                raise Refusal("unknown-sender", f"{relay!r} sums {absent[0]!r}, which shared no keys this round")
+        except Refusal as r:
+            self._refused(r)
+            return []
+        for d in devices:
+            self.masked[d] = relay
+        self._add(words)
+        return devices
+
+    def _refused(self, r: Refusal) -> None:
+        self.refusals[r.reason] += 1
+        self.last_refusal = r
+        log.warning("group %s round %d: refused %s", self.setup.group, self.setup.round, r.message)
+
+    def _add(self, words: np.ndarray) -> None:
+        self.total = words.copy() if self.total is None else self.setup.plan.reduce(self.total + words)
 
     def _once(self, sender: str, seen: Mapping[str, Any], allowed: Collection[str], stage: str) -> None:
         if sender in seen:
@@ -105,8 +144,8 @@ class SecAggServer:
     def _masked(self, sender: str, data: bytes) -> None:
         self._once(sender, self.masked, self.shares, "masked")
         words = msg.decode_masked(self.setup, data, sender)
-        self.masked[sender] = words
-        self.total = words.copy() if self.total is None else self.setup.plan.reduce(self.total + words)
+        self.masked[sender] = sender
+        self._add(words)
 
     def _unmask(self, sender: str, doc: dict[str, Any]) -> None:
         self._once(sender, self.unmasks, self.masked, "unmask")
