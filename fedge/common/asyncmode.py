@@ -47,6 +47,7 @@ class AsyncSettings:
     hinge_a: float = 10.0
     hinge_b: float = 4.0
     concurrency: int = 0  # 0: every device of the fleet
+    thermal_guard: bool = False  # a hot idle device gets no task until it has cooled (fedge.common.heat)
     fleet_size: int = 0
     seed: int = 0
 
@@ -57,6 +58,9 @@ class AsyncSettings:
                 raise ConfigError(f"[coordinator] {key} = {v!r}: must be an integer >= {low}",
                                   hint=ASYNC_HINTS[key])
 
+        if not isinstance(self.thermal_guard, bool):
+            raise ConfigError(f"[coordinator] thermal_guard = {self.thermal_guard!r}: must be true or false",
+                              hint="thermal_guard = true: a hot device gets no task until it has cooled")
         whole("buffer_size", 1)
         whole("max_staleness", 0)
         whole("concurrency", 0)
@@ -135,6 +139,8 @@ def parse_async(table: Mapping[str, Any], *, fleet_size: int, seed: int, source:
         raise ConfigError(f"{where}[coordinator] sample is for synchronous rounds; async mode has concurrency",
                           hint="drop sample and selection; set concurrency = devices training at once")
     values = {k: table[k] for k in given}
+    if table.get("thermal_guard") is not None:  # a key of the utility selections too (fedge.common.sampling)
+        values["thermal_guard"] = table["thermal_guard"]
     if "buffer_size" not in values:  # FedBuff's K = 10, or every device training at once in a smaller fleet
         at_once = values.get("concurrency") or fleet_size
         values["buffer_size"] = min(10, at_once, fleet_size or at_once) if isinstance(at_once, int) and at_once > 0 \

@@ -66,7 +66,7 @@ _KEY_HINTS = {
     "explore": "oort / energy: the share of slots for untried devices, e.g. 0.2",
     "preferred_round_s": "oort: the preferred round duration in seconds (0: the median task time)",
     "straggler_penalty": "oort: the exponent α of the penalty (T / t) ** α, e.g. 2",
-    "thermal_guard": "oort / energy: true to skip a device that is hot until it cools",
+    "thermal_guard": "oort / energy, or async mode: true to give a hot device no task until it cools",
     "staleness_weight": "one of constant, polynomial, hinge",
 }
 

@@ -20,6 +20,8 @@ from typing import Any
 from fedge.errors import PayloadError
 
 HEALTH_KIND = "health"
+HEARTBEAT_S = 10.0
+"""A device's heartbeat interval by default (``fedge edge run --heartbeat``)."""
 MAX_HEALTH_BYTES = 8 * 1024  # a whole health message; a record is ~600 bytes
 MAX_TEXT = 256  # characters of last_error (longer ones are cut by the device, refused here)
 MAX_NAME = 64  # characters of fedge_version and model

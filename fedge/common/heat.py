@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fedge.common.health import HEARTBEAT_S
 from fedge.errors import ConfigError
 
 DEFAULT_LIMIT_C = 80.0
@@ -36,6 +37,17 @@ THROTTLING_NOW = 0b1110
 """The Pi firmware's flags (``get_throttled``) that say it is slowing the ARM now: frequency capped (bit 1),
 throttled (bit 2), soft temperature limit (bit 3). Under-voltage (bit 0) is the supply's fault, not heat, and the
 "occurred" bits (16-19) only remember the past."""
+
+
+STALE_AFTER_BEATS = 3
+"""A heartbeat older than this many heartbeat intervals says nothing of the device's heat now."""
+HEAT_MAX_AGE_S = STALE_AFTER_BEATS * HEARTBEAT_S
+"""The coordinator's bound on a heartbeat's age for the thermal guard over a network (30 s: three of the devices'
+default 10 s heartbeats; ``fedge coordinator run --heat-max-age``). Past it the reading is **unknown**: the device
+is neither held as hot nor known to be cool, and the guard forgets that it was hot (a later fresh reading starts
+again from ``limit_c``). Holding it on a stale reading would hold a device whose heartbeats are lost (a congested
+link, a restarted agent) for good; silence itself is offline detection's business (the broker's last will), not
+the guard's."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,9 @@ class HeatReading:
     temp_c: float | None
     limits: HeatLimits
     flags: int | None = None
+    stale: str = ""
+    """Why the reading is too old to say anything of the device's heat now (:data:`HEAT_MAX_AGE_S`); empty: it is
+    fresh."""
 
 
 class HeatGuard:
@@ -99,8 +114,11 @@ class HeatGuard:
 
     def judge(self, device_id: str, reading: HeatReading | None) -> str:
         """Why ``device_id`` is too hot to task now (empty: it is not), remembering the answer. No reading (a device
-        that never sent a heartbeat): not hot."""
+        that never sent a heartbeat) or a stale one (``reading.stale``): not hot, and no longer remembered as hot."""
         if reading is None:
+            return ""
+        if reading.stale:
+            self.hot.discard(device_id)
             return ""
         was = device_id in self.hot
         lim = reading.limits

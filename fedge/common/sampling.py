@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from fedge.common.asyncmode import AsyncSettings
 from fedge.common.selection import UTILITY_KEYS, UTILITY_SELECTIONS, UtilitySettings
 from fedge.errors import ConfigError
 
@@ -109,9 +110,22 @@ class Sampling:
         return sorted(chosen)
 
 
+def thermal_guarded(sampling: Sampling | None, asynchronous: AsyncSettings | None) -> bool:
+    """Whether ``[coordinator] thermal_guard`` is on: a key of the utility selections in synchronous rounds, of task
+    assignment in asynchronous mode (:mod:`fedge.common.heat`)."""
+    if asynchronous is not None:
+        return asynchronous.thermal_guard
+    return sampling is not None and sampling.utility.thermal_guard
+
+
 def parse_sampling(table: Mapping[str, Any], *, fleet_size: int, seed: int, source: str = "") -> Sampling | None:
     """The ``sample`` / ``selection`` keys of a ``[coordinator]`` table (None: every device, every round)."""
     if "sample" not in table:
+        if table.get("thermal_guard") is not None and table.get("mode", "sync") != "async":
+            raise ConfigError(f"{source}: [coordinator] thermal_guard without sample: in synchronous rounds the guard "
+                              'is a key of selection = "oort" or "energy"',
+                              hint='add sample and selection = "oort" (or "energy"), or mode = "async" (the guard '
+                                   "then holds hot devices out of task assignment), or drop thermal_guard")
         if "selection" in table:
             raise ConfigError(f"{source}: [coordinator] selection = {table['selection']!r} without sample",
                               hint="add sample = 0.1 (a fraction of the fleet) or a count, or drop selection")

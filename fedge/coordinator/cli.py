@@ -245,7 +245,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         transport.start()
         service = CoordinatorService(strat, transport, engine_cfg, args.state_dir, observers=[monitor])
-        service.engine.health = monitor.health_records  # the thermal guard reads the heartbeats (issue 44)
+        service.engine.health = monitor.heartbeats  # the thermal guard reads the heartbeats (issue 44)
         monitor.run_id = service.engine.run_id
         if service.resumed_from:  # the rounds before the restart, for the dashboard
             for rep in read_reports(Path(args.state_dir) / REPORTS_FILE):

@@ -11,7 +11,7 @@ from fedge.common.coordinator_section import DEADLINE_KEYS, QUORUM_KEYS, Aggrega
 from fedge.common.heat import HeatLimits
 from fedge.common.privacy import Mechanism, PrivacySettings
 from fedge.common.rounds import DeviceInfo
-from fedge.common.sampling import Sampling
+from fedge.common.sampling import Sampling, thermal_guarded
 from fedge.errors import ConfigError
 from fedge.secagg import DEFAULT_STAGE_S
 
@@ -138,6 +138,12 @@ class EngineConfig:
     # each stage after the first waits for the devices' answers.
     secure: PrivacySettings | None = None
     secure_stage_s: float = DEFAULT_STAGE_S
+
+    @property
+    def thermal_guard(self) -> bool:
+        """``[coordinator] thermal_guard``: of the utility selections in synchronous rounds, of the task assignment
+        in asynchronous mode (fedge.common.heat)."""
+        return thermal_guarded(self.sampling, self.asynchronous)
 
     def __post_init__(self) -> None:
         if self.min_devices < 0:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from fedge.common.health import HealthRecord
-from fedge.common.heat import HeatReading
+from fedge.common.heat import HEAT_MAX_AGE_S, HeatReading
 from fedge.common.messages import Message
 from fedge.common.privacy import PrivacyLedger
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo, RoundInfo
@@ -95,9 +95,11 @@ class RoundEngine:
         self.task_since: dict[str, float] = {}  # ... and when (unix seconds) it was handed out, for its timeout
         self.gate.assigned = self.tasks
         self.selector = Selector()  # selection = "oort" / "energy": what devices reported (issue 44)
-        # the devices' last accepted heartbeats (the fleet monitor's health_records), for the thermal guard over a
-        # network; None: none (in process, a simulation's clock tells selection_facts instead)
-        self.health: Callable[[], Mapping[str, HealthRecord]] | None = None
+        # the devices' last accepted heartbeats, each with the time it arrived (the fleet monitor's heartbeats), for
+        # the thermal guard over a network; None: none (in process, a simulation's clock tells selection_facts or
+        # heat_readings instead). A heartbeat older than heat_max_age_s says nothing of the heat (fedge.common.heat).
+        self.health: Callable[[], Mapping[str, tuple[HealthRecord, float]]] | None = None
+        self.heat_max_age_s = HEAT_MAX_AGE_S
         self.store: EngineStore | None = EngineStore(state_dir) if state_dir else None
         if self.store is not None and self.store.exists():
             self._resume(self.store.load(method=config.method, fleet=config.fleet))
@@ -259,11 +261,30 @@ class RoundEngine:
 
     def _heat(self) -> dict[str, HeatReading] | None:
         """The thermal guard's readings from the devices' heartbeats (None: no heartbeats, or no guard)."""
-        s = self.config.sampling
-        if self.health is None or s is None or not s.utility.thermal_guard:
+        if self.health is None or not self.config.thermal_guard:
             return None
         slots = self.config.slots or {}
-        return heartbeat_heat(self.health(), lambda d: slots[d].heat if d in slots else None)
+        return heartbeat_heat(self.health(), lambda d: slots[d].heat if d in slots else None, now=time.time(),
+                              max_age_s=self.heat_max_age_s)
+
+    def thermal_hold(self, candidates: Collection[str]) -> tuple[dict[str, str], dict[str, str]]:
+        """Asynchronous mode's thermal guard (``[coordinator] thermal_guard``): which of ``candidates`` (idle online
+        devices) are too hot for a new task, and why; and the candidates whose reading is too old to judge, and
+        why. The selector's one :class:`~fedge.common.heat.HeatGuard` judges them, from the simulation's thermal
+        model (the transport's ``heat_readings``) or the devices' heartbeats."""
+        if not self.config.thermal_guard:
+            return {}, {}
+        readings = getattr(self.transport, "heat_readings", None)
+        heat = readings() if readings is not None else self._heat() or {}
+        held, stale = {}, {}
+        for d in sorted(candidates):
+            reading = heat.get(d)
+            why = self.selector.guard.judge(d, reading)
+            if why:
+                held[d] = f"{why}: not tasked until it cools"
+            elif reading is not None and reading.stale:
+                stale[d] = reading.stale
+        return held, stale
 
     def run_round(self, rnd: int) -> RoundReport:
         """Announce round ``rnd``, aggregate what arrives, publish the new global state.

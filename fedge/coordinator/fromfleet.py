@@ -16,6 +16,7 @@ from typing import Any
 
 from fedge.common.coordinator_section import CoordinatorSection
 from fedge.common.heat import HeatLimits
+from fedge.common.sampling import thermal_guarded
 from fedge.coordinator.config import EngineConfig, engine_config
 from fedge.coordinator.service import KEEP_REPORTS
 from fedge.coordinator.strategy import Strategy
@@ -82,8 +83,7 @@ def refuse_secure_in_parts(cfg: FleetConfig, what: str) -> None:
 def heat_limits(cfg: FleetConfig, checks: Mapping[str, Any]) -> Mapping[str, Any]:
     """With ``[coordinator] thermal_guard``: each slot check with its profile's ``[thermal]`` limits (the guard reads
     the heartbeats against them; a profile without the table keeps the defaults, :class:`HeatLimits`)."""
-    s = cfg.coordinator.sampling
-    if s is None or not s.utility.thermal_guard:
+    if not thermal_guarded(cfg.coordinator.sampling, cfg.coordinator.asynchronous):
         return checks
     limits: dict[int, HeatLimits | None] = {}
     out = dict(checks)

@@ -48,7 +48,8 @@ class RoundReport:
     # (fedge.common.selection); empty for the other selections
     selection: dict[str, str] = field(default_factory=dict)
     # [coordinator] thermal_guard: the candidates held out of this round because they were hot (fedge.common.heat;
-    # why: ``selection``)
+    # why: ``selection``). Asynchronous mode: the idle devices refused a new task in this version because they were
+    # hot (``selection`` says why, and why a device whose heartbeat is too old to judge was not held)
     hot: list[str] = field(default_factory=list)
     # [privacy] secure_aggregation over a transport (fedge.coordinator.secure): group -> {"survivors": devices
     # whose values the group's sum holds, "dropped": devices lost after sharing their keys, "abandoned": why the

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from fedge.common.health import HealthRecord
-from fedge.common.heat import HeatGuard, HeatLimits, HeatReading
+from fedge.common.heat import HEAT_MAX_AGE_S, HeatGuard, HeatLimits, HeatReading
 from fedge.common.rounds import FINAL_PHASE, DeviceInfo
 from fedge.common.sampling import Sampling
 from fedge.common.selection import DeviceFacts, SystemFacts, select
@@ -27,17 +27,30 @@ from fedge.coordinator.report import RoundReport
 log = logging.getLogger(__name__)
 
 
-def heartbeat_heat(records: Mapping[str, HealthRecord], limits: Callable[[str], HeatLimits | None]
-                   ) -> dict[str, HeatReading]:
-    """What the devices' last heartbeats say of their heat (their ``cpu_temp_c`` and the Pi firmware's ``throttled``
-    flags), with each device's limits (``limits(device)``; None: :class:`HeatLimits`' defaults). A record that
-    tells neither says nothing."""
+def heartbeat_heat(records: Mapping[str, tuple[HealthRecord, float]], limits: Callable[[str], HeatLimits | None],
+                   *, now: float, max_age_s: float = HEAT_MAX_AGE_S) -> dict[str, HeatReading]:
+    """What the devices' last heartbeats (each with the coordinator's time it arrived) say of their heat (their
+    ``cpu_temp_c`` and the Pi firmware's ``throttled`` flags), with each device's limits (``limits(device)``; None:
+    :class:`HeatLimits`' defaults). A record that tells neither says nothing; one older than ``max_age_s`` at
+    ``now`` is marked stale (``HeatReading.stale``: the guard treats its heat as unknown, :data:`HEAT_MAX_AGE_S`)."""
     out = {}
-    for d, rec in records.items():
+    for d, (rec, at) in records.items():
         if rec.cpu_temp_c is None and rec.throttled is None:
             continue
-        out[d] = HeatReading(rec.cpu_temp_c, limits(d) or HeatLimits(), flags=rec.throttled)
+        age = now - at
+        stale = (f"heat unknown: its last heartbeat is {age:.1f} s old (more than {max_age_s:g} s), so the thermal "
+                 "guard does not hold it" if max_age_s > 0 and age > max_age_s else "")
+        out[d] = HeatReading(rec.cpu_temp_c, limits(d) or HeatLimits(), flags=rec.throttled, stale=stale)
     return out
+
+
+_NO_FACTS = SystemFacts(None, None)
+
+
+def stale_notes(heat: Mapping[str, HeatReading]) -> dict[str, str]:
+    """The devices whose reading is too old to judge (``HeatReading.stale``), and why: what the round report adds
+    to their reason, so it says why a device that had been hot is tasked again."""
+    return {d: r.stale for d, r in heat.items() if r.stale}
 
 
 class Selector:
@@ -82,6 +95,10 @@ class Selector:
                 hot=self.guard.judge(d, reading))
         choice = select(sampling.selection, rnd, sampling.count, list(facts), facts, sampling.utility, sampling.seed)
         self.why = {d: "offline at the round's start" for d in devices if d not in facts} | choice.why
+        if sampling.utility.thermal_guard:
+            for d, note in stale_notes(heat or {}).items():
+                if d in self.why and not (system or {}).get(d, _NO_FACTS).heat:
+                    self.why[d] += f" ({note})"
         self.held = choice.held
         if choice.held:
             log.info("round %d: thermal guard holds %s", rnd, ", ".join(f"{d} ({facts[d].hot})" for d in choice.held))

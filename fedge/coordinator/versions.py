@@ -29,17 +29,28 @@ from fedge.coordinator.validation import Rejected
 log = logging.getLogger(__name__)
 
 
-def assign(engine: Engine, rnd: int, online: set[str], done: Collection[str] = ()) -> list[str]:
+def assign(engine: Engine, rnd: int, online: set[str], done: Collection[str] = (),
+           report: RoundReport | None = None) -> list[str]:
     """Ask idle online devices to train from version ``rnd`` until ``concurrency`` online devices have a task.
 
     Those in ``done`` (their update is in version ``rnd`` already) wait for the next version while another
     device can take the work — unless nobody online would be training otherwise (few devices online, a buffer
-    larger than they are): then they train from ``rnd`` again, or the version would never fill."""
+    larger than they are): then they train from ``rnd`` again, or the version would never fill. With
+    ``thermal_guard``, a hot idle device gets no task until it has cooled (:meth:`RoundEngine.thermal_hold`): named
+    in ``report.hot``, why in ``report.selection``."""
     a = engine.config.asynchronous
     assert a is not None
     busy = sum(1 for d in engine.tasks if d in online)
     free = max(0, a.concurrent_devices - busy)
     idle = online - set(engine.tasks)
+    held, stale = engine.thermal_hold(idle)
+    if held:
+        idle -= set(held)
+        log.info("version %d: thermal guard holds %s", rnd, ", ".join(f"{d} ({w})" for d, w in held.items()))
+    if report is not None:
+        report.hot = sorted(set(report.hot) | set(held))
+        report.selection.update(held)
+        report.selection.update(stale)
     started = a.choose(rnd, sorted(idle - set(done)), free)
     if not started and not busy:
         started = a.choose(rnd, sorted(idle), free)
@@ -118,7 +129,7 @@ class VersionPolicy(RoundPolicy):
         e, rnd = self.engine, self.rnd
         e.await_quorum()
         online = e.online_devices()
-        self.started = assign(e, rnd, online, self.report.accepted)
+        self.started = assign(e, rnd, online, self.report.accepted, self.report)
         call = None
         if self.started or not self.announced:
             info = RoundInfo(round=rnd, phase=self.phase, method=e.config.method, config=e.strategy.round_config(rnd),

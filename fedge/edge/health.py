@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from fedge import __version__
-from fedge.common.health import FIELDS, MAX_NAME, MAX_TEXT, HealthError, check_field
+from fedge.common.health import FIELDS, HEARTBEAT_S, MAX_NAME, MAX_TEXT, HealthError, check_field
 from fedge.common.messages import Message
 from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HEARTBEAT_S = 10.0
+DEFAULT_HEARTBEAT_S = HEARTBEAT_S
 PROC = Path("/proc")
 SYS = Path("/sys")
 # Where the Raspberry Pi firmware driver exposes vcgencmd's get_throttled (kernels since 5.x).

@@ -228,9 +228,15 @@ class FleetMonitor(EngineObserver):
         return self.health.accepted
 
     def health_records(self) -> dict[str, HealthRecord]:
-        """Each device's last accepted heartbeat (the thermal guard reads them: ``RoundEngine.health``)."""
+        """Each device's last accepted heartbeat."""
         with self._lock:
             return {d: dev.health for d, dev in self.devices.items() if dev.health is not None}
+
+    def heartbeats(self) -> dict[str, tuple[HealthRecord, float]]:
+        """Each device's last accepted heartbeat and when it arrived (the coordinator's clock): what the thermal
+        guard reads (``RoundEngine.health``), a reading too old saying nothing of the heat (fedge.common.heat)."""
+        with self._lock:
+            return {d: (dev.health, dev.health_at) for d, dev in self.devices.items() if dev.health is not None}
 
     def poll_health(self) -> int:
         """Check and store the heartbeats the transport received since the last call; returns how many

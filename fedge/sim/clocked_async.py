@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from fedge.common.heat import HeatReading
 from fedge.common.inmemory import InMemoryBus, InMemoryCoordinatorTransport
 from fedge.common.messages import Message
 from fedge.common.rounds import FINAL_PHASE, RoundInfo, evaluates_at
@@ -40,6 +41,7 @@ from fedge.common.transport import Inbound
 from fedge.edge.agent import DeviceAgent
 from fedge.errors import ConfigError
 from fedge.fleet.clock import DeviceRound, FleetClock, FleetEvaluation, RoundTime
+from fedge.fleet.energy import heat_reading
 from fedge.sim.clocked import Stopwatch
 
 log = logging.getLogger(__name__)
@@ -111,7 +113,16 @@ class AsyncClockedTransport(InMemoryCoordinatorTransport):
         return set(self.clock.devices) - self.clock.online()
 
     def wait_for_devices(self, timeout_s: float) -> None:
+        before = self.clock.now
         self.clock.advance_to_online()  # nobody to work: time passes until a device returns
+        if self.clock.now == before:  # everyone is online and idle, yet none was tasked: the thermal guard holds
+            self.clock.now += timeout_s  # them all, and they cool while the coordinator waits (as over a network)
+
+    def heat_readings(self) -> dict[str, HeatReading]:
+        """What the thermal guard (``[coordinator] thermal_guard``) knows of each device's heat now: the virtual
+        clock's thermal model, as a heartbeat would say it (:func:`fedge.fleet.energy.heat_reading`; a profile
+        without a ``[thermal]`` table: nothing)."""
+        return {d: r for d, c in self.clock.devices.items() if (r := heat_reading(c, self.clock.now)) is not None}
 
     def collect(self, round: int, expected: Collection[str], deadline: float) -> Iterator[Inbound]:
         if self._final:
