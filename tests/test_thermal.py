@@ -161,3 +161,24 @@ def test_the_guard_is_a_key_of_the_utility_selections() -> None:
     with pytest.raises(ConfigError, match='thermal_guard = True applies to selection = "oort" or "energy"'):
         parse_fleet({**base, "coordinator": {"sample": 2, "selection": "balanced", "thermal_guard": True}},
                     source="fleet.toml")
+
+
+def test_the_guard_is_a_key_of_async_mode_and_needs_sample_in_sync_rounds() -> None:
+    base = {"run": {"method": "fedavg", "rounds": 1, "dataset": "digits"},
+            "devices": [{"profile": "rpi4-4gb", "count": 4, "arch": "tier-xs"}]}
+    cfg = parse_fleet({**base, "coordinator": {"mode": "async", "buffer_size": 2, "thermal_guard": True}})
+    assert cfg.asynchronous is not None and cfg.asynchronous.thermal_guard and cfg.sampling is None
+    assert not parse_fleet({**base, "coordinator": {"mode": "async"}}).asynchronous.thermal_guard  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="thermal_guard without sample") as err:
+        parse_fleet({**base, "coordinator": {"thermal_guard": True}}, source="fleet.toml")
+    assert err.value.hint is not None and 'mode = "async"' in err.value.hint
+    with pytest.raises(ConfigError, match="'thermal_guard' = 'yes' is not bool"):
+        parse_fleet({**base, "coordinator": {"mode": "async", "thermal_guard": "yes"}})
+
+
+def test_a_stale_reading_is_unknown_and_the_guard_forgets_it_was_hot() -> None:
+    guard = HeatGuard()
+    lim = HeatLimits(70.0, 60.0)
+    assert guard.judge("d", HeatReading(75.0, lim)).startswith("hot: ")
+    assert guard.judge("d", HeatReading(75.0, lim, stale="heat unknown: old")) == "" and "d" not in guard.hot
+    assert guard.judge("d", HeatReading(65.0, lim)) == ""  # fresh again, between resume_c and limit_c: not hot

@@ -116,6 +116,62 @@ def test_a_hot_device_is_held_out_of_selection_until_it_has_cooled(mosquitto: Mo
     assert "fedge_thermal_held_total 6.0" in text, text
 
 
+def test_a_heartbeat_too_old_makes_the_heat_unknown_and_the_device_is_no_longer_held(mosquitto: MosquittoProcess,
+                                                                                     tmp_path: Path) -> None:
+    """d1 says it is hot and is held in round 1; then its heartbeats stop (its agent still online). Once its last
+    heartbeat is older than the engine's bound it says nothing of d1's heat now: round 2 does not hold it, and its
+    reason in the report says why (fedge.common.heat.HEAT_MAX_AGE_S)."""
+    ids = ["d0", "d1", "d2"]
+    files = {d: tmp_path / f"{d}.json" for d in ids}
+    for d in ids:
+        files[d].write_text(json.dumps({"cpu_temp_c": 85.0 if d == "d1" else 50.0}))
+    tr = MqttCoordinatorTransport(mosquitto.settings(), FLEET, FAST, client_id="coord").start()
+    cfg = EngineConfig(fleet=FLEET, method="fedproto", min_devices=3, quorum_timeout_s=60,
+                       sampling=Sampling(2, "oort", fleet_size=3, seed=0,
+                                         utility=UtilitySettings(explore=0.0, thermal_guard=True)),
+                       slots={d: DeviceSlotCheck(device(i)) for i, d in enumerate(ids)})
+    engine = RoundEngine(FedProtoStrategy(num_classes=10, rounds=2), tr, cfg)
+    monitor = FleetMonitor(fleet=FLEET, method="fedproto", total_rounds=2, transport=tr, poll_s=0.05,
+                           fleet_devices={d: device(i) for i, d in enumerate(ids)}).start()
+    metrics = FleetMetrics(monitor)
+    engine.observers += [monitor, metrics.observer]
+    engine.health = monitor.heartbeats
+    engine.heat_max_age_s = 1.0  # ten of these devices' 0.1 s heartbeats
+    devs = start_devices(lambda d: mosquitto.settings(), range(3))
+    beats = {d.info.device_id: Heartbeat(d.info.device_id, FLEET,
+                                         HealthSampler("tier-xs", override=HealthOverride(files[d.info.device_id])),
+                                         d.transport.send_health, lambda: (0, 0, None), interval_s=0.1).start()
+             for d in devs}
+    end = time.monotonic() + 30
+    while set(monitor.heartbeats()) != set(ids):
+        assert time.monotonic() < end, f"heartbeats not heard: {monitor.heartbeats()}"
+        time.sleep(0.05)
+
+    def silence_d1(rep: RoundReport) -> None:  # on the engine's thread, before round 2 is chosen
+        if rep.round == 1:
+            beats["d1"].stop(last_beat=False)
+            time.sleep(1.5)  # past the bound
+            assert time.time() - monitor.heartbeats()["d1"][1] > 1.0
+
+    try:
+        reports = engine.run(on_round=silence_d1)
+    finally:
+        for b in beats.values():
+            b.stop(last_beat=False)
+        stop_devices(devs)
+        monitor.stop()
+        tr.close()
+    r1, r2, _final = reports
+    assert (r1.hot, r1.sampled) == (["d1"], ["d0", "d2"])
+    assert r1.selection["d1"] == "hot: 85.0 °C, at or above its limit of 80 °C: not tasked until it cools"
+    assert r2.hot == [] and "d1" not in engine.selector.guard.hot  # unknown: not held, and no longer remembered hot
+    note = r2.selection["d1"]
+    assert "heat unknown: its last heartbeat is " in note and "s old (more than 1 s), so the thermal guard does " \
+        "not hold it" in note, note
+    assert all("heat unknown" not in r2.selection[d] for d in ("d0", "d2"))  # theirs are fresh
+    assert monitor.thermal_held == 1
+
+
 def test_each_device_is_judged_by_its_profiles_limits(tmp_path: Path) -> None:
     """``fedge coordinator run``'s engine: with ``thermal_guard``, each slot carries its profile's ``[thermal]``
     limits (a profile without the table: the defaults); without the guard no profile is read for them."""

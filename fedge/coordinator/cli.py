@@ -80,6 +80,10 @@ def _add_run_parser(csub: Parsers) -> None:
     o.add_argument("--wait-log", type=float, default=30.0, metavar="S",
                    help="while a round, the quorum or the fleet's hellos are incomplete, log every S seconds which "
                         "devices it waits for and why (default 30; 0: never)")
+    o.add_argument("--heat-max-age", type=float, default=30.0, metavar="S",
+                   help="[coordinator] thermal_guard: a heartbeat older than S seconds says nothing of a device's "
+                        "heat, which the guard then treats as unknown (not held); default 30, three of the devices' "
+                        "default 10 s heartbeats: set it to three of their --heartbeat if that is longer; 0: no bound")
     r.add_argument("--rounds", type=int, help="override [run] rounds")
     r.add_argument("--any-device", action="store_true",
                    help="accept hellos from devices not listed in the fleet config")
@@ -126,6 +130,9 @@ def _check_watch_flags(args: argparse.Namespace) -> tuple[Endpoint | None, str |
 
     if args.wait_log < 0:
         raise ConfigError(f"--wait-log must be >= 0 seconds, got {args.wait_log:g}")
+    if not 0 <= args.heat_max_age < float("inf"):
+        raise ConfigError(f"--heat-max-age must be a finite number >= 0 seconds, got {args.heat_max_age:g}",
+                          hint="e.g. 30: three of the devices' heartbeat intervals")
     return http_flags(args.http, args.http_token_file)
 
 
@@ -246,6 +253,7 @@ def _run(args: argparse.Namespace) -> int:
         transport.start()
         service = CoordinatorService(strat, transport, engine_cfg, args.state_dir, observers=[monitor])
         service.engine.health = monitor.heartbeats  # the thermal guard reads the heartbeats (issue 44)
+        service.engine.heat_max_age_s = args.heat_max_age
         monitor.run_id = service.engine.run_id
         if service.resumed_from:  # the rounds before the restart, for the dashboard
             for rep in read_reports(Path(args.state_dir) / REPORTS_FILE):
