@@ -12,15 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from gate_helpers import FLEET, device
-from scaleout_helpers import FAST, start_devices, stop_devices
+from scaleout_helpers import FAST, StatsDevice, start_devices, stop_devices
 
 from fedge.cli import build_parser
+from fedge.common.asyncmode import AsyncSettings
 from fedge.common.heat import HeatLimits
 from fedge.common.sampling import Sampling
 from fedge.common.selection import UtilitySettings
 from fedge.coordinator.config import DeviceSlotCheck, EngineConfig
 from fedge.coordinator.engine import RoundEngine
 from fedge.coordinator.fromfleet import engine_parts
+from fedge.coordinator.observer import EngineObserver
 from fedge.coordinator.report import RoundReport
 from fedge.coordinator.strategies.fedproto import FedProtoStrategy
 from fedge.edge.health import HealthOverride, HealthSampler, Heartbeat
@@ -48,6 +50,12 @@ HEAT: dict[int, dict[str, dict[str, Any]]] = {
 }
 
 
+def _heartbeat(dev: StatsDevice, override: Path) -> Heartbeat:
+    """fedge's real heartbeat of ``dev`` every 0.1 s, its heat read from the ``--health-override`` file."""
+    return Heartbeat(dev.info.device_id, FLEET, HealthSampler("tier-xs", override=HealthOverride(override)),
+                     dev.transport.send_health, lambda: (0, 0, None), interval_s=0.1).start()
+
+
 def test_a_hot_device_is_held_out_of_selection_until_it_has_cooled(mosquitto: MosquittoProcess,
                                                                    tmp_path: Path) -> None:
     ids = [f"d{i}" for i in range(N)]
@@ -72,9 +80,7 @@ def test_a_hot_device_is_held_out_of_selection_until_it_has_cooled(mosquitto: Mo
     engine.observers += [monitor, metrics.observer]
     engine.health = monitor.heartbeats
     devs = start_devices(lambda d: mosquitto.settings(), range(N))
-    beats = [Heartbeat(d.info.device_id, FLEET,
-                       HealthSampler("tier-xs", override=HealthOverride(files[d.info.device_id])),
-                       d.transport.send_health, lambda: (0, 0, None), interval_s=0.1).start() for d in devs]
+    beats = [_heartbeat(d, files[d.info.device_id]) for d in devs]
 
     def heard(rnd: int) -> bool:
         recs = monitor.health_records()
@@ -138,10 +144,7 @@ def test_a_heartbeat_too_old_makes_the_heat_unknown_and_the_device_is_no_longer_
     engine.health = monitor.heartbeats
     engine.heat_max_age_s = 1.0  # ten of these devices' 0.1 s heartbeats
     devs = start_devices(lambda d: mosquitto.settings(), range(3))
-    beats = {d.info.device_id: Heartbeat(d.info.device_id, FLEET,
-                                         HealthSampler("tier-xs", override=HealthOverride(files[d.info.device_id])),
-                                         d.transport.send_health, lambda: (0, 0, None), interval_s=0.1).start()
-             for d in devs}
+    beats = {d.info.device_id: _heartbeat(d, files[d.info.device_id]) for d in devs}
     end = time.monotonic() + 30
     while set(monitor.heartbeats()) != set(ids):
         assert time.monotonic() < end, f"heartbeats not heard: {monitor.heartbeats()}"
@@ -170,6 +173,71 @@ def test_a_heartbeat_too_old_makes_the_heat_unknown_and_the_device_is_no_longer_
         "not hold it" in note, note
     assert all("heat unknown" not in r2.selection[d] for d in ("d0", "d2"))  # theirs are fresh
     assert monitor.thermal_held == 1
+
+
+class _Tasks(EngineObserver):
+    """Who holds a task at each announcement of each version (asynchronous mode's ``RoundInfo.assigned``)."""
+
+    def __init__(self) -> None:
+        self.by_version: dict[int, set[str]] = {}
+
+    def round_started(self, info: Any, expected: Any, pending: Any) -> None:
+        if info.assigned is not None:
+            self.by_version.setdefault(info.round, set()).update(info.assigned)
+
+
+def test_async_mode_gives_a_hot_device_no_task_until_its_heartbeat_says_it_has_cooled(mosquitto: MosquittoProcess,
+                                                                                      tmp_path: Path) -> None:
+    """Asynchronous mode over Mosquitto with real heartbeats: d1 is hot, so version 1 hands its tasks to d0 and d2
+    only (d1's unasked update is refused); its heartbeat then says 55 °C, below resume_c, and version 2 tasks it."""
+    ids = ["d0", "d1", "d2"]
+    files = {d: tmp_path / f"{d}.json" for d in ids}
+    temps = {"d0": 50.0, "d1": 85.0, "d2": 50.0}
+    for d in ids:
+        files[d].write_text(json.dumps({"cpu_temp_c": temps[d]}))
+    tr = MqttCoordinatorTransport(mosquitto.settings(), FLEET, FAST, client_id="coord").start()
+    cfg = EngineConfig(fleet=FLEET, method="fedproto", min_devices=3, quorum_timeout_s=60,
+                       asynchronous=AsyncSettings(buffer_size=2, fleet_size=3, thermal_guard=True),
+                       slots={d: DeviceSlotCheck(device(i)) for i, d in enumerate(ids)})
+    engine = RoundEngine(FedProtoStrategy(num_classes=10, rounds=2), tr, cfg)
+    monitor = FleetMonitor(fleet=FLEET, method="fedproto", total_rounds=2, transport=tr, poll_s=0.05, buffer_size=2,
+                           fleet_devices={d: device(i) for i, d in enumerate(ids)}).start()
+    metrics = FleetMetrics(monitor)
+    tasks = _Tasks()
+    engine.observers += [monitor, metrics.observer, tasks]
+    engine.health = monitor.heartbeats
+    devs = start_devices(lambda d: mosquitto.settings(), range(3))
+    beats = [_heartbeat(d, files[d.info.device_id]) for d in devs]
+
+    def wait_heard() -> None:
+        end = time.monotonic() + 30
+        while {d: r.cpu_temp_c for d, (r, _) in monitor.heartbeats().items()} != temps:
+            assert time.monotonic() < end, f"heartbeats not heard: {monitor.heartbeats()}"
+            time.sleep(0.05)
+
+    def cool_d1(rep: RoundReport) -> None:
+        if rep.round == 1:
+            temps["d1"] = 55.0
+            files["d1"].write_text(json.dumps({"cpu_temp_c": 55.0}))
+            wait_heard()
+
+    wait_heard()
+    try:
+        reports = engine.run(on_round=cool_d1)
+    finally:
+        for b in beats:
+            b.stop(last_beat=False)
+        stop_devices(devs)
+        monitor.stop()
+        tr.close()
+    v1, v2, final = reports
+    assert tasks.by_version[1] == {"d0", "d2"} and sorted(v1.accepted) == ["d0", "d2"]
+    assert v1.hot == ["d1"]
+    assert v1.selection["d1"] == "hot: 85.0 °C, at or above its limit of 80 °C: not tasked until it cools"
+    assert "d1" in tasks.by_version[2] and v2.hot == []
+    assert "d1" not in engine.selector.guard.hot and sorted(final.accepted) == ids
+    assert monitor.thermal_held == 1
+    assert "fedge_thermal_held_total 1.0" in metrics.render().decode()
 
 
 def test_each_device_is_judged_by_its_profiles_limits(tmp_path: Path) -> None:
