@@ -1,7 +1,9 @@
 """The thermal guard over MQTT (issue 44): devices say how hot they are in their heartbeats (here through
 ``fedge edge run --health-override``'s file: fedge's real heartbeat over a real Mosquitto), the fleet monitor keeps
 the last one of each, and ``selection = "oort"`` with ``thermal_guard = true`` holds a hot device out of selection —
-named in the round report's ``hot`` and counted in ``/metrics`` — until it has cooled below its ``resume_c``."""
+named in the round report's ``hot`` and counted in ``/metrics`` — until it has cooled below its ``resume_c``; a
+heartbeat older than the engine's bound leaves the heat unknown (not held, and the report says why); and
+asynchronous mode's task assignment consults the same guard, over Mosquitto and in virtual time."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 from gate_helpers import FLEET, device
 from scaleout_helpers import FAST, StatsDevice, start_devices, stop_devices
 
@@ -320,6 +323,7 @@ arch = "tier-xs"
     return path
 
 
+@pytest.mark.slow  # three simulations: ~45 s on the shared machine
 def test_async_task_assignment_gives_a_hot_device_no_task_until_it_has_cooled(tmp_path: Path) -> None:
     """Asynchronous mode in virtual time: with ``thermal_guard`` no Pi 4 starts a task while its (simulated) firmware
     throttles it; the versions that held one name it in ``hot`` with the guard's reason. Without the guard the same
