@@ -10,7 +10,8 @@ Three readers:
 
 * the virtual clock's firmware (:meth:`fedge.fleet.clock.DeviceClock.throttled`): a hot device computes at its
   ``throttle_share`` of its speed (:func:`hot_after`);
-* the thermal guard of ``selection = "oort"`` / ``"energy"`` (``[coordinator] thermal_guard``), in simulation and
+* the thermal guard of ``selection = "oort"`` / ``"energy"`` and of asynchronous mode's task assignment
+  (``[coordinator] thermal_guard``; :meth:`fedge.coordinator.engine.RoundEngine.thermal_hold`), in simulation and
   over MQTT alike (:class:`HeatGuard`, kept by :class:`fedge.coordinator.selecting.Selector`): a hot device is not
   tasked until it has cooled. It reads what a heartbeat says (``cpu_temp_c``, ``throttled``:
   :mod:`fedge.common.health`), over MQTT from the devices, in simulation from the virtual clock's thermal model. It
