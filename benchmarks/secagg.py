@@ -149,7 +149,8 @@ def accuracy_cell(method: str, seed: int, secure: bool) -> float:
     # in the global state could flip
     doc: dict[str, Any] = {"run": {"method": method, "rounds": 8, "dataset": "digits", "seed": seed},
                            "partition": {"kind": "iid"},
-                           "train": {"local_epochs": 2, "lr": 0.05, "momentum": 0.9, "val_fraction": 0.0},
+                           "train": {"local_epochs": 2, "lr": 0.05, "momentum": 0.9, "val_fraction": 0.0,
+                                     "lr_schedule": "constant"},
                            "devices": [{"profile": "rpi4-2gb", "count": 6, "arch": "tier-xs"}]}
     if secure:
         doc["privacy"] = {"secure_aggregation": True}

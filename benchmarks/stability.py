@@ -50,8 +50,8 @@ FLEETS = {
 }
 METHODS = ("fedavg", "fedproto", "fedvtc", "geflf")
 MODES = ("sync", "async")
-# issue 45's ablation: each changes one thing against the old defaults (lr 0.1, min_tail 1)
-OLD = {"lr": 0.1, "min_tail": 1}
+# issue 45's ablation: each changes one thing against the old defaults (lr 0.1 constant, min_tail 1)
+OLD = {"lr": 0.1, "lr_schedule": "constant", "min_tail": 1}
 ABLATIONS: dict[str, dict[str, Any]] = {
     "old defaults": {"train": OLD},
     "lr 0.05": {"train": {**OLD, "lr": 0.05}},
