@@ -53,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "round descriptors and global state must then be signed with the fleet key")
     r.add_argument("--state-dir", metavar="DIR",
                    help="where the device keeps what must survive a restart: its best model so far "
-                        "(best.safetensors: the round that scored best on its validation fold), the newest signed "
+                        "(best.safetensors: the round that scored best on its validation fold), the divergence "
+                        "guard's kept model (kept.safetensors, with [train] divergence_margin), the newest signed "
                         "message seen per topic (replay protection), the fleet key it rotated to (fleet-key.json) "
                         "and, with OTA updates, its model store")
     r.add_argument("--model-store", metavar="DIR",
