@@ -94,6 +94,7 @@ def test_validation_fold_is_held_out_of_training_and_never_overlaps_a_test_split
     # from the training set only. And a fold of 0 leaves the published protocols' shares untouched.
     protocol = load_fleet(REPO / "examples" / "gefl-protocol-fedavg.toml")
     assert protocol.train.val_fraction == 0.0 and protocol.train.min_tail == 1 and protocol.train.lr == 0.1
+    assert protocol.train.lr_schedule == "constant"
     plabels = train_labels(protocol)
     plain = fleet_splits(protocol, plabels)
     assert all(len(s.val) == 0 for s in plain)
@@ -208,9 +209,9 @@ def test_issue_45_fleet_with_defaults_ends_within_five_points_of_its_best(seed: 
     # ended at 22 % after 73 % the round before (docs/results.md).
     cfg = load_fleet(REPO / "benchmarks" / "fleets" / "six-fedproto-defaults.toml")
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=seed))
-    assert cfg.train.lr is None and cfg.train.min_tail is None  # nothing set: the plan decides
+    assert cfg.train.lr is None and cfg.train.lr_schedule is None and cfg.train.min_tail is None  # the plan decides
     devices, strat = build_fleet(cfg)
-    assert {d.method.ctx.train_cfg.lr for d in devices} == {0.05}
+    assert {(d.method.ctx.train_cfg.lr, d.method.ctx.train_cfg.lr_schedule) for d in devices} == {(0.1, "cosine")}
     assert {d.method.ctx.train_cfg.min_tail for d in devices} == {8}
     _agents, reports = run_rounds(cfg, devices, strat)
     for d in devices:
