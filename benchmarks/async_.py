@@ -58,7 +58,8 @@ def fleet_config(args: argparse.Namespace, seed: int, mode: str, churn: bool) ->
                 "eval_every": 1,  # a curve point per round / version
                 "rounds": args.rounds if mode == "sync" else versions, "name": f"async-{mode}"},
         "partition": {"kind": "dirichlet", "alpha": 0.5, "fraction": args.fraction},
-        "train": {"lr": 0.05, "batch_size": 16, "local_epochs": 1, "min_tail": 1, "val_fraction": 0.0},
+        "train": {"lr": 0.05, "batch_size": 16, "local_epochs": 1, "min_tail": 1, "val_fraction": 0.0,
+                  "lr_schedule": "constant"},
         "devices": [g for g in groups if g["count"]],
     }
     if args.method == "geflf":

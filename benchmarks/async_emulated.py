@@ -64,6 +64,7 @@ fraction = {fraction}
 
 [train]
 lr = 0.1  # the figures were measured before issue 45 changed the defaults: pinned
+lr_schedule = "constant"
 local_epochs = {epochs}
 min_tail = 1
 val_fraction = 0.0

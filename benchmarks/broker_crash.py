@@ -54,6 +54,7 @@ fraction = 0.2
 
 [train]
 lr = 0.05
+lr_schedule = "constant"
 local_epochs = 1
 
 [coordinator]

@@ -122,7 +122,8 @@ def sampling_config(devices: int, rounds: int, sample: float | None, seed: int, 
         "run": {"method": "fedavg", "rounds": rounds, "dataset": "fmnist", "seed": seed, "eval_every": rounds,
                 "name": f"sampling-{sample or 'full'}"},
         "partition": {"kind": "dirichlet", "alpha": 0.5, "fraction": fraction},
-        "train": {"lr": 0.05, "batch_size": 16, "local_epochs": 1, "min_tail": 1, "val_fraction": 0.0},
+        "train": {"lr": 0.05, "batch_size": 16, "local_epochs": 1, "min_tail": 1, "val_fraction": 0.0,
+                  "lr_schedule": "constant"},
         "devices": [g for g in groups if g["count"]],
     }
     if sample is not None:
@@ -257,6 +258,7 @@ fraction = {fraction}
 
 [train]
 lr = 0.1  # the figures were measured before issue 45 changed the defaults: pinned
+lr_schedule = "constant"
 local_epochs = {epochs}
 min_tail = 1
 val_fraction = 0.0

@@ -52,6 +52,7 @@ fraction = 1.0
 
 [train]
 lr = 0.1
+lr_schedule = "constant"
 batch_size = 16
 local_epochs = 2
 min_tail = 1

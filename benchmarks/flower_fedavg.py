@@ -63,7 +63,8 @@ def job(seed: int, rounds: int, *, process: bool = False) -> dict[str, Any]:
                 # final global model); every fedge device evaluates that same model.
                 "eval_every": rounds + 1},
         "partition": {"kind": "iid", "fraction": 0.1, "local_test_fraction": 0.0},
-        "train": {"lr": 0.01, "batch_size": 64, "local_epochs": 5, "min_tail": 1, "val_fraction": 0.0},
+        "train": {"lr": 0.01, "batch_size": 64, "local_epochs": 5, "min_tail": 1, "val_fraction": 0.0,
+                  "lr_schedule": "constant"},
         "devices": [{"profile": "x86-gateway", "count": CLIENTS, "arch": ARCH, "id_prefix": "client"}],
         **({"simulation": sim} if sim else {}),
     }

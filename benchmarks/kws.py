@@ -40,7 +40,8 @@ def fleet_table(method: str, seed: int, args: argparse.Namespace) -> dict[str, A
                 "data_dir": str(args.data_dir), "seed": seed, "eval_every": args.eval_every},
         "model": {"family": "dscnn"},
         "partition": {"kind": "group", "local_test_fraction": 0.2},
-        "train": {"lr": args.lr, "momentum": 0.9, "local_epochs": args.local_epochs, "batch_size": args.batch_size},
+        "train": {"lr": args.lr, "momentum": 0.9, "local_epochs": args.local_epochs, "batch_size": args.batch_size,
+                  "lr_schedule": "constant"},
         "devices": [{"profile": p, "count": args.devices} for p in PROFILES],
     }
 

@@ -73,6 +73,7 @@ local_test_fraction = 0.1
 
 [train]
 lr = 0.1
+lr_schedule = "constant"
 batch_size = 32
 local_epochs = 2
 min_tail = 1
@@ -108,6 +109,7 @@ alpha = {alpha}
 
 [train]
 lr = 0.05
+lr_schedule = "constant"
 local_epochs = 2
 min_tail = 1
 val_fraction = 0.0

@@ -70,7 +70,7 @@ def fleet_config(seed: int, rounds: int, devices: int) -> Any:
         "run": {"method": "fedproto", "rounds": rounds, "dataset": "digits", "seed": seed, "fleet": "robust"},
         "partition": {"kind": "dirichlet", "alpha": 1.0},
         # the figures were measured before issue 45 changed the defaults: pinned
-        "train": {"lr": 0.1, "min_tail": 1, "val_fraction": 0.0},
+        "train": {"lr_schedule": "constant", "lr": 0.1, "min_tail": 1, "val_fraction": 0.0},
         "devices": [{"profile": "rpi4-2gb", "count": devices, "arch": "tier-xs"}],
         "method": {"inference": "prototype"},
     }, source="<robustness>")

@@ -152,7 +152,7 @@ def accuracy_config(args: argparse.Namespace, method: str, seed: int, secure: bo
                                    "eval_every": args.rounds, "name": f"secagg-acc-{method}"},
                            "partition": {"kind": "iid", "fraction": args.fraction},
                            "train": {"local_epochs": 1, "lr": 0.05, "momentum": 0.9, "batch_size": 32,
-                                     "val_fraction": 0.0},
+                                     "val_fraction": 0.0, "lr_schedule": "constant"},
                            "devices": [{"profile": "rpi4-2gb", "count": args.acc_devices, "arch": "tier-xs"}]}
     if secure:
         doc["privacy"] = {"secure_aggregation": True, **({"clipping_range": args.clip} if args.clip else {})}

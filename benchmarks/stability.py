@@ -20,6 +20,14 @@ divergence guard, :mod:`fedge.edge.divergence`):
     nice -n 10 env OMP_NUM_THREADS=1 python -m benchmarks.stability --seeds 0 1 --fleets six-fedproto-defaults \
         --methods fedproto --modes sync --margins 0 10 --out benchmarks/results/stability.json
 
+``--changes "SCHEDULE LR" ...`` runs each cell with ``[train] lr_schedule = SCHEDULE`` and ``lr = LR`` (the other
+defaults untouched), the variants side by side (issue 45's learning-rate schedule, :mod:`fedge.common.lrschedule`),
+and prints a summary per variant over the cells every variant finished:
+
+    nice -n 10 env OMP_NUM_THREADS=1 python -m benchmarks.stability --seeds 0 1 \
+        --fleets demo six-fedproto-defaults --methods fedproto fedavg --modes sync async \
+        --changes "constant 0.05" "cosine 0.05" "cosine 0.1" --out benchmarks/results/stability-schedule.json
+
 ``--ablate`` instead runs issue 45's six-device fleet with one setting changed at a time against the defaults
 before issue 45 (lr 0.1, every last batch alone): the learning rate, the last-batch rule, the prototype pull,
 the upload precision.
@@ -42,8 +50,8 @@ FLEETS = {
 }
 METHODS = ("fedavg", "fedproto", "fedvtc", "geflf")
 MODES = ("sync", "async")
-# issue 45's ablation: each changes one thing against the old defaults (lr 0.1, min_tail 1)
-OLD = {"lr": 0.1, "min_tail": 1}
+# issue 45's ablation: each changes one thing against the old defaults (lr 0.1 constant, min_tail 1)
+OLD = {"lr": 0.1, "lr_schedule": "constant", "min_tail": 1}
 ABLATIONS: dict[str, dict[str, Any]] = {
     "old defaults": {"train": OLD},
     "lr 0.05": {"train": {**OLD, "lr": 0.05}},
@@ -59,9 +67,62 @@ def margin_change(margin: float) -> str:
     return f"margin {margin:g}"
 
 
+def schedule_change(text: str) -> str:
+    """The change label of a ``--changes`` pair ``"SCHEDULE LR"`` (checked: a known schedule, a positive rate)."""
+    from fedge.common.lrschedule import check_schedule
+    from fedge.errors import ConfigError
+
+    parts = text.split()
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a schedule and a learning rate, e.g. 'cosine 0.1'")
+    try:
+        check_schedule(parts[0])
+    except ConfigError as exc:  # names the closest schedule
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc.message} ({exc.hint})") from exc
+    try:
+        lr = float(parts[1])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {parts[1]!r} is not a learning rate") from exc
+    if not lr > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the learning rate must be > 0")
+    return f"{parts[0]} {lr:g}"
+
+
 def change_of(label: str) -> dict[str, Any]:
-    """The ``[train]`` table of a :func:`margin_change` label (the other defaults untouched)."""
-    return {"train": {"divergence_margin": float(label.removeprefix("margin "))}}
+    """The ``[train]`` table of a :func:`margin_change` or :func:`schedule_change` label (the other defaults
+    untouched)."""
+    if label.startswith("margin "):
+        return {"train": {"divergence_margin": float(label.removeprefix("margin "))}}
+    schedule, lr = label.split()
+    return {"train": {"lr_schedule": schedule, "lr": float(lr)}}
+
+
+def drops(row: dict[str, Any], points: float) -> int:
+    """Devices of a finished cell whose final accuracy is more than ``points`` below their best."""
+    return sum(1 for d in row["devices"] if 100 * (d["best"] - d["final"]) > points)
+
+
+def summary(rows: list[dict[str, Any]], changes: list[str]) -> str:
+    """Per change: the means over the cells (fleet, method, mode, seed) every change finished, the cells whose mean
+    final is more than 1 point below their mean best, the devices more than 5 points below their best, and the
+    largest drop of a device."""
+    ok = [r for r in rows if "error" not in r and r["change"] in changes]
+    by_change = {c: {(r["fleet"], r["method"], r["mode"], r["seed"]): r for r in ok if r["change"] == c}
+                 for c in changes}
+    common = set.intersection(*(set(v) for v in by_change.values())) if by_change else set()
+    head = f"{'change':16s} {'cells':>5s} {'final':>6s} {'best':>6s} {'cells >1pt':>10s} {'devices >5pt':>12s} " \
+           f"{'largest drop':>12s}"
+    lines = [f"over the {len(common)} cells every change finished", head, "-" * len(head)]
+    for c in changes:
+        cells = [by_change[c][k] for k in sorted(common)]
+        if not cells:
+            continue
+        n = len(cells)
+        lines.append(f"{c:16s} {n:5d} {sum(r['mean_final'] for r in cells) / n:6.1f} "
+                     f"{sum(r['mean_best'] for r in cells) / n:6.1f} "
+                     f"{sum(1 for r in cells if r['mean_best'] - r['mean_final'] > 1):10d} "
+                     f"{sum(drops(r, 5) for r in cells):12d} {max(r['max_drop'] for r in cells):12.1f}")
+    return "\n".join(lines)
 
 
 def fleet_table(fleet: str, method: str, mode: str, seed: int, change: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -139,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="issue 45's ablation on the six-device FedProto fleet (all changes when none is named)")
     ap.add_argument("--margins", nargs="+", type=float, metavar="M",
                     help="run each cell with [train] divergence_margin = M (0: the divergence guard off)")
+    ap.add_argument("--changes", nargs="+", type=schedule_change, metavar="'SCHEDULE LR'",
+                    help="run each cell with [train] lr_schedule = SCHEDULE and lr = LR, e.g. 'cosine 0.1'")
     ap.add_argument("--out", default="benchmarks/results/stability.json")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -148,13 +211,15 @@ def main(argv: list[str] | None = None) -> int:
         cells = [("six-fedproto-defaults", "fedproto", "sync", c, s) for c in (args.ablate or ABLATIONS)
                  for s in args.seeds]
     else:
-        changes = [margin_change(m) for m in args.margins] if args.margins else ["new defaults"]
-        cells = [(f, m, mo, c, s) for f in args.fleets for m in args.methods for mo in args.modes for c in changes
-                 for s in args.seeds]
+        changes = ([margin_change(m) for m in args.margins] if args.margins else
+                   list(args.changes) if args.changes else ["new defaults"])
+        # seed outermost, the changes innermost: whatever finishes, finishes with every change side by side
+        cells = [(f, m, mo, c, s) for s in args.seeds for f in args.fleets for m in args.methods for mo in args.modes
+                 for c in changes]
     for fleet, method, mode, change, seed in cells:
         if (fleet, method, mode, change, seed) in done:
             continue
-        raw = fleet_table(fleet, method, mode, seed, ABLATIONS.get(change) or change_of(change))
+        raw = fleet_table(fleet, method, mode, seed, ABLATIONS[change] if change in ABLATIONS else change_of(change))
         row = {"fleet": fleet, "method": method, "mode": mode, "change": change, "seed": seed}
         try:
             row.update(run_cell(raw, f"benchmarks/stability.py ({fleet})"))
@@ -167,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         if "error" not in row:
             print(table([row]).splitlines()[-1], flush=True)
     print(table(doc["rows"]))
+    if args.changes:
+        print(summary(doc["rows"], list(args.changes)))
     return 0
 
 

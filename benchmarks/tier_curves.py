@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=1)
     ap.add_argument("--out-dir", type=Path, default=CURVES_DIR, help="where the planner's curve files go")
     ap.add_argument("--lr", type=float, default=DEFAULT_LR,
-                    help=f"learning rate (default the planner's, {DEFAULT_LR:g}; the shipped curves used 0.1)")
+                    help=f"learning rate, constant (default the planner's first-round rate, {DEFAULT_LR:g}; the "
+                         "shipped curves used 0.1)")
     ap.add_argument("--min-tail", type=int, default=MIN_BATCH,
                     help=f"an epoch's last batch smaller than this joins the one before (default the planner's, "
                          f"{MIN_BATCH}; the shipped curves kept every last batch, 1)")

@@ -5,6 +5,7 @@ results.json and the round report, in-process and over MQTT."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +15,17 @@ import torch
 
 from fedge.coordinator.engine import EngineConfig, RoundEngine, RoundReport
 from fedge.coordinator.report import rolled_back
-from fedge.edge.divergence import DivergenceGuard, diverged
-from fedge.errors import ConfigError
+from fedge.edge.agent import DeviceAgent
+from fedge.edge.cli import _keep_best
+from fedge.edge.divergence import KEPT_CHECKPOINT, DivergenceGuard, diverged
+from fedge.edge.models.checkpoint import read_checkpoint_meta
+from fedge.edge.service import EdgeService
+from fedge.errors import CheckpointError, ConfigError
 from fedge.fleet.config import FleetConfig, load_fleet, parse_fleet
 from fedge.fleet.devices import SimDevice
 from fedge.mqtt.broker import MosquittoProcess
+from fedge.mqtt.coordinator_transport import MqttCoordinatorTransport
+from fedge.mqtt.device_transport import MqttDeviceTransport
 from fedge.mqtt.settings import TransportSettings
 from fedge.sim.over_mqtt import start_fleet
 from fedge.sim.report import build_results, format_table
@@ -213,3 +220,112 @@ def test_a_device_over_mqtt_undoes_the_sabotaged_round(tmp_path: Path, mosquitto
         stop()
     assert len(reports) == 4 and all(len(r.accepted) == 2 for r in reports)
     check_rollback(reports, devices, held, restarted)
+
+
+class Crash(Exception):
+    """The device's process dies here (the test stops its service first, so nothing retries)."""
+
+
+def test_a_device_restarted_mid_run_takes_back_its_kept_model(tmp_path: Path, mosquitto: MosquittoProcess,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # Every device uploads zeros in round 2, so each starts round 3 holding the zero model, which the guard undoes.
+    # Device 1 dies as round 3 starts, before it judged anything, and a new process takes over from its state
+    # directory: it must judge round 3 against the model it kept at round 2 (on disk), undo it and train from that
+    # model. A restart that forgot the kept model would keep the zero model (nothing to compare it with).
+    cfg = fleet(tmp_path, "guardrestart")
+    devices, strat = build_fleet(cfg)
+    state = {d.info.device_id: tmp_path / f"state-{d.info.device_id}" for d in devices}
+    for d in devices:
+        _keep_best(str(state[d.info.device_id]), d)  # what `fedge edge run --state-dir` does
+    held = sabotage(devices, SABOTAGED)
+    first = devices[0]
+    me = first.info.device_id
+    broker = mosquitto.settings(reconnect_min_s=0.2, reconnect_max_s=1.0)
+    wire = TransportSettings(global_timeout_s=20)
+    coord = MqttCoordinatorTransport(broker, cfg.run.fleet, wire).start()
+    services: list[tuple[EdgeService, threading.Thread, MqttDeviceTransport]] = []
+
+    def start(d: SimDevice) -> EdgeService:
+        t = MqttDeviceTransport(broker, cfg.run.fleet, d.info.device_id, wire).start()
+        svc = EdgeService(DeviceAgent(d.method, t, d.info, fleet=cfg.run.fleet), t)
+        th = threading.Thread(target=svc.run, name=f"device-{d.info.device_id}", daemon=True)
+        services.append((svc, th, t))
+        th.start()
+        return svc
+
+    died = threading.Event()
+    apply = first.method.apply_global
+
+    def dies_at_round_3(info: Any, artifacts: Any) -> None:
+        if info.round == SABOTAGED + 1:
+            services[0][0].stop()
+            died.set()
+            raise Crash(f"{me} dies as round {info.round} starts")
+        apply(info, artifacts)
+
+    first.method.apply_global = dies_at_round_3  # type: ignore[method-assign]
+    restarted: list[SimDevice] = []
+    watched: list[dict[str, dict[str, torch.Tensor]]] = []
+
+    def restart() -> None:
+        died.wait(120)
+        _svc, th, t = services[0]
+        th.join(30)
+        t.abort()  # vanish as a crashed process does
+        d = build_fleet(cfg)[0][0]  # a new process: a fresh model, the kept one only on disk
+        assert d.method.guard is not None and d.method.guard.kept_acc is None
+        _keep_best(str(state[me]), d)
+        watched.append(watch_restart_models([d], SABOTAGED + 1))
+        restarted.append(d)
+        start(d)
+
+    try:
+        for d in devices:
+            start(d)
+        coord.wait_for_hellos([d.info.device_id for d in devices], 60)
+        watcher = threading.Thread(target=restart, daemon=True)
+        watcher.start()
+        reports = RoundEngine(strat, coord, EngineConfig(fleet=cfg.run.fleet, method=cfg.run.method)).run()
+        watcher.join(30)
+    finally:
+        for svc, th, t in services:
+            svc.stop()
+            th.join(30)
+            t.close()
+        coord.close()
+    assert died.is_set() and len(restarted) == 1
+    again = restarted[0]
+    assert (state[me] / KEPT_CHECKPOINT).is_file()
+    assert len(reports) == 4 and all(len(r.accepted) == 2 for r in reports)
+    by_round = {r.round: r for r in reports}
+    before, m = by_round[SABOTAGED].metrics[me], by_round[SABOTAGED + 1].metrics[me]
+    # the restarted device undid round 3 against the model kept before the restart, and trained from it
+    assert again.method.guard is not None and again.method.guard.rollbacks == [SABOTAGED + 1]
+    assert m["rolled_back"] == 1.0 and m["diverged_acc_val"] < 0.25 and m["acc_val"] == before["acc_val"]
+    trained_from = watched[0][me]
+    assert held[me].keys() == trained_from.keys() and all(torch.equal(held[me][k], trained_from[k]) for k in held[me])
+    assert m["acc_global"] == pytest.approx(before["acc_global"])
+    final = by_round[len(reports)].metrics[me]
+    assert final["acc_global"] > before["acc_global"] + 0.1  # and learned on from there
+    assert f"{me}: the divergence guard's kept model of round {SABOTAGED} (validation " in capsys.readouterr().err
+
+
+def test_a_kept_model_of_an_earlier_run_is_set_aside(tmp_path: Path) -> None:
+    model = build_fleet(fleet(tmp_path))[0][0].method.ctx.model
+    guard = DivergenceGuard(10.0)
+    assert guard.keep_in(tmp_path, model) is False  # nothing kept yet
+    assert guard.judge(5, model, 0.9, 0.3, 20) is False
+    meta = read_checkpoint_meta(tmp_path / KEPT_CHECKPOINT)
+    assert json.loads(meta["fedge.kept.round"]) == 5 and json.loads(meta["fedge.kept.acc_val"]) == 0.9
+    # the same run, restarted: round 6 is judged against round 5's model
+    again = DivergenceGuard(10.0)
+    assert again.keep_in(tmp_path, model) is True and again.kept_round == 5 and again.kept_acc == 0.9
+    assert again.judge(6, model, 0.1, 2.0, 20) is True and again.rollbacks == [6]
+    # a new run counts from round 1 again: an earlier run's kept model is set aside, not compared with
+    fresh = DivergenceGuard(10.0)
+    assert fresh.keep_in(tmp_path, model) is True
+    assert fresh.judge(1, model, 0.1, 2.0, 20) is False and fresh.kept_round == 1 and fresh.kept_acc == 0.1
+    # a file that is not a kept model is refused with the fix
+    (tmp_path / KEPT_CHECKPOINT).write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a safetensors checkpoint"):
+        DivergenceGuard(10.0).keep_in(tmp_path, model)

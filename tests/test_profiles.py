@@ -275,7 +275,7 @@ def test_cli_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
     rows = {line[:16].strip(): line for line in out.splitlines()}
     expected = {"model tier": p.arch, "batch size": str(p.batch_size), "local epochs": str(p.local_epochs),
                 "inference quant": p.inference_quant, "upload precision": p.upload_precision,
-                "generator tier": p.generator_tier, "learning rate": f"{p.lr:g}",
+                "generator tier": p.generator_tier, "learning rate": f"{p.lr:g}", "lr schedule": p.lr_schedule,
                 "min tail batch": str(p.min_tail)}
     for label, value in expected.items():
         assert label in rows, label

@@ -115,7 +115,7 @@ def test_builtin_plan_fits_its_budgets(name: str) -> None:
     if p.generator_tier != "none":
         assert generator_memory_mb(p.generator_tier) <= profile.budgets.train_memory_mb
     assert set(p.reasons) == {"model_tier", "batch_size", "local_epochs", "inference_quant", "upload_precision",
-                              "generator_tier", "lr", "min_tail"}
+                              "generator_tier", "lr", "lr_schedule", "min_tail"}
     assert all(r and "\n" not in r for r in p.reasons.values())
     json.dumps(p.to_dict())  # JSON-ready
 

@@ -81,6 +81,8 @@ fraction = 0.3
 
 [train]
 local_epochs = 1
+lr = 0.05                 # the rate the floor was measured binding at: the plan's until issue 45 made it
+lr_schedule = "constant"  # 0.1 annealed by a cosine
 
 [coordinator]
 sample = 5

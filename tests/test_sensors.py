@@ -144,7 +144,8 @@ def har_fleet(root: Path, method: str = "fedavg", **extra: Any) -> Any:
         "run": {"name": "har", "method": method, "rounds": 4, "dataset": "uci_har", "data_dir": str(root)},
         "model": {"family": "cnn1d"},
         "partition": {"kind": "group", "local_test_fraction": 0.2},
-        "train": {"lr": 0.05, "momentum": 0.9, "local_epochs": 3, "batch_size": 8},
+        "train": {"lr": 0.05, "momentum": 0.9, "local_epochs": 3, "batch_size": 8,
+                  "lr_schedule": "constant"},  # measured at one rate (issue 45's plan anneals it)
         "devices": [{"profile": "rpi4-4gb", "count": 2, "arch": "xs"}, {"profile": "x86-gateway", "count": 2,
                                                                          "arch": "s"}],
         **extra,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from fedge.common.generators import IMAGE_LEVEL
+from fedge.errors import PayloadError
 
 # -- phase names (``RoundInfo.phase``) ----------------------------------------------------------
 TRAIN_PHASE = "train"  # the single phase of Local, FedAvg, LG-FedAvg, FedProto and FedVTC
@@ -43,6 +44,13 @@ class RoundInfo:
     # and this maps every device asked to train to the version at which it was asked (its task). A device
     # trains once per task, from the version announced when it starts; a device not listed sends nothing.
     assigned: dict[str, int] | None = None
+    # The run's total of rounds (training rounds of every phase; in asynchronous mode, versions): what a device's
+    # [train] lr_schedule anneals over (fedge.common.lrschedule). 0: not said (the device's own [run] rounds).
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 0:
+            raise PayloadError(f"round descriptor: rounds = {self.rounds!r} is not a count of rounds (an integer >= 0)")
 
     def includes(self, device_id: str) -> bool:
         """Whether ``device_id`` is asked to work in this round."""

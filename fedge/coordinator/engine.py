@@ -245,6 +245,7 @@ class RoundEngine:
             deadline=time.time() + budget if budget else 0.0,
             config={} if final else self.strategy.round_config(rnd),
             sampled=sampled,
+            rounds=self.strategy.total_rounds(),
         )
 
     def sample(self, rnd: int, online: set[str]) -> list[str] | None:

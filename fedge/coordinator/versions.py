@@ -133,7 +133,7 @@ class VersionPolicy(RoundPolicy):
         call = None
         if self.started or not self.announced:
             info = RoundInfo(round=rnd, phase=self.phase, method=e.config.method, config=e.strategy.round_config(rnd),
-                             assigned=dict(e.tasks))
+                             assigned=dict(e.tasks), rounds=e.strategy.total_rounds())
             if e.store is not None:
                 e.store.buffer_sync()  # the updates accepted so far are on disk before their devices get work
                 e.store.save_tasks(rnd, e.tasks)

@@ -177,6 +177,7 @@ class DeviceAgent:
             arrays: dict[str, Any] = {}
             extra: dict[str, Any] = {}
         else:
+            self.method.schedule(info)  # [train] lr_schedule: this round's learning rate
             arrays, extra = self.method.train_round(info)
             mech = self.method.ctx.privacy
             if mech is not None:

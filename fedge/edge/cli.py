@@ -53,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "round descriptors and global state must then be signed with the fleet key")
     r.add_argument("--state-dir", metavar="DIR",
                    help="where the device keeps what must survive a restart: its best model so far "
-                        "(best.safetensors: the round that scored best on its validation fold), the newest signed "
+                        "(best.safetensors: the round that scored best on its validation fold), the divergence "
+                        "guard's kept model (kept.safetensors, with [train] divergence_margin), the newest signed "
                         "message seen per topic (replay protection), the fleet key it rotated to (fleet-key.json) "
                         "and, with OTA updates, its model store")
     r.add_argument("--model-store", metavar="DIR",
@@ -139,7 +140,8 @@ def _ota(args: argparse.Namespace, cfg: Any, dev: Any, transport: Any, verifier:
 
 def _keep_best(state_dir: str, dev: Any) -> None:
     """Keep the device's best model (by its validation fold) in ``STATE_DIR/best.safetensors``, and take
-    back the one an earlier start kept there: a restart neither forgets it nor lets a worse model replace it."""
+    back the one an earlier start kept there: a restart neither forgets it nor lets a worse model replace it.
+    With the divergence guard, its kept model likewise (``STATE_DIR/kept.safetensors``, fedge.edge.divergence)."""
     from fedge.edge.best import BestModel
 
     Path(state_dir).mkdir(parents=True, exist_ok=True)
@@ -150,6 +152,10 @@ def _keep_best(state_dir: str, dev: Any) -> None:
         acc = "none" if record.acc_val is None else f"{record.acc_val:.1%}"
         print(f"{dev.info.device_id}: best model so far from round {record.round} (validation {acc}) in "
               f"{best.path}", file=sys.stderr)
+    guard = dev.method.guard
+    if guard is not None and guard.keep_in(state_dir, dev.method.ctx.model):
+        print(f"{dev.info.device_id}: the divergence guard's kept model of round {guard.kept_round} (validation "
+              f"{guard.kept_acc:.1%}) in {guard.path}", file=sys.stderr)
 
 
 def _fleet_key_trust(state_dir: str | None, fleet_key: str, fleet: str) -> FleetKeyTrust:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
+
+from fedge.common.lrschedule import CONSTANT, check_schedule, scheduled_lr
 
 # Extra loss term: (model, x, y, logits, features) -> scalar tensor.
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -26,6 +29,18 @@ class TrainConfig:
     """An epoch's last batch smaller than this joins the one before it (1: every batch stands alone)."""
     divergence_margin: float = 0.0
     """Points of validation accuracy a round may lose before the device undoes it (0: never; fedge.edge.divergence)."""
+    lr_schedule: str = CONSTANT
+    """How ``lr`` changes round by round (:mod:`fedge.common.lrschedule`): ``lr`` is the first round's rate."""
+    rounds: int = 0
+    """The run's rounds as the device's own config says (a descriptor's ``rounds`` wins; 0: unknown)."""
+
+    def __post_init__(self) -> None:
+        check_schedule(self.lr_schedule)
+
+    def at_round(self, rnd: int, total: int = 0) -> TrainConfig:
+        """These settings with the learning rate of round ``rnd`` of ``total`` (0: :attr:`rounds`)."""
+        lr = scheduled_lr(self.lr, self.lr_schedule, rnd, total or self.rounds)
+        return self if lr == self.lr else dataclasses.replace(self, lr=lr)
 
 
 def make_optimizer(params: list[nn.Parameter] | list[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -100,6 +100,8 @@ def device_from_slot(cfg: FleetConfig, slot: DeviceSlot, train: Dataset, local_t
     model = build_seeded(slot.spec, seeds)
     tc = TrainConfig(
         lr=cfg.train.lr or p.lr,
+        lr_schedule=cfg.train.lr_schedule or p.lr_schedule,
+        rounds=cfg.run.rounds,
         batch_size=cfg.train.batch_size or p.batch_size,
         local_epochs=cfg.train.local_epochs or p.local_epochs,
         momentum=cfg.train.momentum,

@@ -9,6 +9,7 @@ from typing import Literal
 
 from fedge.common.catalog import DATASETS
 from fedge.common.families import GEFL_FAMILY
+from fedge.common.lrschedule import check_schedule
 from fedge.common.tensorcodec import PRECISIONS
 from fedge.errors import ConfigError
 
@@ -75,6 +76,9 @@ class TrainSection:
     """Overrides of the plan's local-training settings (unset: the plan decides)."""
 
     lr: float | None = None
+    lr_schedule: str | None = None
+    """How the learning rate changes round by round: "constant" or "cosine" (fedge.common.lrschedule; unset: the
+    plan decides)."""
     batch_size: int | None = None
     local_epochs: int | None = None
     momentum: float = 0.0
@@ -97,6 +101,8 @@ class TrainSection:
     def __post_init__(self) -> None:
         if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.lr_schedule is not None:
+            check_schedule(self.lr_schedule)
         if self.min_tail is not None and self.min_tail < 1:
             raise ConfigError(f"min_tail must be >= 1, got {self.min_tail}", hint="1 keeps every last batch as it is")
         if not 0 <= self.val_fraction < 0.5:

@@ -170,6 +170,7 @@ def _plan(args: argparse.Namespace) -> int:
         ("batch_size", "batch size", str(p.batch_size)),
         ("local_epochs", "local epochs", str(p.local_epochs)),
         ("lr", "learning rate", f"{p.lr:g}"),
+        ("lr_schedule", "lr schedule", p.lr_schedule),
         ("min_tail", "min tail batch", str(p.min_tail)),
         ("inference_quant", "inference quant", p.inference_quant),
         ("upload_precision", "upload precision", p.upload_precision),

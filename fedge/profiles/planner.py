@@ -35,6 +35,7 @@ from typing import Any
 
 from fedge.common.archs import DEFAULT_EMBED_DIM, TIERS, tier_arch
 from fedge.common.families import ModelSpec
+from fedge.common.lrschedule import COSINE, COSINE_FLOOR
 from fedge.errors import ProfileError
 from fedge.profiles.accuracy import load_curves
 from fedge.profiles.schema import INFERENCE_QUANTS, Profile
@@ -67,7 +68,8 @@ WORKSPACE_MB = 24.0
 DEFAULT_BATCH = 64  # GeFL trains its target nets at batch 64
 MIN_BATCH = 8  # below this BatchNorm statistics get too noisy to be worth the bigger model
 PROTOCOL_LR = 0.1  # GeFL's SGD learning rate (600 images a device, batch 64): the published configs set it
-DEFAULT_LR = 0.05  # a device's default (issue 45): PROTOCOL_LR oscillates on small, label-skewed shares
+DEFAULT_LR = 0.1  # a device's first-round rate (issue 45), annealed by DEFAULT_LR_SCHEDULE
+DEFAULT_LR_SCHEDULE = COSINE  # issue 45: constant PROTOCOL_LR oscillates on small, label-skewed shares to the end
 
 # -- round time ----------------------------------------------------------------
 # The device's training speed is fedge.profiles.speed's model (per-microarchitecture efficiency x
@@ -162,7 +164,10 @@ class Plan:
     batch_size: int
     local_epochs: int
     lr: float
-    """SGD learning rate of local training (``[train] lr`` overrides it)."""
+    """SGD learning rate of local training, the first round's (``[train] lr`` overrides it)."""
+    lr_schedule: str
+    """How the learning rate changes round by round (:mod:`fedge.common.lrschedule`; ``[train] lr_schedule``
+    overrides it)."""
     min_tail: int
     """An epoch's last batch smaller than this joins the one before it (``[train] min_tail`` overrides it)."""
     samples: int
@@ -357,9 +362,18 @@ def _choose_generator(profile: Profile) -> tuple[str, str]:
 
 
 def _choose_lr(samples: int, batch: int) -> tuple[float, str]:
-    """The learning rate, and why (see :data:`DEFAULT_LR`)."""
-    return DEFAULT_LR, (f"{DEFAULT_LR:g}: half GeFL's {PROTOCOL_LR:g}, which oscillates on small, skewed shares "
-                        f"(issue 45: a device at 68 % ended at 20 %); the published protocols set lr = {PROTOCOL_LR:g}")
+    """The first round's learning rate, and why (see :data:`DEFAULT_LR`)."""
+    return DEFAULT_LR, (f"{DEFAULT_LR:g} in the first round (GeFL's {PROTOCOL_LR:g}), annealed by the schedule: "
+                        f"large steps while the model is far from any fit, small ones at the end")
+
+
+def _choose_lr_schedule(lr: float) -> tuple[str, str]:
+    """How the learning rate changes round by round, and why (see :data:`DEFAULT_LR_SCHEDULE`)."""
+    return DEFAULT_LR_SCHEDULE, (f"{DEFAULT_LR_SCHEDULE}: {lr:g} down to {COSINE_FLOOR * lr:g} by the run's last "
+                                 f"round; at a constant {PROTOCOL_LR:g} a device on a small, skewed share oscillates "
+                                 f"to the end (issue 45: one at 68 % ended at 20 %), and a constant "
+                                 f"{PROTOCOL_LR / 2:g} learns slower and still drops (docs/results.md); the "
+                                 f"published protocols set lr = {PROTOCOL_LR:g}, constant")
 
 
 def _choose_min_tail(samples: int, batch: int) -> tuple[int, str]:
@@ -399,6 +413,7 @@ def plan(profile: Profile, *, embed_dim: int = DEFAULT_EMBED_DIM, samples: int =
     upload, reasons["upload_precision"] = _choose_upload(profile, spec.num_params(), spec.name)
     generator, reasons["generator_tier"] = _choose_generator(profile)
     lr, reasons["lr"] = _choose_lr(samples, batch)
+    lr_schedule, reasons["lr_schedule"] = _choose_lr_schedule(lr)
     min_tail, reasons["min_tail"] = _choose_min_tail(samples, batch)
     return Plan(
         profile=profile.name,
@@ -411,6 +426,7 @@ def plan(profile: Profile, *, embed_dim: int = DEFAULT_EMBED_DIM, samples: int =
         batch_size=batch,
         local_epochs=epochs,
         lr=lr,
+        lr_schedule=lr_schedule,
         min_tail=min_tail,
         samples=samples,
         params=spec.num_params(),

@@ -123,7 +123,23 @@ class DeviceMethod(ABC):
         margin = ctx.train_cfg.divergence_margin
         # undoes a round that made the model clearly worse on the validation fold (fedge.edge.divergence)
         self.guard = DivergenceGuard(margin) if margin > 0 and ctx.val is not None and len(ctx.val.y) else None
+        self._lr_base: tuple[TrainConfig, TrainConfig] | None = None  # (unscheduled, as last scheduled)
         torch.manual_seed(ctx.seed)
+
+    def schedule(self, info: RoundInfo) -> float:
+        """Set ``ctx.train_cfg``'s learning rate to round ``info.round``'s under its ``lr_schedule``, over the
+        descriptor's ``rounds`` (the coordinator's total) or, when it says none, the device's own; returns it.
+
+        The unscheduled settings are kept beside: a ``train_cfg`` replaced since the last call (by a test, a
+        benchmark) becomes the new base."""
+        cur = self.ctx.train_cfg
+        base = self._lr_base[0] if self._lr_base is not None and cur is self._lr_base[1] else cur
+        self.ctx.train_cfg = base.at_round(info.round, info.rounds)
+        self._lr_base = (base, self.ctx.train_cfg)
+        if self.ctx.train_cfg.lr != base.lr:
+            log.debug("%s: round %d trains at lr %.4g (%s from %g over %d rounds)", self.ctx.device_id, info.round,
+                      self.ctx.train_cfg.lr, base.lr_schedule, base.lr, info.rounds or base.rounds)
+        return self.ctx.train_cfg.lr
 
     def data_changed(self) -> None:
         """``ctx.train`` / ``ctx.local_test`` were replaced (a device's own data folder grew between
