@@ -74,7 +74,7 @@ class WatchedRun:
 def run_watched(cfg: FleetConfig, broker: MosquittoProcess, state_dir: Path | None = None) -> WatchedRun:
     """The fleet over ``broker`` (devices in threads, heartbeats every 10 s), with a monitor and metrics."""
     devices, strat = build_fleet(cfg)
-    coord, _, stop = start_fleet(cfg, devices, broker.settings())
+    coord, agents, stop = start_fleet(cfg, devices, broker.settings())
     assert coord is not None
     try:
         ids = [i for i, _ in device_ids(cfg)]
@@ -89,18 +89,29 @@ def run_watched(cfg: FleetConfig, broker: MosquittoProcess, state_dir: Path | No
         monitor.run_id = engine.run_id
         reports = engine.run()
 
-        def settled() -> bool:
-            # the first heartbeats (1 s after each device started), and every device's "offline" (its service
-            # ends after the final round): stop() closes the coordinator's connection, and a status still on
-            # its way then never arrives (under load the tests' offline counts were one short)
-            statuses = coord.statuses()
-            return (all(d.health is not None for d in monitor.devices.values())
-                    and all(dev in statuses and not statuses[dev][0] for dev in infos))
-
-        deadline = time.time() + 15
-        while time.time() < deadline and not settled():
+        def settle(what: str, done: Callable[[], bool], limit_s: float = 60.0) -> None:
+            deadline = time.monotonic() + limit_s
+            while not done():
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"after {limit_s:.0f} s, still waiting for {what}: {coord.statuses()}")
+                monitor.tick()
+                time.sleep(0.1)
             monitor.tick()
-            time.sleep(0.2)
+
+        # the first heartbeats (1 s after each device started) ...
+        settle("every device's first heartbeat", lambda: all(d.health is not None for d in monitor.devices.values()))
+        # ... then each device leaves as `fedge edge` does once its service ends after the final round: its
+        # connection closes with a retained "offline". start_fleet's devices keep theirs open until stop(), which
+        # closes the coordinator's right after (a status still on its way then never arrived: under load the
+        # tests' offline counts were one short), so close them here and wait until the coordinator has them all.
+        for agent in agents:
+            agent.transport.close()
+
+        def offline() -> bool:
+            statuses = coord.statuses()
+            return all(dev in statuses and not statuses[dev][0] for dev in infos)
+
+        settle("every device's offline status", offline)
         return WatchedRun(engine, reports, monitor, metrics)
     finally:
         stop()

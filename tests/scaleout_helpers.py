@@ -35,6 +35,7 @@ class StatsDevice:
     transport: MqttDeviceTransport
     answered: list[int] = field(default_factory=list)
     delay: dict[int, float] = field(default_factory=dict)  # round -> seconds to wait before answering it
+    gate: threading.Event | None = None  # set: it may answer (a test orders its messages before the updates)
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
 
@@ -53,6 +54,9 @@ class StatsDevice:
             final = msg.info["round"]["phase"] == "final"
             if self.stop.wait(self.delay.get(msg.round, 0.0)):
                 return
+            while self.gate is not None and not self.gate.wait(0.1):
+                if self.stop.is_set():
+                    return
             if final:
                 data = Message("update", self.info.device_id, msg.round, FLEET,
                                info={"metrics": {"acc_global": 0.5}, "num_samples": self.info.num_samples}).to_bytes()
@@ -66,16 +70,17 @@ class StatsDevice:
 
 def start_devices(brokers: Callable[[DeviceInfo], BrokerSettings], ids: range,
                   delay: dict[str, dict[int, float]] | None = None,
-                  fleet_key: Ed25519PublicKey | None = None) -> list[StatsDevice]:
+                  fleet_key: Ed25519PublicKey | None = None, gate: threading.Event | None = None) -> list[StatsDevice]:
     """Devices ``d{i}`` for ``i`` in ``ids``, each on the broker ``brokers`` gives it (``delay``: device id ->
-    round -> seconds it waits before answering; ``fleet_key``: every device verifies signed state with it)."""
+    round -> seconds it waits before answering; ``fleet_key``: every device verifies signed state with it;
+    ``gate``: no device answers a round before it is set)."""
     out = []
     for i in ids:
         info = device(i)
         verifier = None if fleet_key is None else Verifier(fleet_key)
         tr = MqttDeviceTransport(brokers(info), FLEET, info.device_id, FAST, verifier=verifier).start()
         tr.send_hello(hello(info))
-        dev = StatsDevice(info, tr, delay=(delay or {}).get(info.device_id, {}))
+        dev = StatsDevice(info, tr, delay=(delay or {}).get(info.device_id, {}), gate=gate)
         dev.thread = threading.Thread(target=dev.run, daemon=True, name=f"dev-{info.device_id}")
         dev.thread.start()
         out.append(dev)

@@ -19,7 +19,7 @@ from scaleout_helpers import FAST, engine_config, root_engine, start_devices, st
 from fedge.common.messages import Message
 from fedge.common.signing import Signer
 from fedge.mqtt.broker import MosquittoProcess
-from fedge.mqtt.client import MqttClient
+from fedge.mqtt.client import MqttClient, Received
 from fedge.mqtt.topics import FleetTopics
 from fedge.scaleout.aggregator import PartialAggregator
 from fedge.scaleout.worker import AggregationWorker
@@ -69,8 +69,17 @@ def test_a_bad_partial_from_a_workers_account_is_refused_and_the_round_goes_on(m
                                settings=FAST).start()
     topics = FleetTopics(FLEET)
     rogue = MqttClient(mosquitto.settings(), "rogue").start()
-    devs = start_devices(lambda d: mosquitto.settings(), range(N))
-    sent = threading.Event()
+    sent, arrived = threading.Event(), threading.Event()
+    # the devices answer once the root has queued the forged partial: it is merged before the honest ones
+    on_partial = transport._on_partial
+
+    def spy(account: str, m: Received) -> None:
+        on_partial(account, m)
+        if account == "w9":
+            arrived.set()
+
+    transport._on_partial = spy  # type: ignore[method-assign]
+    devs = start_devices(lambda d: mosquitto.settings(), range(N), gate=arrived)
 
     # once round 1 is announced, a forged partial (NaN sums for d0) arrives on w9's topic before the honest ones
     def forge() -> None:
@@ -93,6 +102,7 @@ def test_a_bad_partial_from_a_workers_account_is_refused_and_the_round_goes_on(m
         reports = engine.run()
     finally:
         sent.set()
+        arrived.set()
         stop_devices(devs)
         worker.stop()
         rogue.stop()
