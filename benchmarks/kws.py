@@ -31,7 +31,13 @@ from benchmarks.common import REPO, RESULTS, cached_cell
 
 OUT = RESULTS / "kws"
 PROFILES = ("rpi-zero-2w", "rpi4-4gb", "jetson-nano", "x86-gateway")
-METHODS = ("fedavg", "local", "fedproto")
+METHODS = ("fedavg", "local", "fedproto", "geflf", "fedvtc")
+DEFAULT_SCHEDULE = (4, 2)  # rounds, local epochs: the first table's cells keep their plain names
+
+
+def schedule_tag(args: argparse.Namespace) -> str:
+    """The suffix of a cell's file and run folder: empty at the default schedule, ``-r12e2`` at 12 rounds x 2."""
+    return "" if (args.rounds, args.local_epochs) == DEFAULT_SCHEDULE else f"-r{args.rounds}e{args.local_epochs}"
 
 
 def fleet_table(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -51,19 +57,22 @@ def run_method(method: str, seed: int, args: argparse.Namespace) -> dict[str, An
     from fedge.sim.simulate import simulate
 
     cfg = parse_fleet(fleet_table(method, seed, args), source=str(REPO / "examples" / "kws-fleet.toml"))
-    out = args.work / f"{method}-{seed}"
+    out = args.work / f"{method}-{seed}{schedule_tag(args)}"
     t0 = time.perf_counter()
     r = build_results(simulate(cfg, out_dir=out))
     devices = [{k: d[k] for k in ("id", "profile", "arch", "num_train", "final_acc_global", "final_acc_local",
-                                  "shipped_acc_global")} for d in r["devices"]]
+                                  "shipped_acc_global", "acc_global", "plan")} for d in r["devices"]]
     return {"method": method, "seed": seed, "rounds": args.rounds, "local_epochs": args.local_epochs,
             "batch_size": args.batch_size,
             "seconds": round(time.perf_counter() - t0, 1), "summary": r["summary"], "devices": devices,
-            "run_dir": str(out)}
+            "tier_trades": r["tier_trades"], "run_dir": str(out)}
 
 
-def run_central(seed: int, arch: str, epochs: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The ceiling: ``arch`` trained on every device's training share pooled, ``epochs`` epochs."""
+def run_central(seed: int, arch: str, epochs: int, args: argparse.Namespace, *,
+                profiles: tuple[str, ...] = PROFILES) -> dict[str, Any]:
+    """The ceiling: ``arch`` trained on the training shares of the devices of ``profiles`` pooled (every device
+    by default), ``epochs`` epochs; accuracy on the unseen speakers every ``eval_every * local_epochs`` epochs
+    (the FedAvg run's evaluation points) and at the end."""
     import torch
 
     from fedge.common.families import family_arch
@@ -76,19 +85,32 @@ def run_central(seed: int, arch: str, epochs: int, args: argparse.Namespace) -> 
     cfg = parse_fleet(fleet_table("fedavg", seed, args))
     train = load_dataset("espeak_kws", train=True, data_dir=args.data_dir, seed=seed)
     test = load_dataset("espeak_kws", train=False, data_dir=args.data_dir, seed=seed)
-    pooled = np.sort(np.concatenate([s.train for s in fleet_splits(cfg, train.y)]))
+    owners = [p for p in PROFILES for _ in range(args.devices)]  # fleet_table's device order
+    splits = fleet_splits(cfg, train.y)
+    pooled = np.sort(np.concatenate([s.train for s, p in zip(splits, owners, strict=True) if p in profiles]))
     tier = arch.split("-")[1]
     net = build_family_net(family_arch("dscnn", tier, in_channels=1, input_size=(16_000,), num_classes=12,
                                        embed_dim=64), seed=seed)
-    tc = TrainConfig(lr=args.lr, batch_size=args.batch_size, local_epochs=epochs, momentum=0.9)
+    rng = np.random.default_rng(seed)
+    step = args.eval_every * args.local_epochs
+    curve: dict[int, float] = {}
     t0 = time.perf_counter()
-    train_epochs(net, train.x[pooled], train.y[pooled], tc, np.random.default_rng(seed))
-    net.eval()
-    with torch.no_grad():
-        pred = np.concatenate([net(torch.from_numpy(test.x[i : i + 256])).argmax(1).numpy()
-                               for i in range(0, len(test), 256)])
-    return {"seed": seed, "arch": arch, "epochs": epochs, "samples": len(pooled),
-            "acc_global": float((pred == test.y).mean()), "seconds": round(time.perf_counter() - t0, 1)}
+    done = 0
+    while done < epochs:
+        n = min(step, epochs - done)
+        tc = TrainConfig(lr=args.lr, batch_size=args.batch_size, local_epochs=n, momentum=0.9)
+        net.train()
+        train_epochs(net, train.x[pooled], train.y[pooled], tc, rng)
+        done += n
+        net.eval()
+        with torch.no_grad():
+            pred = np.concatenate([net(torch.from_numpy(test.x[i : i + 256])).argmax(1).numpy()
+                                   for i in range(0, len(test), 256)])
+        curve[done] = float((pred == test.y).mean())
+        print(f"  central {arch} on {'+'.join(profiles)}: epoch {done} acc {100 * curve[done]:.1f}", flush=True)
+    return {"seed": seed, "arch": arch, "epochs": epochs, "samples": len(pooled), "profiles": list(profiles),
+            "acc_global": curve[epochs], "curve": {str(k): v for k, v in curve.items()},
+            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def run_exports(cell: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -172,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--central", action="store_true", help="also train the ceiling (costs one method's time)")
+    ap.add_argument("--zero-diagnosis", action="store_true",
+                    help="central runs that explain the Pi Zero group: its tier on everyone's data, the largest "
+                         "tier and its own tier on the Zero devices' data only")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
@@ -184,47 +209,72 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     settings = {"rounds": args.rounds, "local_epochs": args.local_epochs, "batch_size": args.batch_size}
+    tag = schedule_tag(args)
     cells: dict[tuple[str, int], dict[str, Any]] = {}
     exports: dict[str, Any] = {"rows": []}
     tiers = ["xs", "s", "m", "l"]
+    epochs = args.rounds * args.local_epochs
     for seed in args.seeds:  # FedAvg, its exports, then the rest: the most telling figures first
         for method in args.methods:
             print(f"{method} seed {seed} ...", flush=True)
-            cells[(method, seed)] = cached_cell(OUT / f"{method}-{seed}.json", partial(run_method, method, seed, args),
+            cells[(method, seed)] = cached_cell(OUT / f"{method}-{seed}{tag}.json",
+                                                partial(run_method, method, seed, args),
                                                 force=args.force, expect=settings)
-            if method == "fedavg" and seed == args.seeds[0]:
+            if method == "fedavg" and seed == args.seeds[0] and not tag:  # exports: the first table's schedule
                 front = cached_cell(OUT / "frontend.json", partial(frontend_cell, args), force=args.force)
                 print(f"front end on one clip: ONNX graph {front['graph_ms']:.3f} ms, numpy {front['numpy_ms']:.3f} ms "
                       f"(max |diff| {front['max_abs_diff']:.2g})", flush=True)
                 exports = cached_cell(OUT / "exports.json", partial(export_cell, cells[(method, seed)], args),
                                       force=args.force, expect=settings)
-        if not args.central or ("fedavg", seed) not in cells:
+        if ("fedavg", seed) not in cells:
             continue
-        largest = max((d["arch"] for d in cells[("fedavg", seed)]["devices"]),
-                      key=lambda a: tiers.index(a.split("-")[1]))
-        epochs = args.rounds * args.local_epochs
-        print(f"central {largest} seed {seed} ...", flush=True)
-        cells[("central", seed)] = cached_cell(OUT / f"central-{seed}.json",
-                                               partial(run_central, seed, largest, epochs, args),
-                                               force=args.force, expect={"epochs": epochs})
+        archs = {d["profile"]: d["arch"] for d in cells[("fedavg", seed)]["devices"]}
+        largest = max(archs.values(), key=lambda a: tiers.index(a.split("-")[1]))
+        runs: list[tuple[str, str, tuple[str, ...]]] = []
+        if args.central:
+            runs.append(("central", largest, PROFILES))
+        if args.zero_diagnosis:
+            zero = archs["rpi-zero-2w"]
+            runs += [("central-zero-tier", zero, PROFILES), ("central-zero-data", largest, ("rpi-zero-2w",)),
+                     ("central-zero-both", zero, ("rpi-zero-2w",))]
+        for name, arch, profiles in runs:
+            print(f"{name} {arch} seed {seed} ...", flush=True)
+            cells[(name, seed)] = cached_cell(OUT / f"{name}-{seed}{tag}.json",
+                                              partial(run_central, seed, arch, epochs, args, profiles=profiles),
+                                              force=args.force, expect={"epochs": epochs})
     print(table(cells, exports["rows"], args))
     return 0
+
+
+def device_curve(cell: dict[str, Any]) -> str:
+    """Mean device accuracy on the unseen speakers at each evaluated round, and the Pi Zero group's, in %."""
+    devices = cell["devices"]
+    if not devices or "acc_global" not in devices[0]:
+        return ""
+    rounds = [i for i, a in enumerate(devices[0]["acc_global"]) if a is not None]
+    mean = [np.mean([d["acc_global"][i] for d in devices if d["acc_global"][i] is not None]) for i in rounds]
+    zero = [np.mean([d["acc_global"][i] for d in devices if d["profile"] == "rpi-zero-2w"
+                     and d["acc_global"][i] is not None] or [np.nan]) for i in rounds]
+    return (", ".join(f"{100 * m:.1f}" for m in mean) + " (Zero group: " +
+            ", ".join(f"{100 * z:.1f}" for z in zero) + ")")
 
 
 def table(cells: dict[tuple[str, int], dict[str, Any]], exports: list[dict[str, Any]],
           args: argparse.Namespace) -> str:
     lines = [f"keyword spotting, espeak-ng set, {4 * args.devices} devices by speaker, {args.rounds} rounds x "
              f"{args.local_epochs} epoch(s); accuracy % on unseen speakers",
-             "| method | seed | mean device acc (global test) | min device | mean local acc | s |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| method | seed | mean device acc (global test) | min device | mean local acc | s | "
+             "curve (mean device / central, every eval) |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for (method, seed), c in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if method == "central":
-            lines.append(f"| central ({c['arch']}, ceiling) | {seed} | {100 * c['acc_global']:.1f} | | | "
-                         f"{c['seconds']:.0f} |")
+        if method.startswith("central"):
+            curve = ", ".join(f"{100 * v:.1f}" for v in c.get("curve", {}).values())
+            lines.append(f"| {method} ({c['arch']} on {'+'.join(c.get('profiles', PROFILES))}: {c['samples']} clips)"
+                         f" | {seed} | {100 * c['acc_global']:.1f} | | | {c['seconds']:.0f} | {curve} |")
             continue
         accs = [d["final_acc_global"] for d in c["devices"]]
         lines.append(f"| {method} | {seed} | {100 * np.mean(accs):.1f} | {100 * min(accs):.1f} | "
-                     f"{100 * c['summary']['mean_final_acc_local']:.1f} | {c['seconds']:.0f} |")
+                     f"{100 * c['summary']['mean_final_acc_local']:.1f} | {c['seconds']:.0f} | {device_curve(c)} |")
     lines += ["", "| export | quant | model.onnx | accuracy % | latency ms (batch 1, 1 thread) |",
               "|---|---|---:|---:|---:|"]
     for r in exports:
