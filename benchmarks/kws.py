@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -51,12 +52,16 @@ def fleet_table(method: str, seed: int, args: argparse.Namespace) -> dict[str, A
     }
 
 
-def run_method(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+FleetTable = Callable[[str, int, argparse.Namespace], dict[str, Any]]
+
+
+def run_method(method: str, seed: int, args: argparse.Namespace, table: FleetTable = fleet_table) -> dict[str, Any]:
+    """One ``fedge simulate`` of the fleet ``table`` builds for ``method``: its summary and each device's row."""
     from fedge.fleet.config import parse_fleet
     from fedge.sim.report import build_results
     from fedge.sim.simulate import simulate
 
-    cfg = parse_fleet(fleet_table(method, seed, args), source=str(REPO / "examples" / "kws-fleet.toml"))
+    cfg = parse_fleet(table(method, seed, args), source=str(REPO / "examples" / "kws-fleet.toml"))
     out = args.work / f"{method}-{seed}{schedule_tag(args)}"
     t0 = time.perf_counter()
     r = build_results(simulate(cfg, out_dir=out))
@@ -69,28 +74,27 @@ def run_method(method: str, seed: int, args: argparse.Namespace) -> dict[str, An
 
 
 def run_central(seed: int, arch: str, epochs: int, args: argparse.Namespace, *,
-                profiles: tuple[str, ...] = PROFILES) -> dict[str, Any]:
+                profiles: tuple[str, ...] | None = None, table: FleetTable = fleet_table) -> dict[str, Any]:
     """The ceiling: ``arch`` trained on the training shares of the devices of ``profiles`` pooled (every device
-    by default), ``epochs`` epochs; accuracy on the unseen speakers every ``eval_every * local_epochs`` epochs
-    (the FedAvg run's evaluation points) and at the end."""
+    by default), ``epochs`` epochs; accuracy on the test set (unseen speakers / subjects) every
+    ``eval_every * local_epochs`` epochs (the federated run's evaluation points) and at the end."""
     import torch
 
-    from fedge.common.families import family_arch
     from fedge.edge.data.datasets import load_dataset
     from fedge.edge.models.families import build_family_net
     from fedge.edge.training import TrainConfig, train_epochs
     from fedge.fleet.config import parse_fleet
-    from fedge.fleet.slots import fleet_splits
+    from fedge.fleet.slots import family_spec, fleet_splits
 
-    cfg = parse_fleet(fleet_table("fedavg", seed, args))
-    train = load_dataset("espeak_kws", train=True, data_dir=args.data_dir, seed=seed)
-    test = load_dataset("espeak_kws", train=False, data_dir=args.data_dir, seed=seed)
-    owners = [p for p in PROFILES for _ in range(args.devices)]  # fleet_table's device order
+    cfg = parse_fleet(table("fedavg", seed, args))
+    dataset, data_dir = cfg.run.dataset, cfg.run.data_dir
+    train = load_dataset(dataset, train=True, data_dir=data_dir, seed=seed)
+    test = load_dataset(dataset, train=False, data_dir=data_dir, seed=seed)
+    owners = [d.profile for d in cfg.devices for _ in range(d.count)]  # one per device, in the fleet's order
+    profiles = tuple(dict.fromkeys(owners)) if profiles is None else profiles
     splits = fleet_splits(cfg, train.y)
     pooled = np.sort(np.concatenate([s.train for s, p in zip(splits, owners, strict=True) if p in profiles]))
-    tier = arch.split("-")[1]
-    net = build_family_net(family_arch("dscnn", tier, in_channels=1, input_size=(16_000,), num_classes=12,
-                                       embed_dim=64), seed=seed)
+    net = build_family_net(family_spec(cfg, arch.split("-")[1]), seed=seed)
     rng = np.random.default_rng(seed)
     step = args.eval_every * args.local_epochs
     curve: dict[int, float] = {}
@@ -176,6 +180,68 @@ def frontend_cell(args: argparse.Namespace) -> dict[str, Any]:
             "max_abs_diff": float(np.abs(graph - ref).max())}
 
 
+def latency_cell(args: argparse.Namespace) -> dict[str, Any]:
+    """Per clip, for each DS-CNN tier the planner gives a KWS fleet (xs, l): the speed model's forward-pass time on
+    every built-in profile (forward MACs ÷ the model's MAC rate at batch 1, on one core and on all cores) beside
+    the time measured here (ONNX Runtime, one thread, batch 1, the exported graph with its front end), and the
+    speed model of this machine (one core at its clock, the x86 fallback microarchitecture) for the check."""
+    import io
+
+    import onnxruntime as ort
+    import torch
+
+    from fedge.edge.data.datasets import load_dataset
+    from fedge.edge.models.families import build_family_net
+    from fedge.export.verify import median_ms
+    from fedge.fleet.config import parse_fleet
+    from fedge.fleet.slots import family_spec
+    from fedge.profiles.loader import builtin_dir, load_profile
+    from fedge.profiles.speed import SpeedModel, speed_model
+    from fedge.profiles.uarch import uarch_of
+
+    cfg = parse_fleet(fleet_table("fedavg", 0, args))
+    clip = load_dataset("espeak_kws", train=False, data_dir=args.data_dir).x[:1]
+    mhz = [float(line.split(":")[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
+           if line.startswith("cpu MHz")]
+    uarch, found = uarch_of("x86_64", "this host")
+    host = SpeedModel("this host", 1, mhz[0] / 1000 if mhz else 2.5, uarch, found)
+    rows = []
+    for tier in ("xs", "l"):
+        spec = family_spec(cfg, tier)
+        buf = io.BytesIO()
+        torch.onnx.export(build_family_net(spec, seed=0).eval(), (torch.from_numpy(clip),), buf,  # type: ignore[arg-type]
+                          dynamo=False, opset_version=17, input_names=["audio"], output_names=["logits"])
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        sess = ort.InferenceSession(buf.getvalue(), opts, providers=["CPUExecutionProvider"])
+        measured = median_ms(partial(sess.run, None, {"audio": clip}), runs=300)
+        macs = spec.macs()
+        predicted = {}
+        for path in sorted(builtin_dir().glob("*.toml")):
+            m = speed_model(load_profile(path.stem))
+            rate = m.mac_rate(spec, 1)
+            predicted[path.stem] = {"one_core_ms": 1e3 * macs * m.cores / rate, "all_cores_ms": 1e3 * macs / rate,
+                                    "cores": m.cores}
+        rows.append({"arch": spec.name, "macs": macs, "measured_ms_here": measured,
+                     "predicted_here_ms": 1e3 * macs / host.mac_rate(spec, 1), "predicted": predicted})
+    return {"rows": rows, "host": host.describe()}
+
+
+def latency_table(cell: dict[str, Any]) -> str:
+    lines = ["| profile | " + " | ".join(f"{r['arch']} 1 core / all cores (ms)" for r in cell["rows"]) + " |",
+             "|---|" + "---:|" * len(cell["rows"])]
+    for prof in cell["rows"][0]["predicted"]:
+        lines.append(f"| {prof} (speed model) | " + " | ".join(
+            f"{r['predicted'][prof]['one_core_ms']:.2f} / {r['predicted'][prof]['all_cores_ms']:.2f}"
+            for r in cell["rows"]) + " |")
+    lines.append("| this machine (speed model, 1 core) | " + " | ".join(
+        f"{r['predicted_here_ms']:.2f}" for r in cell["rows"]) + " |")
+    lines.append("| this machine (measured, ONNX Runtime, 1 thread) | " + " | ".join(
+        f"{r['measured_ms_here']:.2f}" for r in cell["rows"]) + " |")
+    lines.append("forward MACs per clip: " + ", ".join(f"{r['arch']} {r['macs']:,}" for r in cell["rows"]))
+    return "\n".join(lines)
+
+
 def export_cell(cell: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": run_exports(cell, args), "rounds": args.rounds, "local_epochs": args.local_epochs,
             "batch_size": args.batch_size}
@@ -197,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zero-diagnosis", action="store_true",
                     help="central runs that explain the Pi Zero group: its tier on everyone's data, the largest "
                          "tier and its own tier on the Zero devices' data only")
+    ap.add_argument("--latency", action="store_true",
+                    help="only the per-clip latency table: the speed model per built-in profile, measured here")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
@@ -208,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.latency:
+        print(latency_table(cached_cell(OUT / "latency.json", partial(latency_cell, args), force=args.force)))
+        return 0
     settings = {"rounds": args.rounds, "local_epochs": args.local_epochs, "batch_size": args.batch_size}
     tag = schedule_tag(args)
     cells: dict[tuple[str, int], dict[str, Any]] = {}
@@ -230,12 +301,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         archs = {d["profile"]: d["arch"] for d in cells[("fedavg", seed)]["devices"]}
         largest = max(archs.values(), key=lambda a: tiers.index(a.split("-")[1]))
-        runs: list[tuple[str, str, tuple[str, ...]]] = []
+        runs: list[tuple[str, str, tuple[str, ...] | None]] = []
         if args.central:
-            runs.append(("central", largest, PROFILES))
+            runs.append(("central", largest, None))
         if args.zero_diagnosis:
             zero = archs["rpi-zero-2w"]
-            runs += [("central-zero-tier", zero, PROFILES), ("central-zero-data", largest, ("rpi-zero-2w",)),
+            runs += [("central-zero-tier", zero, None), ("central-zero-data", largest, ("rpi-zero-2w",)),
                      ("central-zero-both", zero, ("rpi-zero-2w",))]
         for name, arch, profiles in runs:
             print(f"{name} {arch} seed {seed} ...", flush=True)
