@@ -37,8 +37,11 @@ DEFAULT_SCHEDULE = (4, 2)  # rounds, local epochs: the first table's cells keep 
 
 
 def schedule_tag(args: argparse.Namespace) -> str:
-    """The suffix of a cell's file and run folder: empty at the default schedule, ``-r12e2`` at 12 rounds x 2."""
-    return "" if (args.rounds, args.local_epochs) == DEFAULT_SCHEDULE else f"-r{args.rounds}e{args.local_epochs}"
+    """The suffix of a cell's file and run folder: empty at the default schedule and fleet (8 devices), ``-r12e2``
+    at 12 rounds x 2, ``-n20`` with 5 devices per profile."""
+    fleet = "" if args.devices == 2 else f"-n{4 * args.devices}"
+    default = (args.rounds, args.local_epochs) == DEFAULT_SCHEDULE
+    return fleet + ("" if default else f"-r{args.rounds}e{args.local_epochs}")
 
 
 def fleet_table(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import REPO, RESULTS, cached_cell
-from benchmarks.kws import PROFILES, run_central, run_method, schedule_tag
+from benchmarks.kws import PROFILES, run_central, run_method
 
 OUT = RESULTS / "sensors"
 METHODS = ("fedavg", "lgfedavg", "fedproto", "local")
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     settings = {"rounds": args.rounds, "local_epochs": args.local_epochs, "batch_size": args.batch_size}
-    tag = f"-n{4 * args.devices}{schedule_tag(args) or '-r4e2'}"
+    tag = f"-n{4 * args.devices}-r{args.rounds}e{args.local_epochs}"
     cells: dict[tuple[str, int], dict[str, Any]] = {}
     for seed in args.seeds:
         for method in args.methods:
