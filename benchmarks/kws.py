@@ -52,7 +52,16 @@ def fleet_table(method: str, seed: int, args: argparse.Namespace) -> dict[str, A
         "partition": {"kind": "group", "local_test_fraction": 0.2},
         "train": {"lr": args.lr, "momentum": 0.9, "local_epochs": args.local_epochs, "batch_size": args.batch_size},
         "devices": [{"profile": p, "count": args.devices} for p in PROFILES],
+        **({"method": geflf_phases(args.rounds)} if method == "geflf" else {}),
     }
+
+
+def geflf_phases(rounds: int) -> dict[str, int]:
+    """GeFL-F's phases scaled to ``rounds`` (published: 20 warm-up + 100 generator + 50 head of 170): a third each
+    for warm-up and generator rounds, the rest head rounds."""
+    if rounds < 3:
+        raise SystemExit(f"geflf needs at least 3 rounds (warm-up, generator, head), not {rounds}")
+    return {"warmup_rounds": rounds // 3, "gen_rounds": rounds // 3}
 
 
 FleetTable = Callable[[str, int, argparse.Namespace], dict[str, Any]]
