@@ -38,7 +38,7 @@ from benchmarks.common import REPO, RESULTS, cached_cell
 
 OUT = RESULTS / "kws"
 PROFILES = ("rpi-zero-2w", "rpi4-4gb", "jetson-nano", "x86-gateway")
-METHODS = ("fedavg", "local", "fedproto", "geflf", "fedvtc")
+METHODS = ("fedavg", "local", "fedproto", "lgfedavg", "geflf", "fedvtc")
 DEFAULT_SCHEDULE = (4, 2)  # rounds, local epochs: the first table's cells keep their plain names
 
 
