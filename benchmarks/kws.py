@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", type=Path, default=REPO / "runs" / "espeak-kws")
     ap.add_argument("--work", type=Path, default=REPO / "runs" / "kws-bench")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=["fedavg", "local", "fedproto"], choices=METHODS,
+                    help="default: the first table's three")
     ap.add_argument("--central", action="store_true", help="also train the ceiling (costs one method's time)")
     ap.add_argument("--zero-diagnosis", action="store_true",
                     help="central runs that explain the Pi Zero group: its tier on everyone's data, the largest "
