@@ -9,6 +9,8 @@ Each method is one ``fedge simulate`` in process, one cell of JSON (resumable); 
 the largest tier the FedAvg fleet uses, trained on the pooled training shares for as many epochs.
 
     python -m benchmarks.sensors --seeds 0 1 --central
+    python -m benchmarks.sensors --seeds 0 1 --devices 5 --central        # 20 devices: cells *-n20-r10e2
+    python -m benchmarks.sensors --seeds 0 --devices 5 --rounds 20 --eval-every 4 --methods fedavg --central
 
 Results: ``benchmarks/results/sensors/*.json``, a table on stdout, the figures in docs/sensors.md.
 """
