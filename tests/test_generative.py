@@ -8,7 +8,7 @@ import torch
 from fleet_helpers import capture_uploads
 from generative_helpers import skewed_fleet
 
-from fedge.common.generators import GeneratorSpec
+from fedge.common.generators import GeneratorSpec, generatable
 from fedge.common.rounds import (
     EXTRACTOR_ARTIFACT,
     GENERATOR_PREFIX,
@@ -43,6 +43,14 @@ def test_spec_shapes_match_torch_modules(kind: str, tier: str, level: str) -> No
         out = gen.sample(torch.tensor([0, 3, 9]), torch.Generator().manual_seed(0))
         assert tuple(out.shape) == (3, *SHAPES[level])
         assert bool(torch.isfinite(out).all())
+
+
+def test_only_square_power_of_two_shapes_are_generatable() -> None:
+    assert generatable((1, 32, 32)) and generatable((3, 16, 16)) and generatable((16, 8, 8))
+    for shape in ((32, 25, 5), (3, 16, 8), (3, 12, 12), (3, 4, 4), (0, 16, 16), (16, 64), (1, 1, 16, 16)):
+        assert not generatable(shape), shape
+    with pytest.raises(ConfigError, match="generator output \\(32, 25, 5\\) is not \\(C, S, S\\)"):
+        GeneratorSpec("cvae", (32, 25, 5))
 
 
 def test_paper_tier_has_the_published_sizes() -> None:

@@ -116,6 +116,11 @@ def test_refusals_at_load_name_the_fix(espeak_kws: Path) -> None:
                      "devices": [{"profile": "rpi4-4gb", "count": 2}]})
     with pytest.raises(DataError, match="speech_commands needs \\[run\\] data_dir"):
         load_labels("speech_commands", train=True)
+    # GeFL-F's feature generator needs a (C, S, S) stem; the DS-CNN's is (32, 25, 5): refused when the fleet is
+    # planned, before any device is built or trains (not by the generator on the first device)
+    with pytest.raises(ConfigError, match="feature generator imitates a \\(C, H, W\\) stem output with H = W") as err:
+        device_slots(kws_fleet(espeak_kws, method="geflf"))
+    assert "(32, 25, 5)" in str(err.value) and "fedavg, lgfedavg or fedproto" in (err.value.hint or "")
 
 
 @pytest.mark.slow

@@ -88,6 +88,11 @@ def _log2(n: int) -> int:
     return k if n > 0 and 1 << k == n else -1
 
 
+def generatable(shape: tuple[int, ...]) -> bool:
+    """Whether a generator can produce samples of ``shape``: (C, S, S) with S a power of two >= 8."""
+    return len(shape) == 3 and shape[0] >= 1 and shape[1] == shape[2] and _log2(shape[1]) >= 3
+
+
 class _ShapeBook:
     """State-dict shapes as torch's layers name them, written layer by layer (the specs' ``param_shapes``)."""
 
@@ -141,8 +146,8 @@ class GeneratorSpec:
             raise ConfigError(f"unknown generator kind {self.kind!r}", hint=f"use one of {', '.join(GENERATOR_KINDS)}")
         if self.tier not in GENERATOR_TIERS:
             raise ConfigError(f"unknown generator tier {self.tier!r}", hint=f"use one of {', '.join(GENERATOR_TIERS)}")
-        c, h, w = self.out_shape
-        if h != w or _log2(h) < 3 or c < 1:
+        h = self.out_shape[1]
+        if not generatable(self.out_shape):
             raise ConfigError(
                 f"generator output {self.out_shape} is not (C, S, S) with S a power of two >= 8",
                 hint="generate 1x32x32 images or the 3x16x16 extractor output",

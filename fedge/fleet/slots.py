@@ -23,6 +23,7 @@ import numpy as np
 from fedge.common.archs import arch_by_name
 from fedge.common.catalog import CLASS_NAMES
 from fedge.common.families import GEFL_FAMILY, FamilyArch, ModelSpec, family_arch, family_tiers
+from fedge.common.generators import generatable
 from fedge.common.rounds import DeviceInfo
 from fedge.edge.data.datasets import load_groups, load_labels
 from fedge.edge.data.partition import (
@@ -166,10 +167,10 @@ def check_family_fits_method(cfg: FleetConfig, specs: dict[str, ModelSpec]) -> N
             spec.image_size  # noqa: B018  (raises, naming the fix, for an input that is not a square image)
     shares_stem = cfg.run.method in ("lgfedavg", "geflf") or level == "feature"
     stems = {t: s.stem_shape for t, s in specs.items()}
-    if level == "feature" and any(len(s) != 3 for s in stems.values()):
+    if level == "feature" and not all(generatable(s) for s in stems.values()):
         raise ConfigError(f"{cfg.source}: method {cfg.run.method}'s feature generator imitates a (C, H, W) stem "
-                          f"output, but family {cfg.model.family!r}'s stem gives {stems}",
-                          hint="use fedavg, lgfedavg or fedproto with a 1-D family")
+                          f"output with H = W a power of two >= 8, but family {cfg.model.family!r}'s stem gives "
+                          f"{stems}", hint=f"use fedavg, lgfedavg or fedproto with family {cfg.model.family!r}")
     if shares_stem and len(set(stems.values())) > 1:
         raise ConfigError(f"{cfg.source}: method {cfg.run.method} shares the stem (extractor) across the fleet, but "
                           f"family {cfg.model.family!r}'s stem output differs across tiers: {stems}",
